@@ -1,0 +1,78 @@
+"""Peak memory and run time of one callable, measured the same way for every engine.
+
+- process level: peak resident set size (RSS) increase sampled by
+  ``memory_profiler.memory_usage`` (as BackPACK's "Saving memory in convolutions"
+  example does), in MiB;
+- allocator level: on CUDA ``torch.cuda.max_memory_allocated``; on the CPU the
+  PyTorch profiler's allocation events (every allocation and free of the c10 CPU
+  allocator, kernels' own temporaries included), replayed in time order; in MiB;
+- time: median of repeated calls after a warm-up, in seconds.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+
+MiB = 2**20
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_rss_increase(fn, interval: float = 0.002) -> tuple[float, object]:
+    """Peak RSS increase (MiB) while ``fn()`` runs, and its return value.
+
+    Raises:
+        ImportError: if ``memory_profiler`` is not installed.
+    """
+    from memory_profiler import memory_usage
+
+    gc.collect()
+    baseline = memory_usage(-1, interval=interval, timeout=interval * 5, max_usage=True)
+    peak, value = memory_usage((fn, (), {}), interval=interval, max_usage=True, retval=True)
+    return float(peak) - float(baseline), value
+
+
+def peak_allocated(fn, device: torch.device) -> tuple[float, object]:
+    """Allocator-level peak increase (MiB) while ``fn()`` runs, and its return value."""
+    gc.collect()
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        value = fn()
+        _sync(device)
+        return (torch.cuda.max_memory_allocated(device) - start) / MiB, value
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        value = fn()
+    events = [
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
+    live = peak = 0
+    for _, nbytes in sorted(events):
+        live += nbytes
+        peak = max(peak, live)
+    return peak / MiB, value
+
+
+def median_time(fn, repeats: int, device: torch.device) -> float:
+    """Median wall time (s) of ``repeats`` calls of ``fn()`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

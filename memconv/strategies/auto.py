@@ -1,0 +1,85 @@
+"""``"auto"``: per layer, the fastest strategy whose predicted memory fits a budget.
+
+The candidates are tried in order of measured speed (:data:`SPEED_ORDER`, from
+``memconv bench`` on a 2-core CPU); the first whose cost model predicts extra
+memory within ``memory_budget`` bytes runs. When none fits, ``"streaming"`` runs
+with a tile chosen to fit the budget. Without a budget the fastest runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import Tensor
+
+from .._geometry import ConvGeometry
+from . import get_strategy, register_strategy
+
+#: Non-tiling strategies, fastest first.
+SPEED_ORDER = ("shift", "unfold", "rochette", "standard")
+
+
+def choose_strategy(geom: ConvGeometry, n, size, itemsize, per_sample, budget) -> str:
+    """Name of the strategy ``"auto"`` runs for this layer and batch.
+
+    Args:
+        geom: the geometry.
+        n: batch size N.
+        size: normal-form input spatial size.
+        itemsize: bytes per element.
+        per_sample: whether per-sample gradients are computed.
+        budget: bytes, or None for no limit.
+
+    Returns:
+        A name from :data:`SPEED_ORDER`, or ``"streaming"``.
+    """
+    for name in SPEED_ORDER:
+        cost = get_strategy(name).extra_memory(geom, n, size, itemsize, per_sample, None)
+        if budget is None or cost <= budget:
+            return name
+    return "streaming"
+
+
+def _streaming_settings(settings):
+    if settings is None:
+        return None
+    return replace(settings, strategy="streaming", tile_size=None)
+
+
+def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -> int:
+    budget = settings.memory_budget if settings is not None else None
+    name = choose_strategy(geom, n, size, itemsize, per_sample, budget)
+    if name == "streaming":
+        settings = _streaming_settings(settings)
+    return get_strategy(name).extra_memory(geom, n, size, itemsize, per_sample, settings)
+
+
+@register_strategy("auto", extra_memory=_extra_memory)
+def auto_vjp(
+    x: Tensor,
+    g: Tensor,
+    geom: ConvGeometry,
+    *,
+    per_sample: bool,
+    settings=None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Weight VJP by the fastest strategy that fits ``settings.memory_budget``.
+
+    Args:
+        x: normal-form input ``[N, C_in, *S]``.
+        g: output gradient ``[N, C_out, *T]``.
+        geom: the convolution's geometry.
+        per_sample: return ``[N, C_out, C_in/G, *k]`` if True, else the sum over N.
+        settings: :class:`memconv.context.Settings`; ``memory_budget`` (bytes) is read.
+        out: optional tensor of the result's shape to accumulate into.
+
+    Returns:
+        The weight gradient.
+    """
+    budget = settings.memory_budget if settings is not None else None
+    n, size = x.shape[0], tuple(x.shape[2:])
+    name = choose_strategy(geom, n, size, x.element_size(), per_sample, budget)
+    if name == "streaming":
+        settings = _streaming_settings(settings)
+    return get_strategy(name).vjp(x, g, geom, per_sample=per_sample, settings=settings, out=out)
