@@ -58,6 +58,9 @@ def weight_grad(
     Returns:
         The weight gradient.
     """
+    if x.shape[0] == 0:  # an empty batch has a zero gradient
+        shape = (0, *geom.weight_shape) if per_sample else geom.weight_shape
+        return x.new_zeros(shape)
     return get_strategy(settings.strategy).vjp(x, g, geom, per_sample=per_sample, settings=settings)
 
 

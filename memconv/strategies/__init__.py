@@ -144,5 +144,13 @@ def result_numel(geom: ConvGeometry, n: int, per_sample: bool) -> int:
     return w * n if per_sample else w
 
 
-# Registration happens on import; the order is the order users see.
-from . import auto, rochette, shift, standard, streaming, unfold  # noqa: E402,F401
+# Registration happens on import; this order is the order users see.
+# isort: off
+from . import standard  # noqa: E402,F401
+from . import rochette  # noqa: E402,F401
+from . import unfold  # noqa: E402,F401
+from . import shift  # noqa: E402,F401
+from . import streaming  # noqa: E402,F401
+from . import auto  # noqa: E402,F401
+
+# isort: on
