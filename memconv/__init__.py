@@ -33,3 +33,5 @@ __all__ = [
     "strategies",
     "weight_vjp",
 ]
+
+from . import integrations  # noqa: E402,F401  (registers the integrations' listeners)

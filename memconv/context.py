@@ -41,9 +41,38 @@ _SETTINGS: contextvars.ContextVar[Settings] = contextvars.ContextVar(
     "memconv_settings",
     default=Settings(),  # noqa: B039 (frozen dataclass)
 )
+_DEFAULT_SETTINGS = _SETTINGS.get()
 _PER_SAMPLE: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "memconv_per_sample", default=False
 )
+
+
+#: Integrations (e.g. BackPACK's) that follow the blocks; see :func:`add_listener`.
+_LISTENERS: list = []
+
+
+def add_listener(listener) -> None:
+    """Let an integration follow :class:`save_memory` blocks and convolution backwards.
+
+    The core never imports its integrations; they register here instead. The
+    listener may define ``block_entered(settings)``, ``block_exited()`` and
+    ``conv_backward()`` (called at the start of an extended module's backward).
+    """
+    if listener not in _LISTENERS:
+        _LISTENERS.append(listener)
+
+
+def notify(event: str, *args) -> None:
+    """Call ``event`` on every listener that defines it."""
+    for listener in _LISTENERS:
+        method = getattr(listener, event, None)
+        if method is not None:
+            method(*args)
+
+
+def explicit_block() -> bool:
+    """Whether a :class:`save_memory` block is active in this thread/task."""
+    return _SETTINGS.get() is not _DEFAULT_SETTINGS
 
 
 def strategies() -> tuple[str, ...]:
@@ -174,19 +203,26 @@ class save_memory(contextlib.ContextDecorator):
         """The settings this block activates."""
         return self._settings
 
+    @classmethod
+    def from_settings(cls, settings: Settings) -> save_memory:
+        """A block that activates already validated :class:`Settings`."""
+        block = object.__new__(cls)
+        block._settings = settings
+        block._tokens = []
+        return block
+
     def _recreate_cm(self):
         # A fresh object per decorated call: tokens never cross threads or tasks.
-        clone = object.__new__(type(self))
-        clone._settings = self._settings
-        clone._tokens = []
-        return clone
+        return self.from_settings(self._settings)
 
     def __enter__(self):
         self._tokens.append(_SETTINGS.set(self._settings))
+        notify("block_entered", self._settings)
         return self
 
     def __exit__(self, *exc):
         _SETTINGS.reset(self._tokens.pop())
+        notify("block_exited")
         return False
 
 

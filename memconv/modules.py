@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ._geometry import ConvGeometry, check_input, conv_function, conv_spec, input_vjp
-from .context import _SETTINGS, current_settings, per_sample_enabled
+from .context import current_settings, explicit_block, notify, per_sample_enabled
 from .vjp import bias_grad, check_settings, weight_grad
 
 
@@ -39,7 +39,7 @@ class _ConvFunction(torch.autograd.Function):
         # Settings as seen now, for backward passes run on another thread (CUDA's
         # autograd device threads do not see this thread's context variables).
         ctx.thread = threading.get_ident()
-        ctx.forward_settings = (current_settings(), per_sample_enabled(), _explicit())
+        ctx.forward_settings = (current_settings(), per_sample_enabled(), explicit_block())
         ctx.save_for_backward(x, weight)
         return conv_function(geom.dims)(
             x, weight, bias, geom.stride, geom.padding, geom.dilation, geom.groups
@@ -51,9 +51,15 @@ class _ConvFunction(torch.autograd.Function):
         geom = ctx.geom
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.thread == threading.get_ident():
-            settings, per_sample, explicit = current_settings(), per_sample_enabled(), _explicit()
+            settings, per_sample, explicit = (
+                current_settings(),
+                per_sample_enabled(),
+                explicit_block(),
+            )
         else:
             settings, per_sample, explicit = ctx.forward_settings
+        if explicit:
+            notify("conv_backward")
         grad_x = input_vjp(x, weight, g, geom) if need_x else None
         grad_w = grad_b = None
         if per_sample and (need_w or need_b):
@@ -74,14 +80,6 @@ class _ConvFunction(torch.autograd.Function):
             if need_b:
                 grad_b = bias_grad(g, per_sample=False)
         return grad_x, grad_w, grad_b, None, None
-
-
-def _explicit() -> bool:
-    """Whether a :class:`memconv.save_memory` block is active."""
-    return _SETTINGS.get() is not _SETTINGS_DEFAULT
-
-
-_SETTINGS_DEFAULT = _SETTINGS.get()
 
 
 def _torch_weight_grad(x: Tensor, weight: Tensor, g: Tensor, geom: ConvGeometry) -> Tensor:

@@ -1,0 +1,182 @@
+"""BackPACK integration: first-order extensions on convolutions through memconv.
+
+Under ``with memconv.save_memory(STRATEGY), backpack(EXT):`` the convolution weight
+VJPs of BackPACK's ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` and
+``Variance`` run through memconv's strategies, on ``torch.nn.Conv1d/2d/3d`` and on
+``memconv.Conv1d/2d/3d``. memconv hooks in through BackPACK's public API only:
+``BackpropExtension.set_module_extension(module_cls, extension, overwrite=True)``
+on the active extension objects, with module extensions that subclass BackPACK's
+``FirstOrderModuleExtension``.
+
+When this happens:
+
+- ``memconv.Conv*d``: at the start of their backward pass (always);
+- ``torch.nn.Conv*d``: when the forward pass ran inside a ``save_memory`` block (a
+  global forward hook, registered while a block is open, puts a hook on each
+  layer's output that fires before BackPACK's hooks of that layer and of the
+  layers below it), or when the extension was already active when the block was
+  entered. For a forward pass outside the block, convert the model with
+  :func:`memconv.convert` or call :func:`install` on the extension object;
+- explicitly: :func:`install`.
+
+When the last block closes, the global hook is removed and every extension object
+memconv touched gets BackPACK's own module extensions back. A BackPACK extension
+memconv does not cover (second-order ones) keeps BackPACK's behaviour; a warning
+naming it is issued once.
+
+This module does not import BackPACK; :mod:`.extensions` does, when first needed.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+import weakref
+
+import torch
+
+from ... import context
+from ..._geometry import CONV_TYPES
+
+#: BackPACK extensions whose convolution quantities memconv computes.
+COVERED = ("BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance")
+
+_lock = threading.RLock()
+_depth = 0
+_hook = None
+_installed: weakref.WeakSet = weakref.WeakSet()
+_warned: set[str] = set()
+
+
+def _loaded() -> bool:
+    return "backpack" in sys.modules
+
+
+def _kind(ext) -> str | None:
+    from backpack import extensions
+
+    for name in COVERED:
+        if isinstance(ext, getattr(extensions, name)):
+            return name
+    return None
+
+
+def install(ext) -> None:
+    """Route the convolution module extensions of a BackPACK extension through memconv.
+
+    Args:
+        ext: a BackPACK extension object (e.g. ``backpack.extensions.BatchGrad()``).
+            For an extension memconv does not cover, nothing changes and a warning
+            naming it is issued (once per extension class).
+
+    The strategy is the one active when the backward pass runs
+    (``"standard"``, BackPACK's own algorithm, outside any block).
+    """
+    kind = _kind(ext)
+    if kind is None:
+        name = type(ext).__name__
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"memconv does not cover the BackPACK extension {name}; its convolution "
+                "quantities keep BackPACK's own computation",
+                stacklevel=2,
+            )
+        return
+    from .extensions import memconv_extension
+
+    with _lock:
+        if ext in _installed:
+            return
+        for cls in _conv_classes():
+            ext.set_module_extension(cls, memconv_extension(kind), overwrite=True)
+        _installed.add(ext)
+
+
+def restore(ext) -> None:
+    """Give a BackPACK extension object BackPACK's own convolution module extensions back.
+
+    ``memconv.Conv*d`` get the extension of the torch class they subclass.
+    """
+    from .extensions import backpack_extension
+
+    kind = _kind(ext)
+    if kind is None:
+        return
+    with _lock:
+        for cls in _conv_classes():
+            ext.set_module_extension(cls, backpack_extension(kind, cls), overwrite=True)
+        _installed.discard(ext)
+
+
+def _conv_classes():
+    from ...modules import Conv1d, Conv2d, Conv3d
+
+    return (*CONV_TYPES, Conv1d, Conv2d, Conv3d)
+
+
+def install_active() -> None:
+    """:func:`install` on every BackPACK extension active right now."""
+    if not _loaded():
+        return
+    from backpack.context import CTX
+
+    for ext in CTX.get_active_exts():
+        install(ext)
+
+
+def _on_grad(_grad):
+    install_active()
+
+
+def _forward_hook(module, args, output):
+    # Every layer's output: BackPACK runs a layer's hook at its *output* when no
+    # input requires a gradient (a first layer), so the hook of a later layer's
+    # output is what fires before it.
+    if context.explicit_block() and isinstance(output, torch.Tensor) and output.requires_grad:
+        output.register_hook(_on_grad)
+
+
+class _Listener:
+    """Follows memconv's blocks (see :func:`memconv.context.add_listener`)."""
+
+    def block_entered(self, settings):
+        global _depth, _hook
+        with _lock:
+            _depth += 1
+            if _loaded() and _hook is None:
+                _hook = torch.nn.modules.module.register_module_forward_hook(_forward_hook)
+        install_active()
+
+    def block_exited(self):
+        global _depth, _hook
+        with _lock:
+            _depth -= 1
+            if _depth > 0:
+                return
+            if _hook is not None:
+                _hook.remove()
+                _hook = None
+            for ext in list(_installed):
+                restore(ext)
+
+    def conv_backward(self):
+        install_active()
+
+
+context.add_listener(_Listener())
+
+
+def per_sample_grads_backpack(model, loss_fn, inputs, targets, settings):
+    """:func:`memconv.per_sample_grads` with BackPACK's ``BatchGrad`` as the engine.
+
+    A deep copy of ``model`` is extended (the user's model gets no BackPACK hooks).
+
+    Raises:
+        ImportError: if ``backpack-for-pytorch`` is not installed.
+        ValueError: for a trainable layer BackPACK's ``BatchGrad`` does not support.
+    """
+    from .extensions import per_sample_grads
+
+    return per_sample_grads(model, loss_fn, inputs, targets, settings)
