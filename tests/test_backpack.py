@@ -65,7 +65,7 @@ def expected(model, x, y, kind):
         for i in range(n)
     ]
     out = {}
-    for j, p in enumerate(params):
+    for j in range(len(params)):
         batch = torch.stack([g[j] for g in per])
         if kind == "BatchGrad":
             out[j] = batch
