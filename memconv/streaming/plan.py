@@ -1,0 +1,356 @@
+"""Exact receptive-field bookkeeping for streaming a stack of local layers.
+
+A streamed network is analysed into nodes:
+
+- :class:`Window`: a convolution or a pooling layer, described by kernel, stride,
+  (left, right) padding and dilation per spatial axis, and the value its padding
+  stands for (zero, or -inf for max pooling);
+- :class:`Pointwise`: a layer acting on each position alone (activations,
+  Dropout and normalisation in eval mode);
+- :class:`Chain`: layers in sequence (``nn.Sequential``);
+- :class:`Residual`: ``branch(x) + shortcut(x)`` with both branches local.
+
+For a range of output positions, :meth:`Node.required` returns the input range it
+needs (clipped to the input) and a plan recording, per window, how much of the
+layer's own padding falls inside the range at the border; :meth:`Node.run` then
+computes exactly those output positions from a crop of the input. Everything is
+derived from kernel, stride, padding and dilation: nothing is probed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._geometry import CONV_TYPES, conv_spec
+
+Range = tuple[tuple[int, int], ...]  # per spatial axis: [lo, hi)
+
+#: Layers acting on each position alone (whatever their mode, unless listed below).
+POINTWISE = (
+    nn.Identity,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.Hardtanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Softplus,
+    nn.Softsign,
+    nn.Tanhshrink,
+    nn.LogSigmoid,
+)
+#: Pointwise only in eval mode (in training they are random or couple positions).
+POINTWISE_EVAL = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+BATCHNORMS = (nn.modules.batchnorm._BatchNorm,)
+MAXPOOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+AVGPOOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
+
+
+class NotStreamableError(ValueError):
+    """A layer or configuration that cannot be streamed exactly."""
+
+
+class Node:
+    """A streamable piece of network (subclasses carry a ``name`` for messages)."""
+
+    def out_size(self, size: tuple[int, ...]) -> tuple[int, ...]:
+        """Output spatial size for an input spatial size."""
+        raise NotImplementedError
+
+    def required(self, out: Range, size: tuple[int, ...]):
+        """``(input range, plan)`` to compute the output positions ``out``."""
+        raise NotImplementedError
+
+    def run(self, x: Tensor, x_lo: tuple[int, ...], plan) -> Tensor:
+        """Output positions of ``plan`` from ``x``, a crop starting at ``x_lo``."""
+        raise NotImplementedError
+
+    def windows(self):
+        """All :class:`Window` nodes, in order."""
+        return []
+
+
+def _crop(x: Tensor, x_lo, rng: Range) -> Tensor:
+    index = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(rng, x_lo))
+    return x[(slice(None), slice(None), *index)]
+
+
+@dataclass
+class Window(Node):
+    """A convolution or pooling layer (kernel, stride, padding, dilation per axis)."""
+
+    module: nn.Module
+    name: str
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[tuple[int, int], ...]
+    dilation: tuple[int, ...]
+    pad_mode: str  # "constant", "reflect" or "replicate"
+    pad_value: float
+
+    def span(self, axis: int) -> int:
+        """Input positions one output position sees along ``axis``."""
+        return self.dilation[axis] * (self.kernel[axis] - 1) + 1
+
+    def out_size(self, size):
+        return tuple(
+            (s + pl + pr - self.span(i)) // self.stride[i] + 1
+            for i, (s, (pl, pr)) in enumerate(zip(size, self.padding))
+        )
+
+    def required(self, out, size):
+        rng, pads = [], []
+        for i, ((a, b), s) in enumerate(zip(out, size)):
+            lo = a * self.stride[i] - self.padding[i][0]
+            hi = (b - 1) * self.stride[i] - self.padding[i][0] + self.span(i)
+            c_lo, c_hi = max(lo, 0), min(hi, s)
+            rng.append((c_lo, c_hi))
+            pads.append((c_lo - lo, hi - c_hi))
+        return tuple(rng), (tuple(rng), tuple(pads))
+
+    def run(self, x, x_lo, plan):
+        rng, pads = plan
+        x = _crop(x, x_lo, rng)
+        if any(p for pair in pads for p in pair):
+            if self.pad_mode == "constant":
+                x = F.pad(x, [p for pair in reversed(pads) for p in pair], value=self.pad_value)
+            else:  # one axis at a time: the modes are separable
+                for axis, pair in enumerate(pads):
+                    if any(pair):
+                        spec = [0, 0] * len(pads)
+                        j = len(pads) - 1 - axis
+                        spec[2 * j : 2 * j + 2] = pair
+                        x = F.pad(x, spec, mode=self.pad_mode)
+        return self.apply(x)
+
+    def apply(self, x: Tensor) -> Tensor:
+        """The layer on an input that already carries its padding."""
+        m = self.module
+        if isinstance(m, CONV_TYPES):
+            from ..modules import _ConvFunction
+
+            geom = conv_spec(m).geometry.with_padding((0,) * len(self.kernel))
+            if torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad):
+                return _ConvFunction.apply(x, m.weight, m.bias, geom, m)
+            fn = (F.conv1d, F.conv2d, F.conv3d)[len(self.kernel) - 1]
+            return fn(x, m.weight, m.bias, geom.stride, 0, geom.dilation, geom.groups)
+        if isinstance(m, MAXPOOLS):
+            fn = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[len(self.kernel) - 1]
+            return fn(x, self.kernel, self.stride, 0, self.dilation)
+        fn = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)[len(self.kernel) - 1]
+        kwargs = {}
+        if len(self.kernel) > 1:
+            kwargs["divisor_override"] = m.divisor_override
+        return fn(x, self.kernel, self.stride, 0, **kwargs)
+
+    def windows(self):
+        return [self]
+
+
+@dataclass
+class Pointwise(Node):
+    """A layer acting on each spatial position alone."""
+
+    module: nn.Module
+    name: str
+
+    def out_size(self, size):
+        return size
+
+    def required(self, out, size):
+        return out, out
+
+    def run(self, x, x_lo, plan):
+        return self.module(_crop(x, x_lo, plan))
+
+
+@dataclass
+class Chain(Node):
+    """Nodes in sequence."""
+
+    nodes: list
+    name: str = ""
+
+    def out_size(self, size):
+        for node in self.nodes:
+            size = node.out_size(size)
+        return size
+
+    def sizes(self, size):
+        out = [size]
+        for node in self.nodes:
+            out.append(node.out_size(out[-1]))
+        return out
+
+    def required(self, out, size):
+        sizes = self.sizes(size)
+        plans = []
+        rng = out
+        for node, s in zip(reversed(self.nodes), reversed(sizes[:-1])):
+            new, plan = node.required(rng, s)
+            plans.append((new, plan))
+            rng = new
+        plans.reverse()
+        return rng, plans
+
+    def run(self, x, x_lo, plan):
+        for i, (node, (_, sub)) in enumerate(zip(self.nodes, plan)):
+            x = node.run(x, x_lo, sub)
+            if i + 1 < len(plan):  # x now holds exactly the next node's input range
+                x_lo = _starts(plan[i + 1][0])
+        return x
+
+    def windows(self):
+        return [w for n in self.nodes for w in n.windows()]
+
+
+class Residual(nn.Module):
+    """``branch(x) + shortcut(x)``: a residual block whose branches are both local.
+
+    Args:
+        branch: the main branch (e.g. conv–BN–ReLU–conv–BN).
+        shortcut: the skip branch; ``None`` means the identity.
+
+    Raises:
+        ValueError (when streamed): if the branches' outputs do not line up.
+    """
+
+    def __init__(self, branch: nn.Module, shortcut: nn.Module | None = None):
+        super().__init__()
+        self.branch = branch
+        self.shortcut = shortcut if shortcut is not None else nn.Identity()
+
+    def forward(self, x):
+        return self.branch(x) + self.shortcut(x)
+
+
+@dataclass
+class ResidualNode(Node):
+    """Plan node of :class:`Residual`."""
+
+    branch: Node
+    shortcut: Node
+    name: str = ""
+
+    def out_size(self, size):
+        a, b = self.branch.out_size(size), self.shortcut.out_size(size)
+        if a != b:
+            raise NotStreamableError(
+                f"{self.name}: branch output {a} and shortcut output {b} differ for input {size}"
+            )
+        return a
+
+    def required(self, out, size):
+        ra, pa = self.branch.required(out, size)
+        rb, pb = self.shortcut.required(out, size)
+        hull = tuple((min(a[0], b[0]), max(a[1], b[1])) for a, b in zip(ra, rb))
+        return hull, (hull, ra, pa, rb, pb)
+
+    def run(self, x, x_lo, plan):
+        hull, ra, pa, rb, pb = plan
+        x = _crop(x, x_lo, hull)
+        lo = tuple(h[0] for h in hull)
+        return self.branch.run(_crop(x, lo, ra), _starts(ra), pa) + self.shortcut.run(
+            _crop(x, lo, rb), _starts(rb), pb
+        )
+
+    def windows(self):
+        return self.branch.windows() + self.shortcut.windows()
+
+
+def _starts(rng: Range) -> tuple[int, ...]:
+    return tuple(lo for lo, _ in rng)
+
+
+def _pairs(values, dims):
+    if isinstance(values, int):
+        return (values,) * dims
+    return tuple(values)
+
+
+def analyse(module: nn.Module, name: str = "stream_layers", dims: int | None = None) -> Node:
+    """Turn a module into a plan :class:`Node`, or raise naming the first bad layer.
+
+    Raises:
+        NotStreamableError: for a layer that is not local (global or adaptive
+            pooling, BatchNorm in training mode, normalisation over space,
+            attention, Linear, Flatten, ...) or a configuration that cannot be
+            streamed exactly (``ceil_mode``, circular padding, ``return_indices``,
+            average pooling with ``count_include_pad=False`` and padding).
+    """
+    if isinstance(module, nn.Sequential):
+        return Chain([analyse(m, f"{name}.{k}", dims) for k, m in module.named_children()], name)
+    if isinstance(module, Residual):
+        return ResidualNode(
+            analyse(module.branch, f"{name}.branch", dims),
+            analyse(module.shortcut, f"{name}.shortcut", dims),
+            name,
+        )
+    if isinstance(module, POINTWISE):
+        return Pointwise(module, name)
+    if isinstance(module, POINTWISE_EVAL + BATCHNORMS):
+        if module.training:
+            raise NotStreamableError(
+                f"{name} ({type(module).__name__}) in training mode is not local "
+                "(batch statistics / random masks); call .eval() on it"
+            )
+        return Pointwise(module, name)
+    if isinstance(module, CONV_TYPES):
+        if module.padding_mode == "circular":
+            raise NotStreamableError(
+                f"{name}: padding_mode='circular' wraps around the image, which is not "
+                "local; use 'zeros', 'reflect' or 'replicate'"
+            )
+        d = len(module.kernel_size)
+        spec = conv_spec(module)
+        pairs = [(p, p) for p in spec.geometry.padding]
+        if spec.pre_pad is not None:
+            for i in range(d):
+                j = d - 1 - i
+                pairs[i] = (
+                    pairs[i][0] + spec.pre_pad[2 * j],
+                    pairs[i][1] + spec.pre_pad[2 * j + 1],
+                )
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        return Window(
+            module, name, tuple(module.kernel_size), tuple(module.stride), tuple(pairs),
+            tuple(module.dilation), mode, 0.0,
+        )  # fmt: skip
+    if isinstance(module, MAXPOOLS + AVGPOOLS):
+        d = int(type(module).__name__[-2])
+        if module.ceil_mode:
+            raise NotStreamableError(f"{name}: ceil_mode=True cannot be streamed exactly")
+        if getattr(module, "return_indices", False):
+            raise NotStreamableError(f"{name}: return_indices=True cannot be streamed")
+        pad = _pairs(module.padding, d)
+        if isinstance(module, AVGPOOLS) and not module.count_include_pad and any(pad):
+            raise NotStreamableError(
+                f"{name}: count_include_pad=False with padding cannot be streamed exactly"
+            )
+        kernel = _pairs(module.kernel_size, d)
+        stride = _pairs(module.stride if module.stride is not None else module.kernel_size, d)
+        dilation = _pairs(getattr(module, "dilation", 1), d)
+        value = -math.inf if isinstance(module, MAXPOOLS) else 0.0
+        return Window(
+            module, name, kernel, stride, tuple((p, p) for p in pad), dilation, "constant", value
+        )
+    raise NotStreamableError(
+        f"{name} ({type(module).__name__}) is not a local layer memconv can stream; "
+        "supported: Conv1d/2d/3d, Max/AvgPool with finite kernels, element-wise "
+        "activations, Dropout and BatchNorm in eval mode, nn.Sequential and "
+        "memconv.streaming.Residual"
+    )
