@@ -138,6 +138,11 @@ def per_sample_grads(
     return _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings)
 
 
+def _edge(t: Tensor):
+    get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    return t if get_edge is None else get_edge(t)
+
+
 def _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings):
     owners = {}  # module -> {local name: full name}
     for name, module in model.named_modules():
@@ -176,7 +181,8 @@ def _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings):
 
         output.register_hook(on_grad)
         if not args[0].requires_grad:
-            roots.append(output)
+            # the gradient edge, not the tensor: the output may be freed after use
+            roots.append(_edge(output))
         return None
 
     handles = [m.register_forward_hook(forward_hook) for m in owners]

@@ -1,9 +1,14 @@
 """``"auto"``: per layer, the fastest strategy whose predicted memory fits a budget.
 
-The candidates are tried in order of measured speed (:data:`SPEED_ORDER`, from
-``memconv bench`` on a 2-core CPU); the first whose cost model predicts extra
-memory within ``memory_budget`` bytes runs. When none fits, ``"streaming"`` runs
-with a tile chosen to fit the budget. Without a budget the fastest runs.
+Speed is predicted from memory traffic, which bounds these products on a CPU:
+``"shift"`` reads the output gradient and the input once per kernel offset,
+``"unfold"`` writes (counted twice: fresh pages) and reads the unfolded input and
+reads the output gradient once; the one moving fewer elements is tried first (``"unfold"`` wins when C_in is
+small beside C_out, as in a first layer), then the other, then ``"rochette"`` and
+``"standard"`` (grouped convolutions with N·G groups, slower on CPUs in
+``memconv bench``). The first whose cost model predicts extra memory within
+``memory_budget`` bytes runs; when none fits, ``"streaming"`` runs with a tile
+chosen to fit the budget. Without a budget the fastest runs.
 """
 
 from __future__ import annotations
@@ -13,10 +18,27 @@ from dataclasses import replace
 from torch import Tensor
 
 from .._geometry import ConvGeometry
-from . import get_strategy, register_strategy
+from . import get_strategy, numel, register_strategy
 
-#: Non-tiling strategies, fastest first.
-SPEED_ORDER = ("shift", "unfold", "rochette", "standard")
+#: Non-tiling strategies tried after the two matrix-product ones.
+FALLBACK_ORDER = ("rochette", "standard")
+
+
+def traffic(name: str, geom: ConvGeometry, n: int, size) -> int:
+    """Elements ``"shift"`` or ``"unfold"`` read and write (speed model of ``"auto"``)."""
+    t = numel(geom.output_size(size))
+    x_t = n * geom.in_channels * t  # input at the output positions
+    g = n * geom.out_channels * t
+    if name == "shift":
+        return geom.kernel_numel * (x_t + g)
+    # writing the unfolded input costs about twice reading it (fresh pages)
+    return 3 * geom.kernel_numel * x_t + g
+
+
+def speed_order(geom: ConvGeometry, n: int, size) -> tuple[str, ...]:
+    """Non-tiling strategies, predicted fastest first."""
+    fast = sorted(("shift", "unfold"), key=lambda s: traffic(s, geom, n, size))
+    return (*fast, *FALLBACK_ORDER)
 
 
 def choose_strategy(geom: ConvGeometry, n, size, itemsize, per_sample, budget) -> str:
@@ -31,9 +53,9 @@ def choose_strategy(geom: ConvGeometry, n, size, itemsize, per_sample, budget) -
         budget: bytes, or None for no limit.
 
     Returns:
-        A name from :data:`SPEED_ORDER`, or ``"streaming"``.
+        A name from :func:`speed_order`, or ``"streaming"``.
     """
-    for name in SPEED_ORDER:
+    for name in speed_order(geom, n, size):
         cost = get_strategy(name).extra_memory(geom, n, size, itemsize, per_sample, None)
         if budget is None or cost <= budget:
             return name

@@ -21,22 +21,39 @@ from .._geometry import ConvGeometry
 from . import numel, pad_input, padded_size, register_strategy
 
 
+#: Bytes of per-chunk temporaries when no ``memory_budget`` is set.
+DEFAULT_CHUNK_BUDGET = 16 * 2**20
+
+
 def _flat_ok(geom: ConvGeometry) -> bool:
     return all(s == 1 for s in geom.stride)
 
 
-def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -> int:
+def _per_sample_temporaries(geom: ConvGeometry, size, per_sample: bool, out_given: bool) -> int:
+    """Elements of temporaries one sample adds to a chunk."""
     p = padded_size(geom, size)
     t = geom.output_size(size)
-    step = n * geom.out_channels * geom.in_per_group  # one offset's result
-    summed = 0 if per_sample else n * numel(geom.weight_shape)
+    part = geom.out_channels * geom.in_per_group if (out_given or not per_sample) else 0
     if _flat_ok(geom):
-        buffer = n * geom.in_channels * numel(p)
-        g_grid = n * geom.out_channels * t[0] * numel(p[1:])
-        return (buffer + g_grid + step + summed) * itemsize
-    padded = n * geom.in_channels * numel(p) if any(geom.padding) else 0
-    view = n * geom.in_channels * numel(t)
-    return (padded + view + step + summed) * itemsize
+        return geom.in_channels * numel(p) + geom.out_channels * t[0] * numel(p[1:]) + part
+    padded = geom.in_channels * numel(p) if any(geom.padding) else 0
+    return padded + geom.in_channels * numel(t) + part
+
+
+def chunk_size(geom: ConvGeometry, n, size, itemsize, per_sample, settings, out_given=False) -> int:
+    """Samples processed together, so that the temporaries fit the budget.
+
+    The budget is ``settings.memory_budget`` (bytes) or :data:`DEFAULT_CHUNK_BUDGET`;
+    at least one sample is processed at a time.
+    """
+    budget = getattr(settings, "memory_budget", None) or DEFAULT_CHUNK_BUDGET
+    per = _per_sample_temporaries(geom, size, per_sample, out_given) * itemsize
+    return max(1, min(n, budget // max(per, 1)))
+
+
+def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -> int:
+    chunk = chunk_size(geom, n, size, itemsize, per_sample, settings)
+    return chunk * _per_sample_temporaries(geom, size, per_sample, False) * itemsize
 
 
 @register_strategy("shift", extra_memory=_extra_memory)
@@ -51,33 +68,54 @@ def shift_vjp(
 ) -> Tensor:
     """Weight VJP by one batched matrix product per kernel offset.
 
+    The batch is processed in chunks whose temporaries fit ``settings.memory_budget``
+    (default :data:`DEFAULT_CHUNK_BUDGET`); per-sample results are written in place,
+    kernel offset by kernel offset, so the returned per-sample tensor is a strided
+    view (offset-major storage) of the usual shape.
+
     Args:
         x: normal-form input ``[N, C_in, *S]``.
         g: output gradient ``[N, C_out, *T]``.
         geom: the convolution's geometry.
         per_sample: return ``[N, C_out, C_in/G, *k]`` if True, else the sum over N.
-        settings: unused.
+        settings: :class:`memconv.context.Settings`; ``memory_budget`` bounds the
+            temporaries of one chunk of samples.
         out: optional tensor of the result's shape to accumulate into.
 
     Returns:
         The weight gradient.
     """
-    n = x.shape[0]
+    n, kk = x.shape[0], geom.kernel_numel
     grp, cg, og = geom.groups, geom.in_per_group, geom.out_per_group
-    shape = (n, grp, og, cg, geom.kernel_numel)
-    if out is None:
-        grad = x.new_zeros(shape) if per_sample else x.new_zeros(shape[1:])
+    differentiable = torch.is_grad_enabled() and (x.requires_grad or g.requires_grad)
+    direct = out is None and per_sample and not differentiable
+    if direct:  # [K, N, G, C_out/G, C_in/G]: each (offset, chunk) block is contiguous
+        store = x.new_empty(kk, n, grp, og, cg)
+    elif out is None:
+        store = x.new_zeros(((n,) if per_sample else ()) + (grp, og, cg, kk))
     else:
-        grad = out.reshape((n,) * per_sample + (grp, og, cg, geom.kernel_numel))
-    gm, views = (_flat_operands if _flat_ok(geom) else _copied_operands)(x, g, geom)
-    for k, view in enumerate(views):
-        part = torch.matmul(gm, view.transpose(-1, -2))  # [N, G, C_out/G, C_in/G]
-        if per_sample:
-            grad[..., k] += part
-        else:
-            grad[..., k] += part.sum(0)
-    result = grad.reshape((n,) * per_sample + geom.weight_shape)
-    return result if out is None else out
+        store = out.view(((n,) if per_sample else ()) + (grp, og, cg, kk))
+    chunk = chunk_size(
+        geom, n, tuple(x.shape[2:]), x.element_size(), per_sample, settings, out is not None
+    )
+    operands = _flat_operands if _flat_ok(geom) else _copied_operands
+    for n0 in range(0, n, chunk):
+        n1 = min(n, n0 + chunk)
+        gm, views = operands(x[n0:n1], g[n0:n1], geom)
+        for k, view in enumerate(views):
+            if direct:
+                torch.matmul(gm, view.transpose(-1, -2), out=store[k, n0:n1])
+                continue
+            part = torch.matmul(gm, view.transpose(-1, -2))  # [n, G, C_out/G, C_in/G]
+            if per_sample:
+                store[n0:n1, ..., k] += part
+            else:
+                store[..., k] += part.sum(0)
+    if out is not None:
+        return out
+    if direct:
+        return store.permute(1, 2, 3, 4, 0).reshape(n, *geom.weight_shape)
+    return store.reshape(((n,) if per_sample else ()) + geom.weight_shape)
 
 
 def _offsets(geom: ConvGeometry):
