@@ -20,7 +20,6 @@ from torch import Tensor
 from .._geometry import ConvGeometry
 from . import numel, pad_input, padded_size, register_strategy
 
-
 #: Bytes of per-chunk temporaries when no ``memory_budget`` is set.
 DEFAULT_CHUNK_BUDGET = 16 * 2**20
 
