@@ -1,4 +1,4 @@
-"""Command line: ``memconv compare`` (the main job)."""
+"""Command line: ``memconv compare`` (the main job) and ``memconv bench``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``memconv`` argument parser with its sub-commands."""
-    from .bench import compare
+    from .bench import bench, compare
 
     parser = argparse.ArgumentParser(prog="memconv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -20,6 +20,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_arguments(p)
     p.set_defaults(func=compare.main)
+    p = sub.add_parser(
+        "bench",
+        help="peak memory and run time of every engine on a matrix of cases",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.main)
     return parser
 
 

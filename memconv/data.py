@@ -84,3 +84,39 @@ def _photo_crops(n, side, gen):
         crops.append(t[0, :, r : r + side, c : c + side])
         labels.append(label)
     return torch.stack(crops), torch.tensor(labels)
+
+
+def load_signals(n: int, length: int, *, source: str = "photos", seed: int = 0):
+    """Real 1-D signals ``[N, 1, length]``: rows of scikit-image's photographs.
+
+    Labels are the picture a row comes from; ``source="random"`` gives noise.
+
+    Raises:
+        ValueError: on a non-positive size or an unknown source.
+    """
+    _check(n, length, 1, source if source != "photos" else "digits")
+    side = max(length, 64)
+    if source == "random":
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(n, 1, length, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+    x, y = load_batch(n, side, source="photos", seed=seed)
+    return x[:, :, side // 2, :length].contiguous(), y
+
+
+def load_volumes(n: int, depth: int, side: int, *, source: str = "photos", seed: int = 0):
+    """Real volumes ``[N, 1, depth, side, side]``: stacks of shifted photo crops.
+
+    Each volume stacks ``depth`` crops of one scikit-image picture, each shifted by
+    one pixel, like slices of a scan; labels are the picture.
+
+    Raises:
+        ValueError: on a non-positive size or an unknown source.
+    """
+    _check(n, side, depth, source if source != "photos" else "digits")
+    if source == "random":
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, 1, depth, side, side, generator=gen)
+        return x, torch.randint(0, 10, (n,), generator=gen)
+    big, y = load_batch(n, side + depth, source="photos", seed=seed)
+    x = torch.stack([big[:, 0, d : d + side, d : d + side] for d in range(depth)], dim=1)
+    return x.unsqueeze(1).contiguous(), y

@@ -44,3 +44,76 @@ def seed_cnn(side: int = 28, in_channels: int = 1, num_classes: int = 10, conv=n
         nn.Flatten(),
         nn.Linear(32 * s * s, num_classes),
     )
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3×3 convolutions with BatchNorm and a shortcut."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.downsample = None
+        if stride != 1 or c_in != c_out:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        shortcut = x if self.downsample is None else self.downsample(x)
+        return self.relu(out + shortcut)
+
+
+def resnet18_shaped(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
+    """A ResNet-18-shaped CNN (He et al. 2016; torchvision's layout, not imported),
+    with its BatchNorm layers in eval mode so that samples stay independent."""
+    layers = [
+        nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+    ]
+    c = 64
+    for width, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [BasicBlock(c, width, stride), BasicBlock(width, width)]
+        c = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)]
+    return nn.Sequential(*layers).eval()
+
+
+def conv1d_net(in_channels: int = 1, num_classes: int = 10) -> nn.Module:
+    """A small 1-D CNN for signals ``[N, C, L]``."""
+    return nn.Sequential(
+        nn.Conv1d(in_channels, 32, 7, padding=3),
+        nn.ReLU(),
+        nn.MaxPool1d(2),
+        nn.Conv1d(32, 64, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool1d(2),
+        nn.Conv1d(64, 64, 3, padding=2, dilation=2, groups=2),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool1d(1),
+        nn.Flatten(),
+        nn.Linear(64, num_classes),
+    )
+
+
+def conv3d_net(in_channels: int = 1, num_classes: int = 10) -> nn.Module:
+    """A small 3-D CNN for volumes ``[N, C, D, H, W]``."""
+    return nn.Sequential(
+        nn.Conv3d(in_channels, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool3d(2),
+        nn.Conv3d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool3d(2),
+        nn.Conv3d(32, 32, 3, padding=1, groups=2),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool3d(1),
+        nn.Flatten(),
+        nn.Linear(32, num_classes),
+    )

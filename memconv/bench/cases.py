@@ -4,25 +4,53 @@ from __future__ import annotations
 
 import torch
 
-from ..data import load_batch
-from ..models import seed_cnn
+from ..data import load_batch, load_signals, load_volumes
+from ..models import conv1d_net, conv3d_net, resnet18_shaped, seed_cnn
 
-MODELS = ("seed",)
+MODELS = ("seed", "resnet18", "conv1d", "conv3d")
 
 
 def build_case(config: dict, device: torch.device):
     """``(model, inputs, labels)`` for ``config``.
 
-    Keys read: ``model`` (one of :data:`MODELS`), ``batch``, ``side``, ``data``
-    (``"digits"``, ``"photos"``, ``"random"``), ``seed``.
+    Keys read: ``model`` (one of :data:`MODELS`), ``batch``, ``side`` (image side;
+    signal length for ``conv1d``; volume side for ``conv3d``), ``depth`` (for
+    ``conv3d``), ``data`` (``"digits"``/``"photos"`` real, ``"random"``), ``seed``.
 
     Raises:
         ValueError: for an unknown model.
     """
     name = config.get("model", "seed")
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; accepted: {', '.join(MODELS)}")
+    n, side = config["batch"], config["side"]
+    data = config.get("data", "digits")
     torch.manual_seed(config.get("seed", 0))
-    model = seed_cnn(config["side"]).to(device)
-    x, y = load_batch(config["batch"], config["side"], source=config.get("data", "digits"))
-    return model, x.to(device), y.to(device)
+    if name == "seed":
+        model = seed_cnn(side)
+        x, y = load_batch(n, side, source=data)
+    elif name == "resnet18":
+        model = resnet18_shaped()
+        x, y = load_batch(n, side, channels=3, source="random" if data == "random" else "photos")
+    elif name == "conv1d":
+        model = conv1d_net()
+        x, y = load_signals(n, side, source="random" if data == "random" else "photos")
+    elif name == "conv3d":
+        model = conv3d_net()
+        x, y = load_volumes(
+            n, config.get("depth", 16), side, source="random" if data == "random" else "photos"
+        )
+    else:
+        raise ValueError(f"unknown model {name!r}; accepted: {', '.join(MODELS)}")
+    return model.to(device), x.to(device), y.to(device)
+
+
+def describe(config: dict) -> str:
+    """One-line description of a case, e.g. ``seed CNN, batch 32 × 1×112×112``."""
+    name, n, side = config.get("model", "seed"), config["batch"], config["side"]
+    shape = {
+        "seed": f"1×{side}×{side}",
+        "resnet18": f"3×{side}×{side}",
+        "conv1d": f"1×{side}",
+        "conv3d": f"1×{config.get('depth', 16)}×{side}×{side}",
+    }[name]
+    label = {"seed": "seed CNN", "resnet18": "ResNet-18-shaped (BN eval)"}.get(name, f"{name} CNN")
+    return f"{label}, batch {n} × {shape}"

@@ -67,13 +67,155 @@ def memconv_hooks(strategy: str):
     return run
 
 
+def memconv_modules(strategy: str):
+    """memconv's extended modules (:func:`memconv.convert`) inside ``per_sample()``.
+
+    One backward pass; the convolutions' per-sample gradients come from their
+    backward, the other layers' (Linear) from :func:`memconv.per_sample_grads`'s
+    hooks would need a second pass, so only convolution parameters are returned.
+    """
+
+    def run(model, x, y):
+        memconv.convert(model)
+        model.zero_grad(set_to_none=True)
+        with memconv.save_memory(strategy), memconv.per_sample():
+            _loss()(model(x), y).backward()
+        out = {
+            n: p.grad_batch
+            for n, p in model.named_parameters()
+            if getattr(p, "grad_batch", None) is not None
+        }
+        for p in model.parameters():
+            p.grad = None
+            if hasattr(p, "grad_batch"):
+                del p.grad_batch
+        return out
+
+    return run
+
+
+_EXTENDED: set[int] = set()
+
+
+def _backpack_extended(model):
+    from backpack import extend
+
+    if id(model) not in _EXTENDED:
+        extend(model)
+        _EXTENDED.add(id(model))
+    return model
+
+
+def _backpack_batch_grad(model, x, y):
+    from backpack import backpack, extensions
+
+    model.zero_grad(set_to_none=True)
+    with backpack(extensions.BatchGrad()):
+        _loss()(model(x), y).backward()
+    out = {n: p.grad_batch for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+        del p.grad_batch
+    return out
+
+
+def backpack_default(model, x, y):
+    """BackPACK's ``BatchGrad`` with its default (same-order) weight VJP."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _backpack_batch_grad(_backpack_extended(model), x, y)
+
+
+def backpack_save_memory(model, x, y):
+    """BackPACK's ``BatchGrad`` inside ``weight_jac_t_save_memory(True)``."""
+    import warnings
+
+    from backpack.core.derivatives.convnd import weight_jac_t_save_memory
+
+    with warnings.catch_warnings(), weight_jac_t_save_memory(save_memory=True):
+        warnings.simplefilter("ignore")
+        return _backpack_batch_grad(_backpack_extended(model), x, y)
+
+
+def memconv_backpack(strategy: str):
+    """BackPACK's ``BatchGrad`` inside ``memconv.save_memory(strategy)``."""
+
+    def run(model, x, y):
+        import warnings
+
+        with warnings.catch_warnings(), memconv.save_memory(strategy):
+            warnings.simplefilter("ignore")
+            return _backpack_batch_grad(_backpack_extended(model), x, y)
+
+    return run
+
+
+def opacus(force_functorch: bool):
+    """Opacus' ``GradSampleModule`` (hooks, or functorch for every layer)."""
+
+    def run(model, x, y):
+        from opacus import GradSampleModule
+
+        gsm = GradSampleModule(model, loss_reduction="sum", force_functorch=force_functorch)
+        try:
+            _loss()(gsm(x), y).backward()
+            out = {n: p.grad_sample for n, p in model.named_parameters()}
+        finally:
+            for p in model.parameters():
+                p.grad = None
+            gsm._close()
+        return out
+
+    return run
+
+
+def expanded_weights(model, x, y):
+    """torch's ExpandedWeights (``call_for_per_sample_grads``)."""
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    _loss()(
+        call_for_per_sample_grads(model, batch_size=len(x), loss_reduction="sum")(x), y
+    ).backward()
+    out = {n: p.grad_sample for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+        p.grad_sample = None
+    return out
+
+
 def _registry() -> dict[str, Engine]:
-    engines = [Engine("autograd", autograd_sum, per_sample=False), Engine("torch.func", torch_func)]
+    engines = [
+        Engine("autograd", autograd_sum, per_sample=False),
+        Engine("torch.func", torch_func),
+        Engine("expanded-weights", expanded_weights),
+        Engine("opacus-hooks", opacus(False), requires="opacus"),
+        Engine("opacus-functorch", opacus(True), requires="opacus"),
+        Engine("backpack", backpack_default, requires="backpack"),
+        Engine("backpack-save-memory", backpack_save_memory, requires="backpack"),
+    ]
     engines += [Engine(f"memconv:{s}", memconv_hooks(s)) for s in memconv.strategies()]
+    engines += [Engine(f"memconv-modules:{s}", memconv_modules(s)) for s in memconv.strategies()]
+    engines += [
+        Engine(f"memconv-backpack:{s}", memconv_backpack(s), requires="backpack")
+        for s in memconv.strategies()
+    ]
     return {e.name: e for e in engines}
 
 
 ENGINES = _registry()
+
+
+def available(engine: Engine) -> str | None:
+    """None if the engine can run here, else why not (a missing optional peer)."""
+    if engine.requires is None:
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec(engine.requires) is None:
+        return f"{engine.requires} is not installed"
+    return None
 
 
 def get_engine(name: str) -> Engine:

@@ -30,7 +30,8 @@ def run_in_subprocess(config: dict, timeout: float = 1800) -> dict:
     )
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
-        return {"error": tail[0]}
+        message = tail[0]
+        return {"error": message if len(message) <= 160 else message[:157] + "..."}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+import memconv
+
 from .cases import build_case
 from .engines import get_engine
 from .measure import median_time, peak_allocated, peak_rss_increase
@@ -27,17 +29,25 @@ def run(config: dict) -> dict:
     device = torch.device(config.get("device", "cpu"))
     engine = get_engine(config["engine"])
     model, x, y = build_case(config, device)
+    run_engine = engine.run
+    if config.get("memory_budget"):
+        settings = memconv.save_memory("auto", memory_budget=int(config["memory_budget"]))
+
+        def run_engine(m, xb, yb):
+            with settings:
+                return engine.run(m, xb, yb)
+
     # warm-up on two samples: thread pools and kernels are initialised before measuring
-    engine.run(model, x[:2], y[:2])
-    rss, result = peak_rss_increase(lambda: engine.run(model, x, y))
+    run_engine(model, x[:2], y[:2])
+    rss, result = peak_rss_increase(lambda: run_engine(model, x, y))
     result_bytes = sum(t.numel() * t.element_size() for t in result.values())
     if config.get("out"):
         torch.save({k: v.detach().cpu() for k, v in result.items()}, config["out"])
     del result
     alloc = None
     if config.get("alloc", True):
-        alloc, _ = peak_allocated(lambda: engine.run(model, x, y), device)
-    t = median_time(lambda: engine.run(model, x, y), config.get("repeats", 3), device)
+        alloc, _ = peak_allocated(lambda: run_engine(model, x, y), device)
+    t = median_time(lambda: run_engine(model, x, y), config.get("repeats", 3), device)
     return {
         "peak_rss_mib": rss,
         "peak_alloc_mib": alloc,

@@ -34,10 +34,17 @@ def tile_input_size(geom: ConvGeometry, tile: tuple[int, ...]) -> tuple[int, ...
 
 
 def _tile_cost(geom, n, tile, itemsize, per_sample, inner) -> int:
+    """Extra bytes of one tile: its zero-padded input piece, the inner strategy's
+    temporaries, and what the inner strategy holds before adding into the result
+    (one kernel offset for ``"shift"``, a whole result for the others)."""
     size = tile_input_size(geom, tile)
     geom0 = geom.with_padding((0,) * geom.dims)
-    copies = n * (geom.in_channels * numel(size) + geom.out_channels * numel(tile))
-    return copies * itemsize + get_strategy(inner).extra_memory(
+    x_tile = n * geom.in_channels * numel(size)
+    if inner == "shift":
+        held = n * geom.out_channels * geom.in_per_group
+    else:
+        held = numel(geom.weight_shape) * (n if per_sample else 1)
+    return (x_tile + held) * itemsize + get_strategy(inner).extra_memory(
         geom0, n, size, itemsize, per_sample, None
     )
 
