@@ -12,22 +12,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="memconv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser(
-        "compare",
-        help="per-sample gradients of the seed CNN with every strategy, validated",
-        description=compare.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    commands = (
+        ("compare", compare, "per-sample gradients of the seed CNN with every strategy, validated"),
+        ("bench", bench, "peak memory and run time of every engine on a matrix of cases"),
     )
-    compare.add_arguments(p)
-    p.set_defaults(func=compare.main)
-    p = sub.add_parser(
-        "bench",
-        help="peak memory and run time of every engine on a matrix of cases",
-        description=bench.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench.add_arguments(p)
-    p.set_defaults(func=bench.main)
+    for name, module, summary in commands:
+        p = sub.add_parser(
+            name,
+            help=summary,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(p)
+        p.set_defaults(func=module.main)
     return parser
 
 

@@ -94,15 +94,13 @@ def memconv_modules(strategy: str):
     return run
 
 
-_EXTENDED: set[int] = set()
-
-
 def _backpack_extended(model):
+    """``backpack.extend(model)`` once per model object (the worker reuses it)."""
     from backpack import extend
 
-    if id(model) not in _EXTENDED:
+    if not getattr(model, "_memconv_bench_extended", False):
         extend(model)
-        _EXTENDED.add(id(model))
+        model._memconv_bench_extended = True
     return model
 
 

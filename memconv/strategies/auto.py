@@ -44,12 +44,13 @@ def speed_order(geom: ConvGeometry, n: int, size) -> tuple[str, ...]:
 def choose_strategy(geom: ConvGeometry, n, size, itemsize, per_sample, budget) -> str:
     """Name of the strategy ``"auto"`` runs for this layer and batch.
 
+    Arguments, shapes and return value: the strategy protocol of
+    :mod:`memconv.strategies`.
+
     Args:
-        geom: the geometry.
         n: batch size N.
         size: normal-form input spatial size.
         itemsize: bytes per element.
-        per_sample: whether per-sample gradients are computed.
         budget: bytes, or None for no limit.
 
     Returns:
@@ -89,15 +90,7 @@ def auto_vjp(
     """Weight VJP by the fastest strategy that fits ``settings.memory_budget``.
 
     Args:
-        x: normal-form input ``[N, C_in, *S]``.
-        g: output gradient ``[N, C_out, *T]``.
-        geom: the convolution's geometry.
-        per_sample: return ``[N, C_out, C_in/G, *k]`` if True, else the sum over N.
         settings: :class:`memconv.context.Settings`; ``memory_budget`` (bytes) is read.
-        out: optional tensor of the result's shape to accumulate into.
-
-    Returns:
-        The weight gradient.
     """
     budget = settings.memory_budget if settings is not None else None
     n, size = x.shape[0], tuple(x.shape[2:])

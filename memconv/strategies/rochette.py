@@ -30,21 +30,18 @@ def _raw_kernel(geom: ConvGeometry, size, axes) -> list[int]:
 
 
 def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -> int:
-    # Measured on CPU (oneDNN): the backend reorders the output gradient, which serves
-    # as the kernel, into its own layout (one copy of it), and produces the
-    # convolution's output in its layout before handing it over (one more result).
     res = n * numel(geom.weight_shape)
-    t = geom.output_size(size)
-    g = n * geom.out_channels * numel(t)
     summed = 0 if per_sample else res
     if geom.dims < 3:
         axes = range(geom.dims)
+        # the convolution's output before the crop (the result itself when it fits)
         raw = n * geom.out_channels * geom.in_per_group * numel(_raw_kernel(geom, size, axes))
-        return (g + raw + summed) * itemsize
+        return (raw + summed) * itemsize
+    t = geom.output_size(size)
     x_slice = n * geom.in_channels * t[0] * numel(size[1:])
     g_slice = n * geom.out_channels * numel(t)
     raw = n * geom.out_channels * geom.in_per_group * numel(_raw_kernel(geom, size, (1, 2)))
-    return (x_slice + 2 * g_slice + raw + summed) * itemsize
+    return (x_slice + g_slice + raw + summed) * itemsize
 
 
 @register_strategy("rochette", extra_memory=_extra_memory)
@@ -59,16 +56,8 @@ def rochette_vjp(
 ) -> Tensor:
     """Weight VJP by a convolution of one dimension higher (Rochette et al. 2019).
 
-    Args:
-        x: normal-form input ``[N, C_in, *S]``.
-        g: output gradient ``[N, C_out, *T]``.
-        geom: the convolution's geometry.
-        per_sample: return ``[N, C_out, C_in/G, *k]`` if True, else the sum over N.
-        settings: unused.
-        out: optional tensor of the result's shape to accumulate into.
-
-    Returns:
-        The weight gradient.
+    Arguments, shapes and return value: the strategy protocol of
+    :mod:`memconv.strategies`.
     """
     if geom.dims == 3:
         return _rochette_3d(x, g, geom, per_sample, out)

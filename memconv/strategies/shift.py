@@ -55,6 +55,12 @@ def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -
     return chunk * _per_sample_temporaries(geom, size, per_sample, False) * itemsize
 
 
+def accumulating_temporaries(geom: ConvGeometry, n, size, itemsize, per_sample, settings=None):
+    """Extra bytes when adding into a given ``out`` (as ``"streaming"`` does)."""
+    chunk = chunk_size(geom, n, size, itemsize, per_sample, settings, out_given=True)
+    return chunk * _per_sample_temporaries(geom, size, per_sample, True) * itemsize
+
+
 @register_strategy("shift", extra_memory=_extra_memory)
 def shift_vjp(
     x: Tensor,
@@ -72,17 +78,12 @@ def shift_vjp(
     kernel offset by kernel offset, so the returned per-sample tensor is a strided
     view (offset-major storage) of the usual shape.
 
+    Arguments, shapes and return value: the strategy protocol of
+    :mod:`memconv.strategies`.
+
     Args:
-        x: normal-form input ``[N, C_in, *S]``.
-        g: output gradient ``[N, C_out, *T]``.
-        geom: the convolution's geometry.
-        per_sample: return ``[N, C_out, C_in/G, *k]`` if True, else the sum over N.
         settings: :class:`memconv.context.Settings`; ``memory_budget`` bounds the
             temporaries of one chunk of samples.
-        out: optional tensor of the result's shape to accumulate into.
-
-    Returns:
-        The weight gradient.
     """
     n, kk = x.shape[0], geom.kernel_numel
     grp, cg, og = geom.groups, geom.in_per_group, geom.out_per_group
@@ -110,6 +111,9 @@ def shift_vjp(
                 store[n0:n1, ..., k] += part
             else:
                 store[..., k] += part.sum(0)
+            del part
+        # release this chunk's operands before the next chunk's are built
+        gm = views = view = None
     if out is not None:
         return out
     if direct:

@@ -17,7 +17,8 @@ from . import crop_kernel, finish, numel, register_strategy
 
 def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -> int:
     t = numel(geom.output_size(size))
-    repeated = n * geom.in_channels * geom.out_per_group * t
+    # the repeat is a view when C_in/G == 1 (depthwise, or a first layer)
+    repeated = n * geom.in_channels * geom.out_per_group * t if geom.in_per_group > 1 else 0
     # the convolution's output before the crop to the kernel size
     full = [
         (s + 2 * p - (t_ - 1) * st - 1) // d + 1
@@ -42,16 +43,8 @@ def standard_vjp(
 ) -> Tensor:
     """Weight VJP by a grouped convolution of the same order (BackPACK's default).
 
-    Args:
-        x: normal-form input ``[N, C_in, *S]``.
-        g: output gradient ``[N, C_out, *T]``.
-        geom: the convolution's geometry.
-        per_sample: return ``[N, C_out, C_in/G, *k]`` if True, else the sum over N.
-        settings: unused.
-        out: optional tensor of the result's shape to accumulate into.
-
-    Returns:
-        The weight gradient.
+    Arguments, shapes and return value: the strategy protocol of
+    :mod:`memconv.strategies`.
     """
     n, t = x.shape[0], g.shape[2:]
     grp, cg, og = geom.groups, geom.in_per_group, geom.out_per_group

@@ -34,30 +34,32 @@ def tile_input_size(geom: ConvGeometry, tile: tuple[int, ...]) -> tuple[int, ...
 
 
 def _tile_cost(geom, n, tile, itemsize, per_sample, inner) -> int:
-    """Extra bytes of one tile: its zero-padded input piece, the inner strategy's
-    temporaries, and what the inner strategy holds before adding into the result
-    (one kernel offset for ``"shift"``, a whole result for the others)."""
+    """Extra bytes of one tile: its zero-padded input piece and the inner strategy's
+    temporaries while it adds into the result (``"shift"`` adds one kernel offset of
+    one chunk of samples at a time; the others hold a whole result first)."""
     size = tile_input_size(geom, tile)
     geom0 = geom.with_padding((0,) * geom.dims)
-    x_tile = n * geom.in_channels * numel(size)
+    x_tile = n * geom.in_channels * numel(size) * itemsize
     if inner == "shift":
-        held = n * geom.out_channels * geom.in_per_group
-    else:
-        held = numel(geom.weight_shape) * (n if per_sample else 1)
-    return (x_tile + held) * itemsize + get_strategy(inner).extra_memory(
-        geom0, n, size, itemsize, per_sample, None
+        from .shift import accumulating_temporaries
+
+        return x_tile + accumulating_temporaries(geom0, n, size, itemsize, per_sample)
+    held = numel(geom.weight_shape) * (n if per_sample else 1) * itemsize
+    return (
+        x_tile + held + get_strategy(inner).extra_memory(geom0, n, size, itemsize, per_sample, None)
     )
 
 
 def choose_tile(geom, n, size, itemsize, per_sample, budget, inner) -> tuple[int, ...]:
     """Largest tile (halving the outer axes first) whose extra memory fits ``budget``.
 
+    Arguments, shapes and return value: the strategy protocol of
+    :mod:`memconv.strategies`.
+
     Args:
-        geom: the geometry.
         n: batch size N.
         size: normal-form input spatial size.
         itemsize: bytes per element.
-        per_sample: whether per-sample gradients are computed.
         budget: bytes.
         inner: name of the inner strategy.
 
@@ -131,18 +133,10 @@ def streaming_vjp(
     """Weight VJP accumulated over tiles of the output (memory bounded by a tile).
 
     Args:
-        x: normal-form input ``[N, C_in, *S]``.
-        g: output gradient ``[N, C_out, *T]``.
-        geom: the convolution's geometry.
-        per_sample: return ``[N, C_out, C_in/G, *k]`` if True, else the sum over N.
         settings: :class:`memconv.context.Settings`; ``tile_size`` (output positions
             per axis), ``memory_budget`` (bytes, used to choose the tile when
             ``tile_size`` is None; default 32 MiB) and ``inner`` (default
             ``"shift"``) are read.
-        out: optional tensor of the result's shape to accumulate into.
-
-    Returns:
-        The weight gradient.
     """
     n, size = x.shape[0], tuple(x.shape[2:])
     inner, tile = _resolve(geom, n, size, x.element_size(), per_sample, settings)

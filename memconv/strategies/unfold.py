@@ -21,7 +21,9 @@ def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -
     t = numel(geom.output_size(size))
     cols = n * geom.in_channels * geom.kernel_numel * t
     if per_sample:
-        return (padded + cols) * itemsize
+        # the padded copy is gone by the time the result is allocated
+        result = n * numel(geom.weight_shape)
+        return (cols + max(padded - result, 0)) * itemsize
     # einsum over (n, t) permutes both operands into contiguous copies
     return (padded + 2 * cols + n * geom.out_channels * t) * itemsize
 
@@ -29,9 +31,10 @@ def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -
 def unfold_input(x: Tensor, geom: ConvGeometry, t: tuple[int, ...]) -> Tensor:
     """The unfolded (im2col) input ``[N, G, C_in/G·K, T]`` of a normal-form input.
 
+    Arguments, shapes and return value: the strategy protocol of
+    :mod:`memconv.strategies`.
+
     Args:
-        x: normal-form input ``[N, C_in, *S]``.
-        geom: the geometry (its symmetric padding is applied here).
         t: the output spatial size.
 
     Returns:
@@ -65,15 +68,6 @@ def unfold_vjp(
     """Weight VJP by im2col and a batched matrix product (Opacus' convention).
 
     Args:
-        x: normal-form input ``[N, C_in, *S]``.
-        g: output gradient ``[N, C_out, *T]``.
-        geom: the convolution's geometry.
-        per_sample: return ``[N, C_out, C_in/G, *k]`` if True, else the sum over N.
-        settings: unused.
-        out: optional tensor of the result's shape to accumulate into.
-
-    Returns:
-        The weight gradient.
     """
     n, t = x.shape[0], tuple(g.shape[2:])
     cols = unfold_input(x, geom, t)
