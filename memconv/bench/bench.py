@@ -264,13 +264,17 @@ def plot(cases: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 5), squeeze=False)
-    for ax, case in zip(axes[0], cases):
+    cols = min(3, len(cases))
+    rows_n = -(-len(cases) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6.5 * cols, 5.5 * rows_n), squeeze=False)
+    for ax in axes.flat[len(cases) :]:
+        ax.set_visible(False)
+    for ax, case in zip(axes.flat, cases):
         rows = [r for r in case["rows"] if "peak_rss_mib" in r]
         for r in rows:
             color = "tab:red" if r["engine"].startswith("memconv") else "tab:blue"
             ax.scatter(r["time_s"], max(r["peak_rss_mib"], 1), color=color)
-            ax.annotate(r["engine"], (r["time_s"], max(r["peak_rss_mib"], 1)), fontsize=6)
+            ax.annotate(r["engine"], (r["time_s"], max(r["peak_rss_mib"], 1)), fontsize=7)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("time (s)")
