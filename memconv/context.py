@@ -70,6 +70,36 @@ def notify(event: str, *args) -> None:
             method(*args)
 
 
+def batch_consumers(module) -> int:
+    """How many integrations' quantities will use this layer's per-sample gradients.
+
+    Asked by an extended convolution's backward pass: when positive, it computes
+    the per-sample gradients once (their sum is the layer's ``.grad``) and offers
+    them with :func:`share_batch` instead of the integration running a second VJP.
+    """
+    total = 0
+    for listener in _LISTENERS:
+        method = getattr(listener, "batch_consumers", None)
+        if method is not None:
+            total += method(module)
+    return total
+
+
+def share_batch(module, grad_output, batch: dict, consumers: int) -> None:
+    """Offer per-sample gradients ``{"weight": ..., "bias": ...}`` to the listeners."""
+    notify("share_batch", module, grad_output, batch, consumers)
+
+
+def shared_batch(module, name: str, grad_output):
+    """Per-sample gradients a listener already computed for this layer, or None."""
+    for listener in _LISTENERS:
+        method = getattr(listener, "shared_batch", None)
+        found = method(module, name, grad_output) if method is not None else None
+        if found is not None:
+            return found
+    return None
+
+
 def explicit_block() -> bool:
     """Whether a :class:`save_memory` block is active in this thread/task."""
     return _SETTINGS.get() is not _DEFAULT_SETTINGS

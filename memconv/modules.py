@@ -24,7 +24,15 @@ import torch
 from torch import Tensor, nn
 
 from ._geometry import ConvGeometry, check_input, conv_function, conv_spec, input_vjp
-from .context import current_settings, explicit_block, notify, per_sample_enabled
+from .context import (
+    batch_consumers,
+    current_settings,
+    explicit_block,
+    notify,
+    per_sample_enabled,
+    share_batch,
+    shared_batch,
+)
 from .vjp import bias_grad, check_settings, weight_grad
 
 
@@ -34,6 +42,7 @@ class _ConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, geom: ConvGeometry, owner):
         ctx.geom = geom
+        ctx.owner = owner
         ctx.weight_param = weight
         ctx.bias_param = bias
         # Settings as seen now, for backward passes run on another thread (CUDA's
@@ -58,19 +67,41 @@ class _ConvFunction(torch.autograd.Function):
             )
         else:
             settings, per_sample, explicit = ctx.forward_settings
+        consumers, offered = 0, {}
         if explicit:
             notify("conv_backward")
+            # per-sample gradients an integration already computed for this layer
+            # (BackPACK runs a first layer's hooks before its backward)
+            for name, need in (("weight", need_w), ("bias", need_b)):
+                found = shared_batch(ctx.owner, name, g) if need else None
+                if found is not None:
+                    offered[name] = found
+            consumers = batch_consumers(ctx.owner)
         grad_x = input_vjp(x, weight, g, geom) if need_x else None
         grad_w = grad_b = None
-        if per_sample and (need_w or need_b):
+        if (per_sample or consumers or offered) and (need_w or need_b):
+            # one weight VJP gives the per-sample gradients; their sum is .grad, and
+            # an integration (BackPACK's extensions) may reuse them
+            shared, computed = {}, {}
             if need_w:
-                batch = weight_grad(x, g, geom, per_sample=True, settings=settings)
-                _store_grad_batch(ctx.weight_param, batch)
+                batch = offered.get("weight")
+                if batch is None:
+                    batch = computed["weight"] = weight_grad(
+                        x, g, geom, per_sample=True, settings=settings
+                    )
+                shared["weight"] = batch
                 grad_w = batch.sum(0)
             if need_b:
-                batch = bias_grad(g, per_sample=True)
-                _store_grad_batch(ctx.bias_param, batch)
+                batch = offered.get("bias")
+                if batch is None:
+                    batch = computed["bias"] = bias_grad(g, per_sample=True)
+                shared["bias"] = batch
                 grad_b = batch.sum(0)
+            if per_sample:
+                for name, batch in shared.items():
+                    _store_grad_batch(getattr(ctx, f"{name}_param"), batch)
+            if consumers and computed:
+                share_batch(ctx.owner, g, computed, consumers)
         else:
             if need_w:
                 if explicit:

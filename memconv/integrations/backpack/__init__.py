@@ -164,6 +164,78 @@ class _Listener:
     def conv_backward(self):
         install_active()
 
+    def batch_consumers(self, module) -> int:
+        """Covered extensions about to run on ``module`` (0 where they subsample)."""
+        exts = _covered_active(module)
+        return len(exts) if exts is not None else 0
+
+    def share_batch(self, module, grad_output, batch, consumers):
+        for name, t in batch.items():
+            offer(module, name, grad_output, t, consumers)
+
+    def shared_batch(self, module, name, grad_output):
+        return take_shared(module, name, grad_output)
+
+
+def _covered_active(module):
+    """The covered BackPACK extensions active for ``module``, or None."""
+    if not _loaded() or not hasattr(module, "input0"):
+        return None
+    from backpack.context import CTX
+
+    exts = [e for e in CTX.get_active_exts() if _kind(e) is not None]
+    if not exts or any(e.get_subsampling() is not None for e in exts):
+        return None
+    return exts
+
+
+def offer(module, name: str, grad_output, batch, consumers: int) -> None:
+    """Keep per-sample gradients on ``module`` for ``consumers`` later takers.
+
+    Shared between an extended convolution's backward and the covered extensions
+    of one backward pass (matched by the output gradient), so that the layer's
+    weight VJP runs once; the last taker drops them.
+    """
+    if consumers <= 0:
+        return
+    shared = getattr(module, "_memconv_shared", None)
+    key = (grad_output.data_ptr(), tuple(grad_output.shape))
+    if shared is None or shared["key"] != key:
+        shared = module._memconv_shared = {"key": key}
+    shared[name] = [batch.detach(), consumers]
+
+
+def take_shared(module, name: str, grad_output):
+    """Per-sample gradients offered for this layer and output gradient, or None."""
+    shared = getattr(module, "_memconv_shared", None)
+    if shared is None or name not in shared:
+        return None
+    if shared["key"] != (grad_output.data_ptr(), tuple(grad_output.shape)):
+        del module._memconv_shared
+        return None
+    entry = shared[name]
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del shared[name]
+        if set(shared) == {"key"}:
+            del module._memconv_shared
+    return entry[0]
+
+
+def consumers_after_extension(module, name: str) -> int:
+    """Takers left after one covered extension computed a layer's per-sample grads:
+    the other covered extensions, and memconv's own backward when it runs later
+    (BackPACK runs a first layer's hook before the layer's backward)."""
+    from ...modules import Conv1d, Conv2d, Conv3d
+
+    exts = _covered_active(module) or []
+    later = (
+        isinstance(module, (Conv1d, Conv2d, Conv3d))
+        and not module.input0.requires_grad
+        and getattr(module, name).requires_grad
+    )
+    return len(exts) - 1 + int(later)
+
 
 context.add_listener(_Listener())
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from ... import context
 from ..._geometry import conv_spec
 from ...vjp import bias_grad, weight_grad
+from . import consumers_after_extension, offer, take_shared
 
 # BackPACK's own module extension classes, to give back on restore:
 # kind -> (module path pattern, class name pattern), formatted with the dimension.
@@ -77,17 +78,26 @@ class MemconvConv(FirstOrderModuleExtension):
         return x, g
 
     def weight(self, ext, module, g_inp, g_out, bpQuantities):
-        x, g = self._operands(ext, module, g_out)
-        spec = conv_spec(module)
-        settings = context.current_settings()
-        batch = weight_grad(
-            spec.normalize_input(x), g, spec.geometry, per_sample=True, settings=settings
-        )
+        batch = take_shared(module, "weight", g_out[0])  # memconv.Conv*d computed it
+        if batch is None:
+            x, g = self._operands(ext, module, g_out)
+            spec = conv_spec(module)
+            settings = context.current_settings()
+            batch = weight_grad(
+                spec.normalize_input(x), g, spec.geometry, per_sample=True, settings=settings
+            )
+            if g is g_out[0]:
+                offer(module, "weight", g, batch, consumers_after_extension(module, "weight"))
         return _reduce(self._kind, batch, g_out[0].shape[0])
 
     def bias(self, ext, module, g_inp, g_out, bpQuantities):
-        _, g = self._operands(ext, module, g_out)
-        return _reduce(self._kind, bias_grad(g, per_sample=True), g_out[0].shape[0])
+        batch = take_shared(module, "bias", g_out[0])
+        if batch is None:
+            _, g = self._operands(ext, module, g_out)
+            batch = bias_grad(g, per_sample=True)
+            if g is g_out[0]:
+                offer(module, "bias", g, batch, consumers_after_extension(module, "bias"))
+        return _reduce(self._kind, batch, g_out[0].shape[0])
 
 
 def memconv_extension(kind: str) -> MemconvConv:
