@@ -206,10 +206,10 @@ def test_per_sample_grads_backpack_engine(strategy):
         )
 
 
-@pytest.mark.filterwarnings("ignore:Full backward hook")
-def test_memconv_modules_compute_one_vjp_for_all_extensions(monkeypatch):
-    """memconv.Conv*d under BackPACK: one weight VJP per layer feeds .grad and every
-    covered extension (Variance needs no second VJP), and nothing is left behind."""
+@pytest.fixture
+def vjp_calls(monkeypatch):
+    """The ``per_sample`` flag of every weight VJP memconv's modules and its BackPACK
+    extensions run."""
     import memconv.integrations.backpack.extensions as bp_ext
     import memconv.modules as mod
 
@@ -224,6 +224,13 @@ def test_memconv_modules_compute_one_vjp_for_all_extensions(monkeypatch):
 
     monkeypatch.setattr(mod, "weight_grad", spy(mod.weight_grad))
     monkeypatch.setattr(bp_ext, "weight_grad", spy(bp_ext.weight_grad))
+    return calls
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_memconv_modules_compute_one_vjp_for_all_extensions(vjp_calls):
+    """memconv.Conv*d under BackPACK: one weight VJP per layer feeds .grad and every
+    covered extension (Variance needs no second VJP), and nothing is left behind."""
     case = next(c for c in CASES if c[2] == 2 and c[4].get("groups", 1) == 2)
     model, x, y = build(case, torch.float64, memconv_class=True)
     ref = expected(model, x, y, "Variance")[0]
@@ -235,28 +242,14 @@ def test_memconv_modules_compute_one_vjp_for_all_extensions(monkeypatch):
     ]
     with memconv.save_memory("rochette"), backpack.backpack(*exts):
         nn.CrossEntropyLoss()(model(x), y).backward()
-    assert calls == [True]  # one per-sample VJP, shared
+    assert vjp_calls == [True]  # one per-sample VJP, shared
     assert rel_err(model[0].weight.variance, ref) < 1e-10
     assert rel_err(model[0].weight.grad_batch.sum(0), model[0].weight.grad) < 1e-10
     assert not hasattr(model[0], "_memconv_shared")
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook")
-def test_two_memconv_layers_one_vjp_each(monkeypatch):
-    import memconv.integrations.backpack.extensions as bp_ext
-    import memconv.modules as mod
-
-    calls = []
-
-    def spy(real):
-        def wrapped(*args, **kwargs):
-            calls.append(kwargs["per_sample"])
-            return real(*args, **kwargs)
-
-        return wrapped
-
-    monkeypatch.setattr(mod, "weight_grad", spy(mod.weight_grad))
-    monkeypatch.setattr(bp_ext, "weight_grad", spy(bp_ext.weight_grad))
+def test_two_memconv_layers_one_vjp_each(vjp_calls):
     torch.manual_seed(0)
     model = nn.Sequential(
         memconv.Conv2d(2, 4, 3, padding=1), nn.ReLU(), memconv.Conv2d(4, 4, 3, groups=2),
@@ -276,6 +269,6 @@ def test_two_memconv_layers_one_vjp_each(monkeypatch):
         backpack.backpack(extensions.Variance(), extensions.BatchGrad()),
     ):
         nn.CrossEntropyLoss()(model(x), y).backward()
-    assert calls == [True, True]  # one per layer
+    assert vjp_calls == [True, True]  # one per layer
     assert rel_err(model[2].weight.grad_batch, torch.stack(per)) < 1e-10
     assert not any(hasattr(m, "_memconv_shared") for m in model)
