@@ -8,6 +8,7 @@ a symmetric zero padding that the strategy applies itself.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,7 @@ class ConvGeometry:
     @property
     def kernel_numel(self) -> int:
         """Number of kernel offsets K = prod(k)."""
-        return _prod(self.kernel_size)
+        return math.prod(self.kernel_size)
 
     @property
     def weight_shape(self) -> tuple[int, ...]:
@@ -90,13 +91,6 @@ class ConvGeometry:
             self.dilation,
             self.groups,
         )
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= int(v)
-    return out
 
 
 @dataclass(frozen=True)

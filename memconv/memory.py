@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
 
 import torch
 from torch import nn
@@ -52,17 +52,12 @@ def predict_memory(
             ``memory_budget``.
     """
     spec = conv_spec(module)
-    if strategy is None:
+    if strategy is None and tile_size is None and memory_budget is None and inner is None:
         settings = current_settings()
-        if tile_size is not None or memory_budget is not None or inner is not None:
-            settings = replace(
-                make_settings(
-                    settings.strategy, tile_size=tile_size, memory_budget=memory_budget, inner=inner
-                )
-            )
     else:
+        name = current_settings().strategy if strategy is None else strategy
         settings = make_settings(
-            strategy, tile_size=tile_size, memory_budget=memory_budget, inner=inner
+            name, tile_size=tile_size, memory_budget=memory_budget, inner=inner
         )
     geom = spec.geometry
     shape = tuple(int(s) for s in input_shape)
@@ -78,12 +73,5 @@ def predict_memory(
         geom, shape[0], size, itemsize, per_sample, settings
     )
     if spec.pre_pad is not None:
-        extra += shape[0] * geom.in_channels * _prod(size) * itemsize
+        extra += shape[0] * geom.in_channels * math.prod(size) * itemsize
     return int(extra)
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out

@@ -16,6 +16,7 @@ where ``out`` (optional, of the result's shape) is accumulated into and returned
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -132,16 +133,7 @@ def padded_size(geom: ConvGeometry, size: tuple[int, ...]) -> tuple[int, ...]:
 
 def numel(shape) -> int:
     """Product of a shape's entries."""
-    out = 1
-    for s in shape:
-        out *= int(s)
-    return out
-
-
-def result_numel(geom: ConvGeometry, n: int, per_sample: bool) -> int:
-    """Elements of the weight gradient (per sample or summed)."""
-    w = numel(geom.weight_shape)
-    return w * n if per_sample else w
+    return math.prod(int(s) for s in shape)
 
 
 # Registration happens on import; this order is the order users see.
