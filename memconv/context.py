@@ -55,8 +55,11 @@ def add_listener(listener) -> None:
     """Let an integration follow :class:`save_memory` blocks and convolution backwards.
 
     The core never imports its integrations; they register here instead. The
-    listener may define ``block_entered(settings)``, ``block_exited()`` and
-    ``conv_backward()`` (called at the start of an extended module's backward).
+    listener may define ``block_entered(settings)``, ``block_exited()``,
+    ``conv_backward()`` (called at the start of an extended module's backward),
+    and, to share one layer's per-sample gradients with that backward,
+    ``batch_consumers(module)``, ``share_batch(module, grad_output, batch,
+    consumers)`` and ``shared_batch(module, name, grad_output)``.
     """
     if listener not in _LISTENERS:
         _LISTENERS.append(listener)

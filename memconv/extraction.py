@@ -187,7 +187,9 @@ def _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings):
 
     handles = [m.register_forward_hook(forward_hook) for m in owners]
     try:
-        output = model(inputs)
+        # detached: the graph then starts at the first parametrised layers' outputs
+        # (the roots), whatever the caller's inputs require
+        output = model(inputs.detach())
         loss = sum(loss_fn(output[i : i + 1], targets[i : i + 1]) for i in range(len(inputs)))
     finally:
         for h in handles:

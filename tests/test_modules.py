@@ -200,3 +200,13 @@ def test_grad_batch_accumulates_like_grad():
         m.zero_grad()
         m(x).pow(2).sum().backward()
         assert rel_err(m.weight.grad_batch, first) < TOL
+
+
+def test_per_sample_grads_with_inputs_requiring_grad(problem):
+    x, y = problem
+    model = small_cnn().eval()
+    loss_fn = nn.CrossEntropyLoss()
+    ref = func_reference(model, loss_fn, x, y)
+    got = memconv.per_sample_grads(model, loss_fn, x.clone().requires_grad_(), y)
+    for name in ref:
+        assert rel_err(got[name], ref[name]) < TOL, name

@@ -27,7 +27,17 @@ import numbers
 import torch
 from torch import Tensor, nn
 
-from .plan import Chain, Node, NotStreamableError, Pointwise, ResidualNode, Window, analyse
+from .plan import (
+    Chain,
+    Node,
+    NotStreamableError,
+    Pointwise,
+    ResidualNode,
+    Window,
+    analyse,
+    crop,
+    starts,
+)
 
 
 def receptive_field(node: Node, dims: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -57,14 +67,6 @@ def receptive_field(node: Node, dims: int) -> tuple[tuple[int, ...], tuple[int, 
             )
         return tuple(max(a, b) for a, b in zip(ra, rb)), ja
     raise TypeError(f"unknown plan node {node!r}")
-
-
-def _crop(x: Tensor, rng) -> Tensor:
-    return x[(slice(None), slice(None), *(slice(lo, hi) for lo, hi in rng))]
-
-
-def _starts(rng) -> tuple[int, ...]:
-    return tuple(lo for lo, _ in rng)
 
 
 class StreamingCNN(nn.Module):
@@ -198,10 +200,10 @@ class StreamingCNN(nn.Module):
         out = None
         for rng in self._progress(tiles, "forward"):
             in_rng, plan = self.plan.required(rng, size)
-            y = self.plan.run(_crop(x, in_rng), _starts(in_rng), plan)
+            y = self.plan.run(crop(x, in_rng), starts(in_rng), plan)
             if out is None:
                 out = y.new_empty(x.shape[0], y.shape[1], *self.output_size(size))
-            _crop(out, rng).copy_(y)
+            crop(out, rng).copy_(y)
             del y
         return out
 
@@ -250,19 +252,19 @@ class StreamingCNN(nn.Module):
         for rng in self._progress(tiles, "backward"):
             in_rng, plan = self.plan.required(rng, size)
             with torch.enable_grad():
-                crop = _crop(x, in_rng).detach().requires_grad_(want_x)
-                y = self.plan.run(crop, _starts(in_rng), plan)
-                inputs = ([crop] if want_x else []) + list(params)
+                piece = crop(x, in_rng).detach().requires_grad_(want_x)
+                y = self.plan.run(piece, starts(in_rng), plan)
+                inputs = ([piece] if want_x else []) + list(params)
                 if not inputs:
                     break
-                grads = torch.autograd.grad(y, inputs, _crop(grad, rng), allow_unused=True)
+                grads = torch.autograd.grad(y, inputs, crop(grad, rng), allow_unused=True)
             if want_x:
-                _crop(gx, in_rng).add_(grads[0])
+                crop(gx, in_rng).add_(grads[0])
                 grads = grads[1:]
             for a, g in zip(acc, grads):
                 if g is not None:
                     a.add_(g)
-            del y, grads, crop
+            del y, grads, piece
         return gx, acc
 
 

@@ -84,8 +84,11 @@ class Node:
         return []
 
 
-def _crop(x: Tensor, x_lo, rng: Range) -> Tensor:
-    index = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(rng, x_lo))
+def crop(x: Tensor, rng: Range, origin=None) -> Tensor:
+    """View of the positions ``rng`` of ``x``, a crop whose first position is ``origin``
+    (default: position 0 on every axis)."""
+    origin = origin or (0,) * len(rng)
+    index = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(rng, origin))
     return x[(slice(None), slice(None), *index)]
 
 
@@ -124,7 +127,7 @@ class Window(Node):
 
     def run(self, x, x_lo, plan):
         rng, pads = plan
-        x = _crop(x, x_lo, rng)
+        x = crop(x, rng, x_lo)
         if any(p for pair in pads for p in pair):
             if self.pad_mode == "constant":
                 x = F.pad(x, [p for pair in reversed(pads) for p in pair], value=self.pad_value)
@@ -175,7 +178,7 @@ class Pointwise(Node):
         return out, out
 
     def run(self, x, x_lo, plan):
-        return self.module(_crop(x, x_lo, plan))
+        return self.module(crop(x, plan, x_lo))
 
 
 @dataclass
@@ -211,7 +214,7 @@ class Chain(Node):
         for i, (node, (_, sub)) in enumerate(zip(self.nodes, plan)):
             x = node.run(x, x_lo, sub)
             if i + 1 < len(plan):  # x now holds exactly the next node's input range
-                x_lo = _starts(plan[i + 1][0])
+                x_lo = starts(plan[i + 1][0])
         return x
 
     def windows(self):
@@ -262,17 +265,18 @@ class ResidualNode(Node):
 
     def run(self, x, x_lo, plan):
         hull, ra, pa, rb, pb = plan
-        x = _crop(x, x_lo, hull)
+        x = crop(x, hull, x_lo)
         lo = tuple(h[0] for h in hull)
-        return self.branch.run(_crop(x, lo, ra), _starts(ra), pa) + self.shortcut.run(
-            _crop(x, lo, rb), _starts(rb), pb
+        return self.branch.run(crop(x, ra, lo), starts(ra), pa) + self.shortcut.run(
+            crop(x, rb, lo), starts(rb), pb
         )
 
     def windows(self):
         return self.branch.windows() + self.shortcut.windows()
 
 
-def _starts(rng: Range) -> tuple[int, ...]:
+def starts(rng: Range) -> tuple[int, ...]:
+    """First position of a range on every axis."""
     return tuple(lo for lo, _ in rng)
 
 
