@@ -1,21 +1,31 @@
 """memconv: exact, memory-lean backward passes for convolutions.
 
-Swappable weight-VJP strategies for ``torch.nn.Conv1d/2d/3d`` behind one context
-manager, extended modules that compute per-sample gradients in their single
-backward pass, and per-sample gradient extraction for whole models.
+Swappable weight-VJP strategies for convolutions behind one context manager,
+extended modules that compute per-sample gradients in their single backward pass,
+and per-sample gradient extraction for whole models.
 
 Example:
     >>> import memconv
+    >>> model = memconv.convert(model)
     >>> with memconv.save_memory("streaming", tile_size=16), memconv.per_sample():
-    ...     loss.backward()       # conv layers are memconv.Conv2d
+    ...     loss_fn(model(x), y).backward()
     >>> model[0].weight.grad_batch.shape    # [N, C_out, C_in/G, k, k]
 """
 
 from .context import current_strategy, per_sample, save_memory, strategies
 from .extraction import per_sample_grads
+from .grad_sample import bias_grad
 from .memory import predict_memory
-from .modules import Conv1d, Conv2d, Conv3d, convert
-from .vjp import bias_grad, weight_vjp
+from .modules import (
+    Conv1d,
+    Conv2d,
+    Conv3d,
+    ConvTranspose1d,
+    ConvTranspose2d,
+    ConvTranspose3d,
+    convert,
+)
+from .vjp import weight_vjp
 
 __version__ = "0.1.0"
 
@@ -23,6 +33,9 @@ __all__ = [
     "Conv1d",
     "Conv2d",
     "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
     "bias_grad",
     "convert",
     "current_strategy",
@@ -33,5 +46,3 @@ __all__ = [
     "strategies",
     "weight_vjp",
 ]
-
-from . import integrations  # noqa: E402,F401  (registers the integrations' listeners)

@@ -1,21 +1,29 @@
-"""Geometry of a convolution: kernel, stride, padding, dilation, groups.
+"""Geometry of convolutions: one normal form, and the window arithmetic of tiling.
 
-Every strategy works on one normal form: an input that already carries any
-asymmetric or non-zero padding (applied here with :func:`torch.nn.functional.pad`,
-as :meth:`torch.nn.Conv2d._conv_forward` does for ``padding_mode != "zeros"``) and
-a symmetric zero padding that the strategy applies itself.
+Every strategy works on one normal form of a convolution: an input that already
+carries any asymmetric or non-zero padding (applied with
+:func:`torch.nn.functional.pad`, as :meth:`torch.nn.Conv2d._conv_forward` does for
+``padding_mode != "zeros"``) and a symmetric zero padding that the strategy applies
+itself. A transposed convolution is reduced to the same form: its weight gradient
+is the weight gradient of the convolution whose input gradient it computes, with
+the roles of input and output gradient exchanged (see :class:`ConvSpec`).
+
+The per-axis window arithmetic at the end of this module (receptive field, the
+input range an output range needs, the border padding that range misses) is shared
+by the ``"streaming"`` strategy and :mod:`memconv.streaming`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+CONV_TRANSPOSE_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
 
@@ -64,68 +72,117 @@ class ConvGeometry:
         return (self.out_channels, self.in_per_group, *self.kernel_size)
 
     def output_size(self, input_size: tuple[int, ...]) -> tuple[int, ...]:
-        """Output spatial size for a (normal-form) input spatial size.
+        """Output spatial size T for a normal-form input spatial size (PyTorch's formula).
 
         Args:
             input_size: spatial size of the input, before the symmetric padding.
-
-        Returns:
-            The spatial size T of the output (PyTorch's formula).
         """
         return tuple(
-            (s + 2 * p - d * (k - 1) - 1) // st + 1
+            (s + 2 * p - span(k, d)) // st + 1
             for s, p, d, k, st in zip(
                 input_size, self.padding, self.dilation, self.kernel_size, self.stride
             )
         )
 
+    def needed_input_size(self, output_size: tuple[int, ...]) -> tuple[int, ...]:
+        """Smallest input spatial size (before padding) that gives ``output_size``."""
+        return tuple(
+            (t - 1) * st + span(k, d) - 2 * p
+            for t, st, k, d, p in zip(
+                output_size, self.stride, self.kernel_size, self.dilation, self.padding
+            )
+        )
+
     def with_padding(self, padding: tuple[int, ...]) -> ConvGeometry:
         """Copy of this geometry with another symmetric padding."""
-        return ConvGeometry(
-            self.dims,
-            self.in_channels,
-            self.out_channels,
-            self.kernel_size,
-            self.stride,
-            tuple(padding),
-            self.dilation,
-            self.groups,
-        )
+        return replace(self, padding=tuple(padding))
 
 
 @dataclass(frozen=True)
 class ConvSpec:
-    """A convolution module reduced to what the backward pass needs.
+    """A convolution or transposed-convolution module reduced to what its weight
+    VJP needs.
+
+    For a convolution the strategy operands are the module's input ``x`` (brought
+    to normal form by :meth:`normalize_input`) and its output gradient. For a
+    transposed convolution ``y = conv_transpose(x, W)``, which computes the input
+    gradient of ``conv(·, W)`` at ``x``, the operands are exchanged: the *output
+    gradient* ``g_y`` plays the convolution's input (cropped to the positions that
+    reach an input position; ``output_padding`` adds none) and the module's
+    *input* plays the convolution's output gradient. ``W``'s layout
+    ``[C_in, C_out/G, *k]`` is then exactly the convolution's ``[C_out, C_in/G, *k]``.
 
     Attributes:
-        geometry: the normal-form geometry.
+        geometry: the normal-form geometry of the (equivalent) convolution.
         pre_pad: the ``pad`` argument of :func:`torch.nn.functional.pad` that brings
-            the module's input to normal form, or ``None`` when nothing is needed.
+            the strategy's input operand to normal form, or ``None``.
         pad_mode: the ``mode`` of that padding ("constant", "reflect", ...).
+        transposed: whether the module is a transposed convolution.
     """
 
     geometry: ConvGeometry
     pre_pad: tuple[int, ...] | None
     pad_mode: str
+    transposed: bool = False
 
     def normalize_input(self, x: Tensor) -> Tensor:
-        """Apply the pre-padding (if any) to the module's input."""
+        """Apply the pre-padding (if any) to a convolution's input."""
         if self.pre_pad is None:
             return x
         return F.pad(x, self.pre_pad, mode=self.pad_mode)
 
+    def operands(
+        self, input: Tensor, grad_output: Tensor, normalized: bool = False
+    ) -> tuple[Tensor, Tensor, ConvGeometry]:
+        """The strategy operands for a layer's input and output gradient.
+
+        Args:
+            input: the layer's input.
+            grad_output: the layer's output gradient.
+            normalized: ``input`` already is in normal form (a convolution's saved
+                input).
+
+        Returns:
+            ``(x, g, geometry)``: ``x`` ``[N, C_in, *S]`` in normal form and ``g``
+            ``[N, C_out, *T]`` of the (equivalent) convolution, and the geometry to
+            run the strategy with. For a transposed convolution ``x`` is the output
+            gradient and ``g`` the input; positions that ``output_padding`` added are
+            kept where the equivalent convolution reads them: along an axis with
+            ``output_padding`` and padding ``p > 0`` the operand is padded by
+            ``(p, p - output_padding)`` (a copy) and that axis's padding becomes 0;
+            with ``p = 0`` the extra positions are never read and are cropped (a view).
+        """
+        geom = self.geometry
+        if not self.transposed:
+            return (input if normalized else self.normalize_input(input)), grad_output, geom
+        needed = geom.needed_input_size(tuple(input.shape[2:]))
+        extra = [s - n for s, n in zip(grad_output.shape[2:], needed)]
+        if not any(extra):
+            return grad_output, input, geom
+        pairs, padding = [], []
+        for op, p in zip(extra, geom.padding):
+            if op and p:
+                pairs.append((p, p - op))
+                padding.append(0)
+            else:
+                pairs.append((0, -op))
+                padding.append(p)
+        return F.pad(grad_output, torch_pad_argument(pairs)), input, geom.with_padding(padding)
+
 
 def check_conv_module(module, argument: str = "module") -> None:
-    """Raise unless ``module`` is a ``torch.nn.Conv1d``, ``Conv2d`` or ``Conv3d``.
+    """Raise unless ``module`` is a supported convolution or transposed convolution.
 
     Raises:
-        TypeError: for any other object, transposed and lazy convolutions included.
+        TypeError: for any other object, lazy modules included.
         ValueError: for an unknown ``padding_mode``.
     """
-    if not isinstance(module, CONV_TYPES) or isinstance(module, nn.modules.lazy.LazyModuleMixin):
+    if not isinstance(module, CONV_TYPES + CONV_TRANSPOSE_TYPES) or isinstance(
+        module, nn.modules.lazy.LazyModuleMixin
+    ):
         raise TypeError(
-            f"{argument} must be a torch.nn.Conv1d, Conv2d or Conv3d (or a memconv "
-            f"subclass of one), got {type(module).__name__}"
+            f"{argument} must be a torch.nn.Conv1d/2d/3d or ConvTranspose1d/2d/3d (or a "
+            f"memconv subclass of one), got {type(module).__name__}"
         )
     if module.padding_mode not in PADDING_MODES:
         raise ValueError(
@@ -134,10 +191,10 @@ def check_conv_module(module, argument: str = "module") -> None:
 
 
 def conv_spec(module: nn.Module) -> ConvSpec:
-    """Reduce a convolution module to a :class:`ConvSpec`.
+    """Reduce a convolution or transposed-convolution module to a :class:`ConvSpec`.
 
     Args:
-        module: a ``torch.nn.Conv1d``, ``Conv2d`` or ``Conv3d``.
+        module: a ``torch.nn.Conv1d/2d/3d`` or ``ConvTranspose1d/2d/3d``.
 
     Returns:
         The spec. ``padding="same"`` with an even effective kernel pads one more
@@ -148,13 +205,25 @@ def conv_spec(module: nn.Module) -> ConvSpec:
     """
     check_conv_module(module)
     dims = len(module.kernel_size)
+    if isinstance(module, CONV_TRANSPOSE_TYPES):
+        geometry = ConvGeometry(
+            dims=dims,
+            in_channels=module.out_channels,
+            out_channels=module.in_channels,
+            kernel_size=tuple(module.kernel_size),
+            stride=tuple(module.stride),
+            padding=tuple(module.padding),
+            dilation=tuple(module.dilation),
+            groups=module.groups,
+        )
+        return ConvSpec(geometry, None, "constant", transposed=True)
     pairs = []  # (left, right) per spatial dimension
     for i in range(dims):
         k, d = module.kernel_size[i], module.dilation[i]
         if module.padding == "valid":
             pairs.append((0, 0))
         elif module.padding == "same":
-            total = d * (k - 1)
+            total = span(k, d) - 1
             pairs.append((total // 2, total - total // 2))
         else:
             p = module.padding[i]
@@ -162,15 +231,11 @@ def conv_spec(module: nn.Module) -> ConvSpec:
     if module.padding_mode == "zeros":
         sym = tuple(left for left, _ in pairs)
         extra = [right - left for left, right in pairs]
-        pre_pad = None
-        if any(extra):
-            pre_pad = tuple(v for e in reversed(extra) for v in (0, e))
+        pre_pad = torch_pad_argument([(0, e) for e in extra]) if any(extra) else None
         mode = "constant"
     else:
         sym = (0,) * dims
-        pre_pad = tuple(v for pair in reversed(pairs) for v in pair)
-        if not any(pre_pad):
-            pre_pad = None
+        pre_pad = torch_pad_argument(pairs) if any(v for p in pairs for v in p) else None
         mode = module.padding_mode
     geometry = ConvGeometry(
         dims=dims,
@@ -186,7 +251,10 @@ def conv_spec(module: nn.Module) -> ConvSpec:
 
 
 def check_input(spec: ConvSpec, x, argument: str = "input") -> None:
-    """Raise unless ``x`` is a floating tensor ``[N, C_in, *S]`` for this convolution.
+    """Raise unless ``x`` is a floating tensor ``[N, C_in, *S]`` for this layer.
+
+    For a transposed convolution ``C_in`` is the module's ``in_channels`` (the
+    equivalent convolution's ``C_out``).
 
     Raises:
         TypeError: if ``x`` is not a floating-point tensor.
@@ -194,15 +262,18 @@ def check_input(spec: ConvSpec, x, argument: str = "input") -> None:
             too small for the kernel.
     """
     geom = spec.geometry
+    channels = geom.out_channels if spec.transposed else geom.in_channels
     if not isinstance(x, Tensor):
         raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{argument} must be floating point, got dtype {x.dtype}")
-    if x.dim() != geom.dims + 2 or x.shape[1] != geom.in_channels:
+    if x.dim() != geom.dims + 2 or x.shape[1] != channels:
         raise ValueError(
-            f"{argument} must have shape [N, C_in={geom.in_channels}, "
+            f"{argument} must have shape [N, C_in={channels}, "
             f"{geom.dims} spatial dims], got {tuple(x.shape)}"
         )
+    if spec.transposed:
+        return
     size = padded_spatial(spec, tuple(x.shape[2:]))
     if any(t < 1 for t in geom.output_size(size)):
         raise ValueError(
@@ -215,16 +286,32 @@ def padded_spatial(spec: ConvSpec, size: tuple[int, ...]) -> tuple[int, ...]:
     """Spatial size after the pre-padding of ``spec``."""
     if spec.pre_pad is None:
         return tuple(size)
-    dims = len(size)
-    out = list(size)
-    for i in range(dims):
-        j = dims - 1 - i  # F.pad lists the last dimension first
-        out[i] += spec.pre_pad[2 * j] + spec.pre_pad[2 * j + 1]
-    return tuple(out)
+    pairs = pad_pairs(spec.pre_pad)
+    return tuple(s + lo + hi for s, (lo, hi) in zip(size, pairs))
+
+
+def layer_output_size(spec: ConvSpec, module: nn.Module, size: tuple[int, ...]):
+    """Spatial size of the layer's output for an input spatial size ``size``.
+
+    For a transposed convolution: PyTorch's formula with the module's own
+    ``output_padding``.
+    """
+    geom = spec.geometry
+    if not spec.transposed:
+        return geom.output_size(padded_spatial(spec, size))
+    return tuple(
+        (s - 1) * st - 2 * p + span(k, d) + op
+        for s, st, p, k, d, op in zip(
+            size, geom.stride, geom.padding, geom.kernel_size, geom.dilation, module.output_padding
+        )
+    )
 
 
 def check_grad_output(spec: ConvSpec, x_shape, g, argument: str = "grad_output") -> None:
     """Raise unless ``g`` has the shape of the convolution's output for input ``x_shape``.
+
+    For a transposed convolution any ``output_padding`` (0 ≤ it < max(stride,
+    dilation), as PyTorch allows) is accepted.
 
     Raises:
         TypeError: if ``g`` is not a tensor.
@@ -233,6 +320,20 @@ def check_grad_output(spec: ConvSpec, x_shape, g, argument: str = "grad_output")
     geom = spec.geometry
     if not isinstance(g, Tensor):
         raise TypeError(f"{argument} must be a torch.Tensor, got {type(g).__name__}")
+    if spec.transposed:
+        low = geom.needed_input_size(tuple(x_shape[2:]))
+        slack = [max(s, d) for s, d in zip(geom.stride, geom.dilation)]
+        ok = (
+            g.dim() == len(x_shape)
+            and tuple(g.shape[:2]) == (x_shape[0], geom.in_channels)
+            and all(lo <= t < lo + sl for t, lo, sl in zip(g.shape[2:], low, slack))
+        )
+        if not ok:
+            raise ValueError(
+                f"{argument} must have shape ({x_shape[0]}, {geom.in_channels}, *T) with T "
+                f"from {low} (+ output_padding) for input {tuple(x_shape)}, got {tuple(g.shape)}"
+            )
+        return
     expected = (
         x_shape[0],
         geom.out_channels,
@@ -250,21 +351,31 @@ def conv_function(dims: int):
     return (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
 
 
-def input_vjp(x: Tensor, weight: Tensor, g: Tensor, geom: ConvGeometry) -> Tensor:
-    """Gradient of the convolution with respect to its (normal-form) input.
+def conv_transpose_function(dims: int):
+    """``torch.nn.functional.conv_transpose{dims}d``."""
+    return (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
 
-    The transposed convolution, through ATen's ``convolution_backward`` with only the
-    input mask set, so no weight gradient is computed.
+
+def input_vjp(
+    x: Tensor, weight: Tensor, g: Tensor, geom: ConvGeometry, output_padding=None
+) -> Tensor:
+    """Gradient of the layer with respect to its input, no weight gradient computed.
+
+    ATen's ``convolution_backward`` with only the input mask set.
 
     Args:
-        x: normal-form input ``[N, C_in, *S]`` (only its shape is used by ATen).
-        weight: ``[C_out, C_in/G, *k]``.
-        g: output gradient ``[N, C_out, *T]``.
-        geom: the geometry.
+        x: the layer's (normal-form) input ``[N, C, *S]``; only its shape is used.
+        weight: the layer's weight.
+        g: the layer's output gradient.
+        geom: geometry of the convolution (for a transposed convolution, the
+            equivalent convolution's: same stride, padding, dilation and groups).
+        output_padding: ``None`` for a convolution; a transposed convolution's
+            ``output_padding``.
 
     Returns:
-        ``[N, C_in, *S]``.
+        ``[N, C, *S]``, the input gradient.
     """
+    transposed = output_padding is not None
     grad_input, _, _ = torch.ops.aten.convolution_backward(
         g,
         x,
@@ -273,9 +384,70 @@ def input_vjp(x: Tensor, weight: Tensor, g: Tensor, geom: ConvGeometry) -> Tenso
         list(geom.stride),
         list(geom.padding),
         list(geom.dilation),
-        False,
-        [0] * geom.dims,
+        transposed,
+        list(output_padding) if transposed else [0] * geom.dims,
         geom.groups,
         [True, False, False],
     )
     return grad_input
+
+
+# ------------------------------------------------------------- window arithmetic
+def span(kernel: int, dilation: int) -> int:
+    """Input positions one output position sees along an axis: ``d·(k-1)+1``."""
+    return dilation * (kernel - 1) + 1
+
+
+def torch_pad_argument(pairs) -> tuple[int, ...]:
+    """The ``pad`` argument of :func:`torch.nn.functional.pad` for ``(left, right)``
+    pairs given per spatial axis, first axis first (``F.pad`` lists the last first)."""
+    return tuple(v for pair in reversed(list(pairs)) for v in pair)
+
+
+def pad_pairs(pad: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Inverse of :func:`torch_pad_argument`: ``(left, right)`` per axis, first first."""
+    pairs = [(pad[2 * j], pad[2 * j + 1]) for j in range(len(pad) // 2)]
+    return pairs[::-1]
+
+
+def input_range(
+    out: tuple[int, int], stride: int, pad_left: int, window: int, size: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The input positions an output range reads along one axis, clipped to the input.
+
+    Args:
+        out: output positions ``[lo, hi)``.
+        stride: the layer's stride.
+        pad_left: the layer's padding before the first input position.
+        window: :func:`span` of the layer's kernel.
+        size: the input's size along the axis.
+
+    Returns:
+        ``((lo, hi), (pad_lo, pad_hi))``: the clipped input range, and how many of
+        the positions it reads lie in the layer's padding before and after it.
+    """
+    a, b = out
+    lo = a * stride - pad_left
+    hi = (b - 1) * stride - pad_left + window
+    c_lo, c_hi = max(lo, 0), min(hi, size)
+    return (c_lo, c_hi), (c_lo - lo, hi - c_hi)
+
+
+def compose_receptive_field(
+    rf: tuple[int, ...], jump: tuple[int, ...], window: tuple[int, ...], stride: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Receptive field and output stride after one more layer (per axis).
+
+    Args:
+        rf: receptive field so far, in input positions.
+        jump: output stride so far, in input positions.
+        window: :func:`span` of the next layer's kernel.
+        stride: the next layer's stride.
+
+    Returns:
+        ``(rf', jump')`` with ``rf' = rf + (window-1)·jump`` and ``jump' = jump·stride``.
+    """
+    return (
+        tuple(r + (w - 1) * j for r, w, j in zip(rf, window, jump)),
+        tuple(j * s for j, s in zip(jump, stride)),
+    )

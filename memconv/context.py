@@ -1,8 +1,25 @@
-"""The active weight-VJP strategy and the per-sample switch.
+"""When memconv's settings apply: the ``save_memory`` and ``per_sample`` blocks.
 
-Both live in :class:`contextvars.ContextVar` objects, so two threads or two asyncio
-tasks never see each other's setting. The context managers nest, restore the
-previous value on exit and on exception, and also work as decorators.
+**The rule.** A block applies to the layers whose *forward pass* runs inside it.
+When a memconv layer (``memconv.Conv*d``, ``memconv.ConvTranspose*d``,
+``memconv.Linear``, the normalisation layers of :func:`memconv.convert`) runs its
+forward pass with gradients enabled, it records the active strategy, its options
+and the per-sample switch in the autograd graph; its backward pass uses what was
+recorded, whenever and on whichever thread it runs (CUDA's autograd device threads
+do not see the calling thread's context variables). This is how ``torch.autocast``
+treats the backward pass. :func:`memconv.per_sample_grads` and the other whole-model
+functions run their own forward and backward passes under the block open when
+they are called (or their ``strategy`` argument). BackPACK's extensions, installed
+with :func:`memconv.integrations.backpack.install`, read what the forward pass of a
+memconv layer recorded.
+
+Blocks live in :class:`contextvars.ContextVar` objects, so two threads or two
+asyncio tasks never see each other's; they nest, restore the previous value on
+exit and on exception, and also work as decorators.
+
+Never silent: a block inside which no memconv layer ran its forward pass (a model
+that was not converted) warns when it closes, and a backward pass inside a block
+that the layer's forward pass did not see warns, naming the layer.
 """
 
 from __future__ import annotations
@@ -10,102 +27,128 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import numbers
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
-from .strategies import strategy_names
+from .strategies import NO_OPTIONS, Options, get_strategy, strategy_names
 
-DEFAULT_STRATEGY = "standard"
+#: The strategy per-sample computations use outside any ``save_memory`` block.
+DEFAULT_STRATEGY = "auto"
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What :func:`save_memory` sets.
+    """What a :class:`save_memory` block sets.
 
     Attributes:
         strategy: registered strategy name.
-        tile_size: output positions per spatial dimension of one tile for
-            ``"streaming"`` (int, or one int per spatial dimension); ``None`` lets
-            the strategy choose.
-        memory_budget: bytes of extra memory ``"auto"`` (and ``"streaming"`` without a
-            ``tile_size``) may use per layer; ``None`` means no limit.
-        inner: strategy used inside each tile by ``"streaming"``; ``None`` picks one.
+        options: the strategy's options (only those it reads are set).
     """
 
     strategy: str = DEFAULT_STRATEGY
-    tile_size: int | tuple[int, ...] | None = None
-    memory_budget: int | None = None
-    inner: str | None = None
+    options: Options = NO_OPTIONS
 
 
-_SETTINGS: contextvars.ContextVar[Settings] = contextvars.ContextVar(
-    "memconv_settings",
-    default=Settings(),  # noqa: B039 (frozen dataclass)
+DEFAULT_SETTINGS = Settings()
+
+
+@dataclass(eq=False)
+class _Block:
+    """An open block: what it set, and whether a memconv computation used it."""
+
+    value: object
+    parent: _Block | None
+    used: bool = field(default=False)
+
+    def mark_used(self) -> None:
+        block = self
+        while block is not None:
+            block.used = True
+            block = block.parent
+
+
+_SETTINGS: contextvars.ContextVar[_Block | None] = contextvars.ContextVar(
+    "memconv_settings", default=None
 )
-_DEFAULT_SETTINGS = _SETTINGS.get()
-_PER_SAMPLE: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "memconv_per_sample", default=False
+_PER_SAMPLE: contextvars.ContextVar[_Block | None] = contextvars.ContextVar(
+    "memconv_per_sample", default=None
 )
 
 
-#: Integrations (e.g. BackPACK's) that follow the blocks; see :func:`add_listener`.
-_LISTENERS: list = []
+@dataclass(frozen=True)
+class Recorded:
+    """What a memconv layer's forward pass records for its backward pass.
 
-
-def add_listener(listener) -> None:
-    """Let an integration follow :class:`save_memory` blocks and convolution backwards.
-
-    The core never imports its integrations; they register here instead. The
-    listener may define ``block_entered(settings)``, ``block_exited()``,
-    ``conv_backward()`` (called at the start of an extended module's backward),
-    and, to share one layer's per-sample gradients with that backward,
-    ``batch_consumers(module)``, ``share_batch(module, grad_output, batch,
-    consumers)`` and ``shared_batch(module, name, grad_output)``.
+    Attributes:
+        settings: the :class:`save_memory` block's settings, or ``None`` when no
+            block was open (summed gradients then come from torch's own kernels,
+            per-sample ones from :data:`DEFAULT_STRATEGY`).
+        per_sample: whether a :class:`per_sample` block was on.
     """
-    if listener not in _LISTENERS:
-        _LISTENERS.append(listener)
+
+    settings: Settings | None
+    per_sample: bool
+
+    @property
+    def strategy_settings(self) -> Settings:
+        """The settings a strategy runs with (the default outside any block)."""
+        return self.settings if self.settings is not None else DEFAULT_SETTINGS
 
 
-def notify(event: str, *args) -> None:
-    """Call ``event`` on every listener that defines it."""
-    for listener in _LISTENERS:
-        method = getattr(listener, event, None)
-        if method is not None:
-            method(*args)
+def record(per_sample_only: bool = False) -> Recorded:
+    """The settings a forward pass running now records; marks the blocks used.
 
-
-def batch_consumers(module) -> int:
-    """How many integrations' quantities will use this layer's per-sample gradients.
-
-    Asked by an extended convolution's backward pass: when positive, it computes
-    the per-sample gradients once (their sum is the layer's ``.grad``) and offers
-    them with :func:`share_batch` instead of the integration running a second VJP.
+    Args:
+        per_sample_only: for layers that read only the per-sample switch (their
+            gradients need no strategy): the ``save_memory`` block is not marked.
     """
-    total = 0
-    for listener in _LISTENERS:
-        method = getattr(listener, "batch_consumers", None)
-        if method is not None:
-            total += method(module)
-    return total
+    settings, switch = _SETTINGS.get(), _PER_SAMPLE.get()
+    for block in (switch,) if per_sample_only else (settings, switch):
+        if block is not None:
+            block.mark_used()
+    return Recorded(
+        settings.value if settings is not None else None,
+        bool(switch is not None and switch.value),
+    )
 
 
-def share_batch(module, grad_output, batch: dict, consumers: int) -> None:
-    """Offer per-sample gradients ``{"weight": ..., "bias": ...}`` to the listeners."""
-    notify("share_batch", module, grad_output, batch, consumers)
+def use_block_settings(strategy=None) -> Settings:
+    """Settings for a computation that runs now (``weight_vjp``, ``per_sample_grads``).
+
+    Args:
+        strategy: a name or bool to override the block's strategy (with no options),
+            or ``None`` for the open block's settings (the default outside blocks).
+
+    Raises:
+        TypeError, ValueError: for an unknown or wrongly typed strategy.
+    """
+    if strategy is not None:
+        return Settings(resolve_strategy_name(strategy), NO_OPTIONS)
+    block = _SETTINGS.get()
+    if block is None:
+        return DEFAULT_SETTINGS
+    block.mark_used()
+    return block.value
 
 
-def shared_batch(module, name: str, grad_output):
-    """Per-sample gradients a listener already computed for this layer, or None."""
-    for listener in _LISTENERS:
-        method = getattr(listener, "shared_batch", None)
-        found = method(module, name, grad_output) if method is not None else None
-        if found is not None:
-            return found
-    return None
+@contextlib.contextmanager
+def activate(settings: Settings | None, per_sample: bool = False):
+    """Open the blocks a recorded forward pass saw, for a computation memconv runs
+    itself (a recomputation, an engine); no warning on exit.
 
-
-def explicit_block() -> bool:
-    """Whether a :class:`save_memory` block is active in this thread/task."""
-    return _SETTINGS.get() is not _DEFAULT_SETTINGS
+    Args:
+        settings: the ``save_memory`` block's settings, or ``None`` for no block.
+        per_sample: whether a ``per_sample`` block is on.
+    """
+    tokens = (
+        _SETTINGS.set(_Block(settings, None) if settings is not None else None),
+        _PER_SAMPLE.set(_Block(True, None) if per_sample else None),
+    )
+    try:
+        yield
+    finally:
+        _PER_SAMPLE.reset(tokens[1])
+        _SETTINGS.reset(tokens[0])
 
 
 def strategies() -> tuple[str, ...]:
@@ -114,18 +157,48 @@ def strategies() -> tuple[str, ...]:
 
 
 def current_settings() -> Settings:
-    """The :class:`Settings` active in this thread/task."""
-    return _SETTINGS.get()
+    """The :class:`Settings` of the block open in this thread/task (default outside)."""
+    block = _SETTINGS.get()
+    return block.value if block is not None else DEFAULT_SETTINGS
+
+
+def block_settings() -> Settings | None:
+    """The settings of the open :class:`save_memory` block, or None outside any."""
+    block = _SETTINGS.get()
+    return block.value if block is not None else None
 
 
 def current_strategy() -> str:
-    """The name of the active strategy (``"standard"`` outside any block)."""
-    return _SETTINGS.get().strategy
+    """The name of the active strategy (``"auto"`` outside any block)."""
+    return current_settings().strategy
 
 
 def per_sample_enabled() -> bool:
-    """Whether extended modules store ``grad_batch`` in this thread/task."""
-    return _PER_SAMPLE.get()
+    """Whether a :class:`per_sample` block is on in this thread/task."""
+    block = _PER_SAMPLE.get()
+    return bool(block is not None and block.value)
+
+
+def warn_if_block_missed(recorded: Recorded, layer) -> None:
+    """Warn when a backward pass runs inside a block its layer's forward did not see.
+
+    Called by memconv layers at the start of their backward pass. On another
+    thread (CUDA's autograd threads) no block is visible and nothing is said.
+    """
+    current = block_settings()
+    missed = []
+    if current is not None and current != recorded.settings:
+        missed.append("save_memory")
+    if per_sample_enabled() and not recorded.per_sample:
+        missed.append("per_sample")
+    if missed:
+        warnings.warn(
+            f"memconv: the backward pass of {layer} runs inside a "
+            f"{' and a '.join(missed)} block that its forward pass did not run in; memconv "
+            "applies the blocks open around a layer's forward pass (as torch.autocast), so "
+            "this block does not apply to it. Run the forward pass inside the block.",
+            stacklevel=3,
+        )
 
 
 def _check_positive_int(value, argument: str) -> None:
@@ -189,18 +262,66 @@ def make_settings(strategy="rochette", *, tile_size=None, memory_budget=None, in
         _check_positive_int(memory_budget, "memory_budget")
     if inner is not None:
         inner = resolve_strategy_name(inner, "inner")
-        if inner in ("streaming", "auto"):
+        if get_strategy(inner).composite:
             raise ValueError(
-                f"inner must be a non-tiling strategy, got {inner!r}; accepted: "
-                + ", ".join(n for n in strategy_names() if n not in ("streaming", "auto"))
+                f"inner must be a strategy that runs no other, got {inner!r}; accepted: "
+                + ", ".join(n for n in strategy_names() if not get_strategy(n).composite)
             )
     if isinstance(tile_size, list):
         tile_size = tuple(tile_size)
-    return Settings(name, tile_size, memory_budget, inner)
+    options = Options(memory_budget=memory_budget, tile_size=tile_size, inner=inner)
+    unused = [o for o in options.given() if o not in get_strategy(name).options]
+    if unused:
+        readers = {o: [n for n in strategy_names() if o in get_strategy(n).options] for o in unused}
+        raise ValueError(
+            f"save_memory({name!r}): the strategy {name!r} does not use "
+            + "; ".join(f"{o} (used by: {', '.join(readers[o])})" for o in unused)
+        )
+    return Settings(name, options)
 
 
-class save_memory(contextlib.ContextDecorator):
-    """Choose the weight-VJP strategy for convolutions inside a ``with`` block.
+class _Switch(contextlib.ContextDecorator):
+    """A block held in a context variable; warns on exit if nothing used it."""
+
+    _var: contextvars.ContextVar
+    _unused_message: str
+
+    def __init__(self, value):
+        self._value = value
+        self._entered: list[tuple[contextvars.Token, _Block]] = []
+
+    def _recreate_cm(self):
+        # a fresh object per decorated call: tokens never cross threads or tasks
+        clone = object.__new__(type(self))
+        clone._value, clone._entered = self._value, []
+        return clone
+
+    def __enter__(self):
+        block = _Block(self._value, self._var.get())
+        self._entered.append((self._var.set(block), block))
+        return self
+
+    def __exit__(self, *exc):
+        token, block = self._entered.pop()
+        self._var.reset(token)
+        if exc[0] is None and not block.used and self._should_warn():
+            warnings.warn(self._unused_message, stacklevel=2)
+        return False
+
+    def _should_warn(self) -> bool:
+        return True
+
+
+class save_memory(_Switch):
+    """Choose the weight-VJP strategy for the layers whose forward pass runs inside.
+
+    **When it applies**: to the memconv layers (see :func:`memconv.convert`) whose
+    forward pass runs inside the block; their backward pass uses the recorded
+    settings wherever and whenever it runs, as ``torch.autocast`` does. Functions
+    that run a forward and backward pass themselves (:func:`memconv.per_sample_grads`,
+    :func:`memconv.weight_vjp`) use the block open when they are called. A block in
+    which no memconv layer ran warns when it closes; a backward pass inside a block
+    that its forward pass did not see warns, naming the layer.
 
     ``save_memory(True)`` means ``"rochette"`` and ``save_memory(False)`` means
     ``"standard"``, so that code written for BackPACK's
@@ -210,62 +331,59 @@ class save_memory(contextlib.ContextDecorator):
         strategy: a name from :func:`memconv.strategies`, or a bool.
         tile_size: for ``"streaming"``, output positions per spatial dimension of a
             tile (int or tuple of ints, > 0).
-        memory_budget: bytes of extra memory a layer's weight VJP may use, for
-            ``"auto"`` and for ``"streaming"`` without a ``tile_size`` (int, > 0).
+        memory_budget: bytes of extra memory one layer's weight VJP may use, for
+            ``"auto"``, ``"shift"`` and ``"streaming"`` (int, > 0).
         inner: for ``"streaming"``, the strategy run on each tile.
 
     Raises:
         ValueError: unknown strategy name, non-positive ``tile_size`` or
-            ``memory_budget``. Raised when the object is built, before any state
-            changes.
+            ``memory_budget``, an option the strategy does not use (the message
+            names the strategies that use it). Raised when the object is built,
+            before any state changes.
         TypeError: wrongly typed arguments.
 
     Example:
         >>> with memconv.save_memory("streaming", tile_size=32):
-        ...     loss.backward()
+        ...     loss = loss_fn(model(x), y)   # the forward pass records the block
+        >>> loss.backward()                   # runs with "streaming"
     """
 
+    _var = _SETTINGS
+    _unused_message = (
+        "memconv.save_memory: no memconv layer ran its forward pass inside this block, so "
+        "it changed nothing. Convert the model with memconv.convert(model) and run the "
+        "forward pass inside the block."
+    )
+
     def __init__(self, strategy="rochette", *, tile_size=None, memory_budget=None, inner=None):
-        self._settings = make_settings(
-            strategy, tile_size=tile_size, memory_budget=memory_budget, inner=inner
+        super().__init__(
+            make_settings(strategy, tile_size=tile_size, memory_budget=memory_budget, inner=inner)
         )
-        self._tokens: list[contextvars.Token] = []
 
     @property
     def settings(self) -> Settings:
         """The settings this block activates."""
-        return self._settings
+        return self._value
 
     @classmethod
     def from_settings(cls, settings: Settings) -> save_memory:
         """A block that activates already validated :class:`Settings`."""
         block = object.__new__(cls)
-        block._settings = settings
-        block._tokens = []
+        block._value, block._entered = settings, []
         return block
 
-    def _recreate_cm(self):
-        # A fresh object per decorated call: tokens never cross threads or tasks.
-        return self.from_settings(self._settings)
 
-    def __enter__(self):
-        self._tokens.append(_SETTINGS.set(self._settings))
-        notify("block_entered", self._settings)
-        return self
+class per_sample(_Switch):
+    """Make memconv's layers store per-sample gradients ``param.grad_batch``.
 
-    def __exit__(self, *exc):
-        _SETTINGS.reset(self._tokens.pop())
-        notify("block_exited")
-        return False
-
-
-class per_sample(contextlib.ContextDecorator):
-    """Make memconv's extended convolutions store per-sample gradients.
-
-    Inside the block, the backward pass of :class:`memconv.Conv1d`/``2d``/``3d``
-    leaves ``param.grad_batch`` ``[N, *param.shape]`` on weight and bias, summing to
-    the gradient that pass added to ``param.grad`` (BackPACK's ``BatchGrad``
-    convention, loss reduction factors included).
+    For the memconv layers whose forward pass runs inside the block (the rule of
+    :class:`save_memory`), the backward pass leaves ``param.grad_batch``
+    ``[N, *param.shape]`` on every trainable parameter, summing to the gradient
+    that pass adds to ``param.grad`` (BackPACK's ``BatchGrad`` convention, loss
+    reduction factors included). ``grad_batch`` accumulates exactly when ``.grad``
+    does: after ``.grad`` is set to None, zeroed or replaced it starts afresh.
+    Convolution weights use the strategy of the :class:`save_memory` block open
+    around the forward pass (``"auto"`` outside any).
 
     Args:
         enabled: turn the switch on (default) or off.
@@ -274,19 +392,17 @@ class per_sample(contextlib.ContextDecorator):
         TypeError: if ``enabled`` is not a bool.
     """
 
+    _var = _PER_SAMPLE
+    _unused_message = (
+        "memconv.per_sample: no memconv layer ran its forward pass inside this block, so no "
+        "grad_batch was computed. Convert the model with memconv.convert(model) (or use "
+        "memconv.per_sample_grads) and run the forward pass inside the block."
+    )
+
     def __init__(self, enabled: bool = True):
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-        self._enabled = enabled
-        self._tokens: list[contextvars.Token] = []
+        super().__init__(enabled)
 
-    def _recreate_cm(self):
-        return per_sample(self._enabled)
-
-    def __enter__(self):
-        self._tokens.append(_PER_SAMPLE.set(self._enabled))
-        return self
-
-    def __exit__(self, *exc):
-        _PER_SAMPLE.reset(self._tokens.pop())
-        return False
+    def _should_warn(self) -> bool:
+        return self._value

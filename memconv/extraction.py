@@ -1,85 +1,118 @@
 """Per-sample gradients of a whole model in one backward pass.
 
 The forward pass records, for every module that owns trainable parameters, its
-input; a hook on its output receives the output gradient during the one backward
-pass, and the per-sample parameter gradients are computed right there (the
-convolution weight with the active memconv strategy, Linear as an outer product,
-any other per-sample layer through ``torch.func``), after which the output gradient
-is dropped. The backward pass asks autograd only for the gradients of the
-outputs of the first parametrised layers, so autograd itself computes no weight
-gradient: nothing is computed twice.
+input and attaches a hook to its output (:func:`memconv.grad_sample.capture`); in
+the one backward pass the hook receives the output gradient and the per-sample
+parameter gradients are computed right there (:func:`memconv.grad_sample.grad_sample`:
+convolutions by the strategy, Linear as a product, any other layer through
+``torch.func``), after which the output gradient is dropped. The backward pass
+asks autograd only for the gradients of the deepest of those outputs, so autograd
+itself computes no parameter gradient: nothing is computed twice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
-from ._geometry import CONV_TYPES, conv_spec
-from .vjp import bias_grad, check_settings, settings_for, weight_grad
+from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES, conv_spec
+from .context import Settings, use_block_settings
+from .grad_sample import Autocast, capture, check_independent, grad_sample, own_trainable
+from .vjp import check_settings
 
-#: Modules that couple the samples of a batch in training mode.
-_COUPLING = (nn.modules.batchnorm._BatchNorm,)
+ENGINES = ("memconv", "backpack")
 
 
 def check_per_sample_model(model: nn.Module, argument: str = "model") -> None:
-    """Raise if a layer of ``model`` mixes samples (BatchNorm in training mode).
+    """Raise if ``model`` is not a module or a layer of it mixes samples.
 
     Raises:
         TypeError: if ``model`` is not an ``nn.Module``.
-        ValueError: naming the first coupling layer.
+        ValueError: naming the first coupling layer (BatchNorm in training mode).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"{argument} must be a torch.nn.Module, got {type(model).__name__}")
     for name, module in model.named_modules():
-        if isinstance(module, _COUPLING) and module.training:
-            raise ValueError(
-                f"{argument}: layer {name or type(module).__name__!r} "
-                f"({type(module).__name__} in training mode) mixes the samples of a "
-                "batch, so per-sample gradients are undefined; call .eval() on it "
-                "or replace it by GroupNorm/LayerNorm"
-            )
+        check_independent(module, name or type(module).__name__)
 
 
-def _own_params(module: nn.Module) -> dict[str, Tensor]:
-    return {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """``{id(parameter): name}`` for trainable parameters, each under its first name
+    (``named_parameters`` lists a parameter shared by two layers once)."""
+    return {id(p): n for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _linear_grads(module: nn.Linear, x: Tensor, g: Tensor) -> dict[str, Tensor]:
-    n = x.shape[0]
-    x2 = x.reshape(n, -1, x.shape[-1])
-    g2 = g.reshape(n, -1, g.shape[-1])
-    out = {"weight": torch.matmul(g2.transpose(1, 2), x2)}
-    if module.bias is not None:
-        out["bias"] = g2.sum(1)
-    return out
+def check_batch(inputs, targets) -> int:
+    """Raise unless ``inputs`` is a tensor and ``targets`` has its length; returns N.
 
-
-def _generic_grads(module: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
-    params = {k: p.detach() for k, p in _own_params(module).items()}
-
-    def single(xi, gi):
-        def f(p):
-            return torch.func.functional_call(module, p, (xi.unsqueeze(0),)).squeeze(0)
-
-        _, pullback = torch.func.vjp(f, params)
-        return pullback(gi)[0]
-
-    return torch.func.vmap(single)(x, g)
-
-
-def _conv_grads(module, x, g, settings) -> dict[str, Tensor]:
-    spec = conv_spec(module)
-    out = {}
-    if module.weight.requires_grad:
-        out["weight"] = weight_grad(
-            spec.normalize_input(x), g, spec.geometry, per_sample=True, settings=settings
+    Raises:
+        TypeError: if ``inputs`` is not a tensor.
+        ValueError: if the lengths differ.
+    """
+    if not isinstance(inputs, Tensor):
+        raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
+    if len(inputs) != len(targets):
+        raise ValueError(
+            f"inputs and targets must have the same length N, got {len(inputs)} and {len(targets)}"
         )
-    if module.bias is not None and module.bias.requires_grad:
-        out["bias"] = bias_grad(g, per_sample=True)
-    return out
+    return len(inputs)
+
+
+def per_sample_losses(loss_fn, output: Tensor, targets) -> list[Tensor]:
+    """``loss_fn(output[n:n+1], targets[n:n+1])`` for every sample n.
+
+    Raises:
+        ValueError: if ``loss_fn`` does not return a scalar tensor for one sample.
+    """
+    losses = []
+    for i in range(len(output)):
+        loss = loss_fn(output[i : i + 1], targets[i : i + 1])
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                "loss_fn must return a scalar tensor for one sample "
+                f"(loss_fn(output[n:n+1], targets[n:n+1])), got {shape}"
+            )
+        losses.append(loss)
+    return losses
+
+
+def _graph_below(root, captured: set) -> tuple[set, set]:
+    """Nodes reachable from ``root``, and the captured ones with no captured node
+    below them (backward direction): asking autograd for those runs every captured
+    node reachable from ``root``."""
+    reachable: set = set()
+    below: dict = {}  # node -> a captured node lies strictly below it
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        children = [n for n, _ in node.next_functions if n is not None]
+        if children_done:
+            below[node] = any(c in captured or below[c] for c in children)
+            continue
+        if node in reachable:
+            continue
+        reachable.add(node)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if c not in reachable)
+    deepest = {n for n in captured & reachable if not below[n]}
+    return reachable, deepest
+
+
+@dataclass
+class _Capture:
+    module: nn.Module
+    name: str
+    edge: object  # torch.autograd.graph.GradientEdge of the layer's output
+    fired: list = field(default_factory=lambda: [False])
+
+    @property
+    def node(self):
+        return self.edge.node
 
 
 def per_sample_grads(
@@ -94,109 +127,120 @@ def per_sample_grads(
     """Per-sample gradients of every trainable parameter, in one backward pass.
 
     ``out[name][n]`` is the gradient of ``loss_fn(model(inputs[n:n+1]),
-    targets[n:n+1])`` with respect to the parameter ``name`` (as
-    ``model.named_parameters()`` names it), whatever the reduction of ``loss_fn``.
+    targets[n:n+1])`` with respect to the parameter ``name``, whatever the
+    reduction of ``loss_fn`` (the samples must be independent: BatchNorm in eval
+    mode only).
+
+    A parameter shared by several layers gets the sum over its uses (as ``.grad``)
+    under its first name, as ``model.named_parameters()`` lists it. A parameter
+    whose output does not reach the loss gets zeros (as ``torch.autograd.grad``
+    with ``allow_unused`` semantics); one that should have been reached but was not
+    raises. An empty batch (N = 0) gives ``[0, *shape]`` tensors.
 
     Args:
-        model: built from standard torch layers (convolutions, Linear, activations,
-            pooling, Flatten, Dropout in eval, normalisation in eval, ...).
-        loss_fn: called as ``loss_fn(output[n:n+1], targets[n:n+1])``, returning a
-            scalar.
+        model: any model whose parametrised layers take one tensor and return one
+            (convolutions, transposed convolutions, Linear, normalisation layers,
+            and any other layer through ``torch.func``).
+        loss_fn: called as ``loss_fn(output[n:n+1], targets[n:n+1])``; must return a
+            scalar tensor.
         inputs: ``[N, ...]``.
         targets: ``[N, ...]``.
-        strategy: convolution weight-VJP strategy; ``None`` uses the active one.
-        engine: ``"memconv"`` (hooks, this module) or ``"backpack"`` (BackPACK's
-            ``BatchGrad`` with memconv's strategies; needs ``backpack-for-pytorch``).
+        strategy: weight-VJP strategy of the convolutions (name or bool, default
+            options); ``None`` uses the open :class:`memconv.save_memory` block, or
+            ``"auto"`` outside any.
+        engine: ``"memconv"`` (this module's hooks) or ``"backpack"`` (BackPACK's
+            ``BatchGrad`` with memconv's strategies; needs the ``backpack`` extra).
 
     Returns:
         ``{name: Tensor [N, *param.shape]}`` for every parameter with
-        ``requires_grad``, in ``named_parameters`` order.
+        ``requires_grad``, in ``named_parameters`` order, in the parameters' dtypes.
 
     Raises:
         TypeError: if ``model`` is not a module or ``inputs`` not a tensor.
         ValueError: unknown strategy or engine, a layer that mixes samples
             (BatchNorm in training mode), ``inputs`` and ``targets`` of different
-            lengths. All raised before any work.
+            lengths, a ``loss_fn`` that does not return a scalar for one sample, a
+            parametrised layer whose forward pass does not take one tensor.
+        RuntimeError: when the gradient of a parameter that influences the loss was
+            not reached (naming it).
     """
-    settings = settings_for(strategy)
+    settings = use_block_settings(strategy)
     check_per_sample_model(model)
-    if engine not in ("memconv", "backpack"):
-        raise ValueError(f"unknown engine {engine!r}; accepted: 'memconv', 'backpack'")
-    if not isinstance(inputs, Tensor):
-        raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
-    if len(inputs) != len(targets):
-        raise ValueError(
-            f"inputs and targets must have the same length N, got {len(inputs)} and {len(targets)}"
-        )
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; accepted: {', '.join(map(repr, ENGINES))}")
+    n = check_batch(inputs, targets)
     for module in model.modules():
-        if isinstance(module, CONV_TYPES):
+        if isinstance(module, CONV_TYPES + CONV_TRANSPOSE_TYPES):
             check_settings(settings, conv_spec(module).geometry)
+    names = parameter_names(model)
+    params = {id(p): p for p in model.parameters()}
+    if n == 0:
+        return {name: params[i].new_zeros(0, *params[i].shape) for i, name in names.items()}
     if engine == "backpack":
         from .integrations.backpack import per_sample_grads_backpack
 
         return per_sample_grads_backpack(model, loss_fn, inputs, targets, settings)
-    return _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings)
+    return _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings, names)
 
 
-def _edge(t: Tensor):
-    get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
-    return t if get_edge is None else get_edge(t)
-
-
-def _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings):
-    owners = {}  # module -> {local name: full name}
-    for name, module in model.named_modules():
-        local = _own_params(module)
-        if local:
-            prefix = f"{name}." if name else ""
-            owners[module] = {k: prefix + k for k in local}
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    grads: dict[str, Tensor | None] = dict.fromkeys(names)
-    roots: list[Tensor] = []
-    active = [True]
-
-    def accumulate(module, local):
-        for k, v in local.items():
-            full = owners[module][k]
-            grads[full] = v if grads[full] is None else grads[full] + v
+def _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings: Settings, names):
+    grads: dict[str, Tensor | None] = dict.fromkeys(names.values())
+    captures: list[_Capture] = []
+    module_names = {m: name or type(m).__name__ for name, m in model.named_modules()}
 
     def forward_hook(module, args, output):
-        if not active[0] or not isinstance(output, Tensor) or not output.requires_grad:
+        if not isinstance(output, Tensor) or not output.requires_grad:
             return None
-        x = args[0].detach()
+        name = module_names.get(module, type(module).__name__)
+        if len(args) != 1 or not isinstance(args[0], Tensor):
+            raise ValueError(
+                f"layer {name!r} ({type(module).__name__}) has trainable parameters but its "
+                "forward pass does not take one tensor; per_sample_grads cannot split it by "
+                "sample"
+            )
+        kept = [args[0].detach()]  # released once used: the input is freed as in autograd
+        own = {k: names[id(p)] for k, p in own_trainable(module).items()}
+        state = Autocast.current(output.device.type)
+        fired = [False]
 
         def on_grad(g):
-            active[0] = False
-            try:
-                with torch.no_grad():
-                    if isinstance(module, CONV_TYPES):
-                        local = _conv_grads(module, x, g, settings)
-                    elif isinstance(module, nn.Linear):
-                        local = _linear_grads(module, x, g)
-                    else:
-                        local = _generic_grads(module, x, g)
-                accumulate(module, local)
-            finally:
-                active[0] = True
+            fired[0] = True
+            for k, v in grad_sample(module, kept.pop(), g, settings, state).items():
+                full = own[k]
+                grads[full] = v if grads[full] is None else grads[full] + v
 
-        output.register_hook(on_grad)
-        if not args[0].requires_grad:
-            # the gradient edge, not the tensor: the output may be freed after use
-            roots.append(_edge(output))
-        return None
+        output = capture(output, on_grad)
+        captures.append(_Capture(module, name, get_gradient_edge(output), fired))
+        return output
 
+    owners = [m for m in model.modules() if own_trainable(m)]
     handles = [m.register_forward_hook(forward_hook) for m in owners]
     try:
-        # detached: the graph then starts at the first parametrised layers' outputs
-        # (the roots), whatever the caller's inputs require
+        # detached: the graph then starts at the parametrised layers, whatever the
+        # caller's inputs require
         output = model(inputs.detach())
-        loss = sum(loss_fn(output[i : i + 1], targets[i : i + 1]) for i in range(len(inputs)))
     finally:
         for h in handles:
             h.remove()
-    if roots:
-        torch.autograd.grad(loss, roots, allow_unused=True)
-    params = dict(model.named_parameters())
+    loss = torch.stack(per_sample_losses(loss_fn, output, targets)).sum()
+    del output
+    if loss.grad_fn is not None and captures:
+        reachable, deepest = _graph_below(loss.grad_fn, {c.node for c in captures})
+        edges = list(
+            {(id(c.node), c.edge.output_nr): c.edge for c in captures if c.node in deepest}.values()
+        )
+        if edges:
+            torch.autograd.grad(loss, edges, allow_unused=True)
+        missed = [c for c in captures if c.node in reachable and not c.fired[0]]
+        if missed:
+            raise RuntimeError(
+                "memconv.per_sample_grads: the output gradient of layer "
+                f"{missed[0].name!r} ({type(missed[0].module).__name__}) influences the loss "
+                "but never arrived, so the per-sample gradients of "
+                f"{', '.join(names[id(p)] for p in own_trainable(missed[0].module).values())} "
+                "are unknown"
+            )
+    params = {name: p for name, p in model.named_parameters() if name in grads}
     return {
         name: (g if g is not None else params[name].new_zeros(len(inputs), *params[name].shape))
         for name, g in grads.items()

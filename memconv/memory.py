@@ -7,9 +7,9 @@ import math
 import torch
 from torch import nn
 
-from ._geometry import conv_spec, padded_spatial
+from ._geometry import conv_spec, layer_output_size
 from .context import current_settings, make_settings
-from .strategies import get_strategy
+from .strategies import Problem, get_strategy
 from .vjp import check_settings
 
 
@@ -33,10 +33,10 @@ def predict_memory(
     returned gradient itself, nor a library's internal workspace.
 
     Args:
-        module: ``torch.nn.Conv1d``, ``Conv2d`` or ``Conv3d``.
-        input_shape: ``(N, C_in, *S)``.
+        module: ``torch.nn.Conv1d/2d/3d`` or ``ConvTranspose1d/2d/3d``.
+        input_shape: the layer input's shape ``(N, C_in, *S)``.
         strategy: a name from :func:`memconv.strategies` (or a bool); ``None`` uses
-            the active one (and its ``tile_size``/``memory_budget``).
+            the open block's strategy and options.
         per_sample: per-sample (True) or summed (False) gradient.
         dtype: floating dtype of input and gradient.
         tile_size: as in :class:`memconv.save_memory`.
@@ -48,8 +48,8 @@ def predict_memory(
 
     Raises:
         TypeError: if ``module`` is not a supported convolution.
-        ValueError: unknown strategy, wrong ``input_shape``, bad ``tile_size`` or
-            ``memory_budget``.
+        ValueError: unknown strategy, an option the strategy does not use, wrong
+            ``input_shape``, bad ``tile_size`` or ``memory_budget``.
     """
     spec = conv_spec(module)
     if strategy is None and tile_size is None and memory_budget is None and inner is None:
@@ -61,17 +61,27 @@ def predict_memory(
         )
     geom = spec.geometry
     shape = tuple(int(s) for s in input_shape)
-    if len(shape) != geom.dims + 2 or shape[1] != geom.in_channels:
+    channels = geom.out_channels if spec.transposed else geom.in_channels
+    if len(shape) != geom.dims + 2 or shape[1] != channels:
         raise ValueError(
-            f"input_shape must be (N, C_in={geom.in_channels}, {geom.dims} spatial "
+            f"input_shape must be (N, C_in={channels}, {geom.dims} spatial "
             f"sizes), got {tuple(input_shape)}"
         )
     check_settings(settings, geom)
-    size = padded_spatial(spec, shape[2:])
     itemsize = torch.empty((), dtype=dtype).element_size()
-    extra = get_strategy(settings.strategy).extra_memory(
-        geom, shape[0], size, itemsize, per_sample, settings
+    # the strategy's operands, as shapes only (meta tensors): padded or cropped as
+    # the layer's own backward pass makes them
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    out_channels = geom.in_channels if spec.transposed else geom.out_channels
+    g = torch.empty(
+        (shape[0], out_channels, *layer_output_size(spec, module, shape[2:])),
+        dtype=dtype,
+        device="meta",
     )
-    if spec.pre_pad is not None:
-        extra += shape[0] * geom.in_channels * math.prod(size) * itemsize
+    xs, _, sgeom = spec.operands(x, g)
+    problem = Problem(sgeom, shape[0], tuple(xs.shape[2:]), itemsize, per_sample)
+    extra = get_strategy(settings.strategy).memory(problem, settings.options)
+    copied = spec.pre_pad is not None if not spec.transposed else xs.shape != g.shape
+    if copied:  # the operand is a padded copy of the layer's input (or output gradient)
+        extra += math.prod(xs.shape) * itemsize
     return int(extra)

@@ -1,55 +1,132 @@
-"""Extended convolution modules whose backward runs memconv's strategies.
+"""Extended modules: one backward pass that also leaves per-sample gradients.
 
-``memconv.Conv1d``/``Conv2d``/``Conv3d`` subclass the torch classes (same
-constructor, same ``state_dict`` keys). Their forward is torch's; their backward
-computes the input gradient with the transposed convolution and the weight
-gradient once, with the active strategy:
+:func:`convert` swaps the class of every supported layer of a model for memconv's
+subclass (same constructor, parameters and ``state_dict`` keys):
 
-- inside :class:`memconv.per_sample`, the strategy computes per-sample gradients,
-  which are stored as ``param.grad_batch`` ``[N, *param.shape]``; their sum is what
-  the pass adds to ``param.grad`` (no second weight-gradient computation);
-- otherwise, inside a :class:`memconv.save_memory` block, the strategy computes the
-  summed gradient; outside any block torch's own kernel does, as in ``torch.nn``.
+- ``memconv.Conv1d/2d/3d`` and ``memconv.ConvTranspose1d/2d/3d``: torch's forward;
+  a backward that computes the input gradient with the transposed operation and
+  the weight gradient once, by the strategy recorded at the forward pass (the rule
+  of :class:`memconv.save_memory`). Inside :class:`memconv.per_sample` that one VJP
+  is per sample: it is stored as ``param.grad_batch`` and its sum is the gradient
+  added to ``param.grad``. Outside any block the summed gradient comes from torch's
+  own kernel, as in ``torch.nn``;
+- ``memconv.Linear`` and the normalisation, embedding and PReLU layers of
+  :data:`memconv.grad_sample.GENERIC_LAYERS`: torch's forward and backward; inside
+  :class:`memconv.per_sample` their output gradient also yields ``grad_batch``
+  (:func:`memconv.grad_sample.grad_sample`).
 
-``grad_batch`` accumulates exactly when ``.grad`` does (two backward passes without
-zeroing the gradients add up, as in torch), so ``grad_batch.sum(0) == grad`` always;
-it starts afresh when ``.grad`` is None or zero.
+``grad_batch`` accumulates exactly when ``.grad`` does: a backward pass that adds to
+a ``.grad`` left by an earlier one appends its N per-sample gradients (as Opacus'
+``grad_sample`` does), a layer reached twice in one pass (shared weights) adds to
+its samples, and after ``.grad`` is set to None, zeroed or replaced it starts
+afresh; so ``grad_batch.sum(0)`` is always ``.grad``.
+
+Under ``torch.autocast`` the convolutions cast their operands as autocast does for
+torch's, so the backward pass computes in the same dtype as the forward pass.
 """
 
 from __future__ import annotations
 
-import threading
+import warnings
+import weakref
 
 import torch
 from torch import Tensor, nn
 
-from ._geometry import ConvGeometry, check_input, conv_function, conv_spec, input_vjp
-from .context import (
-    batch_consumers,
-    current_settings,
-    explicit_block,
-    notify,
-    per_sample_enabled,
-    share_batch,
-    shared_batch,
+from ._geometry import (
+    ConvSpec,
+    check_input,
+    conv_function,
+    conv_spec,
+    conv_transpose_function,
+    input_vjp,
 )
-from .vjp import bias_grad, check_settings, weight_grad
+from .context import DEFAULT_SETTINGS, Recorded, record, warn_if_block_missed
+from .grad_sample import (
+    Autocast,
+    bias_grad,
+    capture,
+    check_independent,
+    grad_sample,
+    own_trainable,
+)
+from .strategies import get_strategy
+from .vjp import check_settings
+
+
+# ----------------------------------------------------------------- grad_batch
+class _GradBatchState:
+    """Whether a parameter's ``grad_batch`` continues its ``.grad``."""
+
+    __slots__ = ("pending", "base", "current", "grad", "version")
+
+    def __init__(self):
+        self.pending = False  # written in the backward pass now running
+        self.base = self.current = None
+        self.grad = None  # weak reference to .grad after the last accumulation
+        self.version = -1
+
+    def follows(self, grad) -> bool:
+        """Whether ``grad`` is the ``.grad`` the last accumulation left, unchanged."""
+        return (
+            grad is not None
+            and self.grad is not None
+            and self.grad() is grad
+            and grad._version == self.version
+        )
+
+
+def _accumulated(param: Tensor) -> None:
+    state = param._memconv_grad_batch_state
+    state.pending = False
+    state.base = state.current = None
+    state.grad = weakref.ref(param.grad) if param.grad is not None else None
+    state.version = param.grad._version if param.grad is not None else -1
+
+
+def store_grad_batch(param: Tensor, batch: Tensor) -> None:
+    """Set ``param.grad_batch`` from this backward pass's per-sample gradients ``batch``.
+
+    Called before autograd adds ``batch.sum(0)`` to ``param.grad``; keeps
+    ``grad_batch.sum(0) == grad`` (see the module docstring).
+    """
+    batch = batch.detach().to(param.dtype)
+    state = getattr(param, "_memconv_grad_batch_state", None)
+    if state is None:
+        state = param._memconv_grad_batch_state = _GradBatchState()
+        param.register_post_accumulate_grad_hook(_accumulated)
+    if state.pending:  # reached again in this pass: the same samples
+        state.current = state.current + batch
+    else:
+        old = getattr(param, "grad_batch", None)
+        state.base = old if old is not None and state.follows(param.grad) else None
+        state.current = batch
+        state.pending = True
+    if state.base is None:
+        param.grad_batch = state.current
+    else:
+        param.grad_batch = torch.cat([state.base, state.current])
+
+
+# ----------------------------------------------------------------- convolutions
+def _describe(layer: nn.Module) -> str:
+    return f"{type(layer).__module__.split('.')[0]}.{type(layer).__name__}({layer.extra_repr()})"
 
 
 class _ConvFunction(torch.autograd.Function):
-    """Convolution whose backward computes the weight gradient with a strategy."""
+    """Convolution or transposed convolution whose weight VJP runs a strategy."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, geom: ConvGeometry, owner):
-        ctx.geom = geom
-        ctx.owner = owner
-        ctx.weight_param = weight
-        ctx.bias_param = bias
-        # Settings as seen now, for backward passes run on another thread (CUDA's
-        # autograd device threads do not see this thread's context variables).
-        ctx.thread = threading.get_ident()
-        ctx.forward_settings = (current_settings(), per_sample_enabled(), explicit_block())
+    def forward(ctx, x, weight, bias, layer, spec: ConvSpec, recorded: Recorded, output_padding):
+        ctx.layer, ctx.spec, ctx.recorded = layer, spec, recorded
+        ctx.output_padding = output_padding
         ctx.save_for_backward(x, weight)
+        geom = spec.geometry
+        if spec.transposed:
+            return conv_transpose_function(geom.dims)(
+                x, weight, bias, geom.stride, geom.padding, output_padding, geom.groups,
+                geom.dilation,
+            )  # fmt: skip
         return conv_function(geom.dims)(
             x, weight, bias, geom.stride, geom.padding, geom.dilation, geom.groups
         )
@@ -57,63 +134,40 @@ class _ConvFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        geom = ctx.geom
+        layer, spec, recorded = ctx.layer, ctx.spec, ctx.recorded
+        warn_if_block_missed(recorded, _describe(layer))
+        geom = spec.geometry
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if ctx.thread == threading.get_ident():
-            settings, per_sample, explicit = (
-                current_settings(),
-                per_sample_enabled(),
-                explicit_block(),
-            )
-        else:
-            settings, per_sample, explicit = ctx.forward_settings
-        consumers, offered = 0, {}
-        if explicit:
-            notify("conv_backward")
-            # per-sample gradients an integration already computed for this layer
-            # (BackPACK runs a first layer's hooks before its backward)
-            for name, need in (("weight", need_w), ("bias", need_b)):
-                found = shared_batch(ctx.owner, name, g) if need else None
-                if found is not None:
-                    offered[name] = found
-            consumers = batch_consumers(ctx.owner)
-        grad_x = input_vjp(x, weight, g, geom) if need_x else None
+        grad_x = input_vjp(x, weight, g, geom, ctx.output_padding) if need_x else None
         grad_w = grad_b = None
-        if (per_sample or consumers or offered) and (need_w or need_b):
-            # one weight VJP gives the per-sample gradients; their sum is .grad, and
-            # an integration (BackPACK's extensions) may reuse them
-            shared, computed = {}, {}
-            if need_w:
-                batch = offered.get("weight")
-                if batch is None:
-                    batch = computed["weight"] = weight_grad(
-                        x, g, geom, per_sample=True, settings=settings
+        if need_w:
+            if recorded.per_sample or recorded.settings is not None:
+                # the one weight VJP: per sample (stored; its sum is .grad) or summed
+                settings = recorded.strategy_settings
+                a, b, sgeom = spec.operands(x, g, normalized=True)
+                if a.shape[0] == 0:
+                    grad_w = weight.new_zeros(
+                        (0, *weight.shape) if recorded.per_sample else weight.shape
                     )
-                shared["weight"] = batch
-                grad_w = batch.sum(0)
-            if need_b:
-                batch = offered.get("bias")
-                if batch is None:
-                    batch = computed["bias"] = bias_grad(g, per_sample=True)
-                shared["bias"] = batch
-                grad_b = batch.sum(0)
-            if per_sample:
-                for name, batch in shared.items():
-                    _store_grad_batch(getattr(ctx, f"{name}_param"), batch)
-            if consumers and computed:
-                share_batch(ctx.owner, g, computed, consumers)
-        else:
-            if need_w:
-                if explicit:
-                    grad_w = weight_grad(x, g, geom, per_sample=False, settings=settings)
                 else:
-                    grad_w = _torch_weight_grad(x, weight, g, geom)
-            if need_b:
-                grad_b = bias_grad(g, per_sample=False)
-        return grad_x, grad_w, grad_b, None, None
+                    grad_w = get_strategy(settings.strategy).vjp(
+                        a, b, sgeom, per_sample=recorded.per_sample, options=settings.options
+                    )
+                if recorded.per_sample:
+                    store_grad_batch(layer.weight, grad_w)
+                    grad_w = grad_w.sum(0)
+            else:
+                grad_w = _torch_weight_grad(x, weight, g, geom, ctx.output_padding)
+        if need_b:
+            grad_b = bias_grad(g, per_sample=recorded.per_sample)
+            if recorded.per_sample:
+                store_grad_batch(layer.bias, grad_b)
+                grad_b = grad_b.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
-def _torch_weight_grad(x: Tensor, weight: Tensor, g: Tensor, geom: ConvGeometry) -> Tensor:
+def _torch_weight_grad(x, weight, g, geom, output_padding) -> Tensor:
+    transposed = output_padding is not None
     _, grad_w, _ = torch.ops.aten.convolution_backward(
         g,
         x,
@@ -122,56 +176,94 @@ def _torch_weight_grad(x: Tensor, weight: Tensor, g: Tensor, geom: ConvGeometry)
         list(geom.stride),
         list(geom.padding),
         list(geom.dilation),
-        False,
-        [0] * geom.dims,
+        transposed,
+        list(output_padding) if transposed else [0] * geom.dims,
         geom.groups,
         [False, True, False],
     )
     return grad_w
 
 
-def _clear_fresh(param: Tensor) -> None:
-    param._memconv_fresh = False
+def _autocast_operands(input: Tensor, weight: Tensor, bias):
+    """Cast the operands as ``torch.autocast`` casts a convolution's (differentiably)."""
+    state = Autocast.current(input.device.type)
+    if state.dtype is None:
+        return input, weight, bias, state
+    cast = [t if t is None or not t.is_floating_point() else t.to(state.dtype)
+            for t in (input, weight, bias)]  # fmt: skip
+    return (*cast, state)
 
 
-def _store_grad_batch(param: Tensor, batch: Tensor) -> None:
-    """Set or accumulate ``param.grad_batch`` so that it always sums to ``param.grad``."""
-    if not getattr(param, "_memconv_hooked", False):
-        param.register_post_accumulate_grad_hook(_clear_fresh)
-        param._memconv_hooked = True
-    old = getattr(param, "grad_batch", None)
-    fresh = getattr(param, "_memconv_fresh", False)  # written earlier in this pass
-    carries = param.grad is not None and bool(param.grad.detach().any())
-    if old is not None and old.shape == batch.shape and (fresh or carries):
-        param.grad_batch = old + batch.detach()
-    else:
-        param.grad_batch = batch.detach()
-    param._memconv_fresh = True
+def _run_conv(layer, input: Tensor, weight: Tensor, bias, output_padding) -> Tensor | None:
+    """The memconv path of a convolution's forward pass, or None for torch's own.
+
+    torch's own runs when no graph is built (no grad mode, nothing requires grad,
+    inside ``torch.func`` transforms).
+    """
+    spec = conv_spec(layer)
+    check_input(spec, input)
+    if (
+        not torch.is_grad_enabled()
+        or torch._C._are_functorch_transforms_active()
+        or not (
+            input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        )
+    ):
+        return None
+    recorded = record()
+    if recorded.settings is not None:
+        check_settings(recorded.settings, spec.geometry)
+    x = input if spec.transposed else spec.normalize_input(input)
+    return apply_conv(layer, x, weight, bias, spec, recorded, output_padding)
 
 
-class _MemconvConvMixin:
+def apply_conv(layer, x, weight, bias, spec: ConvSpec, recorded: Recorded, output_padding=None):
+    """Run :class:`_ConvFunction` on a normal-form input, casting the operands as
+    ``torch.autocast`` would when it is on.
+
+    Args:
+        layer: the module (its parameters receive ``grad_batch``).
+        x: normal-form input (a transposed convolution's own input).
+        weight, bias: the parameters (or their replacements).
+        spec: the layer's spec (possibly with another padding, as streaming uses).
+        recorded: what the forward pass records for the backward pass.
+        output_padding: a transposed convolution's, else None.
+    """
+    x, weight, bias, state = _autocast_operands(x, weight, bias)
+    with torch.autocast(state.device_type, enabled=False):
+        return _ConvFunction.apply(x, weight, bias, layer, spec, recorded, output_padding)
+
+
+class _ConvMixin:
     """Routes ``_conv_forward`` through :class:`_ConvFunction`."""
 
     def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None):
-        spec = conv_spec(self)
-        check_input(spec, input)
-        if (not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active()) or not (
-            input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-        ):
-            return super()._conv_forward(input, weight, bias)
-        check_settings(current_settings(), spec.geometry)
-        x = spec.normalize_input(input)
-        return _ConvFunction.apply(x, weight, bias, spec.geometry, self)
+        out = _run_conv(self, input, weight, bias, None)
+        return super()._conv_forward(input, weight, bias) if out is None else out
 
 
-class Conv1d(_MemconvConvMixin, nn.Conv1d):
+class _ConvTransposeMixin:
+    """Routes the forward pass through :class:`_ConvFunction`."""
+
+    def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
+        if self.padding_mode != "zeros":
+            raise ValueError(f"Only `zeros` padding mode is supported for {type(self).__name__}")
+        dims = len(self.kernel_size)
+        output_padding = self._output_padding(
+            input, output_size, self.stride, self.padding, self.kernel_size, dims, self.dilation
+        )
+        out = _run_conv(self, input, self.weight, self.bias, tuple(output_padding))
+        return super().forward(input, output_size) if out is None else out
+
+
+class Conv1d(_ConvMixin, nn.Conv1d):
     """``torch.nn.Conv1d`` whose backward runs memconv's weight-VJP strategies.
 
     Input ``[N, C_in, L]``, output ``[N, C_out, L_out]``; see :mod:`memconv.modules`.
     """
 
 
-class Conv2d(_MemconvConvMixin, nn.Conv2d):
+class Conv2d(_ConvMixin, nn.Conv2d):
     """``torch.nn.Conv2d`` whose backward runs memconv's weight-VJP strategies.
 
     Input ``[N, C_in, H, W]``, output ``[N, C_out, H_out, W_out]``; see
@@ -179,7 +271,7 @@ class Conv2d(_MemconvConvMixin, nn.Conv2d):
     """
 
 
-class Conv3d(_MemconvConvMixin, nn.Conv3d):
+class Conv3d(_ConvMixin, nn.Conv3d):
     """``torch.nn.Conv3d`` whose backward runs memconv's weight-VJP strategies.
 
     Input ``[N, C_in, D, H, W]``, output ``[N, C_out, D_out, H_out, W_out]``; see
@@ -187,21 +279,188 @@ class Conv3d(_MemconvConvMixin, nn.Conv3d):
     """
 
 
-def convert(model: nn.Module) -> nn.Module:
-    """Replace every ``torch.nn.Conv1d/2d/3d`` in ``model`` by memconv's, in place.
+class ConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):
+    """``torch.nn.ConvTranspose1d`` whose backward runs memconv's weight-VJP strategies.
 
-    Parameters, buffers and hooks stay the same objects, so optimisers and
-    ``state_dict`` keys are unaffected.
+    Its weight gradient is the weight gradient of the convolution whose input
+    gradient it computes, with input and output gradient exchanged; see
+    :class:`memconv._geometry.ConvSpec` and :mod:`memconv.modules`.
+    """
+
+
+class ConvTranspose2d(_ConvTransposeMixin, nn.ConvTranspose2d):
+    """``torch.nn.ConvTranspose2d`` whose backward runs memconv's weight-VJP strategies.
+
+    See :class:`ConvTranspose1d`.
+    """
+
+
+class ConvTranspose3d(_ConvTransposeMixin, nn.ConvTranspose3d):
+    """``torch.nn.ConvTranspose3d`` whose backward runs memconv's weight-VJP strategies.
+
+    See :class:`ConvTranspose1d`.
+    """
+
+
+# ----------------------------------------------------------------- other layers
+class _PerSampleMixin:
+    """torch's forward and backward; inside ``per_sample()`` the output gradient also
+    yields ``grad_batch`` through :func:`memconv.grad_sample.grad_sample`."""
+
+    def forward(self, input, *args, **kwargs):
+        out = super().forward(input, *args, **kwargs)
+        if (
+            not torch.is_grad_enabled()
+            or torch._C._are_functorch_transforms_active()
+            or not isinstance(out, Tensor)
+            or not out.requires_grad
+            or not own_trainable(self)
+        ):
+            return out
+        if not record(per_sample_only=True).per_sample:
+            return out
+        check_independent(self, _describe(self))
+        x = input.detach()
+        state = Autocast.current(out.device.type)
+
+        def on_grad(g):
+            for name, batch in grad_sample(self, x, g, DEFAULT_SETTINGS, state).items():
+                store_grad_batch(getattr(self, name), batch)
+
+        return capture(out, on_grad)
+
+
+class Linear(_PerSampleMixin, nn.Linear):
+    """``torch.nn.Linear`` that leaves ``grad_batch`` inside :class:`memconv.per_sample`."""
+
+
+class GroupNorm(_PerSampleMixin, nn.GroupNorm):
+    """``torch.nn.GroupNorm`` that leaves ``grad_batch`` inside :class:`memconv.per_sample`."""
+
+
+class LayerNorm(_PerSampleMixin, nn.LayerNorm):
+    """``torch.nn.LayerNorm`` that leaves ``grad_batch`` inside :class:`memconv.per_sample`."""
+
+
+class InstanceNorm1d(_PerSampleMixin, nn.InstanceNorm1d):
+    """``torch.nn.InstanceNorm1d`` that leaves ``grad_batch`` inside
+    :class:`memconv.per_sample`."""
+
+
+class InstanceNorm2d(_PerSampleMixin, nn.InstanceNorm2d):
+    """``torch.nn.InstanceNorm2d`` that leaves ``grad_batch`` inside
+    :class:`memconv.per_sample`."""
+
+
+class InstanceNorm3d(_PerSampleMixin, nn.InstanceNorm3d):
+    """``torch.nn.InstanceNorm3d`` that leaves ``grad_batch`` inside
+    :class:`memconv.per_sample`."""
+
+
+class BatchNorm1d(_PerSampleMixin, nn.BatchNorm1d):
+    """``torch.nn.BatchNorm1d`` that leaves ``grad_batch`` inside :class:`memconv.per_sample`
+    (in eval mode only: in training mode it mixes the samples, and raises there)."""
+
+
+class BatchNorm2d(_PerSampleMixin, nn.BatchNorm2d):
+    """``torch.nn.BatchNorm2d``; see :class:`BatchNorm1d`."""
+
+
+class BatchNorm3d(_PerSampleMixin, nn.BatchNorm3d):
+    """``torch.nn.BatchNorm3d``; see :class:`BatchNorm1d`."""
+
+
+class Embedding(_PerSampleMixin, nn.Embedding):
+    """``torch.nn.Embedding`` that leaves ``grad_batch`` inside :class:`memconv.per_sample`."""
+
+
+class PReLU(_PerSampleMixin, nn.PReLU):
+    """``torch.nn.PReLU`` that leaves ``grad_batch`` inside :class:`memconv.per_sample`."""
+
+
+CONVERSIONS: dict[type, type] = {
+    nn.Conv1d: Conv1d,
+    nn.Conv2d: Conv2d,
+    nn.Conv3d: Conv3d,
+    nn.ConvTranspose1d: ConvTranspose1d,
+    nn.ConvTranspose2d: ConvTranspose2d,
+    nn.ConvTranspose3d: ConvTranspose3d,
+    nn.Linear: Linear,
+    nn.GroupNorm: GroupNorm,
+    nn.LayerNorm: LayerNorm,
+    nn.InstanceNorm1d: InstanceNorm1d,
+    nn.InstanceNorm2d: InstanceNorm2d,
+    nn.InstanceNorm3d: InstanceNorm3d,
+    nn.BatchNorm1d: BatchNorm1d,
+    nn.BatchNorm2d: BatchNorm2d,
+    nn.BatchNorm3d: BatchNorm3d,
+    nn.Embedding: Embedding,
+    nn.PReLU: PReLU,
+}
+if hasattr(nn, "RMSNorm"):
+
+    class RMSNorm(_PerSampleMixin, nn.RMSNorm):
+        """``torch.nn.RMSNorm`` that leaves ``grad_batch`` inside :class:`memconv.per_sample`."""
+
+    CONVERSIONS[nn.RMSNorm] = RMSNorm
+
+MEMCONV_CONV_TYPES = (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d)
+
+
+def convert(model: nn.Module) -> nn.Module:
+    """Replace every supported ``torch.nn`` layer in ``model`` by memconv's, in place.
+
+    Converted: ``Conv1d/2d/3d``, ``ConvTranspose1d/2d/3d``, ``Linear``, ``GroupNorm``,
+    ``LayerNorm``, ``RMSNorm``, ``InstanceNorm1d/2d/3d``, ``BatchNorm1d/2d/3d``,
+    ``Embedding`` and ``PReLU`` (exact classes, as BackPACK's ``extend`` matches
+    them). Parameters, buffers and hooks stay the same objects, so optimisers and
+    ``state_dict`` keys are unaffected. Any other layer with trainable parameters of
+    its own keeps torch's behaviour and gets no ``grad_batch`` inside
+    :class:`memconv.per_sample`; a warning names them (use
+    :func:`memconv.per_sample_grads` for such models).
 
     Args:
-        model: any module (a bare convolution is converted itself).
+        model: any module (a bare layer is converted itself).
 
     Returns:
-        ``model`` (or the converted bare convolution).
+        ``model``.
+
+    Raises:
+        TypeError: if ``model`` is not an ``nn.Module``.
     """
-    mapping = {nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d}
-    for module in model.modules():
-        new = mapping.get(type(module))
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    converted = set(CONVERSIONS.values())
+    left = []
+    for name, module in model.named_modules():
+        new = CONVERSIONS.get(type(module))
         if new is not None:
             module.__class__ = new
+        elif type(module) not in converted and own_trainable(module):
+            left.append(f"{name or '(model)'!r} ({type(module).__name__})")
+    if left:
+        warnings.warn(
+            "memconv.convert: per_sample() cannot compute grad_batch for these layers, which "
+            f"keep torch's behaviour: {', '.join(left)}. memconv.per_sample_grads covers "
+            "layers with one tensor input and output.",
+            stacklevel=2,
+        )
     return model
+
+
+def is_memconv_conv(module: nn.Module) -> bool:
+    """Whether ``module`` is one of memconv's convolution classes."""
+    return isinstance(module, MEMCONV_CONV_TYPES)
+
+
+__all__ = [
+    "CONVERSIONS",
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+    "convert",
+    "store_grad_batch",
+]

@@ -1,5 +1,26 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 # the helpers module sits beside the tests
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture
+def strategy_calls(monkeypatch):
+    """Every strategy VJP memconv runs, as ``(strategy name, per_sample)`` in call order
+    (a composite strategy's own call comes before those of the strategy it runs)."""
+    import memconv
+    from memconv.strategies import get_strategy
+
+    calls = []
+    for name in memconv.strategies():
+        strategy = get_strategy(name)
+
+        def spy(*args, _real=strategy.vjp, _name=name, **kwargs):
+            calls.append((_name, kwargs["per_sample"]))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(strategy, "vjp", spy)
+    return calls

@@ -1,4 +1,4 @@
-"""Shared helpers of the test suite: references computed by torch itself."""
+"""Shared helpers of the test suite: references computed by torch itself, never memconv."""
 
 from __future__ import annotations
 
@@ -6,13 +6,26 @@ import torch
 from torch import nn
 
 CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+CONV_TRANSPOSES = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest absolute deviation relative to the largest entry of ``b``."""
+def rel_err(a: torch.Tensor, b: torch.Tensor, scale: float | None = None) -> float:
+    """Largest absolute deviation relative to the largest entry of ``b`` (or ``scale``)."""
     assert a.shape == b.shape, (a.shape, b.shape)
-    scale = b.abs().max().item()
-    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+    if scale is None:
+        scale = b.abs().max().item() if b.numel() else 0.0
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0) if a.numel() else 0.0
+
+
+def assert_grads_close(got: dict, ref: dict, tol: float) -> None:
+    """Same keys (a missing or extra key fails), same shapes, every entry within ``tol``
+    relative to the largest entry of any reference tensor (so that parameters whose
+    true gradient is zero are compared in absolute terms)."""
+    assert list(got) == list(ref), (list(got), list(ref))
+    scale = max(t.abs().max().item() for t in ref.values() if t.numel())
+    for name in ref:
+        assert got[name].shape == ref[name].shape, name
+        assert rel_err(got[name].double(), ref[name].double(), scale) < tol, name
 
 
 def reference_weight_grads(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
@@ -27,15 +40,46 @@ def reference_weight_grads(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
     return torch.stack(out)
 
 
-def make_conv(dims, c_in, c_out, k, *, seed=0, dtype=torch.float64, **kwargs):
-    """A seeded convolution module of the given dimension."""
+def func_reference(model, loss_fn, x, y):
+    """Per-sample gradients by ``torch.func.vmap(grad)`` (trainable parameters only)."""
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+
+    def loss(p, xi, yi):
+        out = torch.func.functional_call(model, p, (xi[None],), strict=False)
+        return loss_fn(out, yi[None])
+
+    return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+
+
+def loop_reference(model, loss_fn, x, y):
+    """Per-sample gradients by one ``torch.autograd.grad`` call per sample (handles
+    parameters shared by several layers, under their first name)."""
+    named = dict(model.named_parameters())
+    names = [n for n, p in named.items() if p.requires_grad]
+    per = [
+        torch.autograd.grad(
+            loss_fn(model(x[i : i + 1]), y[i : i + 1]), [named[n] for n in names], allow_unused=True
+        )
+        for i in range(len(x))
+    ]
+    return {
+        n: torch.stack(
+            [g[j] if g[j] is not None else torch.zeros_like(named[n]) for g in per]
+        )
+        for j, n in enumerate(names)
+    }
+
+
+def make_layer(dims, c_in, c_out, k, *, transposed=False, seed=0, dtype=torch.float64, **kwargs):
+    """A seeded convolution (or transposed convolution) module."""
     torch.manual_seed(seed)
-    return CONVS[dims](c_in, c_out, k, **kwargs).to(dtype)
+    cls = (CONV_TRANSPOSES if transposed else CONVS)[dims]
+    return cls(c_in, c_out, k, **kwargs).to(dtype)
 
 
 def conv_case(dims, n, c_in, c_out, k, size, *, seed=0, dtype=torch.float64, **kwargs):
     """(module, input, output gradient) of a seeded random case."""
-    m = make_conv(dims, c_in, c_out, k, seed=seed, dtype=dtype, **kwargs)
+    m = make_layer(dims, c_in, c_out, k, seed=seed, dtype=dtype, **kwargs)
     sizes = size if isinstance(size, tuple) else (size,) * dims
     x = torch.randn(n, c_in, *sizes, dtype=dtype)
     with torch.no_grad():

@@ -1,20 +1,26 @@
 """Every strategy against torch's own per-sample gradients and against every other.
 
-float64, 1e-10 relative, over a grid of Conv1d/2d/3d configurations (stride,
-padding incl. "same"/"valid", dilation, groups incl. depthwise, bias, N = 1, odd
-sizes, tiles that do not divide the output).
+float64, 1e-10 relative, over a grid of Conv1d/2d/3d and ConvTranspose1d/2d/3d
+configurations (stride, padding incl. "same"/"valid", dilation, groups incl.
+depthwise, output_padding, bias, N = 1, odd sizes, tiles that do not divide the
+output). The reference is one ``torch.autograd.grad`` call per sample.
 """
 
 import itertools
+import warnings
 
 import pytest
 import torch
 from helpers import conv_case, reference_weight_grads, rel_err
 
 import memconv
+from memconv._geometry import conv_spec
+from memconv.strategies import Options, Problem, elementary, get_strategy
+from memconv.strategies.auto import choose
 
 TOL = 1e-10
 STRATEGIES = memconv.strategies()
+ELEMENTARY = [s.name for s in elementary()]
 
 # (dims, N, C_in, C_out, k, size, kwargs)
 GRID = [
@@ -33,13 +39,29 @@ GRID = [
     (3, 2, 3, 3, 3, 5, dict(padding="same", groups=3, bias=False)),
     (3, 3, 2, 2, 3, (5, 7, 6), dict(stride=2, padding=(0, 1, 2))),
 ]
-IDS = [f"conv{c[0]}d-{i}" for i, c in enumerate(GRID)]
+# transposed convolutions: (dims, N, C_in, C_out, k, size, kwargs)
+GRID_T = [
+    (1, 3, 4, 6, 3, 7, {}),
+    (1, 2, 4, 6, 4, 6, dict(stride=3, padding=2, dilation=2, groups=2, output_padding=1)),
+    (2, 2, 6, 4, 3, 5, dict(stride=2, padding=1, output_padding=1)),
+    (2, 3, 4, 4, (3, 2), (4, 5), dict(stride=(2, 1), padding=(1, 0), groups=4)),
+    (2, 1, 3, 6, 3, 4, dict(stride=1, padding=1, dilation=2, output_padding=1, groups=3)),
+    (2, 2, 2, 3, 2, 5, dict(stride=2, bias=False)),  # U-Net up-sampling
+    (3, 2, 4, 2, 3, 4, dict(stride=2, padding=1, output_padding=(1, 0, 1), groups=2)),
+    (3, 1, 2, 2, (2, 3, 2), (3, 4, 3), dict(stride=(2, 1, 2))),
+]
+CASES = [(c, False) for c in GRID] + [(c, True) for c in GRID_T]
+IDS = [f"conv{c[0]}d-{i}" for i, c in enumerate(GRID)] + [
+    f"convT{c[0]}d-{i}" for i, c in enumerate(GRID_T)
+]
 
 
-@pytest.fixture(scope="module", params=range(len(GRID)), ids=IDS)
+@pytest.fixture(scope="module", params=range(len(CASES)), ids=IDS)
 def case(request):
-    dims, n, c_in, c_out, k, size, kwargs = GRID[request.param]
-    m, x, g = conv_case(dims, n, c_in, c_out, k, size, seed=request.param, **kwargs)
+    (dims, n, c_in, c_out, k, size, kwargs), transposed = CASES[request.param]
+    m, x, g = conv_case(
+        dims, n, c_in, c_out, k, size, seed=request.param, transposed=transposed, **kwargs
+    )
     return m, x, g, reference_weight_grads(m, x, g)
 
 
@@ -67,7 +89,7 @@ def test_every_strategy_agrees_with_every_other(case):
 
 
 @pytest.mark.parametrize("tile", [1, 2, 3, 5, 100])
-@pytest.mark.parametrize("inner", ["standard", "rochette", "unfold", "shift"])
+@pytest.mark.parametrize("inner", ELEMENTARY)
 def test_streaming_tiles_and_inner(case, tile, inner):
     m, x, g, ref = case
     with memconv.save_memory("streaming", tile_size=tile, inner=inner):
@@ -82,23 +104,38 @@ def test_streaming_per_axis_tile_tuple():
         assert rel_err(memconv.weight_vjp(m, x, g), ref) < TOL
 
 
-@pytest.mark.parametrize("budget", [1, 2**12, 2**16, 2**30])
-def test_auto_and_streaming_under_budgets(budget):
+@pytest.mark.parametrize("budget", [2**12, 2**16, 2**30])
+def test_auto_shift_and_streaming_under_budgets(budget):
     m, x, g = conv_case(2, 3, 4, 6, 3, 12, padding=1, groups=2)
     ref = reference_weight_grads(m, x, g)
-    for strategy in ("auto", "streaming"):
+    for strategy in ("auto", "shift", "streaming"):
         with memconv.save_memory(strategy, memory_budget=budget):
             assert rel_err(memconv.weight_vjp(m, x, g), ref) < TOL
 
 
-def test_auto_falls_back_to_streaming_when_nothing_fits():
-    from memconv._geometry import conv_spec
-    from memconv.strategies.auto import choose_strategy
-
+def test_auto_picks_the_fastest_that_fits_and_warns_when_none_does():
     m = torch.nn.Conv2d(8, 8, 3, padding=1)
-    geom = conv_spec(m).geometry
-    assert choose_strategy(geom, 4, (32, 32), 4, True, None) == "shift"
-    assert choose_strategy(geom, 4, (32, 32), 4, True, 1) == "streaming"
+    problem = Problem(conv_spec(m).geometry, 4, (32, 32), 4, True)
+    strategy, _, memory, fits = choose(problem, Options())
+    others = [get_strategy(s) for s in STRATEGIES if s != "auto"]
+    fastest = min(others, key=lambda s: s.time(problem, Options()))
+    assert fits and strategy is fastest
+    budget = memory - 1
+    strategy, _, memory, fits = choose(problem, Options(memory_budget=budget))
+    assert fits and memory <= budget and strategy is not fastest
+    _, _, memory, fits = choose(problem, Options(memory_budget=1))
+    assert not fits and memory == min(s.memory(problem, Options(memory_budget=1)) for s in others)
+    x, g = torch.randn(4, 8, 32, 32), torch.randn(4, 8, 32, 32)
+    with pytest.warns(UserWarning, match="below the extra memory of every strategy"):
+        with memconv.save_memory("auto", memory_budget=1):
+            memconv.weight_vjp(m, x, g)
+
+
+def test_auto_choice_is_logged(caplog):
+    m, x, g = conv_case(2, 2, 3, 4, 3, 8, padding=1)
+    with caplog.at_level("DEBUG", logger="memconv"):
+        memconv.weight_vjp(m, x, g, strategy="auto")
+    assert any("auto:" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
@@ -126,3 +163,34 @@ def test_noncontiguous_and_channels_last(strategy):
     x_cl = x.contiguous(memory_format=torch.channels_last)
     g_t = g.transpose(2, 3).contiguous().transpose(2, 3)  # same values, other strides
     assert rel_err(memconv.weight_vjp(m, x_cl, g_t, strategy=strategy), ref) < TOL
+
+
+def test_registry_is_open(strategy_calls):
+    """A new strategy is one registered object: auto and streaming consider it."""
+    from memconv.strategies import base
+
+    class Twice:
+        name, options, composite = "test-twice", frozenset(), False
+
+        def vjp(self, x, g, geom, *, per_sample, options, out=None):
+            result = get_strategy("unfold").vjp(x, g, geom, per_sample=per_sample, options=options)
+            return result if out is None else out.add_(result)
+
+        def memory(self, problem, options):
+            return 0
+
+        def time(self, problem, options):
+            return 0.0  # the fastest there is
+
+    base.register_strategy(Twice())
+    try:
+        m, x, g = conv_case(2, 2, 3, 4, 3, 8, padding=1)
+        ref = reference_weight_grads(m, x, g)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert rel_err(memconv.weight_vjp(m, x, g, strategy="auto"), ref) < TOL
+        assert ("auto", True) in strategy_calls and strategy_calls[-1][0] == "unfold"
+        with memconv.save_memory("streaming", tile_size=3):
+            assert rel_err(memconv.weight_vjp(m, x, g), ref) < TOL
+    finally:
+        del base._REGISTRY["test-twice"]

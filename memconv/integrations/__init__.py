@@ -1,7 +1,5 @@
 """Integrations with other libraries; each depends on the core, never the reverse.
 
-Importing this package registers the integrations' listeners with the core; none
-of them imports its library until the user has imported it.
+Each plugs into its peer's own extension point and imports the peer only when one
+of its functions is called: :mod:`memconv.integrations.backpack`.
 """
-
-from . import backpack  # noqa: F401

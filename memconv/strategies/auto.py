@@ -1,100 +1,95 @@
-"""``"auto"``: per layer, the fastest strategy whose predicted memory fits a budget.
+"""``"auto"``: per layer, the fastest registered strategy whose memory fits a budget.
 
-Speed is predicted from memory traffic, which bounds these products on a CPU:
-``"shift"`` reads the output gradient and the input once per kernel offset,
-``"unfold"`` writes (counted twice: fresh pages) and reads the unfolded input and
-reads the output gradient once; the one moving fewer elements is tried first (``"unfold"`` wins when C_in is
-small beside C_out, as in a first layer), then the other, then ``"rochette"`` and
-``"standard"`` (grouped convolutions with N·G groups, slower on CPUs in
-``memconv bench``). The first whose cost model predicts extra memory within
-``memory_budget`` bytes runs; when none fits, ``"streaming"`` runs with a tile
-chosen to fit the budget. Without a budget the fastest runs.
+Every other registered strategy is a candidate: each predicts its extra memory
+(bytes) and its run time (relative units) from the layer's sizes, and ``"auto"``
+runs the one predicted fastest among those within ``memory_budget`` (any, without
+a budget). ``"streaming"`` chooses its tile to fit the budget, so it is what runs
+when no whole-layer strategy fits; when not even its smallest tile fits, a
+warning says so and the leanest candidate runs. The choice is logged on the
+``memconv`` logger at DEBUG level.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import logging
+import warnings
+from typing import ClassVar
 
 from torch import Tensor
 
-from .._geometry import ConvGeometry
-from . import get_strategy, numel, register_strategy
+from .base import NO_OPTIONS, Options, Problem, get_strategy, register_strategy, strategy_names
 
-#: Non-tiling strategies tried after the two matrix-product ones.
-FALLBACK_ORDER = ("rochette", "standard")
+logger = logging.getLogger("memconv")
 
 
-def traffic(name: str, geom: ConvGeometry, n: int, size) -> int:
-    """Elements ``"shift"`` or ``"unfold"`` read and write (speed model of ``"auto"``)."""
-    t = numel(geom.output_size(size))
-    x_t = n * geom.in_channels * t  # input at the output positions
-    g = n * geom.out_channels * t
-    if name == "shift":
-        return geom.kernel_numel * (x_t + g)
-    # writing the unfolded input costs about twice reading it (fresh pages)
-    return 3 * geom.kernel_numel * x_t + g
+def _candidate_options(strategy, options: Options) -> Options:
+    if "memory_budget" in strategy.options and options.memory_budget is not None:
+        return Options(memory_budget=options.memory_budget)
+    return NO_OPTIONS
 
 
-def speed_order(geom: ConvGeometry, n: int, size) -> tuple[str, ...]:
-    """Non-tiling strategies, predicted fastest first."""
-    fast = sorted(("shift", "unfold"), key=lambda s: traffic(s, geom, n, size))
-    return (*fast, *FALLBACK_ORDER)
-
-
-def choose_strategy(geom: ConvGeometry, n, size, itemsize, per_sample, budget) -> str:
-    """Name of the strategy ``"auto"`` runs for this layer and batch.
-
-    Arguments, shapes and return value: the strategy protocol of
-    :mod:`memconv.strategies`.
+def choose(problem: Problem, options: Options):
+    """The strategy ``"auto"`` runs for this VJP.
 
     Args:
-        n: batch size N.
-        size: normal-form input spatial size.
-        itemsize: bytes per element.
-        budget: bytes, or None for no limit.
+        problem: the layer's sizes.
+        options: ``memory_budget`` (bytes or None) is read.
 
     Returns:
-        A name from :func:`speed_order`, or ``"streaming"``.
+        ``(strategy, its options, its predicted extra bytes, fits)``; ``fits`` is
+        False when no candidate fits the budget (the leanest is returned then).
     """
-    for name in speed_order(geom, n, size):
-        cost = get_strategy(name).extra_memory(geom, n, size, itemsize, per_sample, None)
-        if budget is None or cost <= budget:
-            return name
-    return "streaming"
+    budget = options.memory_budget
+    candidates = []  # (strategy, options, bytes, time)
+    for name in strategy_names():
+        if name != Auto.name:
+            strategy = get_strategy(name)
+            sub = _candidate_options(strategy, options)
+            candidates.append(
+                (strategy, sub, strategy.memory(problem, sub), strategy.time(problem, sub))
+            )
+    fitting = [c for c in candidates if budget is None or c[2] <= budget]
+    if fitting:
+        strategy, sub, memory, _ = min(fitting, key=lambda c: c[3])
+    else:
+        strategy, sub, memory, _ = min(candidates, key=lambda c: c[2])
+    return strategy, sub, memory, bool(fitting)
 
 
-def _streaming_settings(settings):
-    if settings is None:
-        return None
-    return replace(settings, strategy="streaming", tile_size=None)
+class Auto:
+    """Weight VJP by the fastest strategy whose predicted memory fits the budget."""
+
+    name: ClassVar[str] = "auto"
+    options: ClassVar[frozenset[str]] = frozenset({"memory_budget"})
+    composite: ClassVar[bool] = True
+
+    def vjp(self, x, g, geom, *, per_sample, options, out=None) -> Tensor:
+        problem = Problem(geom, x.shape[0], tuple(x.shape[2:]), x.element_size(), per_sample)
+        strategy, sub, memory, fits = choose(problem, options)
+        if not fits:
+            warnings.warn(
+                f"memconv auto: memory_budget={options.memory_budget} bytes is below the "
+                f"extra memory of every strategy for a layer {geom} with N={problem.n} and "
+                f"input size {problem.size}; running the leanest, {strategy.name!r} "
+                f"({memory} bytes). Raise memory_budget or reduce the batch.",
+                stacklevel=2,
+            )
+        logger.debug(
+            "auto: %r for N=%d, input size %s, %s (predicted %d bytes extra)",
+            strategy.name,
+            problem.n,
+            problem.size,
+            geom,
+            memory,
+        )
+        return strategy.vjp(x, g, geom, per_sample=per_sample, options=sub, out=out)
+
+    def memory(self, problem: Problem, options: Options) -> int:
+        return choose(problem, options)[2]
+
+    def time(self, problem: Problem, options: Options) -> float:
+        strategy, sub, _, _ = choose(problem, options)
+        return strategy.time(problem, sub)
 
 
-def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -> int:
-    budget = settings.memory_budget if settings is not None else None
-    name = choose_strategy(geom, n, size, itemsize, per_sample, budget)
-    if name == "streaming":
-        settings = _streaming_settings(settings)
-    return get_strategy(name).extra_memory(geom, n, size, itemsize, per_sample, settings)
-
-
-@register_strategy("auto", extra_memory=_extra_memory)
-def auto_vjp(
-    x: Tensor,
-    g: Tensor,
-    geom: ConvGeometry,
-    *,
-    per_sample: bool,
-    settings=None,
-    out: Tensor | None = None,
-) -> Tensor:
-    """Weight VJP by the fastest strategy that fits ``settings.memory_budget``.
-
-    Args:
-        settings: :class:`memconv.context.Settings`; ``memory_budget`` (bytes) is read.
-    """
-    budget = settings.memory_budget if settings is not None else None
-    n, size = x.shape[0], tuple(x.shape[2:])
-    name = choose_strategy(geom, n, size, x.element_size(), per_sample, budget)
-    if name == "streaming":
-        settings = _streaming_settings(settings)
-    return get_strategy(name).vjp(x, g, geom, per_sample=per_sample, settings=settings, out=out)
+AUTO = register_strategy(Auto())

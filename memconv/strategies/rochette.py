@@ -15,63 +15,81 @@ order of the input, never of the im2col matrix or of a repeated output gradient.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from torch import Tensor
 
 from .._geometry import ConvGeometry, conv_function
-from . import crop_kernel, finish, numel, register_strategy
+from .base import (
+    Options,
+    Problem,
+    crop_kernel,
+    finish,
+    linear_time,
+    numel,
+    register_strategy,
+)
+from .standard import depthwise_copies, raw_kernel
 
 
-def _raw_kernel(geom: ConvGeometry, size, axes) -> list[int]:
-    t = geom.output_size(size)
-    return [
-        (size[i] + 2 * geom.padding[i] - (t[i] - 1) * geom.stride[i] - 1) // geom.dilation[i] + 1
-        for i in axes
-    ]
+class Rochette:
+    """Weight VJP by a convolution of one dimension higher (Rochette et al. 2019)."""
+
+    name: ClassVar[str] = "rochette"
+    options: ClassVar[frozenset[str]] = frozenset()
+    composite: ClassVar[bool] = False
+
+    def vjp(self, x, g, geom, *, per_sample, options, out=None) -> Tensor:
+        if geom.dims == 3:
+            return _rochette_3d(x, g, geom, per_sample, out)
+        n, grp, cg = x.shape[0], geom.groups, geom.in_per_group
+        grad = conv_function(
+            geom.dims + 1
+        )(
+            x.reshape(1, n * grp, cg, *x.shape[2:]),  # [1, N·G, C_in/G, *S]
+            g.reshape(n * geom.out_channels, 1, 1, *g.shape[2:]),  # [N·C_out, 1, 1, *T]
+            stride=(1, *geom.dilation),
+            padding=(0, *geom.padding),
+            dilation=(1, *geom.stride),
+            groups=n * grp,
+        )  # [1, N·C_out, C_in/G, *raw k]
+        grad = crop_kernel(
+            grad.reshape(n, geom.out_channels, cg, *grad.shape[3:]), geom.kernel_size, 3
+        )
+        return finish(grad, per_sample, out)
+
+    def memory(self, problem: Problem, options: Options) -> int:
+        geom, n, size = problem.geom, problem.n, problem.size
+        raw = n * geom.out_channels * geom.in_per_group
+        if geom.dims < 3:
+            # the backend writes the convolution's output twice (a temporary and the
+            # returned buffer, of which the result is a crop)
+            extra = 2 * raw * numel(raw_kernel(geom, size)) - problem.result_elements
+            return (extra + depthwise_copies(problem)) * problem.itemsize + problem.held()
+        t = problem.output_size
+        # per first-kernel offset: the input slice, copied twice (re-laid out, then by
+        # the backend), the output-gradient slice and the uncropped part
+        x_slice = n * geom.in_channels * t[0] * numel(size[1:])
+        g_slice = n * geom.out_channels * numel(t)
+        part = raw * numel(raw_kernel(geom, size)[1:])
+        summed = 0 if problem.per_sample else n * numel(geom.weight_shape)
+        extra = 2 * x_slice + g_slice + part + summed
+        return extra * problem.itemsize + problem.held()
+
+    def time(self, problem: Problem, options: Options) -> float:
+        geom, n = problem.geom, problem.n
+        raw = n * geom.out_channels * geom.in_per_group * numel(raw_kernel(geom, problem.size))
+        traffic = problem.input_elements() + problem.grad_elements() + 2 * raw
+        if geom.dims == 3:  # slices of input and output gradient copied per k_0
+            traffic += geom.kernel_size[0] * (
+                2 * problem.input_elements() + problem.grad_elements()
+            )
+        # one convolution group per sample and group
+        return linear_time(TIME, problem.flops(), traffic, n * geom.groups)
 
 
-def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -> int:
-    res = n * numel(geom.weight_shape)
-    summed = 0 if per_sample else res
-    if geom.dims < 3:
-        axes = range(geom.dims)
-        # the convolution's output before the crop (the result itself when it fits)
-        raw = n * geom.out_channels * geom.in_per_group * numel(_raw_kernel(geom, size, axes))
-        return (raw + summed) * itemsize
-    t = geom.output_size(size)
-    x_slice = n * geom.in_channels * t[0] * numel(size[1:])
-    g_slice = n * geom.out_channels * numel(t)
-    raw = n * geom.out_channels * geom.in_per_group * numel(_raw_kernel(geom, size, (1, 2)))
-    return (x_slice + g_slice + raw + summed) * itemsize
-
-
-@register_strategy("rochette", extra_memory=_extra_memory)
-def rochette_vjp(
-    x: Tensor,
-    g: Tensor,
-    geom: ConvGeometry,
-    *,
-    per_sample: bool,
-    settings=None,
-    out: Tensor | None = None,
-) -> Tensor:
-    """Weight VJP by a convolution of one dimension higher (Rochette et al. 2019).
-
-    Arguments, shapes and return value: the strategy protocol of
-    :mod:`memconv.strategies`.
-    """
-    if geom.dims == 3:
-        return _rochette_3d(x, g, geom, per_sample, out)
-    n, grp, cg = x.shape[0], geom.groups, geom.in_per_group
-    grad = conv_function(geom.dims + 1)(
-        x.reshape(1, n * grp, cg, *x.shape[2:]),
-        g.reshape(n * geom.out_channels, 1, 1, *g.shape[2:]),
-        stride=(1, *geom.dilation),
-        padding=(0, *geom.padding),
-        dilation=(1, *geom.stride),
-        groups=n * grp,
-    )
-    grad = crop_kernel(grad.reshape(n, geom.out_channels, cg, *grad.shape[3:]), geom.kernel_size, 3)
-    return finish(grad, per_sample, out)
+#: Seconds per multiply-add, per element moved, per convolution group.
+TIME = (2.6e-11, 9.3e-11, 1.7e-6)
 
 
 def _rochette_3d(x: Tensor, g: Tensor, geom: ConvGeometry, per_sample: bool, out):
@@ -87,6 +105,7 @@ def _rochette_3d(x: Tensor, g: Tensor, geom: ConvGeometry, per_sample: bool, out
             continue
         start = lo * s0 + kk * d0 - p0
         xs = x[:, :, start : start + (hi - lo - 1) * s0 + 1 : s0]  # [N, C_in, T0', S1, S2]
+        # [N, G, C_in/G, T0', S1, S2] -> [1, N·G·T0', C_in/G, S1, S2]
         xs = xs.reshape(n, grp, cg, hi - lo, *x.shape[3:]).transpose(2, 3)
         xs = xs.reshape(1, n * grp * (hi - lo), cg, *x.shape[3:])
         gs = g[:, :, lo:hi].reshape(n * geom.out_channels, hi - lo, 1, *g.shape[3:])
@@ -97,9 +116,12 @@ def _rochette_3d(x: Tensor, g: Tensor, geom: ConvGeometry, per_sample: bool, out
             padding=(0, *geom.padding[1:]),
             dilation=(1, *geom.stride[1:]),
             groups=n * grp,
-        )
+        )  # [1, N·C_out, C_in/G, *raw k_1, k_2]
         part = crop_kernel(
             part.reshape(n, geom.out_channels, cg, *part.shape[3:]), geom.kernel_size[1:], 3
         )
         grad[:, :, :, kk] = part
     return finish(grad, per_sample, out)
+
+
+ROCHETTE = register_strategy(Rochette())

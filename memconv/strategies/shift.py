@@ -14,11 +14,21 @@ view is copied (one input-sized buffer at a time, never K of them).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
 from .._geometry import ConvGeometry
-from . import numel, pad_input, padded_size, register_strategy
+from .base import (
+    Options,
+    Problem,
+    linear_time,
+    numel,
+    pad_input,
+    padded_size,
+    register_strategy,
+)
 
 #: Bytes of per-chunk temporaries when no ``memory_budget`` is set.
 DEFAULT_CHUNK_BUDGET = 16 * 2**20
@@ -39,86 +49,86 @@ def _per_sample_temporaries(geom: ConvGeometry, size, per_sample: bool, out_give
     return padded + geom.in_channels * numel(t) + part
 
 
-def chunk_size(geom: ConvGeometry, n, size, itemsize, per_sample, settings, out_given=False) -> int:
+def chunk_size(problem: Problem, options: Options, out_given: bool = False) -> int:
     """Samples processed together, so that the temporaries fit the budget.
 
-    The budget is ``settings.memory_budget`` (bytes) or :data:`DEFAULT_CHUNK_BUDGET`;
+    The budget is ``options.memory_budget`` (bytes) or :data:`DEFAULT_CHUNK_BUDGET`;
     at least one sample is processed at a time.
     """
-    budget = getattr(settings, "memory_budget", None) or DEFAULT_CHUNK_BUDGET
-    per = _per_sample_temporaries(geom, size, per_sample, out_given) * itemsize
-    return max(1, min(n, budget // max(per, 1)))
+    budget = options.memory_budget or DEFAULT_CHUNK_BUDGET
+    per = _per_sample_temporaries(problem.geom, problem.size, problem.per_sample, out_given)
+    return max(1, min(problem.n, budget // max(per * problem.itemsize, 1)))
 
 
-def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -> int:
-    chunk = chunk_size(geom, n, size, itemsize, per_sample, settings)
-    return chunk * _per_sample_temporaries(geom, size, per_sample, False) * itemsize
-
-
-def accumulating_temporaries(geom: ConvGeometry, n, size, itemsize, per_sample, settings=None):
-    """Extra bytes when adding into a given ``out`` (as ``"streaming"`` does)."""
-    chunk = chunk_size(geom, n, size, itemsize, per_sample, settings, out_given=True)
-    return chunk * _per_sample_temporaries(geom, size, per_sample, True) * itemsize
-
-
-@register_strategy("shift", extra_memory=_extra_memory)
-def shift_vjp(
-    x: Tensor,
-    g: Tensor,
-    geom: ConvGeometry,
-    *,
-    per_sample: bool,
-    settings=None,
-    out: Tensor | None = None,
-) -> Tensor:
+class Shift:
     """Weight VJP by one batched matrix product per kernel offset.
 
-    The batch is processed in chunks whose temporaries fit ``settings.memory_budget``
+    The batch is processed in chunks whose temporaries fit ``options.memory_budget``
     (default :data:`DEFAULT_CHUNK_BUDGET`); per-sample results are written in place,
     kernel offset by kernel offset, so the returned per-sample tensor is a strided
     view (offset-major storage) of the usual shape.
-
-    Arguments, shapes and return value: the strategy protocol of
-    :mod:`memconv.strategies`.
-
-    Args:
-        settings: :class:`memconv.context.Settings`; ``memory_budget`` bounds the
-            temporaries of one chunk of samples.
     """
-    n, kk = x.shape[0], geom.kernel_numel
-    grp, cg, og = geom.groups, geom.in_per_group, geom.out_per_group
-    differentiable = torch.is_grad_enabled() and (x.requires_grad or g.requires_grad)
-    direct = out is None and per_sample and not differentiable
-    if direct:  # [K, N, G, C_out/G, C_in/G]: each (offset, chunk) block is contiguous
-        store = x.new_empty(kk, n, grp, og, cg)
-    elif out is None:
-        store = x.new_zeros(((n,) if per_sample else ()) + (grp, og, cg, kk))
-    else:
-        store = out.view(((n,) if per_sample else ()) + (grp, og, cg, kk))
-    chunk = chunk_size(
-        geom, n, tuple(x.shape[2:]), x.element_size(), per_sample, settings, out is not None
-    )
-    operands = _flat_operands if _flat_ok(geom) else _copied_operands
-    for n0 in range(0, n, chunk):
-        n1 = min(n, n0 + chunk)
-        gm, views = operands(x[n0:n1], g[n0:n1], geom)
-        for k, view in enumerate(views):
-            if direct:
-                torch.matmul(gm, view.transpose(-1, -2), out=store[k, n0:n1])
-                continue
-            part = torch.matmul(gm, view.transpose(-1, -2))  # [n, G, C_out/G, C_in/G]
-            if per_sample:
-                store[n0:n1, ..., k] += part
-            else:
-                store[..., k] += part.sum(0)
-            del part
-        # release this chunk's operands before the next chunk's are built
-        gm = views = view = None
-    if out is not None:
-        return out
-    if direct:
-        return store.permute(1, 2, 3, 4, 0).reshape(n, *geom.weight_shape)
-    return store.reshape(((n,) if per_sample else ()) + geom.weight_shape)
+
+    name: ClassVar[str] = "shift"
+    options: ClassVar[frozenset[str]] = frozenset({"memory_budget"})
+    composite: ClassVar[bool] = False
+
+    def vjp(self, x, g, geom, *, per_sample, options, out=None) -> Tensor:
+        n, kk = x.shape[0], geom.kernel_numel
+        grp, cg, og = geom.groups, geom.in_per_group, geom.out_per_group
+        differentiable = torch.is_grad_enabled() and (x.requires_grad or g.requires_grad)
+        direct = out is None and per_sample and not differentiable
+        if direct:  # [K, N, G, C_out/G, C_in/G]: each (offset, chunk) block is contiguous
+            store = x.new_empty(kk, n, grp, og, cg)
+        elif out is None:
+            store = x.new_zeros(((n,) if per_sample else ()) + (grp, og, cg, kk))
+        else:
+            store = out.view(((n,) if per_sample else ()) + (grp, og, cg, kk))
+        problem = Problem(geom, n, tuple(x.shape[2:]), x.element_size(), per_sample)
+        chunk = chunk_size(problem, options, out is not None)
+        operands = _flat_operands if _flat_ok(geom) else _copied_operands
+        for n0 in range(0, n, chunk):
+            n1 = min(n, n0 + chunk)
+            gm, views = operands(x[n0:n1], g[n0:n1], geom)  # gm [n, G, C_out/G, L]
+            for k, view in enumerate(views):  # view [n, G, C_in/G, L]
+                if direct:
+                    torch.matmul(gm, view.transpose(-1, -2), out=store[k, n0:n1])
+                    continue
+                part = torch.matmul(gm, view.transpose(-1, -2))  # [n, G, C_out/G, C_in/G]
+                if per_sample:
+                    store[n0:n1, ..., k] += part
+                else:
+                    store[..., k] += part.sum(0)
+                del part
+            # release this chunk's operands before the next chunk's are built
+            gm = views = view = None
+        if out is not None:
+            return out
+        if direct:  # [K, N, G, C_out/G, C_in/G] -> [N, C_out, C_in/G, *k]
+            return store.permute(1, 2, 3, 4, 0).reshape(n, *geom.weight_shape)
+        return store.reshape(((n,) if per_sample else ()) + geom.weight_shape)
+
+    def memory(self, problem: Problem, options: Options) -> int:
+        chunk = chunk_size(problem, options, problem.into)
+        per = _per_sample_temporaries(problem.geom, problem.size, problem.per_sample, problem.into)
+        return chunk * per * problem.itemsize
+
+    def time(self, problem: Problem, options: Options) -> float:
+        geom, n = problem.geom, problem.n
+        if _flat_ok(geom):
+            p = padded_size(geom, problem.size)
+            length = problem.output_size[0] * numel(p[1:])  # a window of the flat row
+            copies = 0
+        else:
+            length = problem.positions
+            copies = 2 * n * geom.in_channels * length  # each offset's view copied
+        operands = n * (geom.in_channels + geom.out_channels) * length + copies
+        traffic = geom.kernel_numel * operands + problem.per_sample_elements()
+        return linear_time(TIME, problem.flops(), traffic, 0)
+
+
+#: Seconds per multiply-add, per element moved, per call.
+TIME = (2.2e-11, 8.6e-11, 0.0)
 
 
 def _offsets(geom: ConvGeometry):
@@ -174,3 +184,6 @@ def _copied_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
             yield view.reshape(n, geom.groups, geom.in_per_group, numel(t))
 
     return gm, views()
+
+
+SHIFT = register_strategy(Shift())

@@ -9,58 +9,98 @@ N·C_in·(C_out/G)·T elements, is what makes it memory-hungry.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from torch import Tensor
 
 from .._geometry import ConvGeometry, conv_function
-from . import crop_kernel, finish, numel, register_strategy
+from .base import (
+    Options,
+    Problem,
+    crop_kernel,
+    finish,
+    linear_time,
+    numel,
+    register_strategy,
+)
 
 
-def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -> int:
-    t = numel(geom.output_size(size))
-    # the repeat is a view when C_in/G == 1 (depthwise, or a first layer)
-    repeated = n * geom.in_channels * geom.out_per_group * t if geom.in_per_group > 1 else 0
-    # the convolution's output before the crop to the kernel size
-    full = [
-        (s + 2 * p - (t_ - 1) * st - 1) // d + 1
-        for s, p, t_, st, d in zip(
+def raw_kernel(geom: ConvGeometry, size: tuple[int, ...]) -> tuple[int, ...]:
+    """Kernel positions the swapped convolution returns before the crop."""
+    return tuple(
+        (s + 2 * p - (t - 1) * st - 1) // d + 1
+        for s, p, t, st, d in zip(
             size, geom.padding, geom.output_size(size), geom.stride, geom.dilation
         )
-    ]
-    raw = n * geom.in_channels * geom.out_per_group * numel(full)
-    summed = 0 if per_sample else n * numel(geom.weight_shape)
-    return (repeated + raw + summed) * itemsize
-
-
-@register_strategy("standard", extra_memory=_extra_memory)
-def standard_vjp(
-    x: Tensor,
-    g: Tensor,
-    geom: ConvGeometry,
-    *,
-    per_sample: bool,
-    settings=None,
-    out: Tensor | None = None,
-) -> Tensor:
-    """Weight VJP by a grouped convolution of the same order (BackPACK's default).
-
-    Arguments, shapes and return value: the strategy protocol of
-    :mod:`memconv.strategies`.
-    """
-    n, t = x.shape[0], g.shape[2:]
-    grp, cg, og = geom.groups, geom.in_per_group, geom.out_per_group
-    kernels = (
-        g.reshape(n, grp, 1, og, *t)
-        .expand(n, grp, cg, og, *t)
-        .reshape(n * geom.in_channels * og, 1, *t)
     )
-    grad = conv_function(geom.dims)(
-        x.reshape(1, n * geom.in_channels, *x.shape[2:]),
-        kernels,
-        stride=geom.dilation,
-        padding=geom.padding,
-        dilation=geom.stride,
-        groups=n * geom.in_channels,
-    )
-    grad = crop_kernel(grad.reshape(n, grp, cg, og, *grad.shape[2:]), geom.kernel_size, 4)
-    grad = grad.transpose(2, 3).reshape(n, *geom.weight_shape)
-    return finish(grad, per_sample, out)
+
+
+def depthwise_copies(problem: Problem) -> int:
+    """Elements the CPU backend copies when the swapped convolution is depthwise
+    (one output channel per group, C_out/G = 1): the input and the output gradient."""
+    geom, n = problem.geom, problem.n
+    if geom.out_per_group != 1:
+        return 0
+    return n * geom.in_channels * numel(problem.size) + n * geom.out_channels * problem.positions
+
+
+class Standard:
+    """Weight VJP by a grouped convolution of the same order (BackPACK's default)."""
+
+    name: ClassVar[str] = "standard"
+    options: ClassVar[frozenset[str]] = frozenset()
+    composite: ClassVar[bool] = False
+
+    def vjp(self, x, g, geom, *, per_sample, options, out=None) -> Tensor:
+        n, t = x.shape[0], g.shape[2:]
+        grp, cg, og = geom.groups, geom.in_per_group, geom.out_per_group
+        # kernels [N·C_in·(C_out/G), 1, *T]: g repeated over the C_in/G inputs of a group
+        kernels = (
+            g.reshape(n, grp, 1, og, *t)
+            .expand(n, grp, cg, og, *t)
+            .reshape(n * geom.in_channels * og, 1, *t)
+        )
+        grad = conv_function(geom.dims)(
+            x.reshape(1, n * geom.in_channels, *x.shape[2:]),  # [1, N·C_in, *S]
+            kernels,
+            stride=geom.dilation,
+            padding=geom.padding,
+            dilation=geom.stride,
+            groups=n * geom.in_channels,
+        )  # [1, N·C_in·(C_out/G), *raw k]
+        grad = crop_kernel(grad.reshape(n, grp, cg, og, *grad.shape[2:]), geom.kernel_size, 4)
+        # [N, G, C_in/G, C_out/G, *k] -> [N, C_out, C_in/G, *k]
+        grad = grad.transpose(2, 3).reshape(n, *geom.weight_shape)
+        return finish(grad, per_sample, out)
+
+    def memory(self, problem: Problem, options: Options) -> int:
+        geom, n = problem.geom, problem.n
+        # the repeat is a view when C_in/G == 1 (depthwise, or a first layer)
+        repeated = n * geom.in_channels * geom.out_per_group * problem.positions
+        repeated = repeated if geom.in_per_group > 1 else 0
+        raw = n * geom.in_channels * geom.out_per_group * numel(raw_kernel(geom, problem.size))
+        # the backend writes the convolution's output twice (a temporary and the
+        # returned buffer, of which the result is a crop)
+        extra = repeated + 2 * raw - problem.result_elements
+        return (extra + depthwise_copies(problem)) * problem.itemsize + problem.held()
+
+    def time(self, problem: Problem, options: Options) -> float:
+        geom, n = problem.geom, problem.n
+        repeated = n * geom.in_channels * geom.out_per_group * problem.positions
+        repeated = repeated if geom.in_per_group > 1 else 0
+        raw = n * geom.in_channels * geom.out_per_group * numel(raw_kernel(geom, problem.size))
+        traffic = (
+            problem.input_elements()
+            + problem.grad_elements()
+            + 2 * repeated
+            + 2 * raw
+            + problem.per_sample_elements()
+        )
+        # one convolution group per sample and input channel
+        return linear_time(TIME, problem.flops(), traffic, n * geom.in_channels)
+
+
+#: Seconds per multiply-add, per element moved, per convolution group.
+TIME = (5e-12, 3.7e-10, 2.8e-7)
+
+STANDARD = register_strategy(Standard())

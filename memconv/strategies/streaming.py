@@ -6,90 +6,118 @@ tile plus a halo of ``dilation·(k-1)`` positions, stepped by the stride); that
 piece of the input is sliced, zero-padded where it crosses the border, and handed
 with the tile of the output gradient to an inner strategy, which adds its share
 into the result. Extra memory is bounded by one tile, not by the image.
+
+Without ``tile_size`` the tile is chosen to fit ``memory_budget`` (default
+:data:`DEFAULT_TILE_BUDGET`); without ``inner`` every registered elementary
+strategy is tried and the fastest (by its time model, over all tiles) runs.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
+from typing import ClassVar
 
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._geometry import ConvGeometry
-from . import get_strategy, numel, register_strategy
+from .._geometry import ConvGeometry, input_range, span, torch_pad_argument
+from .base import (
+    NO_OPTIONS,
+    Options,
+    Problem,
+    elementary,
+    get_strategy,
+    numel,
+    register_strategy,
+)
 
 #: Extra bytes a tile may use when neither ``tile_size`` nor ``memory_budget`` is set.
 DEFAULT_TILE_BUDGET = 32 * 2**20
-#: Strategy run on each tile when ``inner`` is not set.
-DEFAULT_INNER = "shift"
+#: Seconds of one tile's slicing and dispatch, and per element copied.
+TILE_COST, COPY_COST = 2e-5, 8.6e-11
 
 
 def tile_input_size(geom: ConvGeometry, tile: tuple[int, ...]) -> tuple[int, ...]:
     """Input positions (halo included) that ``tile`` output positions need."""
     return tuple(
-        (t - 1) * s + d * (k - 1) + 1
+        (t - 1) * s + span(k, d)
         for t, s, d, k in zip(tile, geom.stride, geom.dilation, geom.kernel_size)
     )
 
 
-def _tile_cost(geom, n, tile, itemsize, per_sample, inner) -> int:
+def _inner_options(inner, options: Options) -> Options:
+    """The tile's budget reaches an inner strategy that reads one."""
+    if "memory_budget" in inner.options and options.memory_budget is not None:
+        return Options(memory_budget=options.memory_budget)
+    return NO_OPTIONS
+
+
+def _tile_problem(problem: Problem, tile: tuple[int, ...]) -> Problem:
+    geom0 = problem.geom.with_padding((0,) * problem.geom.dims)
+    return replace(problem, geom=geom0, size=tile_input_size(problem.geom, tile), into=True)
+
+
+def _tile_memory(problem: Problem, tile, inner, options: Options) -> int:
     """Extra bytes of one tile: its zero-padded input piece and the inner strategy's
-    temporaries while it adds into the result (``"shift"`` adds one kernel offset of
-    one chunk of samples at a time; the others hold a whole result first)."""
-    size = tile_input_size(geom, tile)
-    geom0 = geom.with_padding((0,) * geom.dims)
-    x_tile = n * geom.in_channels * numel(size) * itemsize
-    if inner == "shift":
-        from .shift import accumulating_temporaries
-
-        return x_tile + accumulating_temporaries(geom0, n, size, itemsize, per_sample)
-    held = numel(geom.weight_shape) * (n if per_sample else 1) * itemsize
-    return (
-        x_tile + held + get_strategy(inner).extra_memory(geom0, n, size, itemsize, per_sample, None)
-    )
+    temporaries while it adds into the result."""
+    sub = _tile_problem(problem, tile)
+    # a tile at the border gets a zero-padded copy of its input; others are views
+    padded = any(problem.geom.padding)
+    x_tile = problem.n * problem.geom.in_channels * numel(sub.size) * problem.itemsize * padded
+    return x_tile + inner.memory(sub, _inner_options(inner, options))
 
 
-def choose_tile(geom, n, size, itemsize, per_sample, budget, inner) -> tuple[int, ...]:
+def _tile_count(problem: Problem, tile) -> int:
+    return numel(math.ceil(t / s) for t, s in zip(problem.output_size, tile))
+
+
+def choose_tile(problem: Problem, inner, options: Options, budget: int) -> tuple[int, ...]:
     """Largest tile (halving the outer axes first) whose extra memory fits ``budget``.
-
-    Arguments, shapes and return value: the strategy protocol of
-    :mod:`memconv.strategies`.
-
-    Args:
-        n: batch size N.
-        size: normal-form input spatial size.
-        itemsize: bytes per element.
-        budget: bytes.
-        inner: name of the inner strategy.
 
     Returns:
         Output positions per spatial axis; all ones if nothing smaller fits.
     """
-    tile = list(geom.output_size(size))
-    for axis in range(geom.dims):
-        while tile[axis] > 1 and _tile_cost(geom, n, tile, itemsize, per_sample, inner) > budget:
+    tile = list(problem.output_size)
+    for axis in range(problem.geom.dims):
+        while tile[axis] > 1 and _tile_memory(problem, tile, inner, options) > budget:
             tile[axis] = math.ceil(tile[axis] / 2)
     return tuple(tile)
 
 
-def _resolve(geom, n, size, itemsize, per_sample, settings):
-    inner = (settings.inner if settings is not None else None) or DEFAULT_INNER
-    tile_size = settings.tile_size if settings is not None else None
-    t = geom.output_size(size)
-    if tile_size is None:
-        budget = (settings.memory_budget if settings is not None else None) or DEFAULT_TILE_BUDGET
-        tile = choose_tile(geom, n, size, itemsize, per_sample, budget, inner)
-    elif isinstance(tile_size, int):
-        tile = (tile_size,) * geom.dims
-    else:
-        tile = tuple(tile_size)
-    return inner, tuple(min(a, b) for a, b in zip(tile, t))
+def _time(problem: Problem, tile, inner, options: Options) -> float:
+    sub = _tile_problem(problem, tile)
+    count = _tile_count(problem, tile)
+    copy = problem.n * problem.geom.in_channels * numel(sub.size)
+    per_tile = inner.time(sub, _inner_options(inner, options)) + COPY_COST * 2 * copy
+    return count * (per_tile + TILE_COST)
 
 
-def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -> int:
-    inner, tile = _resolve(geom, n, size, itemsize, per_sample, settings)
-    return _tile_cost(geom, n, tile, itemsize, per_sample, inner)
+def plan(problem: Problem, options: Options):
+    """``(inner strategy, tile)`` for this VJP.
+
+    ``options.inner`` or, by default, the elementary strategy with the smallest
+    predicted time over all tiles; ``options.tile_size`` or, by default, the largest
+    tile within ``options.memory_budget`` (or :data:`DEFAULT_TILE_BUDGET`).
+    """
+    t = problem.output_size
+    candidates = (get_strategy(options.inner),) if options.inner else elementary()
+    if options.tile_size is not None:
+        ts = options.tile_size
+        tile = (ts,) * problem.geom.dims if isinstance(ts, int) else tuple(ts)
+        tile = tuple(min(a, b) for a, b in zip(tile, t))
+        inner = min(candidates, key=lambda s: _time(problem, tile, s, options))
+        return inner, tile
+    budget = options.memory_budget or DEFAULT_TILE_BUDGET
+    best = None
+    for inner in candidates:
+        tile = choose_tile(problem, inner, options, budget)
+        fits = _tile_memory(problem, tile, inner, options) <= budget
+        key = (not fits, _time(problem, tile, inner, options))
+        if best is None or key < best[0]:
+            best = (key, inner, tile)
+    return best[1], best[2]
 
 
 def tiles(geom: ConvGeometry, size: tuple[int, ...], tile: tuple[int, ...]):
@@ -97,8 +125,8 @@ def tiles(geom: ConvGeometry, size: tuple[int, ...], tile: tuple[int, ...]):
 
     ``out_slices`` index the output gradient, ``in_slices`` the (unpadded) input, and
     ``pad`` is the :func:`torch.nn.functional.pad` argument that restores the zero
-    border the slice misses. Tiles lying wholly in the padding are skipped (they
-    contribute nothing).
+    border the slice misses (None if none). Tiles lying wholly in the padding are
+    skipped (they contribute nothing).
     """
     t = geom.output_size(size)
     starts = [range(0, tt, ts) for tt, ts in zip(t, tile)]
@@ -108,47 +136,54 @@ def tiles(geom: ConvGeometry, size: tuple[int, ...], tile: tuple[int, ...]):
             corner, tile, t, geom.stride, geom.dilation, geom.kernel_size, geom.padding, size
         ):
             b = min(a + ts, tt)
-            lo, hi = a * s - p, (b - 1) * s + d * (k - 1) + 1 - p
-            c_lo, c_hi = max(lo, 0), min(hi, sz)
-            if c_hi <= c_lo:
+            (lo, hi), pad = input_range((a, b), s, p, span(k, d), sz)
+            if hi <= lo:
                 break
             out_sl.append(slice(a, b))
-            in_sl.append(slice(c_lo, c_hi))
-            pairs.append((c_lo - lo, hi - c_hi))
+            in_sl.append(slice(lo, hi))
+            pairs.append(pad)
         else:
-            pad = tuple(v for pair in reversed(pairs) for v in pair)
+            pad = torch_pad_argument(pairs)
             yield tuple(out_sl), tuple(in_sl), (pad if any(pad) else None)
 
 
-@register_strategy("streaming", extra_memory=_extra_memory, tiles=True)
-def streaming_vjp(
-    x: Tensor,
-    g: Tensor,
-    geom: ConvGeometry,
-    *,
-    per_sample: bool,
-    settings=None,
-    out: Tensor | None = None,
-) -> Tensor:
-    """Weight VJP accumulated over tiles of the output (memory bounded by a tile).
+class Streaming:
+    """Weight VJP accumulated over tiles of the output (memory bounded by a tile)."""
 
-    Args:
-        settings: :class:`memconv.context.Settings`; ``tile_size`` (output positions
-            per axis), ``memory_budget`` (bytes, used to choose the tile when
-            ``tile_size`` is None; default 32 MiB) and ``inner`` (default
-            ``"shift"``) are read.
-    """
-    n, size = x.shape[0], tuple(x.shape[2:])
-    inner, tile = _resolve(geom, n, size, x.element_size(), per_sample, settings)
-    vjp = get_strategy(inner).vjp
-    geom0 = geom.with_padding((0,) * geom.dims)
-    if out is None:
-        shape = (n, *geom.weight_shape) if per_sample else geom.weight_shape
-        out = x.new_zeros(shape)
-    every = (slice(None), slice(None))
-    for out_sl, in_sl, pad in tiles(geom, size, tile):
-        x_tile = x[every + in_sl]
-        if pad is not None:
-            x_tile = F.pad(x_tile, pad)
-        vjp(x_tile, g[every + out_sl], geom0, per_sample=per_sample, settings=settings, out=out)
-    return out
+    name: ClassVar[str] = "streaming"
+    options: ClassVar[frozenset[str]] = frozenset({"tile_size", "memory_budget", "inner"})
+    composite: ClassVar[bool] = True
+
+    def vjp(self, x, g, geom, *, per_sample, options, out=None) -> Tensor:
+        n, size = x.shape[0], tuple(x.shape[2:])
+        problem = Problem(geom, n, size, x.element_size(), per_sample)
+        inner, tile = plan(problem, options)
+        inner_options = _inner_options(inner, options)
+        geom0 = geom.with_padding((0,) * geom.dims)
+        if out is None:
+            out = x.new_zeros((n, *geom.weight_shape) if per_sample else geom.weight_shape)
+        every = (slice(None), slice(None))
+        for out_sl, in_sl, pad in tiles(geom, size, tile):
+            x_tile = x[every + in_sl]
+            if pad is not None:
+                x_tile = F.pad(x_tile, pad)
+            inner.vjp(
+                x_tile,
+                g[every + out_sl],
+                geom0,
+                per_sample=per_sample,
+                options=inner_options,
+                out=out,
+            )
+        return out
+
+    def memory(self, problem: Problem, options: Options) -> int:
+        inner, tile = plan(problem, options)
+        return _tile_memory(problem, tile, inner, options)
+
+    def time(self, problem: Problem, options: Options) -> float:
+        inner, tile = plan(problem, options)
+        return _time(problem, tile, inner, options)
+
+
+STREAMING = register_strategy(Streaming())

@@ -9,40 +9,38 @@ its extra memory.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
 from .._geometry import ConvGeometry
-from . import numel, pad_input, padded_size, register_strategy
-
-
-def _extra_memory(geom: ConvGeometry, n, size, itemsize, per_sample, settings) -> int:
-    padded = n * geom.in_channels * numel(padded_size(geom, size)) if any(geom.padding) else 0
-    t = numel(geom.output_size(size))
-    cols = n * geom.in_channels * geom.kernel_numel * t
-    if per_sample:
-        # the padded copy is gone by the time the result is allocated
-        result = n * numel(geom.weight_shape)
-        return (cols + max(padded - result, 0)) * itemsize
-    # einsum over (n, t) permutes both operands into contiguous copies
-    return (padded + 2 * cols + n * geom.out_channels * t) * itemsize
+from .base import (
+    Options,
+    Problem,
+    linear_time,
+    numel,
+    pad_input,
+    padded_size,
+    register_strategy,
+)
 
 
 def unfold_input(x: Tensor, geom: ConvGeometry, t: tuple[int, ...]) -> Tensor:
     """The unfolded (im2col) input ``[N, G, C_in/G·K, T]`` of a normal-form input.
 
-    Arguments, shapes and return value: the strategy protocol of
-    :mod:`memconv.strategies`.
-
     Args:
-        t: the output spatial size.
+        x: normal-form input ``[N, C_in, *S]``.
+        geom: the geometry.
+        t: the output spatial size T.
 
     Returns:
         A new tensor, channel-major then kernel offset, as ``torch.nn.Unfold``.
     """
-    xp = pad_input(x, geom.padding)
+    xp = pad_input(x, geom.padding)  # [N, C_in, *(S + 2p)]
     n = xp.shape[0]
     s_n, s_c, *s_sp = xp.stride()
+    # view [N, G, C_in/G, *k, *T] of the padded input: no copy yet
     shape = (n, geom.groups, geom.in_per_group, *geom.kernel_size, *t)
     strides = (
         s_n,
@@ -52,30 +50,53 @@ def unfold_input(x: Tensor, geom: ConvGeometry, t: tuple[int, ...]) -> Tensor:
         *(st * s for st, s in zip(geom.stride, s_sp)),
     )
     patches = xp.as_strided(shape, strides, xp.storage_offset())
+    # the copy: [N, G, C_in/G·K, T]
     return patches.reshape(n, geom.groups, geom.in_per_group * geom.kernel_numel, numel(t))
 
 
-@register_strategy("unfold", extra_memory=_extra_memory)
-def unfold_vjp(
-    x: Tensor,
-    g: Tensor,
-    geom: ConvGeometry,
-    *,
-    per_sample: bool,
-    settings=None,
-    out: Tensor | None = None,
-) -> Tensor:
-    """Weight VJP by im2col and a batched matrix product (Opacus' convention).
+class Unfold:
+    """Weight VJP by im2col and a batched matrix product (Opacus' convention)."""
 
-    Args:
-    """
-    n, t = x.shape[0], tuple(g.shape[2:])
-    cols = unfold_input(x, geom, t)
-    gm = g.reshape(n, geom.groups, geom.out_per_group, numel(t))
-    if per_sample:
-        grad = torch.matmul(gm, cols.transpose(-1, -2)).reshape(n, *geom.weight_shape)
-    else:
-        grad = torch.einsum("ngot,ngkt->gok", gm, cols).reshape(geom.weight_shape)
-    if out is None:
-        return grad
-    return out.add_(grad)
+    name: ClassVar[str] = "unfold"
+    options: ClassVar[frozenset[str]] = frozenset()
+    composite: ClassVar[bool] = False
+
+    def vjp(self, x, g, geom, *, per_sample, options, out=None) -> Tensor:
+        n, t = x.shape[0], tuple(g.shape[2:])
+        cols = unfold_input(x, geom, t)  # [N, G, C_in/G·K, T]
+        gm = g.reshape(n, geom.groups, geom.out_per_group, numel(t))  # [N, G, C_out/G, T]
+        if per_sample:
+            # [N, G, C_out/G, C_in/G·K] -> [N, C_out, C_in/G, *k]
+            grad = torch.matmul(gm, cols.transpose(-1, -2)).reshape(n, *geom.weight_shape)
+        else:
+            grad = torch.einsum("ngot,ngkt->gok", gm, cols).reshape(geom.weight_shape)
+        if out is None:
+            return grad
+        return out.add_(grad)
+
+    def memory(self, problem: Problem, options: Options) -> int:
+        geom, n = problem.geom, problem.n
+        padded = n * geom.in_channels * numel(padded_size(geom, problem.size))
+        padded = padded if any(geom.padding) else 0
+        cols = n * geom.in_channels * geom.kernel_numel * problem.positions
+        if problem.per_sample:
+            # the padded copy is gone by the time the result is allocated
+            result = n * numel(geom.weight_shape)
+            return (cols + max(padded - result, 0)) * problem.itemsize + problem.held()
+        # einsum over (n, t) permutes both operands into contiguous copies
+        extra = padded + 2 * cols + n * geom.out_channels * problem.positions
+        return extra * problem.itemsize + problem.held()
+
+    def time(self, problem: Problem, options: Options) -> float:
+        geom, n = problem.geom, problem.n
+        cols = n * geom.in_channels * geom.kernel_numel * problem.positions
+        # writing the unfolded input costs about twice reading it (fresh pages)
+        traffic = 3 * cols + problem.grad_elements() + problem.per_sample_elements()
+        # one small matrix product per sample and group
+        return linear_time(TIME, problem.flops(), traffic, n * geom.groups)
+
+
+#: Seconds per multiply-add, per element moved, per matrix product.
+TIME = (1.5e-11, 2.2e-10, 5.2e-6)
+
+UNFOLD = register_strategy(Unfold())

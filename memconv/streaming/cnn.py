@@ -22,22 +22,16 @@ of the active :class:`memconv.save_memory` block.
 from __future__ import annotations
 
 import itertools
+import logging
 import numbers
 
 import torch
 from torch import Tensor, nn
 
-from .plan import (
-    Chain,
-    Node,
-    NotStreamableError,
-    Pointwise,
-    ResidualNode,
-    Window,
-    analyse,
-    crop,
-    starts,
-)
+from ..context import activate, record
+from .plan import Node, NotStreamableError, analyse, crop, starts
+
+logger = logging.getLogger("memconv")
 
 
 def receptive_field(node: Node, dims: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -47,26 +41,8 @@ def receptive_field(node: Node, dims: int) -> tuple[tuple[int, ...], tuple[int, 
         NotStreamableError: if the two branches of a residual block have different
             output strides.
     """
-    if isinstance(node, Window):
-        return tuple(node.span(i) for i in range(dims)), node.stride
-    if isinstance(node, Pointwise):
-        return (1,) * dims, (1,) * dims
-    if isinstance(node, Chain):
-        rf, jump = (1,) * dims, (1,) * dims
-        for child in node.nodes:
-            r, j = receptive_field(child, dims)
-            rf = tuple(a + (b - 1) * c for a, b, c in zip(rf, r, jump))
-            jump = tuple(a * b for a, b in zip(jump, j))
-        return rf, jump
-    if isinstance(node, ResidualNode):
-        ra, ja = receptive_field(node.branch, dims)
-        rb, jb = receptive_field(node.shortcut, dims)
-        if ja != jb:
-            raise NotStreamableError(
-                f"{node.name}: branch stride {ja} and shortcut stride {jb} differ"
-            )
-        return tuple(max(a, b) for a, b in zip(ra, rb)), ja
-    raise TypeError(f"unknown plan node {node!r}")
+    _, rf, jump = node.walk((1,) * dims, (1,) * dims)
+    return rf, jump
 
 
 class StreamingCNN(nn.Module):
@@ -77,18 +53,30 @@ class StreamingCNN(nn.Module):
             Conv1d/2d/3d (memconv's or torch's), max/average pooling with finite
             kernels, element-wise activations, Dropout and BatchNorm in eval mode,
             nested ``nn.Sequential`` and :class:`memconv.streaming.Residual` blocks.
-        tile_size: input pixels per tile and spatial axis, halo not included (an
+        tile_size: **input pixels** per tile and spatial axis, halo not included (an
             int, or one int per axis). Rounded down to a multiple of the output
-            stride; at least the receptive field.
-        verbose: print receptive field, overlap and tile counts, and show
-            progress bars over tiles.
+            stride; at least the receptive field. (``memconv.save_memory``'s
+            ``tile_size`` counts *output positions* of one layer instead.)
+        tile_shape: Lightstream's spelling of the same: the shape of one input tile
+            ``(N, C, *tile_size)``; only its spatial part is used. Give ``tile_size``
+            or ``tile_shape``, not both.
+        tile_device: run each tile on this device (e.g. the layers' ``"cuda"``)
+            while the image, the streamed output and the input gradient stay where
+            they are (host memory), as Lightstream's ``copy_to_gpu``; ``None`` runs
+            the tiles where the image is.
+        verbose: log receptive field, overlap and tile counts on the ``memconv``
+            logger (INFO) and show progress bars over tiles.
+
+    The :class:`memconv.save_memory` block open around the streamed forward pass
+    applies to the convolutions of its recomputed tiles in the backward pass (the
+    rule of :class:`memconv.save_memory`).
 
     Raises:
         ValueError: a layer that is not local or cannot be streamed exactly (named),
-            a ``tile_size`` that is not a positive int (tuple), has the wrong
-            length, or is smaller than the receptive field. Raised here, before any
-            work.
-        TypeError: a ``tile_size`` that is not an int or tuple of ints.
+            a tile that is not a positive int (tuple), has the wrong length, or is
+            smaller than the receptive field, both or neither of ``tile_size`` and
+            ``tile_shape``. Raised here, before any work.
+        TypeError: a tile size that is not an int or tuple of ints.
 
     Example:
         >>> stream = StreamingCNN(layers, tile_size=256)
@@ -96,12 +84,21 @@ class StreamingCNN(nn.Module):
         >>> loss_fn(head(out), y).backward() # fills layers' .grad tile by tile
     """
 
-    def __init__(self, stream_layers: nn.Module, tile_size, *, verbose: bool = False):
+    def __init__(
+        self,
+        stream_layers: nn.Module,
+        tile_size=None,
+        *,
+        tile_shape=None,
+        tile_device=None,
+        verbose: bool = False,
+    ):
         super().__init__()
         if not isinstance(stream_layers, nn.Module):
             raise TypeError(
                 f"stream_layers must be an nn.Module, got {type(stream_layers).__name__}"
             )
+        tile_size = _tile_argument(tile_size, tile_shape)
         plan = analyse(stream_layers)
         windows = plan.windows()
         dims_found = {len(w.kernel) for w in windows}
@@ -112,6 +109,7 @@ class StreamingCNN(nn.Module):
         self.plan = plan
         self.dims = dims
         self.tile_size = _check_tile(tile_size, dims)
+        self.tile_device = torch.device(tile_device) if tile_device is not None else None
         self.receptive_field, self.output_stride = receptive_field(plan, dims)
         minimum = tuple(max(r, j) for r, j in zip(self.receptive_field, self.output_stride))
         if any(t < m for t, m in zip(self.tile_size, minimum)):
@@ -122,16 +120,18 @@ class StreamingCNN(nn.Module):
             )
         self.verbose = verbose
         if verbose:
-            print(self.describe())
+            logger.info("%s", self.describe())
 
     # ------------------------------------------------------------------ reports
     def describe(self) -> str:
-        """Receptive field, output stride and overlap per window layer."""
+        """Receptive field, output stride and overlap after each window layer.
+
+        Along each path through the network (the branches of a residual block start
+        from the receptive field before the block).
+        """
         lines = ["layer | kernel | stride | receptive field | output stride | overlap"]
-        rf, jump = (1,) * self.dims, (1,) * self.dims
-        for w in self.plan.windows():
-            rf = tuple(a + (w.span(i) - 1) * c for i, (a, c) in enumerate(zip(rf, jump)))
-            jump = tuple(a * b for a, b in zip(jump, w.stride))
+        rows, _, _ = self.plan.walk((1,) * self.dims, (1,) * self.dims)
+        for w, rf, jump in rows:
             overlap = tuple(max(r - j, 0) for r, j in zip(rf, jump))
             lines.append(f"{w.name} | {w.kernel} | {w.stride} | {rf} | {jump} | {overlap}")
         lines.append(
@@ -174,6 +174,9 @@ class StreamingCNN(nn.Module):
             )
         self.output_size(tuple(x.shape[2:]))
 
+    def _to_tile(self, t: Tensor) -> Tensor:
+        return t if self.tile_device is None else t.to(self.tile_device)
+
     # ------------------------------------------------------------------ passes
     def forward(self, x: Tensor) -> Tensor:
         """Streamed forward pass; differentiable (the backward pass streams too).
@@ -182,7 +185,7 @@ class StreamingCNN(nn.Module):
             x: ``[N, C, *S]``.
 
         Returns:
-            ``[N, C_out, *S_out]``, equal to ``stream_layers(x)``.
+            ``[N, C_out, *S_out]``, equal to ``stream_layers(x)``, on ``x``'s device.
         """
         self._check_input(x)
         params = list(self.stream_layers.parameters())
@@ -196,13 +199,13 @@ class StreamingCNN(nn.Module):
         size = tuple(x.shape[2:])
         tiles = self.tiles(size)
         if self.verbose:
-            print(f"forward: {len(tiles)} tiles for input {size}")
+            logger.info("forward: %d tiles for input %s", len(tiles), size)
         out = None
         for rng in self._progress(tiles, "forward"):
             in_rng, plan = self.plan.required(rng, size)
-            y = self.plan.run(crop(x, in_rng), starts(in_rng), plan)
+            y = self.plan.run(self._to_tile(crop(x, in_rng)), starts(in_rng), plan)
             if out is None:
-                out = y.new_empty(x.shape[0], y.shape[1], *self.output_size(size))
+                out = x.new_empty(x.shape[0], y.shape[1], *self.output_size(size), dtype=y.dtype)
             crop(out, rng).copy_(y)
             del y
         return out
@@ -210,7 +213,8 @@ class StreamingCNN(nn.Module):
     def backward(self, x: Tensor, grad: Tensor, *, input_grad: bool | None = None):
         """Backward pass by hand, as StreamingCNN's ``backward(image, grad)``.
 
-        Accumulates the parameter gradients into ``.grad``.
+        Accumulates the parameter gradients into ``.grad``; the convolutions use the
+        :class:`memconv.save_memory` block open around this call.
 
         Args:
             x: the input the forward pass saw, ``[N, C, *S]``.
@@ -248,18 +252,20 @@ class StreamingCNN(nn.Module):
         gx = torch.zeros_like(x) if want_x else None
         tiles = self.tiles(size)
         if self.verbose:
-            print(f"backward: {len(tiles)} tiles for input {size}")
+            logger.info("backward: %d tiles for input %s", len(tiles), size)
         for rng in self._progress(tiles, "backward"):
             in_rng, plan = self.plan.required(rng, size)
             with torch.enable_grad():
-                piece = crop(x, in_rng).detach().requires_grad_(want_x)
+                piece = self._to_tile(crop(x, in_rng)).detach().requires_grad_(want_x)
                 y = self.plan.run(piece, starts(in_rng), plan)
                 inputs = ([piece] if want_x else []) + list(params)
                 if not inputs:
                     break
-                grads = torch.autograd.grad(y, inputs, crop(grad, rng), allow_unused=True)
+                grads = torch.autograd.grad(
+                    y, inputs, self._to_tile(crop(grad, rng)), allow_unused=True
+                )
             if want_x:
-                crop(gx, in_rng).add_(grads[0])
+                crop(gx, in_rng).add_(grads[0].to(gx.device))
                 grads = grads[1:]
             for a, g in zip(acc, grads):
                 if g is not None:
@@ -274,6 +280,8 @@ class _StreamFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, stream: StreamingCNN, x, *params):
         ctx.stream = stream
+        # the block around this forward pass applies to the tiles' recomputation
+        ctx.recorded = record()
         ctx.save_for_backward(x)
         return stream.stream_forward(x)
 
@@ -282,7 +290,8 @@ class _StreamFunction(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         params = list(ctx.stream.stream_layers.parameters())
         needed = [p for p, n in zip(params, ctx.needs_input_grad[2:]) if n]
-        gx, grads = ctx.stream.stream_backward(x, grad, ctx.needs_input_grad[1], needed)
+        with activate(ctx.recorded.settings, ctx.recorded.per_sample):
+            gx, grads = ctx.stream.stream_backward(x, grad, ctx.needs_input_grad[1], needed)
         by_id = {id(p): g for p, g in zip(needed, grads)}
         return (None, gx, *(by_id.get(id(p)) for p in params))
 
@@ -299,6 +308,22 @@ def _check_tile(tile_size, dims: int) -> tuple[int, ...]:
     if len(values) != dims:
         raise ValueError(f"tile_size {tile_size!r} must have {dims} entries (one per spatial axis)")
     return tuple(int(v) for v in values)
+
+
+def _tile_argument(tile_size, tile_shape):
+    """The spatial tile size from ``tile_size`` or Lightstream's ``tile_shape``."""
+    if (tile_size is None) == (tile_shape is None):
+        raise ValueError(
+            "give exactly one of tile_size (input pixels per spatial axis) and tile_shape "
+            "((N, C, *spatial) of one input tile, Lightstream's spelling)"
+        )
+    if tile_size is not None:
+        return tile_size
+    if not isinstance(tile_shape, (tuple, list, torch.Size)) or len(tile_shape) < 3:
+        raise ValueError(
+            f"tile_shape must be (N, C, *spatial) with at least one spatial size, got {tile_shape!r}"
+        )
+    return tuple(tile_shape[2:])
 
 
 def _tile_dims(tile_size) -> int:

@@ -26,7 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._geometry import CONV_TYPES, conv_spec
+from .._geometry import (
+    CONV_TYPES,
+    ConvSpec,
+    compose_receptive_field,
+    conv_spec,
+    input_range,
+    pad_pairs,
+    span,
+    torch_pad_argument,
+)
 
 Range = tuple[tuple[int, int], ...]  # per spatial axis: [lo, hi)
 
@@ -83,6 +92,11 @@ class Node:
         """All :class:`Window` nodes, in order."""
         return []
 
+    def walk(self, rf: tuple[int, ...], jump: tuple[int, ...]):
+        """``(rows, rf, jump)``: receptive field and output stride after this node, given
+        those before it, and one row ``(window, rf, jump)`` per window inside."""
+        return [], rf, jump
+
 
 def crop(x: Tensor, rng: Range, origin=None) -> Tensor:
     """View of the positions ``rng`` of ``x``, a crop whose first position is ``origin``
@@ -107,7 +121,7 @@ class Window(Node):
 
     def span(self, axis: int) -> int:
         """Input positions one output position sees along ``axis``."""
-        return self.dilation[axis] * (self.kernel[axis] - 1) + 1
+        return span(self.kernel[axis], self.dilation[axis])
 
     def out_size(self, size):
         return tuple(
@@ -117,12 +131,10 @@ class Window(Node):
 
     def required(self, out, size):
         rng, pads = [], []
-        for i, ((a, b), s) in enumerate(zip(out, size)):
-            lo = a * self.stride[i] - self.padding[i][0]
-            hi = (b - 1) * self.stride[i] - self.padding[i][0] + self.span(i)
-            c_lo, c_hi = max(lo, 0), min(hi, s)
-            rng.append((c_lo, c_hi))
-            pads.append((c_lo - lo, hi - c_hi))
+        for i, (o, s) in enumerate(zip(out, size)):
+            r, p = input_range(o, self.stride[i], self.padding[i][0], self.span(i), s)
+            rng.append(r)
+            pads.append(p)
         return tuple(rng), (tuple(rng), tuple(pads))
 
     def run(self, x, x_lo, plan):
@@ -130,25 +142,32 @@ class Window(Node):
         x = crop(x, rng, x_lo)
         if any(p for pair in pads for p in pair):
             if self.pad_mode == "constant":
-                x = F.pad(x, [p for pair in reversed(pads) for p in pair], value=self.pad_value)
+                x = F.pad(x, torch_pad_argument(pads), value=self.pad_value)
             else:  # one axis at a time: the modes are separable
                 for axis, pair in enumerate(pads):
                     if any(pair):
-                        spec = [0, 0] * len(pads)
-                        j = len(pads) - 1 - axis
-                        spec[2 * j : 2 * j + 2] = pair
-                        x = F.pad(x, spec, mode=self.pad_mode)
+                        one = [(0, 0)] * len(pads)
+                        one[axis] = pair
+                        x = F.pad(x, torch_pad_argument(one), mode=self.pad_mode)
         return self.apply(x)
+
+    def walk(self, rf, jump):
+        window = tuple(self.span(i) for i in range(len(self.kernel)))
+        rf, jump = compose_receptive_field(rf, jump, window, self.stride)
+        return [(self, rf, jump)], rf, jump
 
     def apply(self, x: Tensor) -> Tensor:
         """The layer on an input that already carries its padding."""
         m = self.module
         if isinstance(m, CONV_TYPES):
-            from ..modules import _ConvFunction
-
             geom = conv_spec(m).geometry.with_padding((0,) * len(self.kernel))
             if torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad):
-                return _ConvFunction.apply(x, m.weight, m.bias, geom, m)
+                from ..context import record
+                from ..modules import apply_conv
+
+                return apply_conv(
+                    m, x, m.weight, m.bias, ConvSpec(geom, None, "constant"), record()
+                )
             fn = (F.conv1d, F.conv2d, F.conv3d)[len(self.kernel) - 1]
             return fn(x, m.weight, m.bias, geom.stride, 0, geom.dilation, geom.groups)
         if isinstance(m, MAXPOOLS):
@@ -220,6 +239,13 @@ class Chain(Node):
     def windows(self):
         return [w for n in self.nodes for w in n.windows()]
 
+    def walk(self, rf, jump):
+        rows = []
+        for node in self.nodes:
+            more, rf, jump = node.walk(rf, jump)
+            rows += more
+        return rows, rf, jump
+
 
 class Residual(nn.Module):
     """``branch(x) + shortcut(x)``: a residual block whose branches are both local.
@@ -274,6 +300,15 @@ class ResidualNode(Node):
     def windows(self):
         return self.branch.windows() + self.shortcut.windows()
 
+    def walk(self, rf, jump):
+        rows_a, rf_a, jump_a = self.branch.walk(rf, jump)
+        rows_b, rf_b, jump_b = self.shortcut.walk(rf, jump)
+        if jump_a != jump_b:
+            raise NotStreamableError(
+                f"{self.name}: branch stride {jump_a} and shortcut stride {jump_b} differ"
+            )
+        return rows_a + rows_b, tuple(max(a, b) for a, b in zip(rf_a, rf_b)), jump_a
+
 
 def starts(rng: Range) -> tuple[int, ...]:
     """First position of a range on every axis."""
@@ -286,7 +321,7 @@ def _pairs(values, dims):
     return tuple(values)
 
 
-def analyse(module: nn.Module, name: str = "stream_layers", dims: int | None = None) -> Node:
+def analyse(module: nn.Module, name: str = "stream_layers") -> Node:
     """Turn a module into a plan :class:`Node`, or raise naming the first bad layer.
 
     Raises:
@@ -297,11 +332,11 @@ def analyse(module: nn.Module, name: str = "stream_layers", dims: int | None = N
             average pooling with ``count_include_pad=False`` and padding).
     """
     if isinstance(module, nn.Sequential):
-        return Chain([analyse(m, f"{name}.{k}", dims) for k, m in module.named_children()], name)
+        return Chain([analyse(m, f"{name}.{k}") for k, m in module.named_children()], name)
     if isinstance(module, Residual):
         return ResidualNode(
-            analyse(module.branch, f"{name}.branch", dims),
-            analyse(module.shortcut, f"{name}.shortcut", dims),
+            analyse(module.branch, f"{name}.branch"),
+            analyse(module.shortcut, f"{name}.shortcut"),
             name,
         )
     if isinstance(module, POINTWISE):
@@ -323,12 +358,7 @@ def analyse(module: nn.Module, name: str = "stream_layers", dims: int | None = N
         spec = conv_spec(module)
         pairs = [(p, p) for p in spec.geometry.padding]
         if spec.pre_pad is not None:
-            for i in range(d):
-                j = d - 1 - i
-                pairs[i] = (
-                    pairs[i][0] + spec.pre_pad[2 * j],
-                    pairs[i][1] + spec.pre_pad[2 * j + 1],
-                )
+            pairs = [(a + c, b + e) for (a, b), (c, e) in zip(pairs, pad_pairs(spec.pre_pad))]
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         return Window(
             module, name, tuple(module.kernel_size), tuple(module.stride), tuple(pairs),

@@ -1,254 +1,213 @@
 """BackPACK integration: first-order extensions on convolutions through memconv.
 
-Under ``with memconv.save_memory(STRATEGY), backpack(EXT):`` the convolution weight
-VJPs of BackPACK's ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` and
-``Variance`` run through memconv's strategies, on ``torch.nn.Conv1d/2d/3d`` and on
-``memconv.Conv1d/2d/3d``. memconv hooks in through BackPACK's public API only:
-``BackpropExtension.set_module_extension(module_cls, extension, overwrite=True)``
-on the active extension objects, with module extensions that subclass BackPACK's
-``FirstOrderModuleExtension``.
+memconv plugs in where BackPACK itself chooses the weight-Jacobian algorithm of a
+convolution: its derivatives classes subclass BackPACK's ``ConvNDDerivatives`` (and
+``ConvTransposeNDDerivatives``) and are given to BackPACK's own module-extension
+classes, which :func:`install` sets on extension objects with BackPACK's
+``set_module_extension``. Installing and restoring are explicit::
 
-When this happens:
+    from backpack import backpack, extend, extensions
+    import memconv
+    from memconv.integrations import backpack as mb
 
-- ``memconv.Conv*d``: at the start of their backward pass (always);
-- ``torch.nn.Conv*d``: when the forward pass ran inside a ``save_memory`` block (a
-  global forward hook, registered while a block is open, puts a hook on each
-  layer's output that fires before BackPACK's hooks of that layer and of the
-  layers below it), or when the extension was already active when the block was
-  entered. For a forward pass outside the block, convert the model with
-  :func:`memconv.convert` or call :func:`install` on the extension object;
-- explicitly: :func:`install`.
+    model = extend(memconv.convert(model))
+    ext = mb.install(extensions.BatchGrad())
+    with memconv.save_memory("shift"), backpack(ext):
+        lossfunc(model(X), y).backward()      # the forward pass records the block
+    mb.uninstall(ext)                         # BackPACK's own mapping, exactly
 
-When the last block closes, the global hook is removed and every extension object
-memconv touched gets BackPACK's own module extensions back. A BackPACK extension
-memconv does not cover (second-order ones) keeps BackPACK's behaviour; a warning
-naming it is issued once.
+or ``with mb.installed(extensions.BatchGrad()) as ext: ...``. Covered:
+``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` and ``Variance``; the strategy is the
+one the layer's forward pass recorded (the rule of :class:`memconv.save_memory`;
+``"auto"`` outside any block). memconv's layers that are not convolutions get
+BackPACK's module extension of the ``torch.nn`` class they subclass. No global hook,
+no state outside the extension objects you pass.
 
-This module does not import BackPACK; :mod:`.extensions` does, when first needed.
+This module does not import BackPACK until a function is called; without it, they
+raise an ``ImportError`` naming the extra to install.
 """
 
 from __future__ import annotations
 
-import sys
-import threading
+import contextlib
+import copy
 import warnings
 import weakref
 
 import torch
+from torch import nn
 
 from ... import context
-from ..._geometry import CONV_TYPES
+from ..._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES
+from ...extraction import check_batch, check_per_sample_model, parameter_names, per_sample_losses
+from ...modules import CONVERSIONS, convert
+from ...vjp import check_settings
 
-#: BackPACK extensions whose convolution quantities memconv computes.
-COVERED = ("BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance")
-
-_lock = threading.RLock()
-_depth = 0
-_hook = None
-_installed: weakref.WeakSet = weakref.WeakSet()
-_warned: set[str] = set()
+#: Module extensions each installed extension object had before, to give back exactly.
+_previous: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ABSENT = object()
 
 
-def _loaded() -> bool:
-    return "backpack" in sys.modules
+def _require():
+    try:
+        import backpack  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "memconv.integrations.backpack needs BackPACK: pip install 'memconv[backpack]'"
+        ) from err
+    from . import extensions
+
+    return extensions
 
 
-def _kind(ext) -> str | None:
-    from backpack import extensions
-
-    for name in COVERED:
-        if isinstance(ext, getattr(extensions, name)):
-            return name
-    return None
+def _mapping(ext) -> dict:
+    # BackPACK exposes set_module_extension but no getter: its mapping is read here
+    # only to give back exactly the objects that were there before install().
+    return ext._BackpropExtension__module_extensions
 
 
-def install(ext) -> None:
-    """Route the convolution module extensions of a BackPACK extension through memconv.
+def install(*exts):
+    """Route the convolution weight Jacobians of BackPACK extension objects through memconv.
+
+    For each covered extension object, every ``torch.nn`` and memconv convolution and
+    transposed-convolution class is mapped to BackPACK's own module extension built
+    with memconv's derivatives, and every other memconv layer class to BackPACK's
+    module extension of the ``torch.nn`` class it subclasses. Installing an object
+    twice changes nothing.
 
     Args:
-        ext: a BackPACK extension object (e.g. ``backpack.extensions.BatchGrad()``).
-            For an extension memconv does not cover, nothing changes and a warning
-            naming it is issued (once per extension class).
+        *exts: BackPACK extension objects (e.g. ``backpack.extensions.BatchGrad()``).
+            An extension memconv does not cover (second-order ones) is left as it is,
+            with a warning naming it.
 
-    The strategy is the one active when the backward pass runs
-    (``"standard"``, BackPACK's own algorithm, outside any block).
-    """
-    kind = _kind(ext)
-    if kind is None:
-        name = type(ext).__name__
-        if name not in _warned:
-            _warned.add(name)
-            warnings.warn(
-                f"memconv does not cover the BackPACK extension {name}; its convolution "
-                "quantities keep BackPACK's own computation",
-                stacklevel=2,
-            )
-        return
-    from .extensions import memconv_extension
-
-    with _lock:
-        if ext in _installed:
-            return
-        for cls in _conv_classes():
-            ext.set_module_extension(cls, memconv_extension(kind), overwrite=True)
-        _installed.add(ext)
-
-
-def restore(ext) -> None:
-    """Give a BackPACK extension object BackPACK's own convolution module extensions back.
-
-    ``memconv.Conv*d`` get the extension of the torch class they subclass.
-    """
-    from .extensions import backpack_extension
-
-    kind = _kind(ext)
-    if kind is None:
-        return
-    with _lock:
-        for cls in _conv_classes():
-            ext.set_module_extension(cls, backpack_extension(kind, cls), overwrite=True)
-        _installed.discard(ext)
-
-
-def _conv_classes():
-    from ...modules import Conv1d, Conv2d, Conv3d
-
-    return (*CONV_TYPES, Conv1d, Conv2d, Conv3d)
-
-
-def install_active() -> None:
-    """:func:`install` on every BackPACK extension active right now."""
-    if not _loaded():
-        return
-    from backpack.context import CTX
-
-    for ext in CTX.get_active_exts():
-        install(ext)
-
-
-def _on_grad(_grad):
-    install_active()
-
-
-def _forward_hook(module, args, output):
-    # Every layer's output: BackPACK runs a layer's hook at its *output* when no
-    # input requires a gradient (a first layer), so the hook of a later layer's
-    # output is what fires before it.
-    if context.explicit_block() and isinstance(output, torch.Tensor) and output.requires_grad:
-        output.register_hook(_on_grad)
-
-
-class _Listener:
-    """Follows memconv's blocks (see :func:`memconv.context.add_listener`)."""
-
-    def block_entered(self, settings):
-        global _depth, _hook
-        with _lock:
-            _depth += 1
-            if _loaded() and _hook is None:
-                _hook = torch.nn.modules.module.register_module_forward_hook(_forward_hook)
-        install_active()
-
-    def block_exited(self):
-        global _depth, _hook
-        with _lock:
-            _depth -= 1
-            if _depth > 0:
-                return
-            if _hook is not None:
-                _hook.remove()
-                _hook = None
-            for ext in list(_installed):
-                restore(ext)
-
-    def conv_backward(self):
-        install_active()
-
-    def batch_consumers(self, module) -> int:
-        """Covered extensions about to run on ``module`` (0 where they subsample)."""
-        exts = _covered_active(module)
-        return len(exts) if exts is not None else 0
-
-    def share_batch(self, module, grad_output, batch, consumers):
-        for name, t in batch.items():
-            offer(module, name, grad_output, t, consumers)
-
-    def shared_batch(self, module, name, grad_output):
-        return take_shared(module, name, grad_output)
-
-
-def _covered_active(module):
-    """The covered BackPACK extensions active for ``module``, or None."""
-    if not _loaded() or not hasattr(module, "input0"):
-        return None
-    from backpack.context import CTX
-
-    exts = [e for e in CTX.get_active_exts() if _kind(e) is not None]
-    if not exts or any(e.get_subsampling() is not None for e in exts):
-        return None
-    return exts
-
-
-def offer(module, name: str, grad_output, batch, consumers: int) -> None:
-    """Keep per-sample gradients on ``module`` for ``consumers`` later takers.
-
-    Shared between an extended convolution's backward and the covered extensions
-    of one backward pass (matched by the output gradient), so that the layer's
-    weight VJP runs once; the last taker drops them.
-    """
-    if consumers <= 0:
-        return
-    shared = getattr(module, "_memconv_shared", None)
-    key = (grad_output.data_ptr(), tuple(grad_output.shape))
-    if shared is None or shared["key"] != key:
-        shared = module._memconv_shared = {"key": key}
-    shared[name] = [batch.detach(), consumers]
-
-
-def take_shared(module, name: str, grad_output):
-    """Per-sample gradients offered for this layer and output gradient, or None."""
-    shared = getattr(module, "_memconv_shared", None)
-    if shared is None or name not in shared:
-        return None
-    if shared["key"] != (grad_output.data_ptr(), tuple(grad_output.shape)):
-        del module._memconv_shared
-        return None
-    entry = shared[name]
-    entry[1] -= 1
-    if entry[1] <= 0:
-        del shared[name]
-        if set(shared) == {"key"}:
-            del module._memconv_shared
-    return entry[0]
-
-
-def consumers_after_extension(module, name: str) -> int:
-    """Takers left after one covered extension computed a layer's per-sample grads:
-    the other covered extensions, and memconv's own backward when it runs later
-    (BackPACK runs a first layer's hook before the layer's backward)."""
-    from ...modules import Conv1d, Conv2d, Conv3d
-
-    exts = _covered_active(module) or []
-    later = (
-        isinstance(module, (Conv1d, Conv2d, Conv3d))
-        and not module.input0.requires_grad
-        and getattr(module, name).requires_grad
-    )
-    return len(exts) - 1 + int(later)
-
-
-context.add_listener(_Listener())
-
-
-def per_sample_grads_backpack(model, loss_fn, inputs, targets, settings):
-    """:func:`memconv.per_sample_grads` with BackPACK's ``BatchGrad`` as the engine.
-
-    A deep copy of ``model`` is extended (the user's model gets no BackPACK hooks).
+    Returns:
+        The extension object (or the tuple of them, for several).
 
     Raises:
-        ImportError: if ``backpack-for-pytorch`` is not installed.
-        ValueError: for a trainable layer BackPACK's ``BatchGrad`` does not support.
+        ImportError: if BackPACK is not installed.
+        TypeError: if an argument is not a BackPACK extension object.
     """
-    from .extensions import per_sample_grads
+    extensions = _require()
+    from backpack.extensions.backprop_extension import BackpropExtension
 
-    return per_sample_grads(model, loss_fn, inputs, targets, settings)
+    for ext in exts:
+        if not isinstance(ext, BackpropExtension):
+            raise TypeError(f"install expects BackPACK extension objects, got {type(ext).__name__}")
+    for ext in exts:
+        if not isinstance(ext, extensions.COVERED):
+            warnings.warn(
+                f"memconv does not cover the BackPACK extension {type(ext).__name__}; its "
+                "convolution quantities keep BackPACK's own computation",
+                stacklevel=2,
+            )
+            continue
+        if ext in _previous:
+            continue
+        mapping = _mapping(ext)
+        new = {}
+        for torch_cls, memconv_cls in CONVERSIONS.items():
+            if torch_cls in extensions.DERIVATIVES:
+                module_ext = extensions.module_extension(ext, torch_cls)
+                new[torch_cls] = new[memconv_cls] = module_ext
+            elif torch_cls in mapping:
+                new[memconv_cls] = mapping[torch_cls]
+        _previous[ext] = {cls: mapping.get(cls, _ABSENT) for cls in new}
+        for cls, module_ext in new.items():
+            ext.set_module_extension(cls, module_ext, overwrite=True)
+    return exts[0] if len(exts) == 1 else exts
+
+
+def uninstall(*exts) -> None:
+    """Give extension objects exactly the module extensions they had before :func:`install`.
+
+    Objects that were not installed are left alone.
+    """
+    for ext in exts:
+        previous = _previous.pop(ext, None)
+        if previous is None:
+            continue
+        mapping = _mapping(ext)
+        for cls, module_ext in previous.items():
+            if module_ext is _ABSENT:
+                mapping.pop(cls, None)
+            else:
+                ext.set_module_extension(cls, module_ext, overwrite=True)
+
+
+@contextlib.contextmanager
+def installed(*exts):
+    """:func:`install` for the duration of a ``with`` block, then :func:`uninstall`.
+
+    Yields:
+        The extension object (or the tuple of them).
+    """
+    result = install(*exts)
+    try:
+        yield result
+    finally:
+        uninstall(*exts)
+
+
+#: Trainable layers BackPACK's BatchGrad supports (checked before any work).
+_SUPPORTED = (
+    nn.Linear,
+    *CONV_TYPES,
+    *CONV_TRANSPOSE_TYPES,
+    nn.modules.batchnorm._BatchNorm,
+    nn.Embedding,
+)
+
+
+def per_sample_grads(model, loss_fn, inputs, targets, *, strategy=None):
+    """:func:`memconv.per_sample_grads` with BackPACK's ``BatchGrad`` as the engine.
+
+    A deep copy of ``model`` is converted, extended and run with an installed
+    ``BatchGrad`` (the user's model gets no BackPACK hooks and no state).
+
+    Args:
+        model, loss_fn, inputs, targets, strategy: as :func:`memconv.per_sample_grads`.
+
+    Returns:
+        ``{name: Tensor [N, *param.shape]}`` for every trainable parameter.
+
+    Raises:
+        ImportError: if BackPACK is not installed.
+        TypeError, ValueError: as :func:`memconv.per_sample_grads`, and for a
+            trainable layer BackPACK's ``BatchGrad`` does not support. Before any work.
+        RuntimeError: if a parameter the loss depends on got no ``grad_batch``.
+    """
+    _require()
+    from backpack import backpack, extend
+    from backpack.extensions import BatchGrad
+
+    settings = context.use_block_settings(strategy)
+    check_per_sample_model(model)
+    n = check_batch(inputs, targets)
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if own and not isinstance(module, _SUPPORTED):
+            raise ValueError(
+                f"BackPACK engine: layer {name!r} ({type(module).__name__}) has trainable "
+                "parameters BackPACK's BatchGrad does not support; use memconv.per_sample_grads"
+            )
+        if isinstance(module, CONV_TYPES + CONV_TRANSPOSE_TYPES):
+            from ..._geometry import conv_spec
+
+            check_settings(settings, conv_spec(module).geometry)
+    names = parameter_names(model)
+    if n == 0:
+        params = {id(p): p for p in model.parameters()}
+        return {name: params[i].new_zeros(0, *params[i].shape) for i, name in names.items()}
+    work = extend(convert(copy.deepcopy(model)))
+    with installed(BatchGrad()) as ext, context.activate(settings), backpack(ext):
+        output = work(inputs.detach())
+        torch.stack(per_sample_losses(loss_fn, output, targets)).sum().backward()
+    out = {}
+    for name, p in work.named_parameters():
+        if not p.requires_grad:
+            continue
+        batch = getattr(p, "grad_batch", None)
+        if batch is None and p.grad is not None:
+            raise RuntimeError(f"BackPACK computed no grad_batch for parameter {name!r}")
+        out[name] = batch.detach() if batch is not None else p.new_zeros(n, *p.shape)
+    return {name: out[name] for name in names.values()}
