@@ -17,12 +17,23 @@ from .extraction import per_sample_grads
 from .grad_sample import bias_grad
 from .memory import predict_memory
 from .modules import (
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
     Conv1d,
     Conv2d,
     Conv3d,
     ConvTranspose1d,
     ConvTranspose2d,
     ConvTranspose3d,
+    Embedding,
+    GroupNorm,
+    InstanceNorm1d,
+    InstanceNorm2d,
+    InstanceNorm3d,
+    LayerNorm,
+    Linear,
+    PReLU,
     convert,
 )
 from .vjp import weight_vjp
@@ -30,12 +41,23 @@ from .vjp import weight_vjp
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
     "Conv1d",
     "Conv2d",
     "Conv3d",
     "ConvTranspose1d",
     "ConvTranspose2d",
     "ConvTranspose3d",
+    "Embedding",
+    "GroupNorm",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "LayerNorm",
+    "Linear",
+    "PReLU",
     "bias_grad",
     "convert",
     "current_strategy",

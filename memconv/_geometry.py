@@ -99,6 +99,24 @@ class ConvGeometry:
 
 
 @dataclass(frozen=True)
+class Operands:
+    """What a strategy runs on, for one layer's weight VJP.
+
+    Attributes:
+        x: normal-form input ``[N, C_in, *S]`` of the (equivalent) convolution.
+        g: its output gradient ``[N, C_out, *T]``.
+        geometry: the geometry to run the strategy with.
+        copied: elements of ``x`` that bringing it to normal form copied (0 when it
+            is the layer's tensor or a view of it).
+    """
+
+    x: Tensor
+    g: Tensor
+    geometry: ConvGeometry
+    copied: int = 0
+
+
+@dataclass(frozen=True)
 class ConvSpec:
     """A convolution or transposed-convolution module reduced to what its weight
     VJP needs.
@@ -131,9 +149,7 @@ class ConvSpec:
             return x
         return F.pad(x, self.pre_pad, mode=self.pad_mode)
 
-    def operands(
-        self, input: Tensor, grad_output: Tensor, normalized: bool = False
-    ) -> tuple[Tensor, Tensor, ConvGeometry]:
+    def operands(self, input: Tensor, grad_output: Tensor, normalized: bool = False) -> Operands:
         """The strategy operands for a layer's input and output gradient.
 
         Args:
@@ -143,9 +159,7 @@ class ConvSpec:
                 input).
 
         Returns:
-            ``(x, g, geometry)``: ``x`` ``[N, C_in, *S]`` in normal form and ``g``
-            ``[N, C_out, *T]`` of the (equivalent) convolution, and the geometry to
-            run the strategy with. For a transposed convolution ``x`` is the output
+            The :class:`Operands`. For a transposed convolution ``x`` is the output
             gradient and ``g`` the input; positions that ``output_padding`` added are
             kept where the equivalent convolution reads them: along an axis with
             ``output_padding`` and padding ``p > 0`` the operand is padded by
@@ -154,11 +168,14 @@ class ConvSpec:
         """
         geom = self.geometry
         if not self.transposed:
-            return (input if normalized else self.normalize_input(input)), grad_output, geom
+            if normalized or self.pre_pad is None:
+                return Operands(input, grad_output, geom)
+            x = self.normalize_input(input)
+            return Operands(x, grad_output, geom, x.numel())
         needed = geom.needed_input_size(tuple(input.shape[2:]))
         extra = [s - n for s, n in zip(grad_output.shape[2:], needed)]
         if not any(extra):
-            return grad_output, input, geom
+            return Operands(grad_output, input, geom)
         pairs, padding = [], []
         for op, p in zip(extra, geom.padding):
             if op and p:
@@ -167,7 +184,9 @@ class ConvSpec:
             else:
                 pairs.append((0, -op))
                 padding.append(p)
-        return F.pad(grad_output, torch_pad_argument(pairs)), input, geom.with_padding(padding)
+        x = F.pad(grad_output, torch_pad_argument(pairs))
+        copied = x.numel() if any(p for p, _ in pairs) else 0
+        return Operands(x, input, geom.with_padding(padding), copied)
 
 
 def check_conv_module(module, argument: str = "module") -> None:

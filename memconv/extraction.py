@@ -24,8 +24,6 @@ from .context import Settings, use_block_settings
 from .grad_sample import Autocast, capture, check_independent, grad_sample, own_trainable
 from .vjp import check_settings
 
-ENGINES = ("memconv", "backpack")
-
 
 def check_per_sample_model(model: nn.Module, argument: str = "model") -> None:
     """Raise if ``model`` is not a module or a layer of it mixes samples.
@@ -122,7 +120,6 @@ def per_sample_grads(
     targets: Tensor,
     *,
     strategy: str | bool | None = None,
-    engine: str = "memconv",
 ) -> dict[str, Tensor]:
     """Per-sample gradients of every trainable parameter, in one backward pass.
 
@@ -148,8 +145,6 @@ def per_sample_grads(
         strategy: weight-VJP strategy of the convolutions (name or bool, default
             options); ``None`` uses the open :class:`memconv.save_memory` block, or
             ``"auto"`` outside any.
-        engine: ``"memconv"`` (this module's hooks) or ``"backpack"`` (BackPACK's
-            ``BatchGrad`` with memconv's strategies; needs the ``backpack`` extra).
 
     Returns:
         ``{name: Tensor [N, *param.shape]}`` for every parameter with
@@ -157,7 +152,7 @@ def per_sample_grads(
 
     Raises:
         TypeError: if ``model`` is not a module or ``inputs`` not a tensor.
-        ValueError: unknown strategy or engine, a layer that mixes samples
+        ValueError: unknown strategy, a layer that mixes samples
             (BatchNorm in training mode), ``inputs`` and ``targets`` of different
             lengths, a ``loss_fn`` that does not return a scalar for one sample, a
             parametrised layer whose forward pass does not take one tensor.
@@ -166,8 +161,6 @@ def per_sample_grads(
     """
     settings = use_block_settings(strategy)
     check_per_sample_model(model)
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; accepted: {', '.join(map(repr, ENGINES))}")
     n = check_batch(inputs, targets)
     for module in model.modules():
         if isinstance(module, CONV_TYPES + CONV_TRANSPOSE_TYPES):
@@ -176,10 +169,6 @@ def per_sample_grads(
     params = {id(p): p for p in model.parameters()}
     if n == 0:
         return {name: params[i].new_zeros(0, *params[i].shape) for i, name in names.items()}
-    if engine == "backpack":
-        from .integrations.backpack import per_sample_grads_backpack
-
-        return per_sample_grads_backpack(model, loss_fn, inputs, targets, settings)
     return _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings, names)
 
 

@@ -19,14 +19,14 @@ mix the samples of a batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
-from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES, conv_spec
+from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES, Operands, conv_spec
 from .context import Settings
-from .strategies import get_strategy
+from .strategies import Options, get_strategy
 
 #: Layers whose per-sample gradients come from ``torch.func`` (one tensor in, one out).
 GENERIC_LAYERS = tuple(
@@ -93,6 +93,32 @@ def check_independent(module: nn.Module, name: str) -> None:
         )
 
 
+def weight_grad(ops: Operands, settings: Settings, per_sample: bool) -> Tensor:
+    """Run the strategy of ``settings`` on a layer's operands.
+
+    A ``memory_budget`` covers the copy that brought the input to normal form (if
+    any): the strategy gets what is left of it.
+
+    Args:
+        ops: the operands (:meth:`memconv._geometry.ConvSpec.operands`).
+        settings: strategy and options.
+        per_sample: ``[N, *weight.shape]`` if True, else the sum over N.
+    """
+    geom = ops.geometry
+    if ops.x.shape[0] == 0:  # an empty batch has a zero gradient
+        return ops.x.new_zeros((0, *geom.weight_shape) if per_sample else geom.weight_shape)
+    options = spend(settings.options, ops.copied * ops.x.element_size())
+    strategy = get_strategy(settings.strategy)
+    return strategy.vjp(ops.x, ops.g, geom, per_sample=per_sample, options=options)
+
+
+def spend(options: Options, spent: int) -> Options:
+    """``options`` with ``spent`` bytes taken off its ``memory_budget`` (at least 1 left)."""
+    if not spent or options.memory_budget is None:
+        return options
+    return replace(options, memory_budget=max(options.memory_budget - spent, 1))
+
+
 def conv_weight_grad(module, input: Tensor, grad_output: Tensor, settings: Settings, per_sample):
     """Weight gradient of a convolution or transposed convolution by a strategy.
 
@@ -108,15 +134,9 @@ def conv_weight_grad(module, input: Tensor, grad_output: Tensor, settings: Setti
     Returns:
         The gradient, in the output gradient's dtype.
     """
-    spec = conv_spec(module)
     if input.dtype != grad_output.dtype:
         input = input.to(grad_output.dtype)
-    x, g, geom = spec.operands(input, grad_output)
-    if x.shape[0] == 0:  # an empty batch has a zero gradient
-        return x.new_zeros((0, *geom.weight_shape) if per_sample else geom.weight_shape)
-    return get_strategy(settings.strategy).vjp(
-        x, g, geom, per_sample=per_sample, options=settings.options
-    )
+    return weight_grad(conv_spec(module).operands(input, grad_output), settings, per_sample)
 
 
 def bias_grad(g: Tensor, *, per_sample: bool) -> Tensor:

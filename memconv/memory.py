@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from ._geometry import conv_spec, layer_output_size
 from .context import current_settings, make_settings
+from .grad_sample import spend
 from .strategies import Problem, get_strategy
 from .vjp import check_settings
 
@@ -78,10 +77,8 @@ def predict_memory(
         dtype=dtype,
         device="meta",
     )
-    xs, _, sgeom = spec.operands(x, g)
-    problem = Problem(sgeom, shape[0], tuple(xs.shape[2:]), itemsize, per_sample)
-    extra = get_strategy(settings.strategy).memory(problem, settings.options)
-    copied = spec.pre_pad is not None if not spec.transposed else xs.shape != g.shape
-    if copied:  # the operand is a padded copy of the layer's input (or output gradient)
-        extra += math.prod(xs.shape) * itemsize
-    return int(extra)
+    ops = spec.operands(x, g)
+    problem = Problem(ops.geometry, shape[0], tuple(ops.x.shape[2:]), itemsize, per_sample)
+    copied = ops.copied * itemsize  # a padded copy of the operand, made before the strategy
+    options = spend(settings.options, copied)
+    return int(copied + get_strategy(settings.strategy).memory(problem, options))

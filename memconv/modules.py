@@ -49,8 +49,8 @@ from .grad_sample import (
     check_independent,
     grad_sample,
     own_trainable,
+    weight_grad,
 )
-from .strategies import get_strategy
 from .vjp import check_settings
 
 
@@ -143,16 +143,8 @@ class _ConvFunction(torch.autograd.Function):
         if need_w:
             if recorded.per_sample or recorded.settings is not None:
                 # the one weight VJP: per sample (stored; its sum is .grad) or summed
-                settings = recorded.strategy_settings
-                a, b, sgeom = spec.operands(x, g, normalized=True)
-                if a.shape[0] == 0:
-                    grad_w = weight.new_zeros(
-                        (0, *weight.shape) if recorded.per_sample else weight.shape
-                    )
-                else:
-                    grad_w = get_strategy(settings.strategy).vjp(
-                        a, b, sgeom, per_sample=recorded.per_sample, options=settings.options
-                    )
+                ops = spec.operands(x, g, normalized=True)
+                grad_w = weight_grad(ops, recorded.strategy_settings, recorded.per_sample)
                 if recorded.per_sample:
                     store_grad_batch(layer.weight, grad_w)
                     grad_w = grad_w.sum(0)
@@ -451,16 +443,3 @@ def convert(model: nn.Module) -> nn.Module:
 def is_memconv_conv(module: nn.Module) -> bool:
     """Whether ``module`` is one of memconv's convolution classes."""
     return isinstance(module, MEMCONV_CONV_TYPES)
-
-
-__all__ = [
-    "CONVERSIONS",
-    "Conv1d",
-    "Conv2d",
-    "Conv3d",
-    "ConvTranspose1d",
-    "ConvTranspose2d",
-    "ConvTranspose3d",
-    "convert",
-    "store_grad_batch",
-]

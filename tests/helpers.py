@@ -63,9 +63,7 @@ def loop_reference(model, loss_fn, x, y):
         for i in range(len(x))
     ]
     return {
-        n: torch.stack(
-            [g[j] if g[j] is not None else torch.zeros_like(named[n]) for g in per]
-        )
+        n: torch.stack([g[j] if g[j] is not None else torch.zeros_like(named[n]) for g in per])
         for j, n in enumerate(names)
     }
 

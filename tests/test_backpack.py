@@ -1,22 +1,26 @@
 """Peer suite: BackPACK's first-order extensions on convolutions through memconv.
 
-Every BackPACK convolution setting × every extension × every strategy, against an
-independent autograd reference (one ``torch.autograd.grad`` per sample), in
-float64 (1e-10 relative) and float32 (1e-5).
+Every BackPACK convolution and transposed-convolution setting × every covered
+extension × every strategy, on memconv's layers, against an independent autograd
+reference (one ``torch.autograd.grad`` per sample), in float64 (1e-10 relative) and
+float32 (1e-5); torch's own layers keep BackPACK's algorithm, with a warning.
 """
 
+import sys
 import warnings
 
 import pytest
 import torch
-from backpack_settings import DERIVATIVES_CONV, FIRSTORDER_CONV
-from helpers import CONVS, rel_err
+from backpack_settings import DERIVATIVES_CONV, DERIVATIVES_CONV_TRANSPOSE, FIRSTORDER_CONV
+from helpers import CONV_TRANSPOSES, CONVS, rel_err
 from torch import nn
 
 import memconv
 
 backpack = pytest.importorskip("backpack")
 from backpack import extend, extensions  # noqa: E402
+
+from memconv.integrations import backpack as mb  # noqa: E402
 
 STRATEGIES = memconv.strategies()
 EXTENSIONS = ("BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance")
@@ -26,30 +30,34 @@ SAVEFIELD = {
     "SumGradSquared": "sum_grad_squared",
     "Variance": "variance",
 }
-MEMCONV_CONVS = {1: memconv.Conv1d, 2: memconv.Conv2d, 3: memconv.Conv3d}
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook")
 
 
 def _cases():
     cases = []
     for i, (shape, dims, params) in enumerate(FIRSTORDER_CONV):
-        cases.append((f"firstorder-{i}-conv{dims}d", shape, dims, params, {}))
+        cases.append((f"firstorder-{i}-conv{dims}d", shape, dims, params, {}, False))
     for i, (shape, dims, kwargs) in enumerate(DERIVATIVES_CONV):
-        cases.append((f"derivatives-{i}-conv{dims}d", shape, dims, (), kwargs))
+        cases.append((f"derivatives-{i}-conv{dims}d", shape, dims, (), kwargs, False))
+    for i, (shape, dims, kwargs) in enumerate(DERIVATIVES_CONV_TRANSPOSE):
+        cases.append((f"derivatives-{i}-convT{dims}d", shape, dims, (), kwargs, True))
     return cases
 
 
 CASES = _cases()
 
 
-def build(case, dtype, memconv_class=False, seed=0):
-    _, shape, dims, params, kwargs = case
+def build(case, dtype, convert=True, seed=0):
+    """BackPACK's ``Sequential(conv, ReLU, Flatten, Linear(out, 5))``, extended."""
+    _, shape, dims, params, kwargs, transposed = case
     torch.manual_seed(seed)
-    cls = (MEMCONV_CONVS if memconv_class else CONVS)[dims]
-    conv = cls(*params, **kwargs)
+    conv = (CONV_TRANSPOSES if transposed else CONVS)[dims](*params, **kwargs)
     x = torch.rand(shape)
     with torch.no_grad():
         out_dim = conv(x).flatten(1).shape[1]
     model = nn.Sequential(conv, nn.ReLU(), nn.Flatten(), nn.Linear(out_dim, 5)).to(dtype)
+    if convert:
+        memconv.convert(model)
     y = torch.randint(0, 5, (shape[0],))
     return extend(model), x.to(dtype), y
 
@@ -83,24 +91,26 @@ def case(request):
     return request.param
 
 
-@pytest.mark.filterwarnings("ignore:Full backward hook")
 @pytest.mark.parametrize("kind", EXTENSIONS)
 @pytest.mark.parametrize(
     "dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)], ids=["f64", "f32"]
 )
-@pytest.mark.parametrize("classes", ["torch", "memconv"])
-def test_extension_every_strategy(case, kind, dtype, tol, classes):
-    model, x, y = build(case, dtype, memconv_class=classes == "memconv")
+def test_extension_every_strategy(case, kind, dtype, tol, strategy_calls):
+    model, x, y = build(case, dtype)
     ref = expected(model, x, y, kind)
     conv = model[0]
     params = [p for p in (conv.weight, conv.bias) if p is not None]
     for strategy in STRATEGIES:
         model.zero_grad()
+        strategy_calls.clear()
+        options = {"tile_size": 2} if strategy == "streaming" else {}
         with (
-            memconv.save_memory(strategy, tile_size=2),
-            backpack.backpack(getattr(extensions, kind)()),
+            mb.installed(getattr(extensions, kind)()) as ext,
+            memconv.save_memory(strategy, **options),
+            backpack.backpack(ext),
         ):
             nn.CrossEntropyLoss()(model(x), y).backward()
+        assert strategy_calls and strategy_calls[0][0] == strategy
         for j, p in enumerate(params):
             got = getattr(p, SAVEFIELD[kind])
             assert rel_err(got, ref[j]) < tol, (strategy, j)
@@ -108,167 +118,131 @@ def test_extension_every_strategy(case, kind, dtype, tol, classes):
                 assert rel_err(got.sum(0), p.grad) < tol
 
 
-@pytest.mark.filterwarnings("ignore:Full backward hook")
+@pytest.mark.parametrize("kind", EXTENSIONS)
+def test_torch_layers_keep_backpacks_algorithm_with_a_warning(case, kind, strategy_calls):
+    model, x, y = build(case, torch.float64, convert=False)
+    ref = expected(model, x, y, kind)
+    with pytest.warns(UserWarning, match=r"torch.nn layer.*memconv.convert"):
+        with mb.installed(getattr(extensions, kind)()) as ext, backpack.backpack(ext):
+            nn.CrossEntropyLoss()(model(x), y).backward()
+    assert strategy_calls == []
+    # the per-sample reduction is BackPACK's generic one: correct for groups > 1 too
+    assert rel_err(getattr(model[0].weight, SAVEFIELD[kind]), ref[0]) < 1e-10
+
+
 @pytest.mark.parametrize("dims", [1, 2, 3])
-def test_memconv_modules_and_subsampling(dims):
-    case = next(c for c in CASES if c[2] == dims and c[4].get("groups", 1) > 1)
-    model, x, y = build(case, torch.float64, memconv_class=True)
+def test_subsampling(dims):
+    case = next(c for c in CASES if c[2] == dims and c[4].get("groups", 1) > 1 and not c[5])
+    model, x, y = build(case, torch.float64)
     ref = expected(model, x, y, "BatchGrad")[0]
     sub = [0, 2]
     for strategy in STRATEGIES:
         with (
+            mb.installed(extensions.BatchGrad(subsampling=sub)) as ext,
             memconv.save_memory(strategy),
-            backpack.backpack(extensions.BatchGrad(subsampling=sub)),
+            backpack.backpack(ext),
         ):
             nn.CrossEntropyLoss()(model(x), y).backward()
         assert rel_err(model[0].weight.grad_batch, ref[sub]) < 1e-10
 
 
-@pytest.mark.filterwarnings("ignore:Full backward hook")
-def test_strategy_is_used_and_backpack_restored(monkeypatch):
-    import memconv.integrations.backpack.extensions as bp_ext
+def test_install_and_uninstall_restore_backpack_exactly():
+    ext = extensions.BatchL2Grad()
+    before = dict(mb._mapping(ext))
+    assert mb.install(ext) is ext
+    mb.install(ext)  # twice changes nothing
+    during = dict(mb._mapping(ext))
+    assert during[nn.Conv2d] is not before[nn.Conv2d]
+    assert during[memconv.Linear] is before[nn.Linear]  # BackPACK's own for the base class
+    mb.uninstall(ext)
+    after = mb._mapping(ext)
+    assert after == before and all(after[k] is before[k] for k in before)
+    mb.uninstall(ext)  # not installed: nothing happens
+    assert mb._mapping(ext) == before
 
-    case = next(c for c in CASES if c[2] == 2 and c[4].get("groups", 1) == 2)
+
+def test_backpack_wrong_for_groups_memconv_right():
+    case = next(c for c in CASES if c[2] == 2 and c[4].get("groups", 1) == 2 and not c[5])
     model, x, y = build(case, torch.float64)
-
-    def run_l2():
-        model.zero_grad()
-        with backpack.backpack(extensions.BatchL2Grad()):
-            nn.CrossEntropyLoss()(model(x), y).backward()
-        return model[0].weight.batch_l2.clone()
-
-    before = run_l2()  # BackPACK's own (wrong for groups > 1, as reported upstream)
-    calls = []
-    real = bp_ext.weight_grad
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["settings"].strategy)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(bp_ext, "weight_grad", spy)
-    with memconv.save_memory("rochette"), backpack.backpack(extensions.BatchL2Grad()):
-        nn.CrossEntropyLoss()(model(x), y).backward()
-    assert calls == ["rochette"]
     right = expected(model, x, y, "BatchL2Grad")[0]
+    torch_model, _, _ = build(case, torch.float64, convert=False)
+    with backpack.backpack(extensions.BatchL2Grad()):  # BackPACK alone
+        nn.CrossEntropyLoss()(torch_model(x), y).backward()
+    assert rel_err(torch_model[0].weight.batch_l2, right) > 1e-3  # BackPACK 1.7.1, groups
+    with mb.installed(extensions.BatchL2Grad()) as ext, memconv.save_memory("rochette"):
+        with backpack.backpack(ext):
+            nn.CrossEntropyLoss()(model(x), y).backward()
     assert rel_err(model[0].weight.batch_l2, right) < 1e-10
-    assert rel_err(before, right) > 1e-3  # BackPACK 1.7.1's BatchL2Grad with groups
-    after = run_l2()
-    assert torch.equal(after, before)  # BackPACK behaves exactly as before
-    assert calls == ["rochette"]
-    assert not torch.nn.modules.module._global_forward_hooks
 
 
-def test_uncovered_extension_warns_once_and_keeps_numbers():
-    import memconv.integrations.backpack as mb
-
-    mb._warned.discard("DiagGGNExact")
+def test_uncovered_extension_warns_and_keeps_numbers():
     torch.manual_seed(0)
     model = extend(nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(12, 2)).double())
     loss_fn = extend(nn.CrossEntropyLoss())
     x, y = torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 0])
 
-    def diag():
-        with backpack.backpack(extensions.DiagGGNExact()):
+    def diag(ext):
+        with backpack.backpack(ext):
             loss_fn(model(x), y).backward()
         return model[0].weight.diag_ggn_exact.clone()
 
-    ref = diag()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with memconv.save_memory("unfold"):
-            got = diag()
-            diag()
-    named = [w for w in caught if "DiagGGNExact" in str(w.message)]
-    assert len(named) == 1
-    assert torch.equal(got, ref)
+    ref = diag(extensions.DiagGGNExact())
+    ext = extensions.DiagGGNExact()
+    with pytest.warns(UserWarning, match="does not cover the BackPACK extension DiagGGNExact"):
+        mb.install(ext)
+    assert torch.equal(diag(ext), ref)
 
 
-@pytest.mark.filterwarnings("ignore:Full backward hook")
+@pytest.mark.filterwarnings("ignore:memconv.save_memory. no memconv layer ran")
+def test_forward_outside_the_block_warns():
+    case = next(c for c in CASES if c[2] == 2 and not c[5])
+    model, x, y = build(case, torch.float64)
+    with mb.installed(extensions.BatchGrad()) as ext, backpack.backpack(ext):
+        loss = nn.CrossEntropyLoss()(model(x), y)  # forward outside any block
+        with pytest.warns(UserWarning, match="did not run in"):
+            with memconv.save_memory("shift"):
+                loss.backward()
+
+
 @pytest.mark.parametrize("strategy", ["rochette", "streaming"])
-def test_per_sample_grads_backpack_engine(strategy):
+def test_per_sample_grads_engine(strategy):
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1, groups=1), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=2),
-        nn.Flatten(), nn.Linear(4 * 4 * 4, 3),
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=2),
+        nn.ConvTranspose2d(4, 2, 2, stride=2), nn.Flatten(), nn.Linear(2 * 8 * 8, 3),
     ).double()  # fmt: skip
     x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
     y = torch.randint(0, 3, (4,))
     loss_fn = nn.CrossEntropyLoss()
     ours = memconv.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
-    theirs = memconv.per_sample_grads(model, loss_fn, x, y, strategy=strategy, engine="backpack")
+    theirs = mb.per_sample_grads(model, loss_fn, x, y, strategy=strategy)
     assert list(ours) == list(theirs)
     for name in ours:
         assert rel_err(theirs[name], ours[name]) < 1e-10, name
     assert not hasattr(model[0].weight, "grad_batch")  # the user's model is untouched
+    assert type(model[0]) is nn.Conv2d
     with pytest.raises(ValueError, match="GroupNorm"):
-        memconv.per_sample_grads(
-            nn.Sequential(nn.GroupNorm(1, 3)), loss_fn, x, y, engine="backpack"
-        )
+        mb.per_sample_grads(nn.Sequential(nn.GroupNorm(1, 3)), loss_fn, x, y)
 
 
-@pytest.fixture
-def vjp_calls(monkeypatch):
-    """The ``per_sample`` flag of every weight VJP memconv's modules and its BackPACK
-    extensions run."""
-    import memconv.integrations.backpack.extensions as bp_ext
-    import memconv.modules as mod
-
-    calls = []
-
-    def spy(real):
-        def wrapped(*args, **kwargs):
-            calls.append(kwargs["per_sample"])
-            return real(*args, **kwargs)
-
-        return wrapped
-
-    monkeypatch.setattr(mod, "weight_grad", spy(mod.weight_grad))
-    monkeypatch.setattr(bp_ext, "weight_grad", spy(bp_ext.weight_grad))
-    return calls
+def test_missing_backpack_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "backpack", None)
+    with pytest.raises(ImportError, match=r"memconv\[backpack\]"):
+        mb.install(object())
 
 
-@pytest.mark.filterwarnings("ignore:Full backward hook")
-def test_memconv_modules_compute_one_vjp_for_all_extensions(vjp_calls):
-    """memconv.Conv*d under BackPACK: one weight VJP per layer feeds .grad and every
-    covered extension (Variance needs no second VJP), and nothing is left behind."""
-    case = next(c for c in CASES if c[2] == 2 and c[4].get("groups", 1) == 2)
-    model, x, y = build(case, torch.float64, memconv_class=True)
-    ref = expected(model, x, y, "Variance")[0]
-    exts = [
-        extensions.BatchGrad(),
-        extensions.Variance(),
-        extensions.SumGradSquared(),
-        extensions.BatchL2Grad(),
-    ]
-    with memconv.save_memory("rochette"), backpack.backpack(*exts):
-        nn.CrossEntropyLoss()(model(x), y).backward()
-    assert vjp_calls == [True]  # one per-sample VJP, shared
-    assert rel_err(model[0].weight.variance, ref) < 1e-10
-    assert rel_err(model[0].weight.grad_batch.sum(0), model[0].weight.grad) < 1e-10
-    assert not hasattr(model[0], "_memconv_shared")
-
-
-@pytest.mark.filterwarnings("ignore:Full backward hook")
-def test_two_memconv_layers_one_vjp_each(vjp_calls):
+def test_nothing_left_behind():
     torch.manual_seed(0)
-    model = nn.Sequential(
-        memconv.Conv2d(2, 4, 3, padding=1), nn.ReLU(), memconv.Conv2d(4, 4, 3, groups=2),
-        nn.Flatten(), nn.Linear(4 * 3 * 3, 3),
-    ).double()  # fmt: skip
-    model = extend(model)
-    x, y = torch.randn(4, 2, 5, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
-    per = [
-        torch.autograd.grad(
-            nn.CrossEntropyLoss()(model(x[i : i + 1]), y[i : i + 1]) / 4, model[2].weight
-        )[0]
-        for i in range(4)
-    ]
-    with (
-        memconv.save_memory("shift"),
-        memconv.per_sample(),
-        backpack.backpack(extensions.Variance(), extensions.BatchGrad()),
-    ):
-        nn.CrossEntropyLoss()(model(x), y).backward()
-    assert vjp_calls == [True, True]  # one per layer
-    assert rel_err(model[2].weight.grad_batch, torch.stack(per)) < 1e-10
-    assert not any(hasattr(m, "_memconv_shared") for m in model)
+    model = extend(
+        memconv.convert(nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(12, 2)))
+    )
+    x, y = torch.randn(3, 2, 4, 4), torch.tensor([0, 1, 0])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*memconv")  # memconv has nothing to say
+        for _ in range(3):
+            with mb.installed(extensions.BatchGrad()) as ext, memconv.save_memory("shift"):
+                with backpack.backpack(ext):
+                    nn.CrossEntropyLoss()(model(x), y).backward()
+    assert len(mb._previous) == 0
+    assert not torch.nn.modules.module._global_forward_hooks
+    assert not any(k.startswith("_memconv") for m in model.modules() for k in vars(m))

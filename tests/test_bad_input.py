@@ -11,7 +11,7 @@ import memconv
 def test_unknown_strategy_lists_accepted():
     with pytest.raises(ValueError, match="unknown strategy 'fast'.*standard.*rochette"):
         memconv.save_memory("fast")
-    assert memconv.current_strategy() == "standard"
+    assert memconv.current_strategy() == "auto"
 
 
 @pytest.mark.parametrize(
@@ -29,6 +29,7 @@ def test_unknown_strategy_lists_accepted():
         (dict(inner="nope"), ValueError, "inner"),
     ],
 )
+@pytest.mark.filterwarnings("ignore:memconv.save_memory. no memconv layer ran")
 def test_bad_options(kwargs, exc, match):
     with memconv.save_memory("unfold"):
         with pytest.raises(exc, match=match):
@@ -36,23 +37,45 @@ def test_bad_options(kwargs, exc, match):
         assert memconv.current_strategy() == "unfold"
 
 
+@pytest.mark.parametrize(
+    "strategy, kwargs, match",
+    [
+        (
+            "rochette",
+            dict(tile_size=8),
+            r"'rochette' does not use tile_size \(used by: streaming\)",
+        ),
+        ("standard", dict(memory_budget=2**20), "does not use memory_budget"),
+        ("shift", dict(inner="unfold"), r"does not use inner \(used by: streaming\)"),
+        ("auto", dict(tile_size=4), "'auto' does not use tile_size"),
+    ],
+)
+def test_options_a_strategy_ignores_are_rejected(strategy, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        memconv.save_memory(strategy, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        memconv.predict_memory(torch.nn.Conv2d(1, 1, 3), (1, 1, 5, 5), strategy, **kwargs)
+
+
 def test_bad_strategy_type():
     with pytest.raises(TypeError, match="strategy must be a bool or one of"):
         memconv.save_memory(3)
 
 
+@pytest.mark.filterwarnings("ignore:memconv.save_memory. no memconv layer ran")
 def test_bool_toggle_like_backpack():
     with memconv.save_memory(True):
         assert memconv.current_strategy() == "rochette"
         with memconv.save_memory(False):
             assert memconv.current_strategy() == "standard"
         assert memconv.current_strategy() == "rochette"
+    assert memconv.current_strategy() == "auto"
     assert memconv.strategies()[:2] == ("standard", "rochette")
 
 
-@pytest.mark.parametrize("module", [nn.Linear(2, 3), nn.ConvTranspose2d(2, 3, 3), "conv"])
+@pytest.mark.parametrize("module", [nn.Linear(2, 3), nn.LazyConv2d(3, 3), "conv"])
 def test_weight_vjp_rejects_non_convolutions(module):
-    with pytest.raises(TypeError, match="Conv1d, Conv2d or Conv3d"):
+    with pytest.raises(TypeError, match=r"Conv1d/2d/3d or ConvTranspose1d/2d/3d"):
         memconv.weight_vjp(module, torch.randn(1, 2, 5, 5), torch.randn(1, 3, 3, 3))
 
 
@@ -90,10 +113,15 @@ def test_rejected_per_sample_grads_leaves_grads_alone():
     with pytest.raises(ValueError, match="BatchNorm2d"):
         memconv.per_sample_grads(model, nn.MSELoss(), torch.randn(2, 1, 5, 5), torch.randn(2, 18))
     assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
-    with pytest.raises(ValueError, match="unknown engine"):
+    with pytest.raises(ValueError, match="unknown strategy"):
         memconv.per_sample_grads(
-            model.eval(), nn.MSELoss(), torch.randn(2, 1, 5, 5), torch.randn(2, 18), engine="jax"
+            model.eval(), nn.MSELoss(), torch.randn(2, 1, 5, 5), torch.randn(2, 18), strategy="x"
         )
+    with pytest.raises(ValueError, match="loss_fn must return a scalar tensor for one sample"):
+        memconv.per_sample_grads(
+            model.eval(), nn.MSELoss(reduction="none"), torch.randn(2, 1, 5, 5), torch.randn(2, 18)
+        )
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
     with pytest.raises(ValueError, match="same length"):
         memconv.per_sample_grads(
             model.eval(), nn.MSELoss(), torch.randn(2, 1, 5, 5), torch.randn(3, 18)

@@ -126,8 +126,17 @@ def test_drop_in_classes(layer, shape):
         (lambda: nn.BatchNorm1d(2).eval(), (3, 2, 5)),
         (lambda: nn.InstanceNorm3d(2, affine=True), (3, 2, 4, 3, 3)),
     ],
-    ids=["Conv1d", "Conv3d", "ConvTranspose1d", "ConvTranspose3d", "Linear-seq", "Embedding",
-         "PReLU", "BatchNorm1d-eval", "InstanceNorm3d"],
+    ids=[
+        "Conv1d",
+        "Conv3d",
+        "ConvTranspose1d",
+        "ConvTranspose3d",
+        "Linear-seq",
+        "Embedding",
+        "PReLU",
+        "BatchNorm1d-eval",
+        "InstanceNorm3d",
+    ],
 )
 def test_single_layers_per_sample(make, shape):
     torch.manual_seed(0)
@@ -269,7 +278,11 @@ def test_unused_parameter_gets_zeros_and_missing_gradient_raises(monkeypatch):
     class TwoHeads(nn.Module):
         def __init__(self):
             super().__init__()
-            self.body, self.used, self.unused = nn.Conv2d(2, 3, 3), nn.Linear(27, 2), nn.Linear(27, 2)
+            self.body, self.used, self.unused = (
+                nn.Conv2d(2, 3, 3),
+                nn.Linear(27, 2),
+                nn.Linear(27, 2),
+            )
 
         def forward(self, x):
             h = self.body(x).flatten(1)
@@ -297,7 +310,10 @@ def test_instance_norm_with_inplace_activation():
         nn.Conv2d(2, 4, 3, padding=1), nn.InstanceNorm2d(4, affine=True), nn.ReLU(inplace=True),
         nn.Conv2d(4, 2, 3, padding=1), nn.InstanceNorm2d(2, affine=True), nn.LeakyReLU(inplace=True),
     ).double()  # fmt: skip
-    x, y = torch.randn(3, 2, 6, 6, dtype=torch.float64), torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    x, y = (
+        torch.randn(3, 2, 6, 6, dtype=torch.float64),
+        torch.randn(3, 2, 6, 6, dtype=torch.float64),
+    )
     loss_fn = nn.MSELoss(reduction="sum")
     ref = func_reference(model, loss_fn, x, y)
     got = memconv.per_sample_grads(model, loss_fn, x, y)

@@ -103,22 +103,87 @@ def test_conv1d_and_conv3d_stacks(dims):
 
 
 @pytest.mark.parametrize("strategy", ["rochette", "streaming", "shift"])
-def test_weight_gradients_through_memconv_strategies(strategy, monkeypatch):
-    import memconv.modules as mod
-
-    calls = []
-    real = mod.weight_grad
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["settings"].strategy)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(mod, "weight_grad", spy)
+def test_weight_gradients_through_memconv_strategies(strategy, strategy_calls):
+    """The block around the streamed forward pass applies to the convolutions of the
+    recomputed tiles, also when the backward pass runs outside it."""
     layers = scnn_example_net(width=4)
     x = torch.randn(1, 3, 120, 97, dtype=torch.float64)
-    with memconv.save_memory(strategy, tile_size=8):
-        check(layers, x, 48, 1e-10)
-    assert calls and set(calls) == {strategy}
+    with torch.no_grad():
+        g = torch.randn_like(layers(x))
+    ref_out, ref_grads = conventional(layers, x, g)
+    stream = StreamingCNN(layers, 48)
+    xs = x.detach().requires_grad_()
+    options = {"tile_size": 8} if strategy == "streaming" else {}
+    with memconv.save_memory(strategy, **options):
+        out = stream(xs)
+    grads = torch.autograd.grad(out, [xs, *layers.parameters()], g)
+    for a, b in zip(grads, ref_grads):
+        assert rel_err(a, b) < 1e-10
+    assert strategy_calls and {name for name, _ in strategy_calls} >= {strategy}
+    assert all(not per_sample for _, per_sample in strategy_calls)
+
+
+def test_per_sample_gradients_through_streaming():
+    """Inside per_sample(), a streamed memconv layer's grad_batch sums its tiles."""
+    torch.manual_seed(0)
+    layers = memconv.convert(
+        nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 2, 3))
+    ).double()
+    x = torch.randn(3, 2, 40, 36, dtype=torch.float64)
+    with torch.no_grad():
+        g = torch.randn_like(layers(x))
+    per = [
+        torch.autograd.grad(layers(x[i : i + 1]), layers[0].weight, g[i : i + 1])[0]
+        for i in range(3)
+    ]
+    stream = StreamingCNN(layers, 16)
+    with memconv.save_memory("unfold"), memconv.per_sample():
+        out = stream(x)
+    out.backward(g)
+    assert rel_err(layers[0].weight.grad_batch, torch.stack(per)) < 1e-10
+    assert rel_err(layers[0].weight.grad_batch.sum(0), layers[0].weight.grad) < 1e-10
+
+
+def test_tile_shape_as_lightstream_spells_it_and_tile_device():
+    layers = scnn_example_net(width=4)
+    x = torch.randn(1, 3, 100, 90, dtype=torch.float64)
+    a = StreamingCNN(layers, tile_size=48)
+    b = StreamingCNN(layers, tile_shape=(1, 3, 48, 48), tile_device="cpu")
+    assert a.tile_size == b.tile_size == (48, 48)
+    torch.testing.assert_close(a(x), b(x))
+    with pytest.raises(ValueError, match="exactly one of tile_size"):
+        StreamingCNN(layers, 48, tile_shape=(1, 3, 48, 48))
+    with pytest.raises(ValueError, match="exactly one of tile_size"):
+        StreamingCNN(layers)
+    with pytest.raises(ValueError, match="tile_shape must be"):
+        StreamingCNN(layers, tile_shape=(48, 48))
+
+
+def test_describe_follows_residual_branches():
+    layers = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        Residual(
+            nn.Sequential(nn.Conv2d(4, 4, 5, padding=2), nn.Conv2d(4, 4, 5, padding=2)),
+            nn.AvgPool2d(3, stride=1, padding=1),
+        ),
+        nn.MaxPool2d(2),
+    )
+    text = StreamingCNN(layers, 64).describe().splitlines()
+    rows = {line.split(" | ")[0]: line.split(" | ")[3] for line in text[1:-1]}
+    # each branch starts from the receptive field before the block (3), not from the
+    # end of the other branch
+    assert rows["stream_layers.1.branch.0"] == "(7, 7)"
+    assert rows["stream_layers.1.branch.1"] == "(11, 11)"
+    assert rows["stream_layers.1.shortcut"] == "(5, 5)"
+    assert rows["stream_layers.2"] == "(12, 12)"
+    assert "receptive field (12, 12)" in text[-1]
+
+
+def test_verbose_logs_instead_of_printing(caplog, capsys):
+    with caplog.at_level("INFO", logger="memconv"):
+        StreamingCNN(scnn_example_net(width=4), 64, verbose=True)
+    assert "receptive field" in caplog.text
+    assert capsys.readouterr().out == ""
 
 
 def test_user_side_autograd_and_manual_backward():

@@ -70,45 +70,45 @@ def memconv_hooks(strategy: str):
 def memconv_modules(strategy: str):
     """memconv's extended modules (:func:`memconv.convert`) inside ``per_sample()``.
 
-    One backward pass; the convolutions' per-sample gradients come from their
-    backward, the other layers' (Linear) from :func:`memconv.per_sample_grads`'s
-    hooks would need a second pass, so only convolution parameters are returned.
+    One backward pass; every parametrised layer leaves ``grad_batch``.
     """
 
     def run(model, x, y):
         memconv.convert(model)
         model.zero_grad(set_to_none=True)
         with memconv.save_memory(strategy), memconv.per_sample():
-            _loss()(model(x), y).backward()
-        out = {
-            n: p.grad_batch
-            for n, p in model.named_parameters()
-            if getattr(p, "grad_batch", None) is not None
-        }
+            loss = _loss()(model(x), y)
+        loss.backward()
+        out = {n: p.grad_batch for n, p in model.named_parameters()}
         for p in model.parameters():
             p.grad = None
-            if hasattr(p, "grad_batch"):
-                del p.grad_batch
+            del p.grad_batch
         return out
 
     return run
 
 
-def _backpack_extended(model):
-    """``backpack.extend(model)`` once per model object (the worker reuses it)."""
+def _backpack_extended(model, convert: bool = False):
+    """``backpack.extend(model)`` once per model object (the worker reuses it); memconv's
+    engines convert the model first, so that its layers record their blocks."""
     from backpack import extend
 
     if not getattr(model, "_memconv_bench_extended", False):
+        if convert:
+            memconv.convert(model)
         extend(model)
         model._memconv_bench_extended = True
     return model
 
 
-def _backpack_batch_grad(model, x, y):
+def _backpack_batch_grad(model, x, y, ext=None, block=None):
+    import contextlib
+
     from backpack import backpack, extensions
 
     model.zero_grad(set_to_none=True)
-    with backpack(extensions.BatchGrad()):
+    ext = ext if ext is not None else extensions.BatchGrad()
+    with backpack(ext), block if block is not None else contextlib.nullcontext():
         _loss()(model(x), y).backward()
     out = {n: p.grad_batch for n, p in model.named_parameters()}
     for p in model.parameters():
@@ -138,14 +138,20 @@ def backpack_save_memory(model, x, y):
 
 
 def memconv_backpack(strategy: str):
-    """BackPACK's ``BatchGrad`` inside ``memconv.save_memory(strategy)``."""
+    """BackPACK's ``BatchGrad`` with memconv installed, the forward pass inside
+    ``memconv.save_memory(strategy)``."""
 
     def run(model, x, y):
         import warnings
 
-        with warnings.catch_warnings(), memconv.save_memory(strategy):
+        from backpack import extensions
+
+        from memconv.integrations import backpack as mb
+
+        model = _backpack_extended(model, convert=True)
+        with warnings.catch_warnings(), mb.installed(extensions.BatchGrad()) as ext:
             warnings.simplefilter("ignore")
-            return _backpack_batch_grad(_backpack_extended(model), x, y)
+            return _backpack_batch_grad(model, x, y, ext, memconv.save_memory(strategy))
 
     return run
 
