@@ -12,6 +12,7 @@ Example:
     >>> model[0].weight.grad_batch.shape    # [N, C_out, C_in/G, k, k]
 """
 
+from .clipping import clip_and_accumulate, per_sample_norms
 from .context import current_strategy, per_sample, save_memory, strategies
 from .extraction import per_sample_grads
 from .grad_sample import bias_grad
@@ -59,10 +60,12 @@ __all__ = [
     "Linear",
     "PReLU",
     "bias_grad",
+    "clip_and_accumulate",
     "convert",
     "current_strategy",
     "per_sample",
     "per_sample_grads",
+    "per_sample_norms",
     "predict_memory",
     "save_memory",
     "strategies",

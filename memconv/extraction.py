@@ -103,6 +103,8 @@ def _graph_below(root, captured: set) -> tuple[set, set]:
 
 @dataclass
 class _Capture:
+    """A parametrised layer's output in the graph, and whether its gradient arrived."""
+
     module: nn.Module
     name: str
     edge: object  # torch.autograd.graph.GradientEdge of the layer's output
@@ -172,10 +174,65 @@ def per_sample_grads(
     return _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings, names)
 
 
-def _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings: Settings, names):
-    grads: dict[str, Tensor | None] = dict.fromkeys(names.values())
+@dataclass(frozen=True)
+class LayerVisit:
+    """One parametrised layer's output gradient arriving in the backward pass.
+
+    Attributes:
+        module: the layer.
+        name: its name in the model.
+        params: ``{local parameter name: model parameter name}`` of its trainable
+            parameters (a shared parameter under its first name).
+        x: its input ``[N, ...]`` (detached).
+        g: its output gradient.
+        autocast: the autocast state its forward pass ran under.
+    """
+
+    module: nn.Module
+    name: str
+    params: dict
+    x: Tensor
+    g: Tensor
+    autocast: Autocast
+
+
+def backward_walk(
+    model: nn.Module,
+    loss_fn,
+    inputs: Tensor,
+    targets,
+    names: dict,
+    visit: Callable[[LayerVisit], None],
+    *,
+    caller: str = "memconv.per_sample_grads",
+    keep_graph: bool = False,
+) -> Tensor:
+    """One forward and one backward pass in which every parametrised layer's output
+    gradient is handed to ``visit`` (and then dropped); autograd computes no
+    parameter gradient.
+
+    Args:
+        model: the model.
+        loss_fn: per-sample loss, see :func:`per_sample_losses`.
+        inputs: ``[N, ...]`` (detached for the pass).
+        targets: ``[N, ...]``.
+        names: :func:`parameter_names` of the model.
+        visit: called once per layer and forward call, during the backward pass.
+        caller: the public function's name, for messages.
+        keep_graph: keep the graph for a second backward pass of the returned losses.
+
+    Returns:
+        The per-sample losses ``[N]`` (with their graph when ``keep_graph``).
+
+    Raises:
+        ValueError: a parametrised layer whose forward pass does not take one tensor,
+            a ``loss_fn`` that does not return a scalar for one sample.
+        RuntimeError: a layer whose output gradient influences the loss but never
+            arrived (naming its parameters).
+    """
     captures: list[_Capture] = []
     module_names = {m: name or type(m).__name__ for name, m in model.named_modules()}
+    active = [True]
 
     def forward_hook(module, args, output):
         if not isinstance(output, Tensor) or not output.requires_grad:
@@ -184,8 +241,7 @@ def _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings: Settings,
         if len(args) != 1 or not isinstance(args[0], Tensor):
             raise ValueError(
                 f"layer {name!r} ({type(module).__name__}) has trainable parameters but its "
-                "forward pass does not take one tensor; per_sample_grads cannot split it by "
-                "sample"
+                f"forward pass does not take one tensor; {caller} cannot split it by sample"
             )
         kept = [args[0].detach()]  # released once used: the input is freed as in autograd
         own = {k: names[id(p)] for k, p in own_trainable(module).items()}
@@ -193,10 +249,10 @@ def _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings: Settings,
         fired = [False]
 
         def on_grad(g):
+            if not active[0]:  # a second backward pass of a kept graph
+                return
             fired[0] = True
-            for k, v in grad_sample(module, kept.pop(), g, settings, state).items():
-                full = own[k]
-                grads[full] = v if grads[full] is None else grads[full] + v
+            visit(LayerVisit(module, name, own, kept.pop(), g, state))
 
         output = capture(output, on_grad)
         captures.append(_Capture(module, name, get_gradient_edge(output), fired))
@@ -211,24 +267,37 @@ def _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings: Settings,
     finally:
         for h in handles:
             h.remove()
-    loss = torch.stack(per_sample_losses(loss_fn, output, targets)).sum()
+    losses = torch.stack(per_sample_losses(loss_fn, output, targets))
     del output
-    if loss.grad_fn is not None and captures:
-        reachable, deepest = _graph_below(loss.grad_fn, {c.node for c in captures})
-        edges = list(
-            {(id(c.node), c.edge.output_nr): c.edge for c in captures if c.node in deepest}.values()
-        )
+    if losses.grad_fn is not None and captures:
+        reachable, deepest = _graph_below(losses.grad_fn, {c.node for c in captures})
+        edges = {(id(c.node), c.edge.output_nr): c.edge for c in captures if c.node in deepest}
         if edges:
-            torch.autograd.grad(loss, edges, allow_unused=True)
+            torch.autograd.grad(
+                losses.sum(), list(edges.values()), allow_unused=True, retain_graph=keep_graph
+            )
+        active[0] = False
         missed = [c for c in captures if c.node in reachable and not c.fired[0]]
         if missed:
             raise RuntimeError(
-                "memconv.per_sample_grads: the output gradient of layer "
-                f"{missed[0].name!r} ({type(missed[0].module).__name__}) influences the loss "
-                "but never arrived, so the per-sample gradients of "
+                f"{caller}: the output gradient of layer {missed[0].name!r} "
+                f"({type(missed[0].module).__name__}) influences the loss but never arrived, "
+                "so the per-sample quantities of "
                 f"{', '.join(names[id(p)] for p in own_trainable(missed[0].module).values())} "
                 "are unknown"
             )
+    return losses if keep_graph else losses.detach()
+
+
+def _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings: Settings, names):
+    grads: dict[str, Tensor | None] = dict.fromkeys(names.values())
+
+    def visit(layer: LayerVisit):
+        for k, v in grad_sample(layer.module, layer.x, layer.g, settings, layer.autocast).items():
+            full = layer.params[k]
+            grads[full] = v if grads[full] is None else grads[full] + v
+
+    backward_walk(model, loss_fn, inputs, targets, names, visit)
     params = {name: p for name, p in model.named_parameters() if name in grads}
     return {
         name: (g if g is not None else params[name].new_zeros(len(inputs), *params[name].shape))

@@ -86,11 +86,10 @@ class Shift:
             store = out.view(((n,) if per_sample else ()) + (grp, og, cg, kk))
         problem = Problem(geom, n, tuple(x.shape[2:]), x.element_size(), per_sample)
         chunk = chunk_size(problem, options, out is not None)
-        operands = _flat_operands if _flat_ok(geom) else _copied_operands
         for n0 in range(0, n, chunk):
             n1 = min(n, n0 + chunk)
-            gm, views = operands(x[n0:n1], g[n0:n1], geom)  # gm [n, G, C_out/G, L]
-            for k, view in enumerate(views):  # view [n, G, C_in/G, L]
+            gm, views = offset_operands(x[n0:n1], g[n0:n1], geom)  # gm [n, G, C_out/G, L]
+            for k, view in enumerate(views()):  # view [n, G, C_in/G, L]
                 if direct:
                     torch.matmul(gm, view.transpose(-1, -2), out=store[k, n0:n1])
                     continue
@@ -140,6 +139,20 @@ def _offsets(geom: ConvGeometry):
     )
 
 
+def offset_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
+    """The output gradient as ``[n, G, C_out/G, L]`` and, per kernel offset, the input
+    positions it meets as ``[n, G, C_in/G, L]``: ``grad[..., κ] = g @ view_κ^T``.
+
+    Returns:
+        ``(gm, views)``; ``views()`` yields the K views, in the weight's offset order,
+        each time it is called. With stride 1 they are windows of one flat padded
+        buffer (L: T_0 rows of the padded grid, the output gradient laid out on that
+        grid with zeros where no output position is); otherwise each is a copy
+        (L = T).
+    """
+    return (_flat_operands if _flat_ok(geom) else _copied_operands)(x, g, geom)
+
+
 def _flat_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
     """Stride-1 case: views into one flat padded buffer, no copy per offset."""
     n, c = x.shape[:2]
@@ -165,7 +178,7 @@ def _flat_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
                 (n, geom.groups, cg, length), (c * plane, cg * plane, plane, 1), base
             )
 
-    return gm, views()
+    return gm, views
 
 
 def _copied_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
@@ -183,7 +196,7 @@ def _copied_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
             view = xp[(slice(None), slice(None), *index)]
             yield view.reshape(n, geom.groups, geom.in_per_group, numel(t))
 
-    return gm, views()
+    return gm, views
 
 
 SHIFT = register_strategy(Shift())

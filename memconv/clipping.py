@@ -1,0 +1,378 @@
+"""Per-sample gradient norms and clipped sums (DP-SGD) without per-sample gradients.
+
+:func:`per_sample_norms` and :func:`clip_and_accumulate` run one forward and one
+backward pass (:func:`memconv.extraction.backward_walk`) in which each parametrised
+layer turns its input and output gradient into the squared norms of its per-sample
+gradients (:mod:`memconv.norms`: ghost norms or instantiated chunks, per layer), so
+that no layer's per-sample gradients need to exist at once. The clipped sum
+Σₙ min(1, C/‖gₙ‖)·gₙ then comes by one of two exact routes:
+
+- ``"book-keeping"`` (Bu et al., ICML 2023): the backward pass keeps each layer's
+  input and output gradient (or its per-sample gradients, where those are smaller);
+  once the norms are known, one summed weight VJP per layer with the output
+  gradient scaled by the clip factors. One backward pass; memory: what it keeps;
+- ``"two-pass"`` (as Opacus' ghost clipping): the backward pass computes the norms
+  only, keeping the graph; a second backward pass of Σₙ cₙ·ℓₙ then adds the clipped
+  sum. Memory: the graph of one pass; time: two backward passes.
+
+Noise and privacy accounting stay with the DP optimizer (Opacus').
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor, nn
+
+from .context import Settings, activate, use_block_settings
+from .extraction import (
+    LayerVisit,
+    backward_walk,
+    check_batch,
+    check_per_sample_model,
+    parameter_names,
+)
+from .grad_sample import grad_sample
+from .norms import check_route, layer_sq_norms
+
+CLIP_ROUTES = ("book-keeping", "two-pass")
+
+
+def _unwrap(model):
+    """The module a ``DistributedDataParallel`` wraps (the walk runs on it)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return (model.module, model) if isinstance(model, DistributedDataParallel) else (model, None)
+
+
+def _check_common(model, inputs, targets, memory_budget, norm_route) -> int:
+    check_per_sample_model(model)
+    n = check_batch(inputs, targets)
+    if memory_budget is not None and (
+        isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral)
+    ):
+        raise TypeError(
+            f"memory_budget must be a positive int (bytes) or None, got {memory_budget!r}"
+        )
+    if memory_budget is not None and memory_budget <= 0:
+        raise ValueError(
+            f"memory_budget must be a positive int (bytes) or None, got {memory_budget}"
+        )
+    check_route(norm_route)
+    return n
+
+
+class _Norms:
+    """Squared per-sample norms per parameter, gathered layer by layer; with
+    book-keeping, also what the clipped sum needs of each layer.
+
+    Parameters used more than once (shared between layers, or a layer called
+    twice) have per-sample gradients summed over their uses first, since the norm of
+    a sum is not the sum of norms. With book-keeping a layer keeps its per-sample
+    gradients where they are smaller than its input and output gradient, else the
+    latter (and its norms come from the ghost or instantiating route).
+    """
+
+    def __init__(self, n: int, settings: Settings, route, budget, keep: bool):
+        self.n, self.settings, self.route, self.budget, self.keep = n, settings, route, budget, keep
+        self.sq: dict[str, Tensor] = {}
+        self.grads: dict[str, Tensor] = {}  # per-sample gradients kept (or shared)
+        self.io: list[LayerVisit] = []  # layers kept as input and output gradient
+        self.uses: dict[str, int] = {}
+
+    def visit(self, layer: LayerVisit) -> None:
+        shared = {k for k, full in layer.params.items() if self.uses.get(full, 0) > 1}
+        own = dict(layer.module.named_parameters(recurse=False))
+        per_sample = self.n * sum(own[k].numel() for k in layer.params)
+        instantiate = bool(shared) or (self.keep and per_sample < layer.x.numel() + layer.g.numel())
+        if instantiate:
+            grads = grad_sample(layer.module, layer.x, layer.g, self.settings, layer.autocast)
+            for k, v in grads.items():
+                full = layer.params[k]
+                if k in shared or self.keep:
+                    self.grads[full] = v if full not in self.grads else self.grads[full] + v
+                else:
+                    self.sq[full] = _squared(v)
+            return
+        sq = layer_sq_norms(
+            layer.module, layer.x, layer.g, self.settings, layer.autocast, self.route, self.budget
+        )
+        for k, v in sq.items():
+            self.sq[layer.params[k]] = v
+        if self.keep:
+            self.io.append(layer)
+
+    def result(self, params: dict) -> dict[str, Tensor]:
+        out = {}
+        for name, p in params.items():
+            if name in self.grads:
+                out[name] = _squared(self.grads[name])
+            elif name in self.sq:
+                out[name] = self.sq[name]
+            else:  # does not influence the loss
+                out[name] = p.new_zeros(self.n, dtype=torch.promote_types(p.dtype, torch.float32))
+        return out
+
+    def clipped_sums(self, c: Tensor) -> dict[str, Tensor]:
+        """Σₙ cₙ·gₙ per parameter: kept per-sample gradients weighted, and one summed
+        VJP per layer kept as input and output gradient (released as it goes)."""
+        out: dict[str, Tensor] = {}
+        for full in list(self.grads):
+            grads = self.grads.pop(full)
+            out[full] = torch.einsum("n,n...->...", c.to(grads.dtype), grads)
+        while self.io:
+            layer = self.io.pop(0)
+            shape = (-1,) + (1,) * (layer.g.dim() - 1)
+            g = layer.g * c.to(layer.g.dtype).reshape(shape)  # each sample's output gradient scaled
+            for k, v in _summed_grads(layer, g, self.settings).items():
+                full = layer.params[k]
+                out[full] = v if full not in out else out[full] + v
+            del layer, g
+        return out
+
+
+def _squared(grads: Tensor) -> Tensor:
+    return grads.flatten(1).pow(2).sum(1).to(torch.promote_types(grads.dtype, torch.float32))
+
+
+def _count_uses(model: nn.Module, names: dict) -> dict[str, int]:
+    """How many layers own each trainable parameter (a module called twice counts
+    once here; :func:`_forward_counts` adds the calls)."""
+    uses: dict[str, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) in names:
+                uses[names[id(p)]] = uses.get(names[id(p)], 0) + 1
+    return uses
+
+
+def _with_call_counts(model, names, uses):
+    """Forward hooks counting calls of each parametrised layer into ``uses``."""
+
+    def hook(module, args, output):
+        for p in module.parameters(recurse=False):
+            if id(p) in names:
+                calls[id(module)] = calls.get(id(module), 0) + 1
+                if calls[id(module)] > 1:
+                    uses[names[id(p)]] = uses.get(names[id(p)], 0) + 1
+
+    calls: dict[int, int] = {}
+    return [
+        m.register_forward_hook(hook)
+        for m in model.modules()
+        if any(True for _ in m.parameters(recurse=False))
+    ]
+
+
+def _walk_norms(model, loss_fn, inputs, targets, settings, route, budget, *, clip_route, caller):
+    """The backward walk gathering norms (and, for book-keeping, what the clipped sum
+    needs); returns ``(squared norms per parameter, losses, the gatherer)``."""
+    names = parameter_names(model)
+    norms = _Norms(len(inputs), settings, route, budget, keep=clip_route == "book-keeping")
+    norms.uses = _count_uses(model, names)
+    handles = _with_call_counts(model, names, norms.uses)
+    try:
+        with activate(None, False):  # the user's blocks do not reach the model's own layers
+            losses = backward_walk(
+                model, loss_fn, inputs, targets, names, norms.visit, caller=caller,
+                keep_graph=clip_route == "two-pass",
+            )  # fmt: skip
+    finally:
+        for h in handles:
+            h.remove()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    return norms.result(params), losses, norms
+
+
+def per_sample_norms(
+    model: nn.Module,
+    loss_fn,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    strategy: str | bool | None = None,
+    memory_budget: int | None = None,
+    per_parameter: bool = False,
+    norm_route: str | None = None,
+):
+    """L2 norms of each sample's gradient, without holding per-sample gradients.
+
+    The per-sample loss is the one of :func:`memconv.per_sample_grads`:
+    ``loss_fn(model(inputs[n:n+1]), targets[n:n+1])``.
+
+    Args:
+        model: as :func:`memconv.per_sample_grads` (a ``DistributedDataParallel``
+            wrapper is unwrapped: the norms are of the local samples).
+        loss_fn: returns a scalar for one sample.
+        inputs: ``[N, ...]``.
+        targets: ``[N, ...]``.
+        strategy: weight-VJP strategy of the instantiating route (name or bool);
+            ``None``: the open :class:`memconv.save_memory` block's, or ``"auto"``.
+        memory_budget: bytes one layer's norm computation may use for its
+            temporaries (None: a default of 32 MiB).
+        per_parameter: return ``{name: [N]}`` (each parameter's own norms) instead of
+            the norm over all trainable parameters.
+        norm_route: ``"ghost"`` or ``"instantiate"`` for every convolution and Linear
+            layer, or None to choose per layer by the cost models.
+
+    Returns:
+        ``[N]`` norms (float32 or wider), or ``{name: [N]}``.
+
+    Raises:
+        TypeError, ValueError: as :func:`memconv.per_sample_grads`; an unknown
+            ``norm_route``; a non-positive or non-integer ``memory_budget``. Before any
+            work.
+    """
+    settings = use_block_settings(strategy)
+    model, _ = _unwrap(model)
+    n = _check_common(model, inputs, targets, memory_budget, norm_route)
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if n == 0:
+        empty = {
+            name: p.new_zeros(0, dtype=torch.promote_types(p.dtype, torch.float32))
+            for name, p in params.items()
+        }
+        return empty if per_parameter else inputs.new_zeros(0, dtype=torch.float32)
+    sq, _, _ = _walk_norms(
+        model, loss_fn, inputs, targets, settings, norm_route, memory_budget,
+        clip_route=None, caller="memconv.per_sample_norms",
+    )  # fmt: skip
+    if per_parameter:
+        return {name: v.sqrt() for name, v in sq.items()}
+    return torch.stack(list(sq.values())).sum(0).sqrt() if sq else inputs.new_zeros(n)
+
+
+def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
+    """``min(1, max_norm / ‖gₙ‖)`` per sample (1 for a zero gradient)."""
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    return torch.where(norms > max_norm, max_norm / safe, torch.ones_like(norms))
+
+
+def _summed_grads(layer: LayerVisit, g: Tensor, settings: Settings) -> dict[str, Tensor]:
+    """The layer's summed parameter gradients for output gradient ``g``."""
+    from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES
+    from .grad_sample import bias_grad, conv_weight_grad
+
+    m, x = layer.module, layer.x
+    out = {}
+    if isinstance(m, CONV_TYPES + CONV_TRANSPOSE_TYPES):
+        if "weight" in layer.params:
+            out["weight"] = conv_weight_grad(m, x, g, settings, per_sample=False)
+        if "bias" in layer.params:
+            out["bias"] = bias_grad(g, per_sample=False)
+    elif isinstance(m, nn.Linear):
+        x2 = x.to(g.dtype).reshape(-1, x.shape[-1])
+        g2 = g.reshape(-1, g.shape[-1])
+        if "weight" in layer.params:
+            out["weight"] = g2.transpose(0, 1) @ x2
+        if "bias" in layer.params:
+            out["bias"] = g2.sum(0)
+    else:
+        grads = grad_sample(m, x, g, settings, layer.autocast)
+        out = {k: v.sum(0) for k, v in grads.items() if k in layer.params}
+    params = dict(m.named_parameters(recurse=False))
+    return {k: v.to(params[k].dtype) for k, v in out.items()}
+
+
+def clip_and_accumulate(
+    model: nn.Module,
+    loss_fn,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    max_norm: float,
+    strategy: str | bool | None = None,
+    memory_budget: int | None = None,
+    norm_route: str | None = None,
+    clip_route: str | None = None,
+) -> Tensor:
+    """Add Σₙ min(1, max_norm/‖gₙ‖)·gₙ to every trainable parameter's ``.grad``.
+
+    ``gₙ`` is the gradient of sample n's loss (as :func:`memconv.per_sample_grads`
+    defines it) over all trainable parameters; the sum is added to ``.grad`` as
+    ``backward`` adds (``.grad`` is created where it is None). No per-sample gradients
+    of more than one layer exist at once. DP-SGD's noise, the division by the
+    expected batch size and the privacy accounting stay with the optimizer.
+
+    With a ``DistributedDataParallel`` model, each rank clips its own samples and
+    every rank gets the clipped **sum** over the whole (global) batch: the ranks'
+    sums are all-reduced (summed, not averaged as DDP's gradients are).
+
+    Args:
+        model: as :func:`memconv.per_sample_grads`.
+        loss_fn: returns a scalar for one sample.
+        inputs: ``[N, ...]``.
+        targets: ``[N, ...]``.
+        max_norm: the clipping threshold C (positive, finite).
+        strategy: weight-VJP strategy (name or bool); None: the open block's or
+            ``"auto"``.
+        memory_budget: bytes one layer's norm computation may use (None: 32 MiB).
+        norm_route: ``"ghost"``, ``"instantiate"`` or None (per layer).
+        clip_route: ``"book-keeping"``, ``"two-pass"`` or None (book-keeping).
+
+    Returns:
+        The per-sample norms ``[N]`` before clipping (of the local samples).
+
+    Raises:
+        TypeError, ValueError: as :func:`per_sample_norms`; ``max_norm`` not a positive
+            finite number; an unknown ``clip_route``. Before any work, every ``.grad``
+            unchanged.
+    """
+    settings = use_block_settings(strategy)
+    model, ddp = _unwrap(model)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+        raise TypeError(f"max_norm must be a positive finite number, got {max_norm!r}")
+    if not (math.isfinite(max_norm) and max_norm > 0):
+        raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
+    if clip_route is not None and clip_route not in CLIP_ROUTES:
+        raise ValueError(
+            f"unknown clip_route {clip_route!r}; accepted: {', '.join(CLIP_ROUTES)} or None"
+        )
+    n = _check_common(model, inputs, targets, memory_budget, norm_route)
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if n == 0:
+        _accumulate(params, {}, ddp)
+        return inputs.new_zeros(0, dtype=torch.float32)
+    route = clip_route or "book-keeping"
+    sq, losses, gathered = _walk_norms(
+        model, loss_fn, inputs, targets, settings, norm_route, memory_budget,
+        clip_route=route, caller="memconv.clip_and_accumulate",
+    )  # fmt: skip
+    norms = torch.stack(list(sq.values())).sum(0).sqrt() if sq else inputs.new_zeros(n)
+    c = clip_factors(norms, float(max_norm))
+    if route == "book-keeping":
+        sums = gathered.clipped_sums(c)
+    else:
+        del gathered
+        sums = _second_pass(losses, c, params)
+    _accumulate(params, sums, ddp)
+    return norms
+
+
+def _second_pass(losses: Tensor, c: Tensor, params: dict) -> dict[str, Tensor]:
+    """Σₙ cₙ·∇ℓₙ by a second backward pass of the kept graph."""
+    names = list(params)
+    grads = torch.autograd.grad(
+        (losses * c.to(losses.dtype)).sum(), [params[k] for k in names], allow_unused=True
+    )
+    return {k: g for k, g in zip(names, grads) if g is not None}
+
+
+def _accumulate(params: dict, sums: dict, ddp) -> None:
+    """Add the clipped sums to ``.grad`` (after summing them over the ranks)."""
+    if ddp is not None:
+        import torch.distributed as dist
+
+        for name, p in params.items():
+            s = sums.get(name)
+            if s is None:
+                s = torch.zeros_like(p)
+            dist.all_reduce(s, op=dist.ReduceOp.SUM, group=ddp.process_group)
+            sums[name] = s
+    for name, p in params.items():
+        s = sums.get(name)
+        if s is None:
+            continue
+        p.grad = s.detach().clone() if p.grad is None else p.grad.add_(s.detach())

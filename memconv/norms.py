@@ -1,0 +1,274 @@
+"""Per-sample gradient norms of one layer, with or without its per-sample gradients.
+
+For a convolution (or transposed convolution) with output gradient ``g`` and input
+``x``, the per-sample weight gradient of group ``γ`` is ``G_n,γ = Σ_t b_t a_tᵀ``
+(``a_t`` the ``C_in/G·K`` input values output position ``t`` reads, ``b_t`` its
+``C_out/G`` output-gradient values), so
+
+    ‖G_n‖² = Σ_γ Σ_{t,t'} (a_t·a_t') (b_t·b_t') = Σ_γ ⟨A_γᵀA_γ, B_γᵀB_γ⟩
+
+with T×T Gram matrices per sample and group — never across groups (Goodfellow 2015,
+"Efficient per-example gradient computations", and Li et al. 2022 / Bu et al. 2022
+for convolutions). Two routes, chosen per layer by their cost models or forced:
+
+- ``"ghost"``: the Gram matrices, tiled over blocks of positions so that their
+  memory is bounded (``A_γᵀA_γ = Σ_κ X_κᵀX_κ``, one product per kernel offset on the
+  shifted input of :func:`memconv.strategies.shift.offset_operands`: no im2col).
+  Time ~ N·G·T²·(C_in/G·K + C_out/G), memory ~ one block;
+- ``"instantiate"``: per-sample gradients of a chunk of samples by a memconv
+  strategy, squared and summed. Time ~ the weight VJP's N·C_out·(C_in/G)·K·T, memory
+  ~ one chunk's gradients; it wins when 2T² > C_out·C_in·K/G (early layers, large
+  images).
+
+``Linear``: ``‖g‖·‖a‖`` without a sequence axis, else the ghost norm over the
+sequence (or the instantiated gradients when 2L² > in·out). Any other layer: its
+per-sample gradients (:func:`memconv.grad_sample.grad_sample`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES, Operands, conv_spec
+from .context import Settings
+from .grad_sample import Autocast, bias_grad, grad_sample, own_trainable, weight_grad
+from .strategies import Options, Problem, get_strategy
+from .strategies.base import linear_time, numel, padded_size
+from .strategies.shift import TIME as SHIFT_TIME
+from .strategies.shift import _flat_ok, offset_operands
+
+ROUTES = ("ghost", "instantiate")
+#: Bytes a route may use for its temporaries when no budget is given.
+DEFAULT_NORM_BUDGET = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class RouteCost:
+    """A norm route's predicted cost for one layer.
+
+    Attributes:
+        route: ``"ghost"`` or ``"instantiate"``.
+        memory: extra bytes.
+        time: seconds (a model, comparable between routes).
+    """
+
+    route: str
+    memory: int
+    time: float
+
+
+def check_route(route, argument: str = "norm_route") -> None:
+    """Raise unless ``route`` is None or one of :data:`ROUTES`.
+
+    Raises:
+        ValueError: naming the accepted routes.
+    """
+    if route is not None and route not in ROUTES:
+        raise ValueError(f"unknown {argument} {route!r}; accepted: {', '.join(ROUTES)} or None")
+
+
+# ----------------------------------------------------------------- ghost (conv)
+def _ghost_length(problem: Problem) -> int:
+    """Positions per sample the Gram matrices span (the padded grid's rows at stride 1)."""
+    if _flat_ok(problem.geom):
+        p = padded_size(problem.geom, problem.size)
+        return problem.output_size[0] * numel(p[1:])
+    return problem.positions
+
+
+def _ghost_plan(problem: Problem, budget: int) -> tuple[int, int]:
+    """``(samples per chunk, positions per block)`` within ``budget`` bytes."""
+    geom, itemsize = problem.geom, problem.itemsize
+    length = _ghost_length(problem)
+    operands = (geom.in_channels + geom.out_channels) * length + geom.in_channels * numel(
+        padded_size(geom, problem.size)
+    )  # the flat buffers of one sample (or its copied views)
+    chunk = max(1, min(problem.n, budget // 2 // max(operands * itemsize, 1)))
+    left = max(budget - chunk * operands * itemsize, 0)
+    block = int(math.sqrt(left / max(4 * chunk * geom.groups * itemsize, 1)))
+    return chunk, max(1, min(length, block))
+
+
+def ghost_cost(problem: Problem, budget: int) -> RouteCost:
+    """Cost of the ghost route for a convolution."""
+    geom, n = problem.geom, problem.n
+    chunk, block = _ghost_plan(problem, budget)
+    length = _ghost_length(problem)
+    blocks = math.ceil(length / block)
+    operands = (geom.in_channels + geom.out_channels) * length
+    memory = chunk * (operands + geom.in_channels * numel(padded_size(geom, problem.size)))
+    memory += 4 * chunk * geom.groups * block * block  # two Gram blocks and their product
+    # half the blocks (the Gram matrices are symmetric), each reading its operands
+    flops = (
+        n
+        * geom.groups
+        * length
+        * length
+        * (geom.in_per_group * geom.kernel_numel + geom.out_per_group)
+        / 2
+    )
+    traffic = n * operands * geom.kernel_numel * (blocks + 1) / 2 + n * geom.groups * length**2
+    return RouteCost("ghost", memory * problem.itemsize, linear_time(SHIFT_TIME, flops, traffic, 0))
+
+
+def ghost_sq_norms(ops: Operands, budget: int) -> Tensor:
+    """Squared per-sample norms ``[N]`` of a convolution's weight gradient, by Gram
+    matrices per group, tiled (see the module docstring).
+
+    Args:
+        ops: the layer's strategy operands.
+        budget: bytes for the temporaries (chunk of samples × block of positions).
+    """
+    x, g, geom = ops.x, ops.g, ops.geometry
+    n = x.shape[0]
+    problem = Problem(geom, n, tuple(x.shape[2:]), x.element_size(), True)
+    chunk, block = _ghost_plan(problem, budget)
+    out = x.new_zeros(n)
+    for n0 in range(0, n, chunk):
+        gm, views = offset_operands(x[n0 : n0 + chunk], g[n0 : n0 + chunk], geom)
+        length = gm.shape[-1]  # gm [n, G, C_out/G, L]
+        for i0 in range(0, length, block):
+            rows = slice(i0, i0 + block)
+            for j0 in range(i0, length, block):
+                cols = slice(j0, j0 + block)
+                gb = gm[..., rows].transpose(-1, -2) @ gm[..., cols]  # [n, G, bi, bj]
+                ga = None
+                for view in views():  # view [n, G, C_in/G, L]
+                    part = view[..., rows].transpose(-1, -2) @ view[..., cols]
+                    ga = part if ga is None else ga.add_(part)
+                weight = 1.0 if i0 == j0 else 2.0  # the block below the diagonal
+                out[n0 : n0 + chunk] += weight * (ga * gb).sum((1, 2, 3))
+                del ga, gb
+    return out
+
+
+# ----------------------------------------------------------------- instantiate (conv)
+def instantiate_cost(problem: Problem, budget: int) -> RouteCost:
+    """Cost of instantiating a chunk of per-sample gradients at a time."""
+    per = numel(problem.geom.weight_shape) * problem.itemsize
+    chunk = max(1, min(problem.n, budget // 2 // max(per, 1)))
+    sub = Problem(problem.geom, chunk, problem.size, problem.itemsize, True)
+    auto = get_strategy("auto")
+    options = Options(memory_budget=max(budget - chunk * per, 1))
+    memory = chunk * per + auto.memory(sub, options)
+    time = auto.time(problem, Options()) + 2e-10 * problem.per_sample_elements()
+    return RouteCost("instantiate", memory, time)
+
+
+def instantiate_sq_norms(ops: Operands, settings: Settings, budget: int) -> Tensor:
+    """Squared per-sample norms ``[N]`` from per-sample gradients, a chunk at a time.
+
+    Args:
+        ops: the layer's strategy operands.
+        settings: the strategy that computes the per-sample gradients.
+        budget: bytes for a chunk's gradients and the strategy's temporaries.
+    """
+    per = numel(ops.geometry.weight_shape) * ops.x.element_size()
+    n = ops.x.shape[0]
+    chunk = max(1, min(n, budget // 2 // max(per, 1)))
+    out = []
+    for n0 in range(0, n, chunk):
+        part = Operands(ops.x[n0 : n0 + chunk], ops.g[n0 : n0 + chunk], ops.geometry)
+        grads = weight_grad(part, settings, per_sample=True)
+        out.append(grads.flatten(1).pow(2).sum(1))
+        del grads
+    return torch.cat(out)
+
+
+def route_costs(problem: Problem, budget: int | None) -> list[RouteCost]:
+    """Both routes' costs for a convolution (``budget``: bytes, or the default)."""
+    budget = budget or DEFAULT_NORM_BUDGET
+    return [ghost_cost(problem, budget), instantiate_cost(problem, budget)]
+
+
+def choose_route(problem: Problem, budget: int | None) -> RouteCost:
+    """The faster route within the budget (the leaner one if neither fits)."""
+    costs = route_costs(problem, budget)
+    fitting = [c for c in costs if budget is None or c.memory <= budget]
+    return min(fitting, key=lambda c: c.time) if fitting else min(costs, key=lambda c: c.memory)
+
+
+# ----------------------------------------------------------------- per layer
+def conv_sq_norms(
+    module, x: Tensor, g: Tensor, settings: Settings, route: str | None, budget: int | None
+) -> dict[str, Tensor]:
+    """Squared per-sample norms ``{local name: [N]}`` of a convolution's parameters."""
+    if x.dtype != g.dtype:
+        x = x.to(g.dtype)
+    out = {}
+    if module.weight.requires_grad:
+        ops = conv_spec(module).operands(x, g)
+        problem = Problem(ops.geometry, x.shape[0], tuple(ops.x.shape[2:]), x.element_size(), True)
+        chosen = route or choose_route(problem, budget).route
+        if chosen == "ghost":
+            out["weight"] = ghost_sq_norms(ops, budget or DEFAULT_NORM_BUDGET)
+        else:
+            out["weight"] = instantiate_sq_norms(ops, settings, budget or DEFAULT_NORM_BUDGET)
+    if module.bias is not None and module.bias.requires_grad:
+        out["bias"] = bias_grad(g, per_sample=True).pow(2).sum(1)
+    return out
+
+
+def linear_sq_norms(
+    module: nn.Linear, x: Tensor, g: Tensor, route: str | None
+) -> dict[str, Tensor]:
+    """Squared per-sample norms of a Linear layer's parameters."""
+    if x.dtype != g.dtype:
+        x = x.to(g.dtype)
+    n = x.shape[0]
+    x2 = x.reshape(n, -1, x.shape[-1])  # [N, L, in]
+    g2 = g.reshape(n, -1, g.shape[-1])  # [N, L, out]
+    length = x2.shape[1]
+    out = {}
+    if module.weight.requires_grad:
+        if length == 1:  # an outer product: ‖g aᵀ‖ = ‖g‖·‖a‖
+            out["weight"] = g2.pow(2).sum((1, 2)) * x2.pow(2).sum((1, 2))
+        elif route == "ghost" or (route is None and 2 * length**2 < x2.shape[2] * g2.shape[2]):
+            ga = x2 @ x2.transpose(1, 2)  # [N, L, L]
+            gb = g2 @ g2.transpose(1, 2)
+            out["weight"] = (ga * gb).sum((1, 2))
+        else:
+            out["weight"] = (g2.transpose(1, 2) @ x2).pow(2).sum((1, 2))
+    if module.bias is not None and module.bias.requires_grad:
+        out["bias"] = g2.sum(1).pow(2).sum(1)
+    return out
+
+
+def layer_sq_norms(
+    module: nn.Module,
+    x: Tensor,
+    g: Tensor,
+    settings: Settings,
+    autocast: Autocast,
+    route: str | None = None,
+    budget: int | None = None,
+) -> dict[str, Tensor]:
+    """Squared per-sample gradient norms ``{local name: [N]}`` of one layer.
+
+    Args:
+        module: the layer.
+        x: its input ``[N, ...]`` (detached).
+        g: its output gradient.
+        settings: the strategy of the instantiating route.
+        autocast: the forward pass's autocast state (for layers re-run by torch.func).
+        route: ``"ghost"``, ``"instantiate"`` or None (chosen per layer).
+        budget: bytes the route's temporaries may use (None: a default).
+
+    Returns:
+        Squared norms in float32 or wider (the gradients' dtype, at least float32).
+    """
+    with torch.no_grad():
+        if x.shape[0] == 0:
+            out = {k: x.new_zeros(0) for k in own_trainable(module)}
+        elif isinstance(module, CONV_TYPES + CONV_TRANSPOSE_TYPES):
+            out = conv_sq_norms(module, x, g, settings, route, budget)
+        elif isinstance(module, nn.Linear):
+            out = linear_sq_norms(module, x, g, route)
+        else:
+            grads = grad_sample(module, x, g, settings, autocast)
+            out = {k: v.flatten(1).pow(2).sum(1) for k, v in grads.items()}
+    return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}
