@@ -26,6 +26,7 @@ import numbers
 import torch
 from torch import Tensor, nn
 
+from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES, conv_spec
 from .context import Settings, activate, use_block_settings
 from .extraction import (
     LayerVisit,
@@ -34,7 +35,7 @@ from .extraction import (
     check_per_sample_model,
     parameter_names,
 )
-from .grad_sample import grad_sample
+from .grad_sample import bias_grad, grad_sample, summed_weight_grad
 from .norms import check_route, layer_sq_norms
 
 CLIP_ROUTES = ("book-keeping", "two-pass")
@@ -86,6 +87,7 @@ class _Norms:
         shared = {k for k, full in layer.params.items() if self.uses.get(full, 0) > 1}
         own = dict(layer.module.named_parameters(recurse=False))
         per_sample = self.n * sum(own[k].numel() for k in layer.params)
+        # book-keeping keeps the smaller of per-sample gradients and (input, output grad)
         instantiate = bool(shared) or (self.keep and per_sample < layer.x.numel() + layer.g.numel())
         if instantiate:
             grads = grad_sample(layer.module, layer.x, layer.g, self.settings, layer.autocast)
@@ -252,14 +254,12 @@ def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
 
 def _summed_grads(layer: LayerVisit, g: Tensor, settings: Settings) -> dict[str, Tensor]:
     """The layer's summed parameter gradients for output gradient ``g``."""
-    from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES
-    from .grad_sample import bias_grad, conv_weight_grad
-
     m, x = layer.module, layer.x
     out = {}
     if isinstance(m, CONV_TYPES + CONV_TRANSPOSE_TYPES):
-        if "weight" in layer.params:
-            out["weight"] = conv_weight_grad(m, x, g, settings, per_sample=False)
+        if "weight" in layer.params:  # torch's own kernel: the fastest summed VJP
+            ops = conv_spec(m).operands(x.to(g.dtype), g)
+            out["weight"] = summed_weight_grad(ops, m.weight)
         if "bias" in layer.params:
             out["bias"] = bias_grad(g, per_sample=False)
     elif isinstance(m, nn.Linear):
@@ -375,4 +375,5 @@ def _accumulate(params: dict, sums: dict, ddp) -> None:
         s = sums.get(name)
         if s is None:
             continue
-        p.grad = s.detach().clone() if p.grad is None else p.grad.add_(s.detach())
+        # a fresh tensor of the parameter's shape: it becomes .grad as autograd's would
+        p.grad = s.detach() if p.grad is None else p.grad.add_(s.detach())

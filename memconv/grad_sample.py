@@ -6,7 +6,9 @@ Opacus' grad samplers):
 - convolutions and transposed convolutions: the weight VJP of a memconv strategy
   (:mod:`memconv.strategies`), the bias as the output gradient summed over space;
 - ``Linear``: ``g^T a`` per sample, summed over any sequence/spatial axes;
-- any other layer (normalisation, embedding, PReLU, ...): the VJP of
+- normalisation layers (GroupNorm, LayerNorm, InstanceNorm, BatchNorm in eval mode):
+  ``Σ g·x̂`` and ``Σ g`` per sample, with the normalised input x̂ recomputed;
+- any other layer (embedding, PReLU, ...): the VJP of
   ``torch.func.functional_call`` on one sample at a time, vectorised with
   ``torch.func.vmap``. :data:`GENERIC_LAYERS` lists those :func:`memconv.convert`
   gives a class of their own.
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES, Operands, conv_spec
@@ -112,6 +115,26 @@ def weight_grad(ops: Operands, settings: Settings, per_sample: bool) -> Tensor:
     return strategy.vjp(ops.x, ops.g, geom, per_sample=per_sample, options=options)
 
 
+def summed_weight_grad(ops: Operands, weight: Tensor) -> Tensor:
+    """The summed weight gradient by torch's own kernel (ATen's
+    ``convolution_backward`` with only the weight mask set), from strategy operands."""
+    geom = ops.geometry
+    _, grad_w, _ = torch.ops.aten.convolution_backward(
+        ops.g,
+        ops.x,
+        weight.to(ops.x.dtype),
+        None,
+        list(geom.stride),
+        list(geom.padding),
+        list(geom.dilation),
+        False,
+        [0] * geom.dims,
+        geom.groups,
+        [False, True, False],
+    )
+    return grad_w
+
+
 def spend(options: Options, spent: int) -> Options:
     """``options`` with ``spent`` bytes taken off its ``memory_budget`` (at least 1 left)."""
     if not spent or options.memory_budget is None:
@@ -174,6 +197,51 @@ def _linear(module: nn.Linear, x: Tensor, g: Tensor, settings, autocast) -> dict
     return out
 
 
+#: Normalisation layers whose output is ``x̂·weight + bias``.
+AFFINE_NORMS = (
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.modules.batchnorm._BatchNorm,
+)
+
+
+def _normalized(module: nn.Module, x: Tensor) -> Tensor:
+    """The layer's normalised input x̂ (its output before the affine part)."""
+    if isinstance(module, nn.GroupNorm):
+        return F.group_norm(x, module.num_groups, eps=module.eps)
+    if isinstance(module, nn.LayerNorm):
+        return F.layer_norm(x, module.normalized_shape, eps=module.eps)
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        use_input_stats = module.training or not module.track_running_stats
+        return F.instance_norm(
+            x, module.running_mean, module.running_var, use_input_stats=use_input_stats,
+            eps=module.eps,
+        )  # fmt: skip
+    # BatchNorm in eval mode (training mode is rejected before any work)
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    mean = module.running_mean.reshape(shape)
+    return (x - mean) / torch.sqrt(module.running_var.reshape(shape) + module.eps)
+
+
+def _affine_norm(module: nn.Module, x: Tensor, g: Tensor, settings, autocast) -> dict[str, Tensor]:
+    """Normalisation layers: ``∂/∂weight = Σ g·x̂`` and ``∂/∂bias = Σ g`` per sample, summed
+    over the axes the affine parameters are shared along (x̂ recomputed, elementwise)."""
+    with autocast.context():
+        xhat = _normalized(module, x)
+    xhat = xhat.to(g.dtype)
+    if isinstance(module, nn.LayerNorm):  # parameters over the trailing normalized dims
+        axes = tuple(range(1, g.dim() - len(module.normalized_shape)))
+    else:  # parameters per channel (axis 1)
+        axes = tuple(range(2, g.dim()))
+    out = {}
+    if module.weight is not None and module.weight.requires_grad:
+        out["weight"] = (g * xhat).sum(axes) if axes else g * xhat
+    if module.bias is not None and module.bias.requires_grad:
+        out["bias"] = g.sum(axes) if axes else g
+    return out
+
+
 def _generic(module: nn.Module, x: Tensor, g: Tensor, settings, autocast) -> dict[str, Tensor]:
     params = {k: p.detach() for k, p in own_trainable(module).items()}
 
@@ -208,6 +276,8 @@ def grad_sample(
         rule = _conv
     elif isinstance(module, nn.Linear):
         rule = _linear
+    elif isinstance(module, AFFINE_NORMS):  # BatchNorm in training mode never gets here
+        rule = _affine_norm
     else:
         rule = _generic
     with torch.no_grad():

@@ -28,7 +28,7 @@ per-sample gradients (:func:`memconv.grad_sample.grad_sample`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -170,6 +170,11 @@ def instantiate_sq_norms(ops: Operands, settings: Settings, budget: int) -> Tens
     per = numel(ops.geometry.weight_shape) * ops.x.element_size()
     n = ops.x.shape[0]
     chunk = max(1, min(n, budget // 2 // max(per, 1)))
+    strategy = get_strategy(settings.strategy)
+    if "memory_budget" in strategy.options and settings.options.memory_budget is None:
+        # the strategy's temporaries share the budget with the chunk's gradients
+        left = max(budget - chunk * per, 1)
+        settings = Settings(settings.strategy, replace(settings.options, memory_budget=left))
     out = []
     for n0 in range(0, n, chunk):
         part = Operands(ops.x[n0 : n0 + chunk], ops.g[n0 : n0 + chunk], ops.geometry)

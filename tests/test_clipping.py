@@ -1,0 +1,245 @@
+"""Per-sample norms, clip factors and clipped sums against a per-sample autograd loop.
+
+float64 to 1e-10 relative, every norm route and clipping route, over the convolution
+grid (dims 1–3, groups incl. depthwise, padding modes, stride, dilation,
+"same"/"valid", transposed), Linear with and without a sequence axis,
+GroupNorm/LayerNorm, ghost blocks that do not divide T, and hypothesis cases.
+"""
+
+import math
+
+import pytest
+import torch
+from helpers import CONV_TRANSPOSES, CONVS, loop_reference, rel_err
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import memconv
+from memconv._geometry import conv_spec
+from memconv.norms import ghost_sq_norms
+
+TOL = 1e-10
+NORM_ROUTES = [None, "ghost", "instantiate"]
+CLIP_ROUTES = ["book-keeping", "two-pass"]
+
+# (dims, C_in, C_out, k, size, kwargs, transposed)
+LAYERS = [
+    (1, 4, 6, 3, 11, dict(stride=2, padding=1), False),
+    (1, 4, 4, 3, 9, dict(groups=4, dilation=2, padding="same", padding_mode="circular"), False),
+    (2, 3, 6, 3, 9, dict(padding=1, padding_mode="reflect"), False),
+    (2, 4, 6, (3, 2), (9, 8), dict(stride=(2, 1), dilation=(1, 2), groups=2, padding="valid"), False),
+    (2, 6, 6, 3, 8, dict(groups=6, padding=1), False),  # depthwise
+    (2, 4, 4, 4, 8, dict(padding="same", padding_mode="replicate"), False),
+    (3, 2, 4, 3, 5, dict(padding=1, groups=2), False),
+    (3, 4, 2, 2, 4, dict(stride=2), False),
+    (2, 4, 3, 3, 5, dict(stride=2, padding=1, output_padding=1), True),
+    (1, 4, 4, 3, 6, dict(groups=2, dilation=2), True),
+]  # fmt: skip
+
+
+def layer_model(case):
+    dims, c_in, c_out, k, size, kwargs, transposed = case
+    torch.manual_seed(0)
+    conv = (CONV_TRANSPOSES if transposed else CONVS)[dims](c_in, c_out, k, **kwargs)
+    sizes = size if isinstance(size, tuple) else (size,) * dims
+    x = torch.randn(5, c_in, *sizes)
+    with torch.no_grad():
+        out = conv(x).flatten(1).shape[1]
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(out, 3)).double()
+    return model, x.double(), torch.randint(0, 3, (5,))
+
+
+def reference(model, loss_fn, x, y):
+    per = loop_reference(model, loss_fn, x, y)
+    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in per.values()]).sum(0).sqrt()
+    return per, norms
+
+
+def clipped(per, norms, max_norm):
+    c = torch.clamp(max_norm / norms, max=1.0)
+    return {k: torch.einsum("n,n...->...", c, g) for k, g in per.items()}
+
+
+@pytest.mark.parametrize("route", NORM_ROUTES)
+@pytest.mark.parametrize("case", LAYERS, ids=lambda c: f"conv{'T' if c[6] else ''}{c[0]}d")
+def test_norms_every_route(case, route):
+    model, x, y = layer_model(case)
+    loss_fn = nn.CrossEntropyLoss()
+    per, norms = reference(model, loss_fn, x, y)
+    got = memconv.per_sample_norms(model, loss_fn, x, y, norm_route=route)
+    assert rel_err(got, norms) < TOL
+    each = memconv.per_sample_norms(model, loss_fn, x, y, norm_route=route, per_parameter=True)
+    assert list(each) == list(per)
+    for name, g in per.items():
+        assert rel_err(each[name], g.flatten(1).norm(dim=1)) < TOL, name
+
+
+@pytest.mark.parametrize("clip_route", CLIP_ROUTES)
+@pytest.mark.parametrize("route", NORM_ROUTES)
+@pytest.mark.parametrize("case", LAYERS, ids=lambda c: f"conv{'T' if c[6] else ''}{c[0]}d")
+def test_clipped_sum_every_route(case, route, clip_route):
+    model, x, y = layer_model(case)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    per, norms = reference(model, loss_fn, x, y)
+    max_norm = norms.median().item()  # some samples clipped, some not
+    expected = clipped(per, norms, max_norm)
+    got = memconv.clip_and_accumulate(
+        model, loss_fn, x, y, max_norm=max_norm, norm_route=route, clip_route=clip_route
+    )
+    assert rel_err(got, norms) < TOL
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad, expected[name]) < TOL, name
+
+
+def test_adds_to_existing_grad_like_backward():
+    model, x, y = layer_model(LAYERS[2])
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    per, norms = reference(model, loss_fn, x, y)
+    expected = clipped(per, norms, 0.5)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=0.5)
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad, expected[name] + 1) < TOL, name
+
+
+@pytest.mark.parametrize("route", NORM_ROUTES)
+def test_linear_with_and_without_sequence_axis_and_normalisation(route):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 4),  # [N, L, 6] → [N, L, 4]
+        nn.Flatten(), nn.Linear(4 * 5, 6), nn.Unflatten(1, (2, 3)), nn.GroupNorm(2, 2),
+        nn.Flatten(), nn.Linear(6, 3),
+    ).double()  # fmt: skip
+    x, y = torch.randn(4, 5, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+    loss_fn = nn.CrossEntropyLoss()
+    per, norms = reference(model, loss_fn, x, y)
+    assert rel_err(memconv.per_sample_norms(model, loss_fn, x, y, norm_route=route), norms) < TOL
+    for clip_route in CLIP_ROUTES:
+        model.zero_grad()
+        memconv.clip_and_accumulate(
+            model, loss_fn, x, y, max_norm=norms.min().item(), norm_route=route,
+            clip_route=clip_route,
+        )  # fmt: skip
+        expected = clipped(per, norms, norms.min().item())
+        for name, p in model.named_parameters():
+            assert rel_err(p.grad, expected[name]) < TOL, (clip_route, name)
+
+
+@pytest.mark.parametrize("budget", [512, 3000, 40_000])
+def test_ghost_blocks_that_do_not_divide_t(budget):
+    """Tiny budgets force chunks of one sample and blocks of a few positions."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3, padding=1, groups=1).double()
+    x = torch.randn(3, 3, 7, 5, dtype=torch.float64)
+    g = torch.randn(3, 4, 7, 5, dtype=torch.float64)
+    ref = torch.stack(
+        [torch.autograd.grad(conv(x[i : i + 1]), conv.weight, g[i : i + 1])[0] for i in range(3)]
+    )
+    got = ghost_sq_norms(conv_spec(conv).operands(x, g), budget)
+    assert rel_err(got, ref.flatten(1).pow(2).sum(1)) < TOL
+
+
+def test_shared_parameters_and_a_layer_called_twice():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 3, 3, padding=1)
+    model = nn.Sequential(conv, nn.Tanh(), conv, nn.Conv2d(3, 3, 1), nn.Flatten()).double()
+    model[3].bias = model[0].bias  # a tied parameter as well
+    x, y = torch.randn(4, 3, 5, 5, dtype=torch.float64), torch.randn(4, 75, dtype=torch.float64)
+    loss_fn = nn.MSELoss(reduction="sum")
+    per, norms = reference(model, loss_fn, x, y)
+    assert rel_err(memconv.per_sample_norms(model, loss_fn, x, y), norms) < TOL
+    for clip_route in CLIP_ROUTES:
+        model.zero_grad()
+        memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=1.0, clip_route=clip_route)
+        expected = clipped(per, norms, 1.0)
+        for name, p in model.named_parameters():
+            assert rel_err(p.grad, expected[name]) < TOL, (clip_route, name)
+
+
+def test_converted_model_inside_blocks_is_left_alone():
+    model, x, y = layer_model(LAYERS[2])
+    loss_fn = nn.CrossEntropyLoss()
+    per, norms = reference(model, loss_fn, x, y)
+    memconv.convert(model)
+    with memconv.save_memory("rochette"), memconv.per_sample():
+        got = memconv.per_sample_norms(model, loss_fn, x, y)
+    assert rel_err(got, norms) < TOL
+    assert not any(hasattr(p, "grad_batch") for p in model.parameters())
+
+
+def test_empty_batch():
+    model, x, y = layer_model(LAYERS[0])
+    assert memconv.per_sample_norms(model, nn.CrossEntropyLoss(), x[:0], y[:0]).shape == (0,)
+    memconv.clip_and_accumulate(model, nn.CrossEntropyLoss(), x[:0], y[:0], max_norm=1.0)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(max_norm=0.0), ValueError, "max_norm must be a positive finite number"),
+        (dict(max_norm=-1), ValueError, "max_norm"),
+        (dict(max_norm=math.inf), ValueError, "max_norm"),
+        (dict(max_norm=math.nan), ValueError, "max_norm"),
+        (dict(max_norm="1"), TypeError, "max_norm"),
+        (dict(max_norm=1.0, clip_route="ghost"), ValueError, "unknown clip_route 'ghost'"),
+        (dict(max_norm=1.0, norm_route="fast"), ValueError, "unknown norm_route 'fast'"),
+        (dict(max_norm=1.0, memory_budget=0), ValueError, "memory_budget"),
+        (dict(max_norm=1.0, memory_budget=1.5), TypeError, "memory_budget"),
+        (dict(max_norm=1.0, strategy="x"), ValueError, "unknown strategy"),
+    ],
+)
+def test_bad_input_leaves_grad_unchanged(kwargs, exc, match):
+    model, x, y = layer_model(LAYERS[0])
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    with pytest.raises(exc, match=match):
+        memconv.clip_and_accumulate(model, nn.CrossEntropyLoss(), x, y, **kwargs)
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())
+
+
+def test_bad_models_and_batches():
+    model, x, y = layer_model(LAYERS[0])
+    loss_fn = nn.CrossEntropyLoss()
+    with pytest.raises(ValueError, match="same length"):
+        memconv.clip_and_accumulate(model, loss_fn, x, y[:2], max_norm=1.0)
+    with pytest.raises(ValueError, match="scalar tensor for one sample"):
+        memconv.per_sample_norms(model, nn.CrossEntropyLoss(reduction="none"), x, y)
+    bn = nn.Sequential(nn.Conv1d(4, 4, 3), nn.BatchNorm1d(4), nn.Flatten(), nn.Linear(36, 3))
+    with pytest.raises(ValueError, match="BatchNorm1d in training mode"):
+        memconv.clip_and_accumulate(bn.double(), loss_fn, x, y, max_norm=1.0)
+    assert all(p.grad is None for p in bn.parameters())
+
+
+@st.composite
+def conv_configs(draw):
+    dims = draw(st.integers(1, 3))
+    groups = draw(st.sampled_from([1, 2]))
+    k = tuple(draw(st.integers(1, 3)) for _ in range(dims))
+    dilation = tuple(draw(st.integers(1, 2)) for _ in range(dims))
+    stride = tuple(draw(st.integers(1, 2)) for _ in range(dims))
+    padding = tuple(draw(st.integers(0, 2)) for _ in range(dims))
+    span = [d * (kk - 1) + 1 for d, kk in zip(dilation, k)]
+    size = tuple(s + draw(st.integers(0, 3)) for s in span)
+    return (
+        dims, groups * draw(st.integers(1, 2)), groups * draw(st.integers(1, 2)), k, size,
+        dict(stride=stride, padding=padding, dilation=dilation, groups=groups), False,
+    )  # fmt: skip
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conv_configs(), st.sampled_from(NORM_ROUTES), st.sampled_from(CLIP_ROUTES))
+def test_hypothesis_norms_and_clipped_sums(case, route, clip_route):
+    model, x, y = layer_model(case)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    per, norms = reference(model, loss_fn, x, y)
+    got = memconv.clip_and_accumulate(
+        model, loss_fn, x, y, max_norm=norms.median().item(), norm_route=route,
+        clip_route=clip_route,
+    )  # fmt: skip
+    assert rel_err(got, norms) < TOL
+    expected = clipped(per, norms, norms.median().item())
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad, expected[name]) < TOL, name
