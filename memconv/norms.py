@@ -198,21 +198,36 @@ def choose_route(problem: Problem, budget: int | None) -> RouteCost:
 
 
 # ----------------------------------------------------------------- per layer
+def conv_weight_sq_norms(
+    module, x: Tensor, g: Tensor, settings: Settings, route: str | None, budget: int | None
+) -> Tensor:
+    """Squared per-sample norms ``[N]`` of a convolution's weight gradient.
+
+    Args:
+        module: ``Conv*d`` or ``ConvTranspose*d``.
+        x: its input; cast to ``g``'s dtype when they differ (autocast).
+        g: its output gradient.
+        settings: the strategy of the instantiating route.
+        route: ``"ghost"``, ``"instantiate"`` or None (the cost models choose).
+        budget: bytes for the route's temporaries (None: :data:`DEFAULT_NORM_BUDGET`).
+    """
+    if x.dtype != g.dtype:
+        x = x.to(g.dtype)
+    ops = conv_spec(module).operands(x, g)
+    problem = Problem(ops.geometry, x.shape[0], tuple(ops.x.shape[2:]), x.element_size(), True)
+    chosen = route or choose_route(problem, budget).route
+    if chosen == "ghost":
+        return ghost_sq_norms(ops, budget or DEFAULT_NORM_BUDGET)
+    return instantiate_sq_norms(ops, settings, budget or DEFAULT_NORM_BUDGET)
+
+
 def conv_sq_norms(
     module, x: Tensor, g: Tensor, settings: Settings, route: str | None, budget: int | None
 ) -> dict[str, Tensor]:
     """Squared per-sample norms ``{local name: [N]}`` of a convolution's parameters."""
-    if x.dtype != g.dtype:
-        x = x.to(g.dtype)
     out = {}
     if module.weight.requires_grad:
-        ops = conv_spec(module).operands(x, g)
-        problem = Problem(ops.geometry, x.shape[0], tuple(ops.x.shape[2:]), x.element_size(), True)
-        chosen = route or choose_route(problem, budget).route
-        if chosen == "ghost":
-            out["weight"] = ghost_sq_norms(ops, budget or DEFAULT_NORM_BUDGET)
-        else:
-            out["weight"] = instantiate_sq_norms(ops, settings, budget or DEFAULT_NORM_BUDGET)
+        out["weight"] = conv_weight_sq_norms(module, x, g, settings, route, budget)
     if module.bias is not None and module.bias.requires_grad:
         out["bias"] = bias_grad(g, per_sample=True).pow(2).sum(1)
     return out

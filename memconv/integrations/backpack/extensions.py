@@ -3,9 +3,10 @@
 For each covered first-order extension and each convolution class, BackPACK's own
 module-extension base class is instantiated with memconv's derivatives
 (:mod:`.derivatives`): ``BatchGrad``, ``SumGradSquared`` and ``Variance`` then need no
-reduction code of memconv's, and ``BatchL2Grad`` uses BackPACK's generic base (the
-squared norms of the per-sample gradients), which, unlike BackPACK's convolution
-shortcut, is correct for ``groups > 1``.
+reduction code of memconv's. ``BatchL2Grad`` has its own weight rule: the squared
+per-sample norms by memconv's norm routes (:mod:`memconv.norms`: ghost norms per
+group where they are cheaper, no per-sample gradients), which, unlike BackPACK's
+convolution shortcut, is correct for ``groups > 1``.
 
 Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
 """
@@ -20,6 +21,9 @@ from backpack.extensions.firstorder.sum_grad_squared.sgs_base import SGSBase
 from backpack.extensions.firstorder.variance.variance_base import VarianceBaseModule
 from torch import nn
 
+from ...context import warn_if_block_missed
+from ...modules import _describe
+from ...norms import conv_weight_sq_norms
 from . import derivatives
 
 #: BackPACK extensions whose convolution quantities memconv computes.
@@ -34,6 +38,30 @@ DERIVATIVES = {
     nn.ConvTranspose3d: derivatives.ConvTranspose3dDerivatives,
 }
 PARAMS = ["bias", "weight"]
+
+
+class BatchL2(BatchL2Base):
+    """``BatchL2Grad`` for a convolution: per-sample squared norms by memconv's routes.
+
+    A layer whose forward pass did not run through memconv keeps BackPACK's
+    Jacobian (through the derivatives' fallback, with its warning).
+    """
+
+    def __init__(self, derivatives):
+        super().__init__(PARAMS, derivatives=derivatives)
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        recorded = derivatives.recorded_settings(module)
+        if recorded is None:  # BackPACK's generic rule through the derivatives
+            batch = self.derivatives.param_mjp(
+                "weight", module, g_inp, g_out, g_out[0], sum_batch=False
+            )
+            return batch.flatten(1).pow(2).sum(1)
+        warn_if_block_missed(recorded, _describe(module))
+        settings = recorded.strategy_settings
+        return conv_weight_sq_norms(
+            module, module.input0, g_out[0], settings, None, settings.options.memory_budget
+        )
 
 
 def module_extension(ext, conv_cls):
@@ -54,4 +82,4 @@ def module_extension(ext, conv_cls):
             grad_extension=GradBaseModule(derivatives=d, params=PARAMS),
             sgs_extension=SGSBase(derivatives=d, params=PARAMS),
         )
-    return BatchL2Base(PARAMS, derivatives=d)
+    return BatchL2(d)
