@@ -37,6 +37,7 @@ from .modules import (
     PReLU,
     convert,
 )
+from .planning import Plan, plan
 from .vjp import weight_vjp
 
 __version__ = "0.1.0"
@@ -59,6 +60,7 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "PReLU",
+    "Plan",
     "bias_grad",
     "clip_and_accumulate",
     "convert",
@@ -66,6 +68,7 @@ __all__ = [
     "per_sample",
     "per_sample_grads",
     "per_sample_norms",
+    "plan",
     "predict_memory",
     "save_memory",
     "strategies",

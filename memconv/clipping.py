@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES, conv_spec
-from .context import Settings, activate, use_block_settings
+from .context import Settings, activate, budgeted, use_block_settings
 from .extraction import (
     LayerVisit,
     backward_walk,
@@ -35,8 +35,8 @@ from .extraction import (
     check_per_sample_model,
     parameter_names,
 )
-from .grad_sample import bias_grad, grad_sample, summed_weight_grad
-from .norms import check_route, layer_sq_norms
+from .grad_sample import bias_grad, grad_sample, own_trainable, summed_weight_grad
+from .norms import DEFAULT_NORM_BUDGET, check_route, layer_sq_norms
 
 CLIP_ROUTES = ("book-keeping", "two-pass")
 
@@ -49,18 +49,11 @@ def _unwrap(model):
 
 
 def _check_common(model, inputs, targets, memory_budget, norm_route) -> int:
+    from .planning import check_budget
+
     check_per_sample_model(model)
     n = check_batch(inputs, targets)
-    if memory_budget is not None and (
-        isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral)
-    ):
-        raise TypeError(
-            f"memory_budget must be a positive int (bytes) or None, got {memory_budget!r}"
-        )
-    if memory_budget is not None and memory_budget <= 0:
-        raise ValueError(
-            f"memory_budget must be a positive int (bytes) or None, got {memory_budget}"
-        )
+    check_budget(memory_budget)
     check_route(norm_route)
     return n
 
@@ -89,8 +82,9 @@ class _Norms:
         per_sample = self.n * sum(own[k].numel() for k in layer.params)
         # book-keeping keeps the smaller of per-sample gradients and (input, output grad)
         instantiate = bool(shared) or (self.keep and per_sample < layer.x.numel() + layer.g.numel())
-        if instantiate:
-            grads = grad_sample(layer.module, layer.x, layer.g, self.settings, layer.autocast)
+        if instantiate:  # the strategy's temporaries within the layer's budget
+            settings = budgeted(self.settings, self.budget or DEFAULT_NORM_BUDGET)
+            grads = grad_sample(layer.module, layer.x, layer.g, settings, layer.autocast)
             for k, v in grads.items():
                 full = layer.params[k]
                 if k in shared or self.keep:
@@ -117,22 +111,24 @@ class _Norms:
                 out[name] = p.new_zeros(self.n, dtype=torch.promote_types(p.dtype, torch.float32))
         return out
 
-    def clipped_sums(self, c: Tensor) -> dict[str, Tensor]:
-        """Σₙ cₙ·gₙ per parameter: kept per-sample gradients weighted, and one summed
-        VJP per layer kept as input and output gradient (released as it goes)."""
-        out: dict[str, Tensor] = {}
+    def add_clipped_sums(self, c: Tensor, total: dict) -> None:
+        """Add Σₙ cₙ·gₙ per parameter into ``total``: kept per-sample gradients weighted,
+        and one summed VJP per layer kept as input and output gradient (each layer's
+        share added, and released, as it goes)."""
         for full in list(self.grads):
             grads = self.grads.pop(full)
-            out[full] = torch.einsum("n,n...->...", c.to(grads.dtype), grads)
+            _add(total, full, torch.einsum("n,n...->...", c.to(grads.dtype), grads))
         while self.io:
             layer = self.io.pop(0)
             shape = (-1,) + (1,) * (layer.g.dim() - 1)
             g = layer.g * c.to(layer.g.dtype).reshape(shape)  # each sample's output gradient scaled
             for k, v in _summed_grads(layer, g, self.settings).items():
-                full = layer.params[k]
-                out[full] = v if full not in out else out[full] + v
+                _add(total, layer.params[k], v)
             del layer, g
-        return out
+
+
+def _add(total: dict, name: str, value: Tensor) -> None:
+    total[name] = value if name not in total else total[name].add_(value)
 
 
 def _squared(grads: Tensor) -> Tensor:
@@ -151,21 +147,17 @@ def _count_uses(model: nn.Module, names: dict) -> dict[str, int]:
 
 
 def _with_call_counts(model, names, uses):
-    """Forward hooks counting calls of each parametrised layer into ``uses``."""
+    """Forward hooks adding, to ``uses``, each further call of a parametrised layer."""
+    calls: dict[nn.Module, int] = {}
 
     def hook(module, args, output):
-        for p in module.parameters(recurse=False):
-            if id(p) in names:
-                calls[id(module)] = calls.get(id(module), 0) + 1
-                if calls[id(module)] > 1:
+        calls[module] = calls.get(module, 0) + 1
+        if calls[module] > 1:  # called again: its parameters are used once more
+            for p in module.parameters(recurse=False):
+                if id(p) in names:
                     uses[names[id(p)]] = uses.get(names[id(p)], 0) + 1
 
-    calls: dict[int, int] = {}
-    return [
-        m.register_forward_hook(hook)
-        for m in model.modules()
-        if any(True for _ in m.parameters(recurse=False))
-    ]
+    return [m.register_forward_hook(hook) for m in model.modules() if own_trainable(m)]
 
 
 def _walk_norms(model, loss_fn, inputs, targets, settings, route, budget, *, clip_route, caller):
@@ -212,8 +204,10 @@ def per_sample_norms(
         targets: ``[N, ...]``.
         strategy: weight-VJP strategy of the instantiating route (name or bool);
             ``None``: the open :class:`memconv.save_memory` block's, or ``"auto"``.
-        memory_budget: bytes one layer's norm computation may use for its
-            temporaries (None: a default of 32 MiB).
+        memory_budget: bytes the whole call's peak memory increase may reach: the
+            batch runs in micro-batches and each layer's norm computation within a
+            budget, as :func:`memconv.plan` plans them (None: one pass, and 32 MiB
+            per layer's norm temporaries).
         per_parameter: return ``{name: [N]}`` (each parameter's own norms) instead of
             the norm over all trainable parameters.
         norm_route: ``"ghost"`` or ``"instantiate"`` for every convolution and Linear
@@ -224,8 +218,8 @@ def per_sample_norms(
 
     Raises:
         TypeError, ValueError: as :func:`memconv.per_sample_grads`; an unknown
-            ``norm_route``; a non-positive or non-integer ``memory_budget``. Before any
-            work.
+            ``norm_route``; a non-positive or non-integer ``memory_budget``, or one below
+            the smallest feasible budget (named). Before any work.
     """
     settings = use_block_settings(strategy)
     model, _ = _unwrap(model)
@@ -237,13 +231,39 @@ def per_sample_norms(
             for name, p in params.items()
         }
         return empty if per_parameter else inputs.new_zeros(0, dtype=torch.float32)
-    sq, _, _ = _walk_norms(
-        model, loss_fn, inputs, targets, settings, norm_route, memory_budget,
-        clip_route=None, caller="memconv.per_sample_norms",
-    )  # fmt: skip
+    m, layer_budget, _ = _plan(model, inputs, "norms", settings, memory_budget, None)
+    parts = []
+    for rows in _micro_batches(n, m):
+        sq, _, _ = _walk_norms(
+            model, loss_fn, inputs[rows], targets[rows], settings, norm_route, layer_budget,
+            clip_route=None, caller="memconv.per_sample_norms",
+        )  # fmt: skip
+        parts.append(sq)
     if per_parameter:
-        return {name: v.sqrt() for name, v in sq.items()}
-    return torch.stack(list(sq.values())).sum(0).sqrt() if sq else inputs.new_zeros(n)
+        return {name: torch.cat([part[name] for part in parts]).sqrt() for name in params}
+    return torch.cat(
+        [_total(part, len(inputs[rows])) for part, rows in zip(parts, _micro_batches(n, m))]
+    ).sqrt()
+
+
+def _total(sq: dict, n: int) -> Tensor:
+    """Squared norms over all parameters ``[n]``."""
+    return torch.stack(list(sq.values())).sum(0) if sq else torch.zeros(n)
+
+
+def _micro_batches(n: int, m: int):
+    return [slice(i0, min(n, i0 + m)) for i0 in range(0, n, m)]
+
+
+def _plan(model, inputs, task, settings, memory_budget, clip_route):
+    """``(micro-batch, per-layer budget, clip route)`` for a whole call."""
+    from .planning import make_plan, profile
+
+    n = len(inputs)
+    if memory_budget is None:
+        return n, None, clip_route or "book-keeping"
+    chosen = make_plan(profile(model, inputs), n, task, settings, memory_budget, clip_route)
+    return chosen.micro_batch, chosen.layer_budget, chosen.clip_route
 
 
 def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
@@ -308,9 +328,12 @@ def clip_and_accumulate(
         max_norm: the clipping threshold C (positive, finite).
         strategy: weight-VJP strategy (name or bool); None: the open block's or
             ``"auto"``.
-        memory_budget: bytes one layer's norm computation may use (None: 32 MiB).
+        memory_budget: bytes the whole call's peak memory increase may reach (see
+            :func:`per_sample_norms`); the plan also picks the clipping route when
+            ``clip_route`` is None.
         norm_route: ``"ghost"``, ``"instantiate"`` or None (per layer).
-        clip_route: ``"book-keeping"``, ``"two-pass"`` or None (book-keeping).
+        clip_route: ``"book-keeping"``, ``"two-pass"`` or None (book-keeping, or the
+            one that fits the budget with the larger micro-batch).
 
     Returns:
         The per-sample norms ``[N]`` before clipping (of the local samples).
@@ -335,20 +358,27 @@ def clip_and_accumulate(
     if n == 0:
         _accumulate(params, {}, ddp)
         return inputs.new_zeros(0, dtype=torch.float32)
-    route = clip_route or "book-keeping"
-    sq, losses, gathered = _walk_norms(
-        model, loss_fn, inputs, targets, settings, norm_route, memory_budget,
-        clip_route=route, caller="memconv.clip_and_accumulate",
-    )  # fmt: skip
-    norms = torch.stack(list(sq.values())).sum(0).sqrt() if sq else inputs.new_zeros(n)
-    c = clip_factors(norms, float(max_norm))
-    if route == "book-keeping":
-        sums = gathered.clipped_sums(c)
-    else:
-        del gathered
-        sums = _second_pass(losses, c, params)
-    _accumulate(params, sums, ddp)
-    return norms
+    m, layer_budget, route = _plan(model, inputs, "clip", settings, memory_budget, clip_route)
+    total: dict[str, Tensor] = {}
+    all_norms = []
+    for rows in _micro_batches(n, m):
+        sq, losses, gathered = _walk_norms(
+            model, loss_fn, inputs[rows], targets[rows], settings, norm_route, layer_budget,
+            clip_route=route, caller="memconv.clip_and_accumulate",
+        )  # fmt: skip
+        norms = _total(sq, len(losses)).sqrt()
+        c = clip_factors(norms, float(max_norm))
+        # clip factors are per sample: the micro-batches' clipped sums add up
+        if route == "book-keeping":
+            gathered.add_clipped_sums(c, total)
+        else:
+            del gathered
+            for name, v in _second_pass(losses, c, params).items():
+                _add(total, name, v)
+        del losses
+        all_norms.append(norms)
+    _accumulate(params, total, ddp)
+    return torch.cat(all_norms)
 
 
 def _second_pass(losses: Tensor, c: Tensor, params: dict) -> dict[str, Tensor]:

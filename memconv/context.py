@@ -28,7 +28,7 @@ import contextlib
 import contextvars
 import numbers
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .strategies import NO_OPTIONS, Options, get_strategy, strategy_names
 
@@ -149,6 +149,16 @@ def activate(settings: Settings | None, per_sample: bool = False):
     finally:
         _PER_SAMPLE.reset(tokens[1])
         _SETTINGS.reset(tokens[0])
+
+
+def budgeted(settings: Settings, budget: int | None) -> Settings:
+    """``settings`` whose strategy gets ``budget`` bytes per weight VJP, if it reads a
+    ``memory_budget`` and none is set (None: unchanged)."""
+    if budget is None or settings.options.memory_budget is not None:
+        return settings
+    if "memory_budget" not in get_strategy(settings.strategy).options:
+        return settings
+    return Settings(settings.strategy, replace(settings.options, memory_budget=int(budget)))
 
 
 def strategies() -> tuple[str, ...]:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES, conv_spec
-from .context import Settings, use_block_settings
+from .context import activate, budgeted, use_block_settings
 from .grad_sample import Autocast, capture, check_independent, grad_sample, own_trainable
 from .vjp import check_settings
 
@@ -122,6 +122,7 @@ def per_sample_grads(
     targets: Tensor,
     *,
     strategy: str | bool | None = None,
+    memory_budget: int | None = None,
 ) -> dict[str, Tensor]:
     """Per-sample gradients of every trainable parameter, in one backward pass.
 
@@ -147,6 +148,10 @@ def per_sample_grads(
         strategy: weight-VJP strategy of the convolutions (name or bool, default
             options); ``None`` uses the open :class:`memconv.save_memory` block, or
             ``"auto"`` outside any.
+        memory_budget: bytes the whole call's peak memory increase may reach, the
+            result included: the batch then runs in micro-batches and each layer's
+            weight VJP within a budget, as :func:`memconv.plan` plans them. None:
+            one pass over the whole batch.
 
     Returns:
         ``{name: Tensor [N, *param.shape]}`` for every parameter with
@@ -154,24 +159,45 @@ def per_sample_grads(
 
     Raises:
         TypeError: if ``model`` is not a module or ``inputs`` not a tensor.
-        ValueError: unknown strategy, a layer that mixes samples
-            (BatchNorm in training mode), ``inputs`` and ``targets`` of different
-            lengths, a ``loss_fn`` that does not return a scalar for one sample, a
-            parametrised layer whose forward pass does not take one tensor.
+        ValueError: unknown strategy, a layer that mixes samples (BatchNorm in
+            training mode), ``inputs`` and ``targets`` of different lengths, a
+            non-positive or non-integer ``memory_budget`` or one below the smallest
+            feasible budget (named), a ``loss_fn`` that does not return a scalar for
+            one sample, a parametrised layer whose forward pass does not take one
+            tensor.
         RuntimeError: when the gradient of a parameter that influences the loss was
             not reached (naming it).
     """
+    from .planning import check_budget, make_plan, profile
+
     settings = use_block_settings(strategy)
     check_per_sample_model(model)
     n = check_batch(inputs, targets)
+    check_budget(memory_budget)
     for module in model.modules():
         if isinstance(module, CONV_TYPES + CONV_TRANSPOSE_TYPES):
             check_settings(settings, conv_spec(module).geometry)
     names = parameter_names(model)
-    params = {id(p): p for p in model.parameters()}
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
     if n == 0:
-        return {name: params[i].new_zeros(0, *params[i].shape) for i, name in names.items()}
-    return _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings, names)
+        return out
+    m, layer_budget = n, None
+    if memory_budget is not None:
+        chosen = make_plan(profile(model, inputs), n, "grads", settings, memory_budget)
+        m, layer_budget = chosen.micro_batch, chosen.layer_budget
+    settings = budgeted(settings, layer_budget)
+    for i0 in range(0, n, m):
+        rows = slice(i0, min(n, i0 + m))
+
+        def visit(layer: LayerVisit, rows=rows):
+            grads = grad_sample(layer.module, layer.x, layer.g, settings, layer.autocast)
+            for k, v in grads.items():
+                out[layer.params[k]][rows] += v
+
+        with activate(None, False):  # the user's blocks do not reach the model's own layers
+            backward_walk(model, loss_fn, inputs[rows], targets[rows], names, visit)
+    return out
 
 
 @dataclass(frozen=True)
@@ -287,19 +313,3 @@ def backward_walk(
                 "are unknown"
             )
     return losses if keep_graph else losses.detach()
-
-
-def _per_sample_grads_hooks(model, loss_fn, inputs, targets, settings: Settings, names):
-    grads: dict[str, Tensor | None] = dict.fromkeys(names.values())
-
-    def visit(layer: LayerVisit):
-        for k, v in grad_sample(layer.module, layer.x, layer.g, settings, layer.autocast).items():
-            full = layer.params[k]
-            grads[full] = v if grads[full] is None else grads[full] + v
-
-    backward_walk(model, loss_fn, inputs, targets, names, visit)
-    params = {name: p for name, p in model.named_parameters() if name in grads}
-    return {
-        name: (g if g is not None else params[name].new_zeros(len(inputs), *params[name].shape))
-        for name, g in grads.items()
-    }

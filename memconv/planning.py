@@ -1,0 +1,458 @@
+"""Whole-call memory plans: micro-batch and per-layer budget from the cost models.
+
+Per-sample quantities are independent across samples, so a call can run the batch
+in micro-batches of ``m`` samples and be exact whatever ``m``. :func:`plan` predicts
+the peak memory increase of a whole call of :func:`memconv.per_sample_grads`,
+:func:`memconv.per_sample_norms` or :func:`memconv.clip_and_accumulate` as a
+function of ``m`` and of the bytes each layer's weight VJP or norm computation may
+use, and picks the largest ``m`` (then the largest per-layer budget) whose
+prediction fits ``memory_budget``.
+
+The model (bytes; :class:`Profile` holds the per-sample sizes, read off one probe
+forward pass of one and two samples):
+
+- activations: what the forward pass saves for the backward pass (autograd's
+  saved tensors, counted once per storage), ``a₀ + a₁·m``;
+- backward pass, at each parametrised layer ℓ (in reverse order): the activations
+  saved up to ℓ, ℓ's output gradient and input gradient, and ℓ's temporaries (its
+  strategy's or norm route's, within the per-layer budget, and its per-sample
+  gradients before they are stored);
+- the result (``N·P`` elements of per-sample gradients; ``N`` norms); for
+  book-keeping, what each layer keeps; for the clipped sum, the parameters'
+  gradients.
+
+A budget below the smallest feasible one (one sample, the leanest strategies)
+raises a ``ValueError`` naming it. Activation recomputation for single samples too
+large to keep (huge images) is :class:`memconv.streaming.StreamingCNN`'s job.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor, nn
+
+from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES, conv_spec
+from .context import Settings, activate, use_block_settings
+from .grad_sample import own_trainable
+from .memory import predict_memory
+from .norms import choose_route
+from .strategies import Problem, get_strategy
+
+logger = logging.getLogger("memconv")
+
+TASKS = ("grads", "norms", "clip")
+#: The smallest per-layer budget a plan gives a layer's temporaries (bytes).
+MIN_LAYER_BUDGET = 64 * 1024
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One leaf layer's forward call, per sample.
+
+    Attributes:
+        name: its name in the model.
+        module: the layer.
+        input_elements: elements of its input for one sample.
+        output_elements: elements of its output for one sample.
+        input_shape: its input's shape for one sample (batch axis first, of size 1).
+        itemsize: bytes per element of its output.
+        saved: bytes of activations saved up to the end of its forward pass,
+            ``(a₀, a₁)`` for ``a₀ + a₁·m``.
+        params: elements of its own trainable parameters (0 for most leaves).
+    """
+
+    name: str
+    module: nn.Module
+    input_elements: int
+    output_elements: int
+    input_shape: tuple[int, ...]
+    itemsize: int
+    saved: tuple[float, float]
+    params: int
+
+    def grad_bytes(self, m: int) -> int:
+        """Its output gradient and input gradient for ``m`` samples."""
+        return m * (self.input_elements + self.output_elements) * self.itemsize
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-sample sizes of a model's forward pass (see the module docstring).
+
+    Attributes:
+        activations: ``(a₀, a₁)``: saved-tensor bytes are ``a₀ + a₁·m`` for m samples.
+        output: bytes of the model's output per sample.
+        layers: the leaf layers' calls, in forward order.
+        params: trainable parameter elements (shared ones once).
+        param_bytes: their bytes.
+    """
+
+    activations: tuple[float, float]
+    output: int
+    layers: list[LayerProfile]
+    params: int
+    param_bytes: int
+
+
+def _fit(one: float, two: float) -> tuple[float, float]:
+    return (max(2 * one - two, 0.0), max(two - one, 0.0))
+
+
+def profile(model: nn.Module, example: Tensor) -> Profile:
+    """Probe forward passes of one and two samples of ``example``.
+
+    Args:
+        model: the model.
+        example: inputs ``[N ≥ 1, ...]`` (the first sample is used, repeated).
+
+    Returns:
+        The :class:`Profile`.
+    """
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    leaves = [mod for mod in model.modules() if not list(mod.children()) or own_trainable(mod)]
+    runs = []
+    for m in (1, 2):
+        runs.append(
+            _probe(model, example[:1].expand(m, *example.shape[1:]).clone(), leaves, param_storages)
+        )
+    (s1, out1, calls1), (s2, _, calls2) = runs
+    names = {mod: n for n, mod in model.named_modules()}
+    layers = [
+        LayerProfile(
+            names.get(module, type(module).__name__),
+            module,
+            n_in,
+            n_out,
+            shape_in,
+            itemsize,
+            _fit(c1, c2),
+            sum(p.numel() for p in own_trainable(module).values()),
+        )  # fmt: skip
+        for (module, n_in, n_out, shape_in, itemsize, c1), (*_, c2) in zip(calls1, calls2)
+    ]
+    params = {id(p): p for p in model.parameters() if p.requires_grad}
+    return Profile(
+        _fit(s1, s2),
+        out1,
+        layers,
+        sum(p.numel() for p in params.values()),
+        sum(p.numel() * p.element_size() for p in params.values()),
+    )
+
+
+def _probe(model, x, leaves, param_storages):
+    """One forward pass: saved bytes, output bytes per sample, and the leaf calls."""
+    m = len(x)
+    seen: dict[int, int] = {}
+    calls: list = []
+
+    def pack(t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in param_storages and ptr not in seen:
+            seen[ptr] = storage.nbytes()
+        return t.detach()  # not t itself: an output saved by its own node would form a cycle
+
+    def hook(module, args, output):
+        if not isinstance(output, Tensor) or not args or not isinstance(args[0], Tensor):
+            return
+        calls.append(
+            (module, args[0][0].numel(), output[0].numel(), (1, *args[0].shape[1:]),
+             output.element_size(), sum(seen.values()))
+        )  # fmt: skip
+
+    handles = [leaf.register_forward_hook(hook) for leaf in leaves]
+    try:
+        with (
+            torch.enable_grad(),
+            activate(None, False),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            out = model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(seen.values()), out.numel() * out.element_size() // m, calls
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a whole call runs, and its predicted peak memory increase.
+
+    Attributes:
+        task: ``"grads"``, ``"norms"`` or ``"clip"``.
+        batch: N.
+        micro_batch: samples per forward/backward pass.
+        layer_budget: bytes each layer's weight VJP or norm computation may use
+            (None: the strategies' defaults, no budget given).
+        predicted_peak: bytes, the whole call's peak memory increase.
+        memory_budget: the budget the plan was made for (bytes), or None.
+        breakdown: bytes of the peak's parts: ``"activations"``, ``"backward"``
+            (gradients and temporaries at the peak layer), ``"result"``, ``"kept"``.
+        clip_route: for ``"clip"``, the clipping route.
+        smallest_budget: the smallest budget this call can run in (one sample, the
+            leanest per-layer budget), bytes.
+    """
+
+    task: str
+    batch: int
+    micro_batch: int
+    layer_budget: int | None
+    predicted_peak: int
+    memory_budget: int | None = None
+    breakdown: dict = field(default_factory=dict)
+    clip_route: str | None = None
+    smallest_budget: int | None = None
+
+    @property
+    def micro_batches(self) -> int:
+        """Number of forward/backward passes."""
+        return -(-self.batch // self.micro_batch) if self.batch else 0
+
+    def __str__(self) -> str:
+        mib = 2**20
+        parts = ", ".join(f"{k} {v / mib:,.1f} MiB" for k, v in self.breakdown.items())
+        budget = "none" if self.memory_budget is None else f"{self.memory_budget / mib:,.1f} MiB"
+        layer = "default" if self.layer_budget is None else f"{self.layer_budget / mib:,.2f} MiB"
+        route = f", {self.clip_route}" if self.clip_route else ""
+        return (
+            f"{self.task}{route}: {self.micro_batches} micro-batch(es) of {self.micro_batch} "
+            f"(N={self.batch}), layer budget {layer}; predicted peak "
+            f"{self.predicted_peak / mib:,.1f} MiB ({parts}); memory_budget {budget}"
+        )
+
+
+def _layer_temporaries(layer: LayerProfile, m: int, task: str, settings: Settings, budget):
+    """Bytes of a parametrised layer's temporaries for m samples within ``budget``."""
+    module = layer.module
+    per_sample = m * layer.params * layer.itemsize  # its per-sample gradients, before stored
+    if isinstance(module, CONV_TYPES + CONV_TRANSPOSE_TYPES):
+        shape = (m, *layer.input_shape[1:])
+        if task == "grads":
+            options = {}
+            if budget is not None and "memory_budget" in get_strategy(settings.strategy).options:
+                options["memory_budget"] = max(int(budget), 1)
+            return predict_memory(module, shape, settings.strategy, **options) + per_sample
+        spec = conv_spec(module)
+        ops = spec.operands(
+            torch.empty(shape, device="meta"),
+            torch.empty((m, *_output_shape(spec, module, shape)), device="meta"),
+        )
+        problem = Problem(ops.geometry, m, tuple(ops.x.shape[2:]), layer.itemsize, True)
+        return choose_route(problem, budget).memory
+    if isinstance(module, nn.Linear):
+        return per_sample
+    return 2 * per_sample  # per-sample gradients of a small layer (and their squares)
+
+
+def _output_shape(spec, module, shape):
+    from ._geometry import layer_output_size
+
+    channels = spec.geometry.in_channels if spec.transposed else spec.geometry.out_channels
+    return (channels, *layer_output_size(spec, module, shape[2:]))
+
+
+def predict(
+    prof: Profile,
+    n: int,
+    m: int,
+    task: str,
+    settings: Settings,
+    layer_budget: int | None,
+    clip_route: str | None = None,
+) -> tuple[int, dict]:
+    """Predicted peak bytes of a call on N samples in micro-batches of m.
+
+    Returns:
+        ``(peak, breakdown)``, see :class:`Plan`.
+    """
+    a0, a1 = prof.activations
+    activations = a0 + a1 * m
+    if task == "grads":  # preallocated, filled micro-batch by micro-batch
+        result = n * prof.param_bytes
+    elif task == "norms":
+        result = n * 4
+    elif clip_route == "two-pass" and m < n:  # the running total and a pass's gradients
+        result = 2 * prof.param_bytes
+    else:  # the clipped sums, adopted as .grad
+        result = prof.param_bytes
+    two_pass = task == "clip" and clip_route == "two-pass"
+    keeping = task == "clip" and clip_route == "book-keeping"
+    backward, kept = 0.0, 0.0
+    for layer in reversed(prof.layers):
+        c0, c1 = layer.saved
+        alive = activations if two_pass else c0 + c1 * m  # freed as the pass goes back
+        temp = 0
+        if layer.params:
+            kept_grads = keeping and m * layer.params < layer.input_elements + layer.output_elements
+            kind = "grads" if kept_grads else task  # book-keeping instantiates these
+            temp = _layer_temporaries(layer, m, kind, settings, layer_budget)
+        # the backend's copy of the layer's weight (oneDNN reorders it) counts too
+        weight = layer.params * layer.itemsize
+        backward = max(backward, alive + layer.grad_bytes(m) + temp + kept + weight)
+        if keeping and layer.params:
+            io = m * (layer.input_elements + layer.output_elements) * layer.itemsize
+            kept += min(m * layer.params * layer.itemsize, io)
+    forward = activations + max(
+        [m * prof.output]
+        + [
+            m * leaf.output_elements * leaf.itemsize + leaf.params * leaf.itemsize
+            for leaf in prof.layers
+        ]
+    )
+    peak = max(forward, backward) + result
+    if keeping and m < n:  # adding a micro-batch's clipped sums to the running total
+        largest = max((layer.params * layer.itemsize for layer in prof.layers), default=0)
+        peak = max(peak, result + kept + 3 * largest)
+    breakdown = {"activations": int(activations), "backward": int(backward), "result": int(result)}
+    if kept:
+        breakdown["kept"] = int(kept)
+    return int(peak), breakdown
+
+
+def check_budget(memory_budget, argument: str = "memory_budget") -> None:
+    """Raise unless ``memory_budget`` is None or a positive int (bytes).
+
+    Raises:
+        TypeError: a non-integer.
+        ValueError: a non-positive value.
+    """
+    if memory_budget is None:
+        return
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral):
+        raise TypeError(f"{argument} must be a positive int (bytes) or None, got {memory_budget!r}")
+    if memory_budget <= 0:
+        raise ValueError(f"{argument} must be a positive int (bytes) or None, got {memory_budget}")
+
+
+def make_plan(
+    prof: Profile,
+    n: int,
+    task: str,
+    settings: Settings,
+    memory_budget: int | None,
+    clip_route: str | None = None,
+) -> Plan:
+    """The plan for a profiled model (see :func:`plan`).
+
+    Raises:
+        ValueError: if even one sample with the leanest per-layer budget does not fit
+            ``memory_budget`` (the message names the smallest feasible budget).
+    """
+    route = clip_route or ("book-keeping" if task == "clip" else None)
+    routes = [route] if (task != "clip" or clip_route) else ["book-keeping", "two-pass"]
+    # predictions grow with the micro-batch except for the two-pass running total
+    smallest = min(
+        predict(prof, n, m, task, settings, MIN_LAYER_BUDGET, r)[0]
+        for r in routes
+        for m in {1, max(n, 1)}
+    )
+    if memory_budget is None or n == 0:
+        peak, parts = predict(prof, n, max(n, 1), task, settings, None, route)
+        return Plan(
+            task, n, max(n, 1), None, peak, memory_budget, parts,
+            route if task == "clip" else None, smallest,
+        )  # fmt: skip
+    best = None
+    for r in routes:
+        candidate = _best_for_route(prof, n, task, settings, memory_budget, r)
+        if candidate is not None and (best is None or candidate.micro_batch > best.micro_batch):
+            best = candidate
+    if best is None:
+        raise ValueError(
+            f"memory_budget={memory_budget} bytes ({memory_budget / 2**20:,.1f} MiB) is below "
+            f"what this model needs for one sample; the smallest feasible budget is about "
+            f"{smallest} bytes ({smallest / 2**20:,.1f} MiB). For images too large for one "
+            "sample's activations, stream the convolutions with memconv.streaming.StreamingCNN."
+        )
+    best = replace(best, smallest_budget=smallest)
+    logger.info("memconv plan: %s", best)
+    return best
+
+
+#: A micro-batch is halved rather than leave its layers less than this (bytes): tiny
+#: per-layer budgets mean tiny chunks and tiles, which are slow.
+COMFORTABLE_LAYER_BUDGET = 4 * 2**20
+
+
+def _best_for_route(prof, n, task, settings, memory_budget, route):
+    """The largest micro-batch that fits with a comfortable per-layer budget (or, if
+    none does, the largest that fits at all), with the largest per-layer budget."""
+
+    def fits(m, layer_budget):
+        return predict(prof, n, m, task, settings, layer_budget, route)[0] <= memory_budget
+
+    def largest(layer_budget):  # predictions grow with m: a bisection
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid, layer_budget):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    if fits(n, COMFORTABLE_LAYER_BUDGET):
+        m = n
+    else:
+        m = largest(COMFORTABLE_LAYER_BUDGET) or largest(MIN_LAYER_BUDGET)
+        if m == 0 and fits(n, MIN_LAYER_BUDGET):
+            m = n
+    if m == 0:
+        return None
+    # the largest per-layer budget that still fits (halving from the whole budget)
+    layer_budget = memory_budget
+    while layer_budget > MIN_LAYER_BUDGET and not fits(m, layer_budget):
+        layer_budget //= 2
+    layer_budget = max(layer_budget, MIN_LAYER_BUDGET)
+    peak, parts = predict(prof, n, m, task, settings, layer_budget, route)
+    return Plan(
+        task, n, m, layer_budget, peak, memory_budget, parts, route if task == "clip" else None
+    )
+
+
+def plan(
+    model: nn.Module,
+    inputs: Tensor,
+    *,
+    task: str = "grads",
+    memory_budget: int | None = None,
+    strategy: str | bool | None = None,
+    clip_route: str | None = None,
+) -> Plan:
+    """How a whole call would run within ``memory_budget``, and its predicted peak.
+
+    Args:
+        model: the model.
+        inputs: the batch ``[N, ...]`` the call will get (only the first sample is
+            run, on one and two samples, to profile the forward pass).
+        task: ``"grads"`` (:func:`memconv.per_sample_grads`), ``"norms"``
+            (:func:`memconv.per_sample_norms`) or ``"clip"``
+            (:func:`memconv.clip_and_accumulate`).
+        memory_budget: bytes the whole call's peak memory increase may reach, result
+            included; None: no limit (one pass over the whole batch).
+        strategy: as in :func:`memconv.per_sample_grads`.
+        clip_route: for ``"clip"``: ``"book-keeping"``, ``"two-pass"`` or None (the
+            one that fits with the largest micro-batch).
+
+    Returns:
+        The :class:`Plan`.
+
+    Raises:
+        TypeError, ValueError: a bad ``task``, ``memory_budget`` or ``inputs``; a budget
+            below the smallest feasible one (named in the message).
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; accepted: {', '.join(TASKS)}")
+    check_budget(memory_budget)
+    if not isinstance(inputs, Tensor):
+        raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
+    settings = use_block_settings(strategy)
+    n = len(inputs)
+    if n == 0:
+        return Plan(task, 0, 1, None, 0, memory_budget, {})
+    return make_plan(profile(model, inputs), n, task, settings, memory_budget, clip_route)
