@@ -224,18 +224,28 @@ def conv_spec(module: nn.Module) -> ConvSpec:
     """
     check_conv_module(module)
     dims = len(module.kernel_size)
-    if isinstance(module, CONV_TRANSPOSE_TYPES):
-        geometry = ConvGeometry(
-            dims=dims,
-            in_channels=module.out_channels,
-            out_channels=module.in_channels,
-            kernel_size=tuple(module.kernel_size),
-            stride=tuple(module.stride),
-            padding=tuple(module.padding),
-            dilation=tuple(module.dilation),
-            groups=module.groups,
-        )
-        return ConvSpec(geometry, None, "constant", transposed=True)
+    transposed = isinstance(module, CONV_TRANSPOSE_TYPES)
+    if transposed:  # the convolution whose input gradient it computes
+        channels = (module.out_channels, module.in_channels)
+        sym, pre_pad, mode = tuple(module.padding), None, "constant"
+    else:
+        channels = (module.in_channels, module.out_channels)
+        sym, pre_pad, mode = _normal_padding(module, dims)
+    geometry = ConvGeometry(
+        dims=dims,
+        in_channels=channels[0],
+        out_channels=channels[1],
+        kernel_size=tuple(module.kernel_size),
+        stride=tuple(module.stride),
+        padding=sym,
+        dilation=tuple(module.dilation),
+        groups=module.groups,
+    )
+    return ConvSpec(geometry, pre_pad, mode, transposed)
+
+
+def _normal_padding(module, dims: int):
+    """``(symmetric zero padding, pre-padding or None, its mode)`` of a convolution."""
     pairs = []  # (left, right) per spatial dimension
     for i in range(dims):
         k, d = module.kernel_size[i], module.dilation[i]
@@ -248,25 +258,11 @@ def conv_spec(module: nn.Module) -> ConvSpec:
             p = module.padding[i]
             pairs.append((p, p))
     if module.padding_mode == "zeros":
-        sym = tuple(left for left, _ in pairs)
         extra = [right - left for left, right in pairs]
         pre_pad = torch_pad_argument([(0, e) for e in extra]) if any(extra) else None
-        mode = "constant"
-    else:
-        sym = (0,) * dims
-        pre_pad = torch_pad_argument(pairs) if any(v for p in pairs for v in p) else None
-        mode = module.padding_mode
-    geometry = ConvGeometry(
-        dims=dims,
-        in_channels=module.in_channels,
-        out_channels=module.out_channels,
-        kernel_size=tuple(module.kernel_size),
-        stride=tuple(module.stride),
-        padding=sym,
-        dilation=tuple(module.dilation),
-        groups=module.groups,
-    )
-    return ConvSpec(geometry, pre_pad, mode)
+        return tuple(left for left, _ in pairs), pre_pad, "constant"
+    pre_pad = torch_pad_argument(pairs) if any(v for p in pairs for v in p) else None
+    return (0,) * dims, pre_pad, module.padding_mode
 
 
 def check_input(spec: ConvSpec, x, argument: str = "input") -> None:

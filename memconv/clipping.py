@@ -34,6 +34,8 @@ from .extraction import (
     check_batch,
     check_per_sample_model,
     parameter_names,
+    sample_by_sample,
+    streams,
 )
 from .grad_sample import bias_grad, grad_sample, own_trainable, summed_weight_grad
 from .norms import DEFAULT_NORM_BUDGET, check_route, layer_sq_norms
@@ -231,14 +233,21 @@ def per_sample_norms(
             for name, p in params.items()
         }
         return empty if per_parameter else inputs.new_zeros(0, dtype=torch.float32)
+    if streams(model):  # one sample at a time, by autograd (its layers are hidden)
+        with activate(settings):
+            sq = [
+                {name: _squared(g.unsqueeze(0)) for name, g in grads.items()}
+                for _, grads in sample_by_sample(model, loss_fn, inputs, targets, params)
+            ]
+        if per_parameter:
+            return {name: torch.cat([s[name] for s in sq]).sqrt() for name in params}
+        return torch.cat([_total(s, 1) for s in sq]).sqrt()
     m, layer_budget, _ = _plan(model, inputs, "norms", settings, memory_budget, None)
-    parts = []
-    for rows in _micro_batches(n, m):
-        sq, _, _ = _walk_norms(
-            model, loss_fn, inputs[rows], targets[rows], settings, norm_route, layer_budget,
-            clip_route=None, caller="memconv.per_sample_norms",
-        )  # fmt: skip
-        parts.append(sq)
+    walks = _walks(
+        model, loss_fn, inputs, targets, settings, norm_route, layer_budget, m, None,
+        "memconv.per_sample_norms",
+    )  # fmt: skip
+    parts = [sq for sq, _, _ in walks]
     if per_parameter:
         return {name: torch.cat([part[name] for part in parts]).sqrt() for name in params}
     return torch.cat(
@@ -253,6 +262,15 @@ def _total(sq: dict, n: int) -> Tensor:
 
 def _micro_batches(n: int, m: int):
     return [slice(i0, min(n, i0 + m)) for i0 in range(0, n, m)]
+
+
+def _walks(model, loss_fn, inputs, targets, settings, route, budget, m, clip_route, caller):
+    """:func:`_walk_norms` over the micro-batches of ``m`` samples, one at a time."""
+    for rows in _micro_batches(len(inputs), m):
+        yield _walk_norms(
+            model, loss_fn, inputs[rows], targets[rows], settings, route, budget,
+            clip_route=clip_route, caller=caller,
+        )  # fmt: skip
 
 
 def _plan(model, inputs, task, settings, memory_budget, clip_route):
@@ -358,14 +376,18 @@ def clip_and_accumulate(
     if n == 0:
         _accumulate(params, {}, ddp)
         return inputs.new_zeros(0, dtype=torch.float32)
+    if streams(model):  # one sample at a time: its norm from its gradient, gathered
+        return _clip_sample_by_sample(
+            model, loss_fn, inputs, targets, params, settings, max_norm, ddp
+        )
     m, layer_budget, route = _plan(model, inputs, "clip", settings, memory_budget, clip_route)
     total: dict[str, Tensor] = {}
     all_norms = []
-    for rows in _micro_batches(n, m):
-        sq, losses, gathered = _walk_norms(
-            model, loss_fn, inputs[rows], targets[rows], settings, norm_route, layer_budget,
-            clip_route=route, caller="memconv.clip_and_accumulate",
-        )  # fmt: skip
+    walks = _walks(
+        model, loss_fn, inputs, targets, settings, norm_route, layer_budget, m, route,
+        "memconv.clip_and_accumulate",
+    )  # fmt: skip
+    for sq, losses, gathered in walks:
         norms = _total(sq, len(losses)).sqrt()
         c = clip_factors(norms, float(max_norm))
         # clip factors are per sample: the micro-batches' clipped sums add up
@@ -379,6 +401,22 @@ def clip_and_accumulate(
         all_norms.append(norms)
     _accumulate(params, total, ddp)
     return torch.cat(all_norms)
+
+
+def _clip_sample_by_sample(model, loss_fn, inputs, targets, params, settings, max_norm, ddp):
+    """Clip and sum for models that stream: each sample's gradient (gathered tile by
+    tile), its norm, its clipped share added to a running total."""
+    total: dict[str, Tensor] = {}
+    norms = []
+    with activate(settings):
+        for _, grads in sample_by_sample(model, loss_fn, inputs, targets, params):
+            norm = _total({k: _squared(g.unsqueeze(0)) for k, g in grads.items()}, 1).sqrt()
+            c = clip_factors(norm, float(max_norm))
+            for name, g in grads.items():
+                _add(total, name, g * c.to(g.dtype))
+            norms.append(norm)
+    _accumulate(params, total, ddp)
+    return torch.cat(norms)
 
 
 def _second_pass(losses: Tensor, c: Tensor, params: dict) -> dict[str, Tensor]:

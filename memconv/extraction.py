@@ -12,6 +12,7 @@ itself computes no parameter gradient: nothing is computed twice.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -79,11 +80,12 @@ def per_sample_losses(loss_fn, output: Tensor, targets) -> list[Tensor]:
     return losses
 
 
-def _graph_below(root, captured: set) -> tuple[set, set]:
-    """Nodes reachable from ``root``, and the captured ones with no captured node
-    below them (backward direction): asking autograd for those runs every captured
-    node reachable from ``root``."""
+def _graph_below(root, captured: set) -> tuple[set, set, set]:
+    """Nodes reachable from ``root``; the captured ones with no captured node below
+    them (backward direction): asking autograd for those runs every captured node
+    reachable from ``root``; and the ids of the leaf tensors (parameters) reached."""
     reachable: set = set()
+    leaves: set = set()
     below: dict = {}  # node -> a captured node lies strictly below it
     stack = [(root, False)]
     while stack:
@@ -95,10 +97,13 @@ def _graph_below(root, captured: set) -> tuple[set, set]:
         if node in reachable:
             continue
         reachable.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None:
+            leaves.add(id(variable))
         stack.append((node, True))
         stack.extend((c, False) for c in children if c not in reachable)
     deepest = {n for n in captured & reachable if not below[n]}
-    return reachable, deepest
+    return reachable, deepest, leaves
 
 
 @dataclass
@@ -151,7 +156,9 @@ def per_sample_grads(
         memory_budget: bytes the whole call's peak memory increase may reach, the
             result included: the batch then runs in micro-batches and each layer's
             weight VJP within a budget, as :func:`memconv.plan` plans them. None:
-            one pass over the whole batch.
+            one pass over the whole batch. A model holding a
+            :class:`memconv.streaming.StreamingCNN` runs one sample at a time (its
+            layers are hidden from the per-layer hooks), whatever the budget.
 
     Returns:
         ``{name: Tensor [N, *param.shape]}`` for every parameter with
@@ -182,6 +189,12 @@ def per_sample_grads(
     out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
     if n == 0:
         return out
+    if streams(model):  # its layers are hidden from the hooks: one sample at a time
+        with activate(settings):
+            for i, grads in sample_by_sample(model, loss_fn, inputs, targets, params):
+                for name, g in grads.items():
+                    out[name][i] = g
+        return out
     m, layer_budget = n, None
     if memory_budget is not None:
         chosen = make_plan(profile(model, inputs), n, "grads", settings, memory_budget)
@@ -198,6 +211,33 @@ def per_sample_grads(
         with activate(None, False):  # the user's blocks do not reach the model's own layers
             backward_walk(model, loss_fn, inputs[rows], targets[rows], names, visit)
     return out
+
+
+def streams(model: nn.Module) -> bool:
+    """Whether ``model`` holds a :class:`memconv.streaming.StreamingCNN`, whose layers
+    run inside its own autograd Function, out of reach of the per-layer hooks."""
+    from .streaming import StreamingCNN
+
+    return any(isinstance(m, StreamingCNN) for m in model.modules())
+
+
+def sample_by_sample(model, loss_fn, inputs, targets, params: dict):
+    """Yield ``(n, {name: gradient})`` for one sample at a time, by autograd.
+
+    The route for models that stream (:func:`streams`): one sample's forward and
+    backward pass at a time, its gradient gathered tile by tile by
+    :class:`memconv.streaming.StreamingCNN`, so memory is that of one streamed sample
+    whatever the image size. The strategy of the open block applies to the streamed
+    convolutions (the caller opens it).
+    """
+    names = list(params)
+    for i in range(len(inputs)):
+        loss = per_sample_losses(loss_fn, model(inputs[i : i + 1].detach()), targets[i : i + 1])[0]
+        grads = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
+        yield (
+            i,
+            {k: g if g is not None else torch.zeros_like(params[k]) for k, g in zip(names, grads)},
+        )
 
 
 @dataclass(frozen=True)
@@ -257,13 +297,16 @@ def backward_walk(
             arrived (naming its parameters).
     """
     captures: list[_Capture] = []
+    unseen: dict = {}  # parametrised layers that ran with gradients disabled
     module_names = {m: name or type(m).__name__ for name, m in model.named_modules()}
     active = [True]
 
     def forward_hook(module, args, output):
-        if not isinstance(output, Tensor) or not output.requires_grad:
-            return None
         name = module_names.get(module, type(module).__name__)
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            if not torch.is_grad_enabled():  # inside a no-grad region of the model
+                unseen[module] = name
+            return None
         if len(args) != 1 or not isinstance(args[0], Tensor):
             raise ValueError(
                 f"layer {name!r} ({type(module).__name__}) has trainable parameters but its "
@@ -296,7 +339,7 @@ def backward_walk(
     losses = torch.stack(per_sample_losses(loss_fn, output, targets))
     del output
     if losses.grad_fn is not None and captures:
-        reachable, deepest = _graph_below(losses.grad_fn, {c.node for c in captures})
+        reachable, deepest, leaves = _graph_below(losses.grad_fn, {c.node for c in captures})
         edges = {(id(c.node), c.edge.output_nr): c.edge for c in captures if c.node in deepest}
         if edges:
             torch.autograd.grad(
@@ -311,5 +354,23 @@ def backward_walk(
                 "so the per-sample quantities of "
                 f"{', '.join(names[id(p)] for p in own_trainable(missed[0].module).values())} "
                 "are unknown"
+            )
+        covered = {id(p) for c in captures for p in own_trainable(c.module).values()}
+        hidden = [name for i, name in names.items() if i in leaves and i not in covered]
+        if hidden:
+            raise RuntimeError(
+                f"{caller}: the parameter {hidden[0]!r} influences the loss through an "
+                "autograd Function that hides its layer's forward pass (as StreamingCNN "
+                "does), so its per-sample quantities cannot be split by sample in one pass"
+            )
+        captured = {c.module for c in captures}
+        quiet = [name for module, name in unseen.items() if module not in captured]
+        if quiet:
+            warnings.warn(
+                f"{caller}: layers {quiet} ran their forward pass with gradients disabled "
+                "inside the model; if their parameters influence the loss through a "
+                "recomputation (reentrant checkpointing), their per-sample quantities are "
+                "reported as zeros. Use torch.utils.checkpoint with use_reentrant=False.",
+                stacklevel=3,
             )
     return losses if keep_graph else losses.detach()

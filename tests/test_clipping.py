@@ -243,3 +243,85 @@ def test_hypothesis_norms_and_clipped_sums(case, route, clip_route):
     expected = clipped(per, norms, norms.median().item())
     for name, p in model.named_parameters():
         assert rel_err(p.grad, expected[name]) < TOL, name
+
+
+def streamed_model(dtype=torch.float64):
+    from memconv.streaming import StreamingCNN
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 4, 3, groups=2)
+    ).to(dtype)  # fmt: skip
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).to(dtype)
+    return nn.Sequential(StreamingCNN(layers, tile_size=16), head), nn.Sequential(layers, head)
+
+
+def test_per_sample_quantities_through_streaming():
+    """A model that streams runs one sample at a time, its gradient gathered tile by tile."""
+    streamed, plain = streamed_model()
+    x, y = torch.randn(3, 3, 40, 36, dtype=torch.float64), torch.tensor([0, 2, 1])
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    per, norms = reference(plain, loss_fn, x, y)
+    grads = memconv.per_sample_grads(streamed, loss_fn, x, y)
+    for name in per:
+        assert rel_err(grads[name.replace("0.", "0.stream_layers.", 1)], per[name]) < TOL, name
+    assert rel_err(memconv.per_sample_norms(streamed, loss_fn, x, y), norms) < TOL
+    got = memconv.clip_and_accumulate(streamed, loss_fn, x, y, max_norm=norms.median().item())
+    assert rel_err(got, norms) < TOL
+    expected = clipped(per, norms, norms.median().item())
+    for name, p in streamed.named_parameters():
+        assert rel_err(p.grad, expected[name.replace("0.stream_layers.", "0.", 1)]) < TOL, name
+
+
+def test_a_layer_hidden_from_the_hooks_is_an_error():
+    """A layer run inside another autograd Function (StreamingCNN's pattern): its
+    per-sample gradients cannot be split in one pass, and saying so beats zeros."""
+
+    class Opaque(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, layer, *params):
+            ctx.save_for_backward(x)
+            ctx.layer = layer
+            return layer(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            params = list(ctx.layer.parameters())
+            with torch.enable_grad():
+                grads = torch.autograd.grad(ctx.layer(x), params, g)
+            return (None, None, *grads)
+
+    class Hidden(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Conv1d(4, 4, 3)
+            self.head = nn.Linear(4 * 9, 3)
+
+        def forward(self, x):
+            hidden = Opaque.apply(x, self.inner, *self.inner.parameters())
+            return self.head(hidden.flatten(1))
+
+    model = Hidden().double()
+    x, y = torch.randn(3, 4, 11, dtype=torch.float64), torch.tensor([0, 1, 2])
+    with pytest.raises(RuntimeError, match="'inner.weight' influences the loss through"):
+        memconv.per_sample_norms(model, nn.CrossEntropyLoss(), x, y)
+
+
+def test_reentrant_checkpointing_warns():
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Conv1d(4, 4, 3)
+            self.head = nn.Linear(4 * 9, 3)
+
+        def forward(self, x):
+            x = x.requires_grad_()
+            return self.head(checkpoint(self.inner, x, use_reentrant=True).flatten(1))
+
+    model = Checkpointed().double()
+    x, y = torch.randn(3, 4, 11, dtype=torch.float64), torch.tensor([0, 1, 2])
+    with pytest.warns(UserWarning, match=r"\['inner'\] ran their forward pass with gradients"):
+        memconv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)

@@ -8,6 +8,18 @@ from hypothesis import strategies as st
 import memconv
 
 
+def check_every_strategy(m, x, g, tile):
+    """Every strategy, per sample (tiles for "streaming") and summed, against torch."""
+    ref = reference_weight_grads(m, x, g)
+    for strategy in memconv.strategies():
+        options = {"tile_size": tile} if strategy == "streaming" else {}
+        with memconv.save_memory(strategy, **options):
+            got = memconv.weight_vjp(m, x, g)
+        assert rel_err(got, ref) < 1e-10, strategy
+        summed = memconv.weight_vjp(m, x, g, per_sample=False, strategy=strategy)
+        assert rel_err(summed, ref.sum(0)) < 1e-10, strategy
+
+
 @st.composite
 def conv_configs(draw):
     dims = draw(st.integers(1, 3))
@@ -53,14 +65,7 @@ def test_every_strategy_equals_reference(cfg):
         cfg.pop(key) for key in ("dims", "n", "c_in", "c_out", "k", "size")
     )
     m, x, g = conv_case(dims, n, c_in, c_out, k, size, **cfg)
-    ref = reference_weight_grads(m, x, g)
-    for strategy in memconv.strategies():
-        options = {"tile_size": tile} if strategy == "streaming" else {}
-        with memconv.save_memory(strategy, **options):
-            got = memconv.weight_vjp(m, x, g)
-        assert rel_err(got, ref) < 1e-10, strategy
-        summed = memconv.weight_vjp(m, x, g, per_sample=False, strategy=strategy)
-        assert rel_err(summed, ref.sum(0)) < 1e-10, strategy
+    check_every_strategy(m, x, g, tile)
     torch.testing.assert_close(
         memconv.bias_grad(g, per_sample=False), g.sum((0, *range(2, g.dim())))
     )
@@ -106,9 +111,4 @@ def test_every_strategy_equals_reference_transposed(cfg):
     ]
     assume(min(out) >= 1)  # torch rejects an empty output
     m, x, g = conv_case(dims, n, c_in, c_out, k, size, transposed=True, **cfg)
-    ref = reference_weight_grads(m, x, g)
-    for strategy in memconv.strategies():
-        options = {"tile_size": tile} if strategy == "streaming" else {}
-        with memconv.save_memory(strategy, **options):
-            got = memconv.weight_vjp(m, x, g)
-        assert rel_err(got, ref) < 1e-10, strategy
+    check_every_strategy(m, x, g, tile)
