@@ -35,9 +35,12 @@ TOL = 1e-10
 #: get_clipping_coef); memconv by C / ‖g‖ exactly.
 OPACUS_STABILISER = 1e-6
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Full backward hook is firing when gradients are computed with respect to module"
-)
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore:Full backward hook is firing when gradients are computed with respect to module"
+    ),
+    pytest.mark.filterwarnings("ignore:Secure RNG turned off"),  # seeded on purpose
+]
 
 # (dims, C_in, C_out, k, size, kwargs, transposed)
 LAYERS = [
