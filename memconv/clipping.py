@@ -44,9 +44,18 @@ CLIP_ROUTES = ("book-keeping", "two-pass")
 
 
 def _unwrap(model):
-    """The module a ``DistributedDataParallel`` wraps (the walk runs on it)."""
+    """The module a ``DistributedDataParallel`` wraps (the walk runs on it).
+
+    Raises:
+        ValueError: for Opacus' ``DPDDP``, whose ranks memconv would not sum.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
+    if type(model).__name__ in ("DPDDP", "DifferentiallyPrivateDistributedDataParallel"):
+        raise ValueError(
+            "model is Opacus' DPDDP: memconv sums the ranks' clipped sums itself; wrap the "
+            "model in torch.nn.parallel.DistributedDataParallel instead"
+        )
     return (model.module, model) if isinstance(model, DistributedDataParallel) else (model, None)
 
 

@@ -427,3 +427,16 @@ def test_importing_memconv_and_the_bridge_does_not_import_opacus():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_opacus_dpddp_is_rejected_before_any_work():
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+
+    model = nn.Sequential(nn.Linear(3, 2)).double()
+    wrapped = DPDDP.__new__(DPDDP)  # no process group is needed to be recognised
+    nn.Module.__init__(wrapped)
+    wrapped.module = model
+    x, y = torch.randn(2, 3, dtype=torch.float64), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="DPDDP.*DistributedDataParallel"):
+        memconv.clip_and_accumulate(wrapped, nn.CrossEntropyLoss(), x, y, max_norm=1.0)
+    assert model[0].weight.grad is None
