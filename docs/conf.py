@@ -45,6 +45,7 @@ myst_heading_anchors = 3
 autodoc_default_options = {"members": True, "show-inheritance": True}
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"
 autodoc_typehints_format = "short"
 autodoc_inherit_docstrings = False
 napoleon_google_docstring = True
@@ -55,7 +56,10 @@ napoleon_use_rtype = False
 sphinx_gallery_conf = {
     "examples_dirs": str(ROOT / "examples"),
     "gallery_dirs": "auto_examples",
+    # only examples/plot_*.py form the gallery (and run); other scripts in examples/
+    # (command-line tools) stay out of it
     "filename_pattern": r"/plot_",
+    "ignore_pattern": r"^(?!plot_)",
     "within_subsection_order": "FileNameSortKey",
     "download_all_examples": False,
     "abort_on_example_error": True,
