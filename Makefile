@@ -1,33 +1,82 @@
 # Two commands do everything on a fresh machine:
 #   make compare   installs into .venv and runs the main job (memconv compare)
 #   make test      installs into .venv and runs the test suite
+# and `make docs` builds the documentation site into docs/_build/html.
+#
+# PYTHON picks the interpreter (Python >= 3.10). .venv is rebuilt whenever PYTHON
+# resolves to another interpreter; each target installs only the extras it needs,
+# always with constraints.txt (the CPU build of torch 2.13.0).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install -q -c constraints.txt
+RUFF_PATHS := memconv tests examples docs/conf.py
+SPHINXOPTS ?= -W --keep-going -q
+MIN_PYTHON := 3.10
 
-.PHONY: install compare test test-slow lint format
+# the interpreter PYTHON resolves to, and its version ("" if there is none)
+PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>/dev/null)
 
-$(VENV)/.installed: pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,peers,plot,dev]"
-	touch $@
+.PHONY: install compare test test-slow lint format docs docs-clean clean FORCE
 
-install: $(VENV)/.installed
+# Rebuilt (with the whole venv) only when the interpreter changed; FORCE makes make
+# look at it every time, but its timestamp moves only on a rebuild.
+$(VENV)/.python: FORCE
+	@if [ -z "$(PYTHON_ID)" ]; then \
+		echo "error: '$(PYTHON)' does not run. Install Python >= $(MIN_PYTHON) or pass PYTHON=/path/to/python3." >&2; \
+		exit 1; \
+	fi
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { \
+		echo "error: memconv needs Python >= $(MIN_PYTHON); '$(PYTHON)' is $(lastword $(PYTHON_ID))." >&2; \
+		echo "       Run e.g. 'make $(MAKECMDGOALS) PYTHON=python3.11'." >&2; \
+		exit 1; }
+	@if [ "$$(cat $@ 2>/dev/null)" != "$(PYTHON_ID)" ]; then \
+		echo "creating $(VENV) with $(PYTHON_ID)"; \
+		rm -rf $(VENV) && $(PYTHON) -m venv $(VENV) && \
+		$(BIN)/python -m pip install -q --upgrade pip && \
+		echo "$(PYTHON_ID)" > $@; \
+	fi
 
-compare: install
+# One stamp per set of extras: `make compare` installs only what `memconv compare` needs.
+$(VENV)/.installed-%: $(VENV)/.python pyproject.toml constraints.txt
+	$(PIP) -e ".[$(subst +,$(comma),$*)]"
+	@touch $@
+
+comma := ,
+EXTRAS_COMPARE := bench
+EXTRAS_TEST := test+bench+backpack+opacus
+EXTRAS_DOCS := docs+bench+backpack
+EXTRAS_LINT := dev
+EXTRAS_ALL := test+bench+backpack+opacus+docs+dev
+
+install: $(VENV)/.installed-$(EXTRAS_ALL)
+
+compare: $(VENV)/.installed-$(EXTRAS_COMPARE)
 	$(BIN)/memconv compare
 
-test: install
+test: $(VENV)/.installed-$(EXTRAS_TEST)
 	$(BIN)/python -m pytest -q
 
-test-slow: install
+test-slow: $(VENV)/.installed-$(EXTRAS_TEST)
 	$(BIN)/python -m pytest -q -m slow
 
-lint: install
-	$(BIN)/ruff check memconv tests examples
-	$(BIN)/ruff format --check memconv tests examples
+lint: $(VENV)/.installed-$(EXTRAS_LINT)
+	$(BIN)/ruff check $(RUFF_PATHS)
+	$(BIN)/ruff format --check $(RUFF_PATHS)
 
-format: install
-	$(BIN)/ruff format memconv tests examples
-	$(BIN)/ruff check --fix memconv tests examples
+format: $(VENV)/.installed-$(EXTRAS_LINT)
+	$(BIN)/ruff format $(RUFF_PATHS)
+	$(BIN)/ruff check --fix $(RUFF_PATHS)
+
+# The site, with the gallery's examples executed at small sizes (MEMCONV_FULL=1 for the
+# full ones); warnings are errors. Open docs/_build/html/index.html.
+docs: $(VENV)/.installed-$(EXTRAS_DOCS)
+	$(BIN)/sphinx-build -b html $(SPHINXOPTS) docs docs/_build/html
+	@echo "built docs/_build/html/index.html"
+
+docs-clean:
+	rm -rf docs/_build docs/auto_examples docs/api/generated docs/sg_execution_times.rst
+
+clean: docs-clean
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis results
+	find memconv tests examples docs -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -12,6 +12,7 @@ Example:
     >>> model[0].weight.grad_batch.shape    # [N, C_out, C_in/G, k, k]
 """
 
+from ._version import __version__ as __version__
 from .clipping import clip_and_accumulate, per_sample_norms
 from .context import current_strategy, per_sample, save_memory, strategies
 from .extraction import per_sample_grads
@@ -39,8 +40,6 @@ from .modules import (
 )
 from .planning import Plan, plan
 from .vjp import weight_vjp
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BatchNorm1d",

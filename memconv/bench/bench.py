@@ -3,25 +3,28 @@
 Per (case, engine): peak memory increase two ways (process RSS by
 ``memory_profiler``; allocator level by the PyTorch profiler on CPU or
 ``torch.cuda.max_memory_allocated``), median run time after a warm-up, size of the
-per-sample result, and the largest relative deviation from the reference
-(``torch.func``). Then the cost model (:func:`memconv.predict_memory`) against the
-measured extra memory of each strategy on each convolution layer, and the targets
-of issue 4 as measured ratios.
+per-sample result, and the largest relative deviation from the other rows. Then the
+cost model (:func:`memconv.predict_memory`) against the measured extra memory of
+each strategy on each convolution layer, and the design targets as measured ratios.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 
 import torch
 
 import memconv
 
-from .cases import describe
-from .compare import machine
-from .engines import ENGINES, available
-from .runner import max_rel_deviation, run_in_subprocess
+from .cases import MODELS, describe
+from .engines import ENGINES
+from .options import add_common_arguments, data_needs, engine_needs, listed
+from .report import JsonRecord, machine, plot, require
+from .report import missing as missing_modules
+from .runner import Job, run_engines
+
+logger = logging.getLogger("memconv")
 
 #: The engines every case runs; the seed cases run all of :data:`ENGINES`.
 CORE_ENGINES = (
@@ -52,71 +55,85 @@ QUICK_CASES = (
     ({"model": "conv3d", "batch": 2, "side": 8, "depth": 4}, "core"),
 )
 MiB = 2**20
+#: Largest relative deviation between two rows that still counts as agreement.
+TOLERANCE = 1e-3
+#: The label of ``"auto"`` run with half of torch.func's peak as its memory budget.
+BUDGET_ROW = "memconv:auto (budget)"
+
+DESCRIPTION = """\
+Measure every per-sample gradient engine (plain autograd, torch.func, torch's
+ExpandedWeights, Opacus, BackPACK, and memconv's strategies three ways: as
+per_sample_grads, as extended modules, and under BackPACK) on a matrix of cases:
+the seed CNN at two sizes, a ResNet-18-shaped CNN, a 1-D and a 3-D CNN. Each
+(case, engine) runs in a fresh Python process. Reports peak memory, median run
+time and the largest relative deviation between engines per case, then memconv's
+memory cost model against the measured extra memory of each convolution layer, and
+the design targets as measured ratios. About 16 minutes on 2 CPU cores; --quick
+runs small shapes in a few minutes. Engines whose optional peer (BackPACK, Opacus)
+is not installed are skipped unless named with --engines.
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``memconv bench``."""
-    parser.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")
     parser.add_argument(
-        "--engines",
-        default=None,
-        help="comma-separated engine names for every case (default: all engines on the "
-        "seed CNN, a core set on the others); 'all' for every engine everywhere",
+        "--models",
+        nargs="+",
+        choices=MODELS,
+        default=list(MODELS),
+        metavar="MODEL",
+        help=f"cases to run, by model (default: all): {listed(MODELS)}",
     )
-    parser.add_argument("--data", choices=("real", "random"), default="real")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
-    parser.add_argument("--json", metavar="PATH", help="write every figure to PATH")
-    parser.add_argument("--plot", metavar="PATH", help="save a figure (matplotlib) to PATH")
+    add_common_arguments(
+        parser,
+        engines_help="engines to run on every case ('all': every engine; default: every "
+        "engine on the seed CNN cases, a core set on the others)",
+        data_help="; the ResNet-18, 1-D and 3-D cases use photo crops unless random",
+    )
 
 
-def _engines_for(selection: str, override: str | None) -> list[str]:
+def _engines_for(selection: str, override, strategies) -> list[str]:
     if override:
-        names = list(ENGINES) if override == "all" else [e.strip() for e in override.split(",")]
-        for n in names:
-            if n not in ENGINES:
-                raise ValueError(f"unknown engine {n!r}; accepted: {', '.join(ENGINES)}")
+        names = list(ENGINES) if "all" in override else list(dict.fromkeys(override))
     else:
-        names = list(ENGINES) if selection == "all" else list(CORE_ENGINES)
-    # the reference and the floor first: the budget run needs torch.func's peak
+        names = (
+            [e for e in ENGINES if e != "memconv-streaming"]
+            if selection == "all"
+            else list(CORE_ENGINES)
+        )
+    # memconv's per-strategy engines only for the chosen strategies
+    names = [n for n in names if ":" not in n or n.split(":", 1)[1] in strategies]
+    # the reference and the floor first: the budget row needs torch.func's peak
     first = [n for n in ("autograd", "torch.func") if n in names]
     return first + [n for n in names if n not in first]
 
 
-def run_case(base: dict, engines: list[str], progress) -> list[dict]:
-    """Measure the engines on one case; adds the ``"memconv:auto (budget)"`` row."""
-    import os
-    import tempfile
+def plan_cases(args) -> list[tuple[dict, list[str]]]:
+    """``[(case configuration, engine names)]`` of a ``bench`` run.
 
-    rows, results = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in progress(engines):
-            reason = available(ENGINES[name])
-            if reason:
-                rows.append({"engine": name, "skipped": reason})
-                continue
-            path = os.path.join(tmp, f"{len(results)}.pt")
-            row = {"engine": name, **run_in_subprocess({**base, "engine": name, "out": path})}
-            if "error" not in row:
-                results[name] = torch.load(path)
-            rows.append(row)
-        func = next((r for r in rows if r["engine"] == "torch.func" and "error" not in r), None)
-        if func is not None and "memconv:auto" in engines:
-            budget = int(func["peak_rss_mib"] * MiB / 2)
-            path = os.path.join(tmp, "budget.pt")
-            row = run_in_subprocess(
-                {**base, "engine": "memconv:auto", "memory_budget": budget, "out": path}
-            )
-            row = {"engine": "memconv:auto (budget)", "memory_budget_mib": budget / MiB, **row}
-            if "error" not in row:
-                results[row["engine"]] = torch.load(path)
-            rows.append(row)
-    reference = results.get("torch.func") or next(iter(results.values()), None)
-    for row in rows:
-        mine = results.get(row["engine"])
-        if mine is not None and reference is not None:
-            row["deviation"] = max_rel_deviation(mine, reference)
-    return rows
+    Raises:
+        ValueError: on an unusable device.
+    """
+    torch.device(args.device)
+    matrix = QUICK_CASES if args.quick else DEFAULT_CASES
+    matrix = [(cfg, sel) for cfg, sel in matrix if cfg["model"] in args.models]
+    return [
+        (
+            {**cfg, "data": args.data, "device": args.device, "repeats": args.repeats},
+            _engines_for(sel, args.engines, args.strategies),
+        )
+        for cfg, sel in matrix
+    ]
+
+
+def budget_job(rows: list[dict]) -> list[Job]:
+    """``"auto"`` with ``memory_budget`` = half of torch.func's measured peak."""
+    func = next((r for r in rows if r["engine"] == "torch.func" and "peak_rss_mib" in r), None)
+    if func is None or not any(r["engine"] == "memconv:auto" for r in rows):
+        return []
+    budget = int(func["peak_rss_mib"] * MiB / 2)
+    return [Job(BUDGET_ROW, "memconv:auto", {"memory_budget": budget})]
 
 
 def cost_model_rows(base: dict) -> list[dict]:
@@ -217,7 +234,7 @@ def format_cost_model(rows: list[dict]) -> str:
 
 
 def targets(cases: list[dict]) -> list[str]:
-    """The issue's targets as measured ratios (only for the seed-CNN cases)."""
+    """The design targets as measured ratios (only for the seed-CNN cases)."""
     out = []
     for case in cases:
         base, rows = case["case"], case["rows"]
@@ -246,90 +263,82 @@ def targets(cases: list[dict]) -> list[str]:
             f"{fast['time_s'] / by['torch.func']['time_s']:.2f} × torch.func (target ≤ 1.0), "
             f"{fast['time_s'] / by['autograd']['time_s']:.2f} × plain autograd"
         )
-        budget = next((r for r in rows if r["engine"] == "memconv:auto (budget)"), None)
+        budget = next((r for r in rows if r["engine"] == BUDGET_ROW), None)
         if budget and "peak_rss_mib" in budget:
+            budget_mib = budget["memory_budget"] / MiB
             out.append(
                 f"- {label}: auto with memory_budget = ½ torch.func's peak "
-                f"({budget['memory_budget_mib']:,.0f} MiB): peak {budget['peak_rss_mib']:,.0f} MiB "
-                f"({budget['peak_rss_mib'] / budget['memory_budget_mib']:.2f} × budget), time "
+                f"({budget_mib:,.0f} MiB): peak {budget['peak_rss_mib']:,.0f} MiB "
+                f"({budget['peak_rss_mib'] / budget_mib:.2f} × budget), time "
                 f"{budget['time_s'] / by['torch.func']['time_s']:.2f} × torch.func (target ≤ 2)"
             )
     return out
 
 
-def plot(cases: list[dict], path: str) -> None:
-    """Peak memory against time per engine, log–log, one panel per case."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(3, len(cases))
-    rows_n = -(-len(cases) // cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(6.5 * cols, 5.5 * rows_n), squeeze=False)
-    for ax in axes.flat[len(cases) :]:
-        ax.set_visible(False)
-    for ax, case in zip(axes.flat, cases):
-        rows = [r for r in case["rows"] if "peak_rss_mib" in r]
-        for r in rows:
-            color = "tab:red" if r["engine"].startswith("memconv") else "tab:blue"
-            ax.scatter(r["time_s"], max(r["peak_rss_mib"], 1), color=color)
-            ax.annotate(r["engine"], (r["time_s"], max(r["peak_rss_mib"], 1)), fontsize=7)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel("peak RSS increase (MiB)")
-        ax.set_title(describe(case["case"]), fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main(args) -> int:
     """Run the matrix and print the tables; returns the exit status."""
+    plan = plan_cases(args)
+    if not plan:
+        raise ValueError("no case to run")
+    named = set(ENGINES) if args.engines and "all" in args.engines else set(args.engines or ())
+    every = [e for _, engines in plan for e in engines]
+    needs = {"memory_profiler": "memory measurement"}
+    needs.update({m: e for m, e in engine_needs(every).items() if e in named})
+    for base, _ in plan:
+        data = base["data"] if base["model"] == "seed" or base["data"] == "random" else "photos"
+        needs.update(data_needs(data))
+    if args.plot:
+        needs["matplotlib"] = "--plot"
+    require(needs)
+    for module, engine in engine_needs(every).items():
+        if engine not in named and module in missing_modules(engine_needs(every)):
+            logger.info("%s is not installed: the engines that need it are skipped", module)
     from tqdm import tqdm
 
-    if args.repeats < 1:
-        raise ValueError("--repeats must be positive")
-    torch.device(args.device)
-    matrix = QUICK_CASES if args.quick else DEFAULT_CASES
-    data = "random" if args.data == "random" else "digits"
-    plan = [
-        (
-            {**cfg, "data": data, "device": args.device, "repeats": args.repeats},
-            _engines_for(sel, args.engines),
-        )
-        for cfg, sel in matrix
-    ]
-    cases = []
-    with tqdm(total=sum(len(e) for _, e in plan), desc="cases × engines", unit="run") as bar:
+    record = JsonRecord(args.json, {"machine": machine(), "cases": []})
+    cases = record.document["cases"]
+    budget_rows = sum(
+        1 for _, engines in plan if "memconv:auto" in engines and "torch.func" in engines
+    )
+    total = sum(len(engines) for _, engines in plan) + budget_rows
+    with tqdm(total=total, desc="cases × engines", unit="run") as bar:
 
-        def progress(names):
-            for n in names:
-                bar.set_postfix_str(n)
-                yield n
-                bar.update()
+        def on_row(row):
+            cases[-1]["rows"].append(row)
+            record.write()
+            bar.update()
 
         for base, engines in plan:
-            cases.append({"case": base, "rows": run_case(base, engines, progress)})
-    cost = cost_model_rows(dict(matrix[0][0], device=args.device))
+            cases.append({"case": base, "rows": []})
+            run_engines(
+                base,
+                engines,
+                then=budget_job,
+                on_start=bar.set_postfix_str,
+                on_row=on_row,
+                timeout=args.timeout,
+            )
+            record.write()  # earlier rows' deviations grew as later rows arrived
+    first = plan[0][0]
+    cost = cost_model_rows(first)
     print(f"\nmachine: {machine()}\n")
     for case in cases:
         print(format_case(case["case"], case["rows"]))
         print()
-    print(f"cost model on {describe(matrix[0][0])} (per conv layer, allocator level)\n")
+    print(f"cost model on {describe(first)} (per conv layer, allocator level)\n")
     print(format_cost_model(cost))
     print("\ntargets:")
     for line in targets(cases):
         print(line)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "cases": cases, "cost_model": cost}, f, indent=2)
+    record.finish(cost_model=cost)
     if args.plot:
-        plot(cases, args.plot)
+        plot(cases, args.plot, describe)
     bad = [
-        r["engine"] for c in cases for r in c["rows"] if "deviation" in r and r["deviation"] > 1e-3
+        r["engine"]
+        for c in cases
+        for r in c["rows"]
+        if "deviation" in r and r["deviation"] > TOLERANCE
     ]
     if bad:
-        print(f"\nengines disagreeing with the reference: {bad}")
+        logger.error("engines disagreeing with the others: %s", ", ".join(bad))
     return 1 if bad else 0

@@ -189,6 +189,39 @@ def expanded_weights(model, x, y):
     return out
 
 
+def _streamable_prefix(model: nn.Sequential) -> int:
+    """Length of the longest leading run of ``model``'s layers StreamingCNN accepts."""
+    from memconv.streaming import NotStreamableError, analyse
+
+    for end in range(len(model), 0, -1):
+        try:
+            analyse(model[:end])
+        except (NotStreamableError, ValueError, TypeError):
+            continue
+        return end
+    raise ValueError("no leading layer of the model can be streamed")
+
+
+def memconv_streaming(model, x, y):
+    """:class:`memconv.streaming.StreamingCNN` over the model's leading local layers,
+    the rest as usual: the summed gradient, as ``"autograd"`` (the tile is the
+    model's ``stream_tile`` attribute, else 512 input pixels)."""
+    from memconv.streaming import StreamingCNN
+
+    if not isinstance(model, nn.Sequential):
+        raise TypeError("the memconv-streaming engine needs an nn.Sequential model")
+    if getattr(model, "_memconv_bench_stream", None) is None:
+        end = _streamable_prefix(model)
+        stream = StreamingCNN(model[:end], tile_size=getattr(model, "stream_tile", 512))
+        object.__setattr__(model, "_memconv_bench_stream", (stream, model[end:]))
+    stream, rest = model._memconv_bench_stream
+    model.zero_grad(set_to_none=True)
+    _loss()(rest(stream(x)), y).backward()
+    out = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def _registry() -> dict[str, Engine]:
     engines = [
         Engine("autograd", autograd_sum, per_sample=False),
@@ -198,6 +231,7 @@ def _registry() -> dict[str, Engine]:
         Engine("opacus-functorch", opacus(True), requires="opacus"),
         Engine("backpack", backpack_default, requires="backpack"),
         Engine("backpack-save-memory", backpack_save_memory, requires="backpack"),
+        Engine("memconv-streaming", memconv_streaming, per_sample=False),
     ]
     engines += [Engine(f"memconv:{s}", memconv_hooks(s)) for s in memconv.strategies()]
     engines += [Engine(f"memconv-modules:{s}", memconv_modules(s)) for s in memconv.strategies()]

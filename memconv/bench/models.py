@@ -117,3 +117,16 @@ def conv3d_net(in_channels: int = 1, num_classes: int = 10) -> nn.Module:
         nn.Flatten(),
         nn.Linear(32, num_classes),
     )
+
+
+def streaming_net(in_channels: int = 3, num_classes: int = 2) -> nn.Sequential:
+    """StreamingCNN's example network and a small head, as one flat ``nn.Sequential``.
+
+    Six 3×3 Conv2d with 16 channels (padding 0) and three 2×2 max-pools (the part
+    that can be streamed), then global average pooling and a Linear layer.
+    """
+    layers, c = [], in_channels
+    for _ in range(3):
+        layers += [nn.Conv2d(c, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3), nn.ReLU(), nn.MaxPool2d(2)]
+        c = 16
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes))

@@ -1,5 +1,7 @@
 """Real image batches from installed packages (nothing is downloaded).
 
+Needs the ``bench`` extra (numpy, scikit-learn, scikit-image) for the real sources.
+
 - ``"digits"``: scikit-learn's handwritten digits (1,797 8×8 images, labels 0–9),
   resized to the requested side with bilinear interpolation;
 - ``"photos"``: crops of scikit-image's bundled photographs and micrographs,
@@ -9,7 +11,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +53,7 @@ def load_batch(
         x = torch.randn(n, channels, side, side, generator=gen)
         return x, torch.randint(0, 10, (n,), generator=gen)
     if source == "digits":
+        import numpy as np
         from sklearn.datasets import load_digits
 
         digits = load_digits()
@@ -66,6 +68,7 @@ def load_batch(
 
 
 def _photo_crops(n, side, gen):
+    import numpy as np
     import skimage.data
 
     crops, labels = [], []
@@ -120,3 +123,39 @@ def load_volumes(n: int, depth: int, side: int, *, source: str = "photos", seed:
     big, y = load_batch(n, side + depth, source="photos", seed=seed)
     x = torch.stack([big[:, 0, d : d + side, d : d + side] for d in range(depth)], dim=1)
     return x.unsqueeze(1).contiguous(), y
+
+
+def load_mosaic(name: str, side: int) -> torch.Tensor:
+    """A real scikit-image picture tiled (mirrored) into ``[1, 3, side, side]`` (float32).
+
+    Args:
+        name: a colour picture of ``skimage.data``, e.g. ``"retina"`` (1411×1411),
+            ``"immunohistochemistry"`` (512×512), ``"astronaut"``, ``"hubble_deep_field"``.
+        side: the mosaic's side in pixels.
+
+    Returns:
+        The mosaic, standardised to zero mean and unit variance.
+
+    Raises:
+        ValueError: on a non-positive side or a name that is not such a picture.
+    """
+    import numpy as np
+    import skimage.data
+
+    if isinstance(side, bool) or not isinstance(side, int) or side < 1:
+        raise ValueError(f"side must be a positive int, got {side!r}")
+    loader = getattr(skimage.data, name, None)
+    if loader is None or not callable(loader):
+        raise ValueError(f"skimage.data has no picture {name!r}")
+    img = np.asarray(loader(), dtype=np.float32)
+    if img.ndim != 3:
+        raise ValueError(f"skimage.data.{name} is not a colour picture")
+    img = img[..., :3] / 255.0
+    h, w = img.shape[:2]
+    reps = (-(-side // h), -(-side // w))
+    tiles = [[img[:, ::-1] if j % 2 else img for j in range(reps[1])] for _ in range(reps[0])]
+    rows = [np.concatenate(r, axis=1) for r in tiles]
+    rows = [r[::-1] if i % 2 else r for i, r in enumerate(rows)]
+    full = np.ascontiguousarray(np.concatenate(rows, axis=0)[:side, :side])
+    t = torch.from_numpy(full).permute(2, 0, 1).unsqueeze(0).contiguous()
+    return (t - t.mean()) / t.std()

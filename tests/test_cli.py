@@ -1,0 +1,141 @@
+"""The command line explains itself, and the package installs as declared."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import memconv
+from memconv import cli
+from memconv.bench.cases import MODELS
+from memconv.bench.data import SOURCES
+from memconv.bench.engines import ENGINES
+from memconv.bench.report import JsonRecord, MissingDependencyError, require
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[1]
+REST_MARKUP = re.compile(r"``|:(func|class|mod|meth|data|attr):`")
+COMMANDS = {"memconv": (), "compare": ("compare",), "bench": ("bench",), "list": ("list",)}
+
+
+def help_of(*argv: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "memconv", *argv, "--help"],
+        capture_output=True,
+        text=True,
+        env={"COLUMNS": "100", "PATH": "/usr/bin:/bin"},
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, str]:
+    return {name: help_of(*argv) for name, argv in COMMANDS.items()}
+
+
+def test_help_is_plain_words(helps):
+    for name, text in helps.items():
+        assert not REST_MARKUP.search(text), name
+        assert not re.search(r"\bissues?\b|tracker", text, re.IGNORECASE), name
+
+
+def test_top_level_help_lists_the_commands(helps):
+    for command in ("compare", "bench", "list"):
+        assert command in helps["memconv"]
+    assert "--version" in helps["memconv"]
+
+
+@pytest.mark.parametrize("command", ["compare", "bench"])
+def test_every_accepted_name_is_in_the_help(helps, command):
+    text = helps[command]
+    for name in (*memconv.strategies(), *ENGINES, *SOURCES):
+        assert name in text, (command, name)
+    if command == "bench":
+        for name in MODELS:
+            assert name in text
+
+
+def test_compare_and_bench_share_option_names():
+    def options(command):
+        parser = cli.build_parser()
+        sub = parser._subparsers._group_actions[0].choices[command]
+        return {s for a in sub._actions for s in a.option_strings}
+
+    shared = {"--strategies", "--engines", "--data", "--device", "--repeats", "--json", "--plot"}
+    assert shared <= options("compare")
+    assert shared <= options("bench")
+
+
+def test_version_has_one_source():
+    proc = subprocess.run(
+        [sys.executable, "-m", "memconv", "--version"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"memconv {memconv.__version__}"
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"]
+    assert "version" in pyproject["project"]["dynamic"]
+    assert (ROOT / "memconv" / "_version.py").read_text().count(memconv.__version__) == 1
+
+
+def test_unknown_names_are_rejected_listing_the_accepted_ones(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--strategies", "fastest"])
+    err = capsys.readouterr().err
+    assert "invalid choice" in err and "shift" in err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--data", "real"])
+    assert "digits" in capsys.readouterr().err
+
+
+def test_list_prints_every_name(capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in (*memconv.strategies(), *ENGINES, *MODELS, *SOURCES):
+        assert name in out
+
+
+def test_missing_dependency_names_the_extra():
+    with pytest.raises(MissingDependencyError, match=r"pip install 'memconv\[bench\]'"):
+        require({"memconv_no_such_module": "--plot"})
+    require({"torch": "everything"})
+
+
+def test_json_is_written_row_by_row(tmp_path):
+    path = tmp_path / "out.json"
+    record = JsonRecord(str(path), {"rows": []})
+    assert json.loads(path.read_text()) == {"rows": [], "complete": False}
+    record.document["rows"].append({"engine": "a"})
+    record.write()
+    assert json.loads(path.read_text())["rows"] == [{"engine": "a"}]
+    record.finish(total=1)
+    assert json.loads(path.read_text())["complete"] is True
+
+
+def test_core_imports_no_optional_dependency():
+    code = (
+        "import sys, memconv, memconv.streaming, memconv.integrations.backpack\n"
+        "heavy = {'sklearn', 'skimage', 'matplotlib', 'memory_profiler', 'backpack', 'opacus'}\n"
+        "print(sorted(heavy & set(sys.modules)))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_package_files():
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License")
+    assert (ROOT / "memconv" / "py.typed").exists()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["dependencies"] == ["torch>=2.2", "tqdm"]
+    assert pyproject["tool"]["setuptools"]["package-data"]["memconv"] == ["py.typed"]
