@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -35,8 +33,6 @@ import torch
 from torch import nn
 
 from memconv.streaming import StreamingCNN
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def stream_net() -> nn.Sequential:
@@ -126,6 +122,8 @@ def work(mode: str, side: int, tile: int, out_path: str | None):
 
 
 def measure(sides, tile, conventional_max):
+    from memconv.bench.runner import run_in_subprocess
+
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for side in sides:
@@ -134,15 +132,15 @@ def measure(sides, tile, conventional_max):
                 if mode == "conventional" and side > conventional_max:
                     continue
                 path = os.path.join(tmp, f"{mode}-{side}.pt")
-                cmd = [sys.executable, __file__, "--worker", mode, str(side), str(tile), path]
-                env = dict(
-                    os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+                # a fresh process per configuration, by memconv's benchmark runner
+                row = run_in_subprocess(
+                    {
+                        "call": f"{os.path.abspath(__file__)}:work",
+                        "args": {"mode": mode, "side": side, "tile": tile, "out_path": path},
+                    }
                 )
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                if proc.returncode != 0:
-                    print(proc.stderr[-2000:], file=sys.stderr)
-                    raise SystemExit(f"{mode} at {side} failed")
-                row = json.loads(proc.stdout.strip().splitlines()[-1])
+                if "error" in row:
+                    raise SystemExit(f"{mode} at {side} failed: {row['error']}")
                 paths[mode] = path
                 rows.append(row)
                 print(
@@ -181,9 +179,6 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--worker", nargs=4, metavar=("MODE", "SIDE", "TILE", "OUT"), help=argparse.SUPPRESS
-    )
     parser.add_argument("--train-side", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tile", type=int, default=512, help="tile side in input pixels")
@@ -194,10 +189,6 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    if args.worker:
-        mode, side, tile, out = args.worker
-        print(json.dumps(work(mode, int(side), int(tile), out)))
-        return
     if not args.skip_train:
         train(args.train_side, args.tile, args.steps)
     print(

@@ -1,107 +1,93 @@
-"""``memconv compare``: every strategy on the seed CNN, validated against each other.
+"""``memconv compare``: every strategy on the seed CNN, validated against torch.func.
 
 For each strategy (and the plain-autograd floor and torch.func as the independent
-reference) the per-sample gradient pass runs in a fresh subprocess; the table
-reports the peak memory increase (MiB, ``memory_profiler``; and the allocator-level
-figure), the median run time, and the largest relative deviation from the other
-rows' results.
+reference) the per-sample gradient pass runs in a fresh process
+(:func:`memconv.bench.runner.measure_engines`); the table reports the peak memory
+increase (process RSS and allocator level), the median run time, and the largest
+relative deviation from torch.func's result.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-
-import torch
+import logging
+import time
+from datetime import datetime, timezone
 
 import memconv
 
-from .runner import run_engines
+from .cases import MIN_SIDE
+from .engines import get_engine
+from .options import (
+    add_common,
+    check_dependencies,
+    check_device,
+    command_line,
+    machine,
+    parse_names,
+    positive_int,
+)
 
-DEFAULT_EXTRA = ("autograd", "torch.func")
+logger = logging.getLogger("memconv")
+
+DESCRIPTION = (
+    "Per-sample gradients of the seed CNN (the CNN of BackPACK's 'Saving memory in "
+    "convolutions' example) with every memconv strategy, plus plain autograd (the floor: "
+    "summed gradient only) and torch.func (the reference), each in a fresh process. "
+    "Prints the peak memory increase (process RSS and allocator level), the median run "
+    "time and each result's largest relative deviation from torch.func's. Exit status 1 "
+    "if a row fails or deviates by more than 1e-4."
+)
+TOLERANCE = 1e-4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by ``memconv compare``."""
-    parser.add_argument("--batch-size", type=int, default=64, help="N (default 64)")
-    parser.add_argument("--side", type=int, default=28, help="image side (default 28)")
+    """Options of ``memconv compare``."""
     parser.add_argument(
-        "--data",
-        choices=("digits", "photos", "random"),
-        default="digits",
-        help="real digits (scikit-learn), real photo crops (scikit-image), or noise",
+        "--batch-size", type=positive_int, default=64, metavar="N", help="batch size (default: 64)"
     )
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument(
+        "--side",
+        type=positive_int,
+        default=28,
+        metavar="S",
+        help="image side in pixels, at least 27 (default: 28)",
+    )
+    strategies = ", ".join(memconv.strategies())
     parser.add_argument(
         "--strategies",
-        default=",".join(memconv.strategies()),
-        help="comma-separated strategy names (default: all)",
+        default="all",
+        metavar="NAMES",
+        help=f"comma-separated memconv strategies, or all (default: all); accepted: {strategies}",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
-    parser.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    add_common(parser, data_default="digits")
 
 
 def check_arguments(args) -> list[str]:
-    """Validate the options; returns the engine names.
+    """Validate the options before any work; returns the engine names.
 
     Raises:
-        ValueError: on a non-positive size, an unknown strategy or device.
+        ValueError: a side too small for the seed CNN, an unknown strategy or device.
+        ImportError: a missing optional dependency.
     """
-    for name in ("batch_size", "side", "repeats"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    if args.side < 27:
-        raise ValueError("--side must be at least 27 for the seed CNN")
-    torch.device(args.device)
-    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    for s in names:
-        if s not in memconv.strategies():
-            raise ValueError(f"unknown strategy {s!r}; accepted: {', '.join(memconv.strategies())}")
-    return list(DEFAULT_EXTRA) + [f"memconv:{s}" for s in names]
-
-
-def machine() -> dict:
-    """CPU model, threads and versions, for the JSON record."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": cpu,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "memconv": memconv.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def format_table(rows: list[dict]) -> str:
-    """Markdown table of the rows."""
-    lines = [
-        "| engine | peak RSS increase (MiB) | allocator peak (MiB) | time (s) | result (MiB) | max rel. deviation |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['engine']} | failed: {r['error']} | | | | |")
-            continue
-        alloc = "-" if r.get("peak_alloc_mib") is None else f"{r['peak_alloc_mib']:,.0f}"
-        lines.append(
-            f"| {r['engine']} | {r['peak_rss_mib']:,.0f} | {alloc} | {r['time_s']:.3f} | "
-            f"{r['result_mib']:,.1f} | {r.get('deviation', float('nan')):.1e} |"
-        )
-    return "\n".join(lines)
+    if args.side < MIN_SIDE["seed"]:
+        raise ValueError(f"--side must be at least {MIN_SIDE['seed']} for the seed CNN")
+    check_device(args.device)
+    names = parse_names(args.strategies, memconv.strategies(), "--strategies")
+    engines = ["autograd", "torch.func"] + [f"memconv:{s}" for s in names]
+    check_dependencies([get_engine(e) for e in engines], plot=bool(args.plot))
+    return engines
 
 
 def main(args) -> int:
     """Run the comparison and print the table; returns the exit status."""
-    from tqdm import tqdm
+    from .report import format_case
+    from .runner import JsonLines, measure_engines
 
     engines = check_arguments(args)
+    started = time.time()
     base = {
+        "case": "compare",
         "model": "seed",
         "batch": args.batch_size,
         "side": args.side,
@@ -109,16 +95,53 @@ def main(args) -> int:
         "device": args.device,
         "repeats": args.repeats,
     }
-    rows = run_engines(base, engines, progress=lambda it: tqdm(it, desc="engines", unit="engine"))
+    out = JsonLines(
+        args.json,
+        {
+            "record": "run",
+            "mode": "compare",
+            "command": command_line(getattr(args, "argv", None)),
+            "machine": machine(),
+            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "plot": args.plot,
+        },
+    )
+    config = {k: base[k] for k in ("model", "batch", "side", "data")}
+
+    def on_row(row):
+        logger.info("%s: %s", row["engine"], _summary(row))
+        out.write({"record": "row", "task": "grads", "case": "compare", "config": config, **row})
+
+    rows = measure_engines(base, engines, task="grads", on_row=on_row)
+    rows.sort(key=lambda r: engines.index(r["engine"]))
     print(
         f"\nseed CNN of BackPACK's save-memory example, batch {args.batch_size} × 1×"
         f"{args.side}×{args.side} ({args.data}), {args.device}, float32\n"
     )
-    print(format_table(rows))
-    worst = max((r.get("deviation", 0.0) for r in rows if "error" not in r), default=0.0)
+    print(format_case("grads", config, rows))
+    worst = max((r.get("deviation", 0.0) for r in rows), default=0.0)
     failed = [r["engine"] for r in rows if "error" in r]
-    print(f"\nlargest relative deviation between any two rows: {worst:.1e}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"case": base, "machine": machine(), "rows": rows}, f, indent=2)
-    return 1 if failed or worst > 1e-4 else 0
+    print(f"\nlargest relative deviation from torch.func: {worst:.1e}")
+    if args.plot:
+        from .plots import plot_cases
+
+        plot_cases([("grads", config, rows)], args.plot)
+    out.write({"record": "done", "elapsed_s": time.time() - started})
+    return 1 if failed or worst > TOLERANCE else 0
+
+
+def _summary(row: dict) -> str:
+    if "skipped" in row:
+        return f"skipped ({row['skipped']})"
+    if "error" in row:
+        return f"failed ({row['error']})"
+    if row.get("aborted"):
+        return "stopped: over the memory limit"
+    parts = [f"peak RSS +{row['peak_rss_mib']:,.0f} MiB"]
+    if row.get("peak_alloc_mib") is not None:
+        parts.append(f"allocator {row['peak_alloc_mib']:,.0f} MiB")
+    if row.get("time_s") is not None:
+        parts.append(f"{row['time_s']:.3f} s")
+    if row.get("deviation") is not None:
+        parts.append(f"deviation {row['deviation']:.1e}")
+    return ", ".join(parts)

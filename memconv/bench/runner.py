@@ -1,80 +1,187 @@
-"""Run measurements in fresh subprocesses and cross-validate their results."""
+"""The one fresh-process runner of ``memconv compare``, ``memconv bench`` and the examples.
+
+:func:`run_in_subprocess` starts ``python -m memconv.bench.worker`` for one
+measurement; :func:`measure_engines` runs a list of engines on one case that way,
+the reference first, and cross-validates each result against the reference's as it
+arrives, handing every row to a callback at once (so that a run stopped midway keeps
+its rows). :class:`JsonLines` writes records one line each, flushed.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
+from .engines import FLOOR, REFERENCE, available, get_engine
 
-def run_in_subprocess(config: dict, timeout: float = 1800) -> dict:
-    """Run :func:`memconv.bench.worker.run` in a fresh Python process.
+logger = logging.getLogger("memconv")
+
+#: Seconds one measurement may take before it is reported as failed.
+DEFAULT_TIMEOUT = 1800
+
+
+def run_in_subprocess(config: dict, timeout: float = DEFAULT_TIMEOUT) -> dict:
+    """Run one measurement (:mod:`memconv.bench.worker`) in a fresh Python process.
 
     Returns:
-        The worker's figures, or ``{"error": message}`` if it failed.
+        The worker's figures; ``{"aborted": True, ...}`` if it stopped past its
+        ``abort_rss_mib``; or ``{"error": message}`` if it failed or timed out.
     """
+    from .worker import ABORTED
+
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "memconv.bench.worker", json.dumps(config)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "memconv.bench.worker", json.dumps(config)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == ABORTED and lines:
+        return json.loads(lines[-1])
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
         message = tail[0]
         return {"error": message if len(message) <= 160 else message[:157] + "..."}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(lines[-1])
 
 
 def max_rel_deviation(a: dict, b: dict) -> float:
-    """Largest ``max|a-b| / max|b|`` over the parameters both results hold."""
+    """Largest ``max|a-b| / max|b|`` over the entries both results hold (a per-sample
+    result is summed over the batch where compared with a summed one)."""
     worst = 0.0
     for name in a.keys() & b.keys():
         x, y = a[name].double(), b[name].double()
         if x.shape != y.shape:
             x = x.sum(0) if x.dim() == y.dim() + 1 else x
             y = y.sum(0) if y.dim() == x.dim() + 1 else y
-        scale = y.abs().max().item() or 1.0
-        worst = max(worst, (x - y).abs().max().item() / scale)
+        scale = y.abs().max().item() if y.numel() else 0.0
+        worst = max(worst, (x - y).abs().max().item() / (scale or 1.0) if x.numel() else 0.0)
     return worst
 
 
-def run_engines(base: dict, engines, progress=None) -> list[dict]:
-    """Measure every engine on the case ``base``, each in a fresh process.
+def execution_order(names: Iterable[str], task: str) -> list[str]:
+    """The reference first (later rows are compared with it as they arrive), then the
+    floor, then the others in the given order."""
+    names = list(dict.fromkeys(names))
+    first = [n for n in (REFERENCE[task], FLOOR[task]) if n in names]
+    return first + [n for n in names if n not in first]
 
-    Each row gets ``deviation``: the largest relative deviation of its result from
-    any other engine's (per-sample results summed where compared with the summed
-    floor).
+
+def measure_engines(
+    base: dict,
+    names: Iterable[str],
+    *,
+    task: str = "grads",
+    on_row: Callable[[dict], None] | None = None,
+    validate: bool = True,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> list[dict]:
+    """Measure engines on one case, each in a fresh process.
+
+    Each row is ``{"engine": name, **figures}`` (or ``"skipped"``/``"error"``) and,
+    when ``validate`` and the reference ran, ``deviation``: the largest relative
+    deviation of its result from the reference's (:data:`REFERENCE`; not given for the
+    clipping task's floor, whose result is not clipped).
 
     Args:
-        base: case configuration (see :mod:`memconv.bench.cases`).
-        engines: engine names.
-        progress: optional tqdm-like wrapper for the iteration.
+        base: the worker configuration without ``engine`` (case, task, repeats, ...).
+        names: engine names (validated before any work).
+        task: ``"grads"`` or ``"clip"``.
+        on_row: called with each row as soon as it is complete.
+        validate: save each result and compare it with the reference's.
+        timeout: seconds per measurement.
+
+    Returns:
+        The rows, in execution order (:func:`execution_order`).
+
+    Raises:
+        ValueError: an unknown engine name.
     """
-    rows = []
+    names = execution_order(names, task)
+    engines = {n: get_engine(n, task) for n in names}
+    rows, reference = [], None
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {}
-        iterator = progress(engines) if progress else engines
-        for name in iterator:
-            path = os.path.join(tmp, f"{len(paths)}.pt")
-            row = {"engine": name, **run_in_subprocess({**base, "engine": name, "out": path})}
-            if "error" not in row:
-                paths[name] = path
+        for i, name in enumerate(names):
+            reason = available(engines[name])
+            if reason:
+                row = {"engine": name, "skipped": reason}
+            elif engines[name].budget and not base.get("memory_budget"):
+                row = {"engine": name, "skipped": "no memory budget for this case"}
+            else:
+                path = os.path.join(tmp, f"{i}.pt") if validate else None
+                config = {**base, "task": task, "engine": name, "out": path}
+                row = {"engine": name, **run_in_subprocess(config, timeout)}
+                if path and "error" not in row:
+                    result = torch.load(path)
+                    os.remove(path)
+                    if name == REFERENCE[task]:
+                        reference = result
+                    if reference is not None and not (
+                        task == "clip" and not engines[name].per_sample
+                    ):
+                        row["deviation"] = max_rel_deviation(result, reference)
+                    del result
+            if engines[name].budget and base.get("memory_budget"):
+                row["memory_budget_mib"] = base["memory_budget"] / 2**20
             rows.append(row)
-        results = {name: torch.load(p) for name, p in paths.items()}
-    for row in rows:
-        mine = results.get(row["engine"])
-        if mine is None:
-            continue
-        others = [r for n, r in results.items() if n != row["engine"]]
-        row["deviation"] = max((max_rel_deviation(mine, o) for o in others), default=0.0)
+            if on_row is not None:
+                on_row(row)
     return rows
+
+
+class JsonLines:
+    """Records written one JSON line each, flushed at once (a run stopped midway keeps
+    every record written so far). ``path=None`` writes nothing.
+
+    Args:
+        path: the file (overwritten).
+        header: the first record (the command and the machine).
+    """
+
+    def __init__(self, path: str | None, header: dict):
+        self.path = path
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(json.dumps(header) + "\n")
+
+    def write(self, record: dict) -> None:
+        """Append one record."""
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def read_records(paths: Iterable[str]) -> list[dict]:
+    """Every record of JSON Lines files, each with ``"file"`` (the path it came from).
+
+    Raises:
+        ValueError: a file that is not JSON Lines (naming it and the line).
+    """
+    records = []
+    for path in paths:
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{i} is not a JSON line: {err}") from err
+                records.append({**record, "file": str(path)})
+    return records

@@ -1,0 +1,200 @@
+"""Models of the benchmarks, the main job (``memconv compare``) and the examples."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def _pooled(side: int, kernel: int, stride: int, padding: int = 0) -> int:
+    return (side + 2 * padding - kernel) // stride + 1
+
+
+def seed_cnn(side: int = 28, in_channels: int = 1, num_classes: int = 10, conv=nn.Conv2d):
+    """The CNN of BackPACK's "Saving memory in convolutions" example.
+
+    Conv2d(C,128,3,p1)–ReLU–MaxPool(3,s2)–Conv2d(128,256,3,p1)–ReLU–MaxPool(3,p1,s2)–
+    Conv2d(256,64,3,p1)–ReLU–MaxPool(3,s2)–Conv2d(64,32,3,p1)–ReLU–MaxPool(3,s2)–
+    Flatten–Linear, with the Linear sized for ``side``.
+
+    Args:
+        side: input image side (at least 27).
+        in_channels: C.
+        num_classes: outputs of the Linear layer.
+        conv: convolution class (``torch.nn.Conv2d`` or ``memconv.Conv2d``).
+
+    Raises:
+        ValueError: if ``side`` is too small for the four poolings.
+    """
+    s = _pooled(_pooled(_pooled(_pooled(side, 3, 2), 3, 2, 1), 3, 2), 3, 2)
+    if s < 1:
+        raise ValueError(f"side must be at least 27 for the seed CNN, got {side}")
+    return nn.Sequential(
+        conv(in_channels, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2),
+        conv(128, 256, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, padding=1, stride=2),
+        conv(256, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2),
+        conv(64, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2),
+        nn.Flatten(),
+        nn.Linear(32 * s * s, num_classes),
+    )
+
+
+def group_norm(channels: int, groups: int = 32) -> nn.GroupNorm:
+    """``GroupNorm(min(groups, C), C)``."""
+    return nn.GroupNorm(min(groups, channels), channels)
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3×3 convolutions with normalisation and a shortcut.
+
+    Args:
+        c_in: input channels.
+        c_out: output channels.
+        stride: stride of the first convolution (and of the shortcut's).
+        norm: ``norm(channels)`` builds a normalisation layer (default BatchNorm2d).
+    """
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1, norm=nn.BatchNorm2d):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = norm(c_out)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = norm(c_out)
+        self.downsample = None
+        if stride != 1 or c_in != c_out:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), norm(c_out)
+            )
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        shortcut = x if self.downsample is None else self.downsample(x)
+        return self.relu(out + shortcut)
+
+
+def resnet18_shaped(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
+    """A ResNet-18-shaped CNN (He et al. 2016; torchvision's layout, not imported),
+    with its BatchNorm layers in eval mode so that samples stay independent."""
+    layers = [
+        nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+    ]
+    c = 64
+    for width, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [BasicBlock(c, width, stride), BasicBlock(width, width)]
+        c = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)]
+    return nn.Sequential(*layers).eval()
+
+
+def resnet18_gn(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
+    """CIFAR ResNet-18 with GroupNorm (11.2 M parameters for 3 channels and 10 classes).
+
+    The CIFAR layout of He et al. (2016): a 3×3 stem convolution with stride 1 and no
+    max-pool, four stages of two BasicBlocks (64, 128, 256, 512 channels), global
+    average pooling and a Linear layer; every normalisation is
+    ``GroupNorm(min(32, C), C)``, so that samples stay independent in training mode.
+    """
+    layers = [nn.Conv2d(in_channels, 64, 3, padding=1, bias=False), group_norm(64), nn.ReLU()]
+    c = 64
+    for width, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [
+            BasicBlock(c, width, stride, group_norm),
+            BasicBlock(width, width, 1, group_norm),
+        ]
+        c = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)]
+    return nn.Sequential(*layers)
+
+
+class WideBlock(nn.Module):
+    """Pre-activation wide-ResNet block: (GroupNorm, ReLU, 3×3 conv) twice, and a shortcut
+    (a 1×1 convolution where the shape changes)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, groups: int = 16):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(min(groups, c_in), c_in)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.norm2 = nn.GroupNorm(min(groups, c_out), c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.relu = nn.ReLU()
+        self.shortcut = None
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False)
+
+    def forward(self, x):
+        out = self.relu(self.norm1(x))
+        shortcut = x if self.shortcut is None else self.shortcut(out)
+        out = self.conv2(self.relu(self.norm2(self.conv1(out))))
+        return out + shortcut
+
+
+def wrn16_4_gn(in_channels: int = 3, num_classes: int = 10, groups: int = 16) -> nn.Module:
+    """WideResNet-16-4 with GroupNorm (2.75 M parameters), the CIFAR-10 model of De et al.
+    (2022), "Unlocking high-accuracy differentially private image classification
+    through scale".
+
+    Zagoruyko & Komodakis' layout: a 3×3 stem convolution to 16 channels, three
+    groups of two pre-activation blocks (64, 128, 256 channels; strides 1, 2, 2), a
+    final GroupNorm and ReLU, global average pooling and a Linear layer. Every
+    normalisation is ``GroupNorm(16, C)`` as in De et al. (their weight
+    standardisation and augmentation multiplicity are left out: they change neither
+    the layer shapes nor the per-sample gradient computation).
+    """
+    layers = [nn.Conv2d(in_channels, 16, 3, padding=1, bias=False)]
+    c = 16
+    for width, stride in ((64, 1), (128, 2), (256, 2)):
+        layers += [WideBlock(c, width, stride, groups), WideBlock(width, width, 1, groups)]
+        c = width
+    layers += [
+        nn.GroupNorm(min(groups, c), c),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(c, num_classes),
+    ]
+    return nn.Sequential(*layers)
+
+
+def conv1d_net(in_channels: int = 1, num_classes: int = 10) -> nn.Module:
+    """A small 1-D CNN for signals ``[N, C, L]``."""
+    return nn.Sequential(
+        nn.Conv1d(in_channels, 32, 7, padding=3),
+        nn.ReLU(),
+        nn.MaxPool1d(2),
+        nn.Conv1d(32, 64, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool1d(2),
+        nn.Conv1d(64, 64, 3, padding=2, dilation=2, groups=2),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool1d(1),
+        nn.Flatten(),
+        nn.Linear(64, num_classes),
+    )
+
+
+def conv3d_net(in_channels: int = 1, num_classes: int = 10) -> nn.Module:
+    """A small 3-D CNN for volumes ``[N, C, D, H, W]``."""
+    return nn.Sequential(
+        nn.Conv3d(in_channels, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool3d(2),
+        nn.Conv3d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool3d(2),
+        nn.Conv3d(32, 32, 3, padding=1, groups=2),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool3d(1),
+        nn.Flatten(),
+        nn.Linear(32, num_classes),
+    )

@@ -1,0 +1,199 @@
+"""Command-line options shared by ``memconv compare`` and ``memconv bench``, their
+checks (before any work), and the check of optional dependencies."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shlex
+import sys
+
+from .data import SOURCES
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer ≥ 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a positive finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def add_common(parser: argparse.ArgumentParser, *, data_default: str | None) -> None:
+    """``--data``, ``--device``, ``--repeats``, ``--json``, ``--plot``."""
+    natural = (
+        f"default: {data_default}"
+        if data_default
+        else "default: each case's own real data, digits for the seed CNN and photo crops "
+        "for the others"
+    )
+    parser.add_argument(
+        "--data",
+        choices=SOURCES,
+        default=data_default,
+        help="input data: scikit-learn's handwritten digits, crops of scikit-image's "
+        f"photographs, or random noise ({natural})",
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default: cpu)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=non_negative_int,
+        default=3,
+        metavar="R",
+        help="timed calls per measurement; the median is reported (default: 3; 0: no timing)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write every measurement to PATH as JSON Lines, one line as each "
+        "measurement completes (the first line records the command and the machine)",
+    )
+    parser.add_argument(
+        "--plot", metavar="PATH", help="save a figure of the results to PATH (needs matplotlib)"
+    )
+
+
+def parse_names(text: str | None, accepted, option: str) -> list[str] | None:
+    """A comma-separated list of names, each one of ``accepted`` (``"all"``: all of them).
+
+    Raises:
+        ValueError: an empty list or an unknown name (naming the option and the
+            accepted names).
+    """
+    if text is None:
+        return None
+    accepted = list(accepted)
+    if text.strip() == "all":
+        return accepted
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"{option} needs at least one name; accepted: {', '.join(accepted)}")
+    for n in names:
+        if n not in accepted:
+            raise ValueError(f"{option}: unknown name {n!r}; accepted: {', '.join(accepted)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_range(text: str, option: str = "--range") -> list[int]:
+    """``"8,16,32"``: positive integers, strictly increasing, at least one.
+
+    Raises:
+        ValueError: naming the option and what is wrong.
+    """
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise ValueError(
+            f"{option} must be a comma-separated list of positive integers, e.g. 8,16,32; "
+            f"got {text!r}"
+        )
+    values = []
+    for p in parts:
+        try:
+            v = int(p)
+        except ValueError:
+            raise ValueError(f"{option}: {p!r} is not an integer (got {text!r})") from None
+        if v < 1:
+            raise ValueError(f"{option}: values must be positive, got {v} in {text!r}")
+        values.append(v)
+    for a, b in zip(values, values[1:]):
+        if b <= a:
+            raise ValueError(f"{option}: values must be strictly increasing, got {a} then {b}")
+    return values
+
+
+def check_device(device: str) -> None:
+    """Raise unless ``device`` names a torch device that is available.
+
+    Raises:
+        ValueError: naming the option.
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"--device: {err}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here")
+
+
+def check_dependencies(engines=(), *, plot: bool = False, measure: bool = True) -> None:
+    """Raise before a long run if a needed optional package is missing.
+
+    Args:
+        engines: the :class:`~memconv.bench.engines.Engine` objects asked for by name.
+        plot: matplotlib is needed.
+        measure: memory_profiler is needed.
+
+    Raises:
+        ImportError: naming each missing package and how to install it.
+    """
+    needs = {}
+    if measure:
+        needs["memory_profiler"] = "pip install memory_profiler"
+    if plot:
+        needs["matplotlib"] = "pip install 'memconv[plot]' (or drop --plot)"
+    for engine in engines:
+        if engine.requires:
+            needs[engine.requires] = (
+                f"pip install 'memconv[peers]' (or leave out the engine {engine.name})"
+            )
+    missing = [f"{m}: {how}" for m, how in needs.items() if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError("missing optional dependencies: " + "; ".join(missing))
+
+
+def command_line(argv=None) -> str:
+    """The command as typed, ``memconv ...``."""
+    argv = sys.argv[1:] if argv is None else argv
+    return "memconv " + shlex.join(argv)
+
+
+def machine() -> dict:
+    """CPU model, threads and versions, for the JSON records."""
+    import platform
+
+    import torch
+
+    import memconv
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "memconv": memconv.__version__,
+        "python": platform.python_version(),
+    }
