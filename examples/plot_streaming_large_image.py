@@ -28,7 +28,7 @@ from torch import nn
 
 from memconv.bench.data import load_mosaic
 from memconv.bench.models import streaming_net
-from memconv.bench.runner import run_engines
+from memconv.bench.runner import measure_engines
 from memconv.streaming import StreamingCNN
 
 FULL = os.environ.get("MEMCONV_FULL", "") not in ("", "0")
@@ -87,7 +87,7 @@ for side in SIDES:
     engines = (
         ["memconv-streaming"] if side > CONVENTIONAL_MAX else ["autograd", "memconv-streaming"]
     )
-    for row in run_engines(case, engines):
+    for row in measure_engines(case, engines, reference="autograd"):
         rows.append({"side": side, **row})
 
 print(

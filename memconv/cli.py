@@ -1,4 +1,4 @@
-"""The ``memconv`` command: ``compare`` (the main job), ``bench`` and ``list``."""
+"""Command line: ``memconv compare`` (the main job), ``memconv bench`` and ``memconv list``."""
 
 from __future__ import annotations
 
@@ -6,110 +6,99 @@ import argparse
 import logging
 import sys
 
-from ._version import __version__
-
-DESCRIPTION = """\
-Measure memconv's memory-lean convolution backward passes against autograd,
-torch.func, BackPACK and Opacus. Every measurement runs in a fresh Python
-process; the results of all engines are checked against each other.
-"""
-
-EPILOG = """\
-compare and bench need the 'bench' extra (pip install 'memconv[bench]'); the
-BackPACK and Opacus engines need the 'backpack' and 'opacus' extras.
-Run 'memconv COMMAND --help' for the options of a command.
-"""
-
-
-def _list(args) -> int:
-    """Print the accepted strategy, engine, model and data names."""
-    import memconv
-
-    from .bench.cases import MODELS
-    from .bench.data import SOURCES
-    from .bench.engines import ENGINES, available
-
-    print("strategies (--strategies):")
-    for name in memconv.strategies():
-        print(f"  {name}")
-    print("engines (--engines):")
-    for name, engine in ENGINES.items():
-        why = available(engine)
-        print(f"  {name}" + (f"  [unavailable: {why}]" if why else ""))
-    print("models (memconv bench --models):")
-    for name in MODELS:
-        print(f"  {name}")
-    print("data (--data):")
-    for name in SOURCES:
-        print(f"  {name}")
-    return 0
+DESCRIPTION = (
+    "memconv: exact, memory-lean per-sample gradients, DP-SGD clipping and whole-call "
+    "memory budgets for CNNs. Commands: compare (every memconv strategy on the seed CNN, "
+    "validated against torch.func), bench (engines of memconv and its peers on benchmark "
+    "cases: matrix, sweeps, largest batch within a memory limit, reports), list (the "
+    "accepted names of tasks, engines, cases, strategies and data)."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``memconv`` argument parser with its sub-commands."""
+    import memconv
+
     from .bench import bench, compare
-    from .bench.options import HelpFormatter
 
     parser = argparse.ArgumentParser(
-        prog="memconv", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter
+        prog="memconv",
+        description=DESCRIPTION,
+        epilog="Run 'memconv COMMAND --help' for the options of a command.",
     )
-    parser.add_argument("--version", action="version", version=f"memconv {__version__}")
+    parser.add_argument("--version", action="version", version=f"memconv {memconv.__version__}")
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="progress messages off (warnings only)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = (
-        ("compare", compare, "every strategy on the seed CNN, measured and cross-checked"),
-        ("bench", bench, "every engine on a matrix of cases: memory, time, cost model"),
+        ("compare", compare, "every memconv strategy on the seed CNN, validated (the main job)"),
+        ("bench", bench, "engines of memconv and its peers on benchmark cases"),
     )
     for name, module, summary in commands:
-        p = sub.add_parser(
-            name, help=summary, description=module.DESCRIPTION, formatter_class=HelpFormatter
-        )
+        p = sub.add_parser(name, help=summary, description=module.DESCRIPTION)
         module.add_arguments(p)
-        _add_verbosity(p)
-        p.set_defaults(func=module.main)
+        p.set_defaults(func=module.main, parser=p)
     p = sub.add_parser(
         "list",
-        help="the accepted strategy, engine, model and data names",
-        description="Print the names --strategies, --engines, --models and --data accept, "
-        "and which engines cannot run here for want of an optional dependency.",
-        formatter_class=HelpFormatter,
+        help="the accepted names of tasks, engines, cases, strategies and data",
+        description="Print the tasks, engines (per task), cases, memconv strategies and "
+        "data sources that compare and bench accept, with a line on each.",
     )
-    _add_verbosity(p)
-    p.set_defaults(func=_list)
+    p.set_defaults(func=list_names, parser=p)
     return parser
 
 
-def _add_verbosity(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument(
-        "-v", "--verbose", action="store_true", help="log what memconv does (DEBUG level)"
-    )
-    group.add_argument("-q", "--quiet", action="store_true", help="log errors only")
+def list_names(args) -> int:
+    """``memconv list``: every accepted name, with a line on each."""
+    import memconv
+
+    from .bench.cases import CASES, describe
+    from .bench.data import SOURCES
+    from .bench.engines import ENGINES, available
+
+    print("tasks (memconv bench --task):")
+    print("  grads  per-sample gradients")
+    print("  clip   DP-SGD clipped sums of per-sample gradients")
+    for task, engines in ENGINES.items():
+        print(f"\nengines of task {task} (memconv bench --engines):")
+        width = max(len(n) for n in engines)
+        for name, engine in engines.items():
+            missing = available(engine)
+            note = f"  [{missing}]" if missing else ""
+            print(f"  {name:{width}s}  {engine.summary}{note}")
+    print("\ncases (memconv bench --cases):")
+    width = max(len(n) for n in CASES)
+    for name, case in CASES.items():
+        print(f"  {name:{width}s}  {describe(case.config())}: {case.summary}")
+    print("\nstrategies (memconv compare --strategies):")
+    print("  " + ", ".join(memconv.strategies()))
+    print("\ndata (--data):")
+    print("  " + ", ".join(SOURCES))
+    return 0
 
 
-def _configure_logging(args) -> None:
-    level = logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.INFO
+def _configure_logging(quiet: bool) -> None:
     logger = logging.getLogger("memconv")
-    if not logger.handlers:
+    if not any(getattr(h, "_memconv_cli", False) for h in logger.handlers):
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("memconv: %(levelname)s: %(message)s"))
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._memconv_cli = True
         logger.addHandler(handler)
-    logger.setLevel(level)
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
 
 
 def main(argv=None) -> int:
     """Entry point of the ``memconv`` console script."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    _configure_logging(args)
-    from .bench.report import MissingDependencyError
-
+    args.argv = argv
+    _configure_logging(args.quiet)
     try:
         return args.func(args)
-    except MissingDependencyError as err:
-        print(f"memconv {args.command}: {err}", file=sys.stderr)
-        return 2
-    except ValueError as err:
-        parser.error(str(err))
+    except (ValueError, ImportError) as err:
+        args.parser.error(str(err))
 
 
 if __name__ == "__main__":

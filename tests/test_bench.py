@@ -1,4 +1,6 @@
-"""The benchmark machinery: every engine agrees with torch.func (small shapes)."""
+"""The benchmark machinery: every engine agrees with torch.func (small shapes, float64,
+in process), for per-sample gradients and for clipped sums; the bisection of the
+largest batch; the JSON Lines records and the report; a slow end-to-end smoke test."""
 
 import json
 import subprocess
@@ -8,66 +10,224 @@ from pathlib import Path
 import pytest
 import torch
 
+import memconv
 from memconv.bench.cases import build_case
-from memconv.bench.engines import ENGINES, available
-from memconv.bench.runner import max_rel_deviation
+from memconv.bench.engines import ENGINES, NORMS, available, clip_sum
+from memconv.bench.largest import search
+from memconv.bench.runner import max_rel_deviation, read_records
 
-# layers the peers do not support (BatchNorm) are expected to fail there
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+MiB = 2**20
+
+# layers the peers do not support are expected to fail there, loudly
 UNSUPPORTED = {
     ("resnet18", "expanded-weights"),
     ("resnet18", "opacus-hooks"),
     ("resnet18", "opacus-functorch"),
+    ("resnet18", "opacus-ghost"),
+    *((m, e) for m in ("resnet18-gn", "wrn16-4-gn") for e in ENGINES["grads"] if "backpack" in e),
 }
 CASES = [
-    {"model": "seed", "batch": 3, "side": 28},
-    {"model": "resnet18", "batch": 2, "side": 32},
+    {"model": "seed", "batch": 2, "side": 28},
+    {"model": "resnet18-gn", "batch": 2, "side": 8},
+    {"model": "wrn16-4-gn", "batch": 2, "side": 8},
     {"model": "conv1d", "batch": 3, "side": 64},
-    {"model": "conv3d", "batch": 2, "side": 8, "depth": 4},
+    {"model": "conv3d", "batch": 3, "side": 8, "depth": 4},
 ]
+IDS = [c["model"] for c in CASES]
+#: For per-sample gradients, the GroupNorm ResNets (11.2 M and 2.75 M parameters) run
+#: one strategy ("auto") per memconv family, to keep the test fast: the strategies are
+#: per-convolution algorithms, each checked on every convolution kind of these models
+#: (strided, 1×1, grouped, dilated, 1-D, 3-D) by the other cases and by test_strategies.
+ONE_STRATEGY = {"resnet18-gn", "wrn16-4-gn"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: at these tiny shapes, threads only add overhead."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(case, task, name, **options):
+    model, x, y = build_case({**case, "data": "random"}, CPU)
+    model, x = model.double(), x.double()
+    engine = ENGINES[task][name]
+    if engine.budget:  # halfway between the smallest feasible budget and the free peak
+        plan = memconv.plan(model, x, task=task)
+        options["memory_budget"] = (plan.smallest_budget + plan.predicted_peak) // 2
+    return engine.run(model, x, y, **options)
+
+
+def _engines(case, task):
+    for name, engine in ENGINES[task].items():
+        if available(engine) or (case["model"], name) in UNSUPPORTED:
+            continue
+        one = case["model"] in ONE_STRATEGY and task == "grads"
+        if one and ":" in name and not name.endswith((":auto", ":budget")):
+            continue
+        yield name, engine
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("case", CASES, ids=[c["model"] for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_every_engine_agrees_with_torch_func(case):
-    def run(name):
-        model, x, y = build_case(case, torch.device("cpu"))
-        return ENGINES[name].run(model.double(), x.double(), y)
-
-    reference = run("torch.func")
-    for name, engine in ENGINES.items():
-        if available(engine) or (case["model"], name) in UNSUPPORTED:
-            continue
-        result = run(name)
+    reference = _run(case, "grads", "torch.func")
+    for name, engine in _engines(case, "grads"):
+        result = _run(case, "grads", name)
         assert max_rel_deviation(result, reference) < 1e-10, name
         if engine.per_sample and not name.startswith("memconv-modules"):
             assert set(result) == set(reference), name
 
 
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_every_clipping_engine_agrees_with_torch_func_clipping(case):
+    grads = _run(case, "grads", "torch.func")
+    norms = clip_sum(grads, 1.0)[NORMS]
+    max_norm = norms.sort().values[:2].mean().item()  # some samples clipped, some not
+    assert (norms > max_norm).any() and (norms <= max_norm).any()
+    reference = clip_sum(grads, max_norm)
+    assert max_rel_deviation(_run(case, "clip", "torch.func", max_norm=max_norm), reference) == 0
+    for name, engine in _engines(case, "clip"):
+        result = _run(case, "clip", name, max_norm=max_norm)
+        if not engine.per_sample:  # the non-private floor: the plain summed gradient
+            assert NORMS not in result
+            continue
+        assert set(result) == set(reference), name
+        assert max_rel_deviation(result, reference) < 1e-10, name
+
+
 def test_unsupported_peers_fail_loudly():
-    model, x, y = build_case(CASES[1], torch.device("cpu"))
+    model, x, y = build_case({"model": "resnet18", "batch": 2, "side": 16}, CPU)
     with pytest.raises(Exception, match="batch_norm"):
-        ENGINES["expanded-weights"].run(model, x, y)
+        ENGINES["grads"]["expanded-weights"].run(model, x, y)
+    model, x, y = build_case({"model": "resnet18-gn", "batch": 2, "side": 8}, CPU)
+    if not available(ENGINES["grads"]["backpack"]):
+        with pytest.raises(NotImplementedError, match="does not support GroupNorm"):
+            ENGINES["grads"]["backpack"].run(model, x, y)
+
+
+def test_models_have_the_documented_sizes():
+    sizes = {"resnet18-gn": 11_173_962, "wrn16-4-gn": 2_748_890}
+    for name, size in sizes.items():
+        model, _, _ = build_case({"model": name, "batch": 1, "side": 8, "data": "random"}, CPU)
+        assert sum(p.numel() for p in model.parameters()) == size
+        assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+
+
+@pytest.mark.parametrize("intercept, slope", [(100, 5.3), (50, 40.0), (3000, 0.01), (5000, 1.0)])
+def test_largest_batch_search_brackets_the_limit(intercept, slope):
+    limit = 4096.0
+    probes = []
+
+    def probe(n):
+        probes.append(n)
+        peak = intercept + slope * n
+        return {"aborted": True} if peak > 1.5 * limit else {"peak_alloc_mib": peak}
+
+    result = search(probe, limit, start=64, cap=4096)
+    true = max(0, min(4096, int((limit - intercept) // slope)))
+    assert result["largest"] <= true
+    if result["capped"]:
+        assert true == 4096 and result["largest"] == 4096
+    else:
+        assert result["smallest_failing"] > true
+        assert result["smallest_failing"] - result["largest"] <= max(1, 0.03 * result["largest"])
+    assert len(probes) == len(set(probes)) <= 8
+
+
+def test_largest_batch_search_reports_a_non_memory_failure():
+    result = search(lambda n: {"error": "RuntimeError: unsupported"}, 4096.0, 64, 1024)
+    assert result == {"error": "RuntimeError: unsupported", "probes": 2}
+
+
+def test_report_renders_tables_and_targets_from_records(tmp_path):
+    from memconv.bench.report import fill, render
+
+    path = tmp_path / "clip.jsonl"
+    config = {"model": "resnet18-gn", "batch": 64, "side": 32}
+    lines = [
+        {"record": "run", "mode": "matrix", "task": "clip", "command": "memconv bench --task clip",
+         "machine": {"cpu": "x", "threads": 2, "torch": "t", "memconv": "m", "python": "p"},
+         "started": "2025-01-01T00:00:00+00:00", "plot": None},
+        {"record": "row", "task": "clip", "case": "resnet18-gn", "config": config,
+         "engine": "non-private", "peak_rss_mib": 400.0, "peak_alloc_mib": 380.0, "time_s": 2.0,
+         "result_mib": 42.6},
+        {"record": "row", "task": "clip", "case": "resnet18-gn", "config": config,
+         "engine": "torch.func", "peak_rss_mib": 9000.0, "peak_alloc_mib": 8800.0, "time_s": 9.0,
+         "result_mib": 42.6, "deviation": 0.0},
+        {"record": "row", "task": "clip", "case": "resnet18-gn", "config": config,
+         "engine": "memconv:auto", "peak_rss_mib": 440.0, "peak_alloc_mib": 420.0, "time_s": 4.0,
+         "result_mib": 42.6, "deviation": 1e-7},
+        {"record": "done", "elapsed_s": 120.0},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    sections = render(read_records([str(path)]))
+    assert (
+        "| memconv:auto | 440 | 420 | 4.000 | 1.10 | 1.11 | 2.00 | 0.44 | 1.0e-07 |"
+        in (sections["clip"])
+    )
+    assert "allocator 1.11 × (met), RSS 1.10 × (met)" in sections["targets"]
+    assert "time ≤ 1.6 × non-private: 2.00 × (**missed**)" in sections["targets"]
+    assert "memconv bench --task clip    # 2025-01-01, 2.0 min" in sections["commands"]
+    page = "intro\n<!-- bench:targets -->\nold\n<!-- /bench:targets -->\nend\n"
+    filled = fill(page, sections)
+    assert (
+        filled.startswith("intro\n<!-- bench:targets -->\n- ResNet-18-GN") and "old" not in filled
+    )
+    with pytest.raises(ValueError, match="unknown section"):
+        fill("<!-- bench:nope -->\n<!-- /bench:nope -->", sections)
+
+
+def _memconv(*args, timeout=1800):
+    return subprocess.run(
+        [sys.executable, "-m", "memconv", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow
 def test_bench_quick_smoke(tmp_path):
-    """``memconv bench --quick``: every engine runs in a fresh process and agrees."""
-    out = tmp_path / "bench.json"
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "memconv", "bench", "--quick", "--repeats", "1", "--json", str(out)],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
-    for case in data["cases"]:
-        for row in case["rows"]:
+    """``memconv bench --quick`` (both tasks) and a quick sweep, end to end: every engine
+    runs in a fresh process and agrees; the records are complete; the report renders."""
+    files = []
+    for task in ("grads", "clip"):
+        out = tmp_path / f"{task}.jsonl"
+        proc = _memconv("bench", "--quick", "--task", task, "--repeats", "1", "--json", str(out))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        records = read_records([str(out)])
+        assert records[0]["record"] == "run" and records[-1]["record"] == "done"
+        for row in (r for r in records if r["record"] == "row"):
             if "deviation" in row:
                 assert row["deviation"] < 1e-4, row
             else:
-                assert "skipped" in row or (case["case"]["model"], row["engine"]) in UNSUPPORTED, (
-                    row
-                )
+                assert (
+                    "skipped" in row
+                    or not ENGINES[task][row["engine"]].per_sample
+                    or (row["config"]["model"], row["engine"]) in UNSUPPORTED
+                ), row
+        files.append(str(out))
+    out, plot = tmp_path / "sweep.jsonl", tmp_path / "sweep.png"
+    proc = _memconv(
+        "bench", "--sweep", "batch", "--range", "2,4", "--cases", "seed-28",
+        "--engines", "autograd,torch.func,memconv:auto", "--repeats", "1",
+        "--json", str(out), "--plot", str(plot),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sweep = [r for r in read_records([str(out)]) if r["record"] == "sweep"]
+    assert {(r["value"], r["engine"]) for r in sweep} == {
+        (v, e) for v in (2, 4) for e in ("autograd", "torch.func", "memconv:auto")
+    }
+    assert plot.stat().st_size > 10_000
+    page = tmp_path / "page.md"
+    proc = _memconv("bench", "--report", *files, str(out), "--markdown", str(page))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = page.read_text()
+    assert "<!-- bench:clip -->" in text and "memconv:two-pass" in text and "Time (s)" in text

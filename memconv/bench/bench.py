@@ -1,154 +1,328 @@
-"""``memconv bench``: every engine on a matrix of cases, each run in a fresh process.
+"""``memconv bench``: engines on cases, each measurement in a fresh process.
 
-Per (case, engine): peak memory increase two ways (process RSS by
-``memory_profiler``; allocator level by the PyTorch profiler on CPU or
-``torch.cuda.max_memory_allocated``), median run time after a warm-up, size of the
-per-sample result, and the largest relative deviation from the other rows. Then the
-cost model (:func:`memconv.predict_memory`) against the measured extra memory of
-each strategy on each convolution layer, and the design targets as measured ratios.
+Four modes:
+
+- the matrix (default): every engine of a task on each case: peak memory increase
+  two ways (process RSS by ``memory_profiler``; allocator level by the PyTorch
+  profiler on the CPU or ``torch.cuda.max_memory_allocated``), median run time,
+  size of the result, and the largest relative deviation from torch.func's result;
+  for the ``grads`` task also the cost model against the measured extra memory of
+  each strategy on each convolution layer; then the targets as measured ratios;
+- ``--sweep batch|side``: memory and time of each engine over a range of batch sizes
+  or image sides;
+- ``--largest-batch``: the largest batch each engine fits within a memory limit
+  (:mod:`memconv.bench.largest`);
+- ``--report FILE...``: tables rendered from the JSON Lines files of earlier runs
+  (``--markdown PAGE`` refills a page's marked sections, :mod:`memconv.bench.report`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import time
+from datetime import datetime, timezone
 
 import torch
 
 import memconv
 
-from .cases import MODELS, describe
-from .engines import ENGINES
-from .options import add_common_arguments, data_needs, engine_needs, listed
-from .report import JsonRecord, machine, plot, require
-from .report import missing as missing_modules
-from .runner import Job, run_engines
+from .cases import CASES, MIN_SIDE, describe
+from .engines import BUDGET_ENGINE, ENGINES, TASKS, available, get_engine
+from .options import (
+    add_common,
+    check_dependencies,
+    check_device,
+    command_line,
+    machine,
+    parse_names,
+    parse_range,
+    positive_float,
+    positive_int,
+)
 
 logger = logging.getLogger("memconv")
-
-#: The engines every case runs; the seed cases run all of :data:`ENGINES`.
-CORE_ENGINES = (
-    "autograd",
-    "torch.func",
-    "expanded-weights",
-    "opacus-hooks",
-    "backpack-save-memory",
-    "memconv:shift",
-    "memconv:rochette",
-    "memconv:auto",
-    "memconv-modules:auto",
-    "memconv-backpack:auto",
-)
-
-#: (case configuration, engine selection): the default matrix.
-DEFAULT_CASES = (
-    ({"model": "seed", "batch": 32, "side": 112}, "all"),
-    ({"model": "seed", "batch": 64, "side": 28}, "all"),
-    ({"model": "resnet18", "batch": 8, "side": 64}, "core"),
-    ({"model": "conv1d", "batch": 32, "side": 2048}, "core"),
-    ({"model": "conv3d", "batch": 8, "side": 24, "depth": 16}, "core"),
-)
-QUICK_CASES = (
-    ({"model": "seed", "batch": 4, "side": 28}, "all"),
-    ({"model": "resnet18", "batch": 2, "side": 32}, "core"),
-    ({"model": "conv1d", "batch": 4, "side": 128}, "core"),
-    ({"model": "conv3d", "batch": 2, "side": 8, "depth": 4}, "core"),
-)
 MiB = 2**20
-#: Largest relative deviation between two rows that still counts as agreement.
-TOLERANCE = 1e-3
-#: The label of ``"auto"`` run with half of torch.func's peak as its memory budget.
-BUDGET_ROW = "memconv:auto (budget)"
 
-DESCRIPTION = """\
-Measure every per-sample gradient engine (plain autograd, torch.func, torch's
-ExpandedWeights, Opacus, BackPACK, and memconv's strategies three ways: as
-per_sample_grads, as extended modules, and under BackPACK) on a matrix of cases:
-the seed CNN at two sizes, a ResNet-18-shaped CNN, a 1-D and a 3-D CNN. Each
-(case, engine) runs in a fresh Python process. Reports peak memory, median run
-time and the largest relative deviation between engines per case, then memconv's
-memory cost model against the measured extra memory of each convolution layer, and
-the design targets as measured ratios. About 16 minutes on 2 CPU cores; --quick
-runs small shapes in a few minutes. Engines whose optional peer (BackPACK, Opacus)
-is not installed are skipped unless named with --engines.
-"""
+DESCRIPTION = (
+    "Measure engines (memconv's and its peers': torch.func, Opacus, BackPACK, torch's "
+    "ExpandedWeights) on benchmark cases, each measurement in a fresh process: peak memory "
+    "increase (process RSS and allocator level), median run time, and each result's "
+    "largest relative deviation from torch.func's. Task grads: per-sample gradients. "
+    "Task clip: DP-SGD's clipped sum of per-sample gradients. By default the matrix of "
+    "cases and engines of the task; --sweep, --largest-batch and --report are the other "
+    "modes. Run 'memconv list' for the engines and cases with a line on each."
+)
+
+#: Cases of the matrix, per task.
+DEFAULT_CASES = {
+    "grads": ("seed-112", "seed-28", "resnet18-gn", "conv1d", "conv3d"),
+    "clip": ("resnet18-gn", "wrn16-4-gn", "seed-112", "conv1d", "conv3d"),
+}
+#: Engines the matrix runs on cases other than the seed CNN's (task grads).
+CORE_GRADS = (
+    "autograd", "torch.func", "expanded-weights", "opacus-hooks", "backpack-save-memory",
+    "memconv:shift", "memconv:rochette", "memconv:auto", BUDGET_ENGINE,
+    "memconv-modules:auto", "memconv-backpack:auto",
+)  # fmt: skip
+SWEEP_ENGINES = {
+    "grads": ("autograd", "torch.func", "opacus-hooks", "backpack-save-memory",
+              "memconv:auto", "memconv-modules:auto"),
+    "clip": ("non-private", "torch.func", "opacus-hooks", "opacus-ghost", "memconv:auto",
+             "memconv:two-pass"),
+}  # fmt: skip
+LARGEST_ENGINES = {
+    "grads": ("autograd", "torch.func", "opacus-hooks", "backpack-save-memory",
+              "memconv:auto", BUDGET_ENGINE),
+    "clip": ("non-private", "torch.func", "opacus-hooks", "opacus-ghost", "memconv:auto",
+             "memconv:two-pass", BUDGET_ENGINE),
+}  # fmt: skip
+LARGEST_CASES = {"grads": ("seed-112",), "clip": ("resnet18-gn", "seed-112")}
+SWEEPS = ("batch", "side")
+DEFAULT_RANGE = {"batch": "8,16,32,64,128,256,512", "side": "28,56,112,168,224"}
+#: A sweep stops an engine's run past this RSS increase, and runs it no further.
+SWEEP_ABORT_MIB = 16 * 1024
+#: Largest relative deviation from torch.func accepted (float32).
+TOLERANCE = 1e-3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``memconv bench``."""
-    parser.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")
-    parser.add_argument(
-        "--models",
+    what = parser.add_argument_group("what to measure")
+    what.add_argument(
+        "--task",
+        choices=TASKS,
+        default="grads",
+        help="grads: per-sample gradients; clip: DP-SGD clipped sums (default: grads)",
+    )
+    what.add_argument(
+        "--cases",
+        metavar="NAMES",
+        help="comma-separated case names, or all; accepted: "
+        + ", ".join(CASES)
+        + ". Default for the matrix: "
+        + "; ".join(f"task {t}: {', '.join(c)}" for t, c in DEFAULT_CASES.items())
+        + "; for a sweep: seed-28; for --largest-batch: "
+        + "; ".join(f"task {t}: {', '.join(c)}" for t, c in LARGEST_CASES.items()),
+    )
+    what.add_argument(
+        "--engines",
+        metavar="NAMES",
+        help="comma-separated engine names, or all (default: all engines of the task on "
+        "the seed CNN's cases, a core set on the others). Accepted for task grads: "
+        + ", ".join(ENGINES["grads"])
+        + ". Accepted for task clip: "
+        + ", ".join(ENGINES["clip"]),
+    )
+    what.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")
+    what.add_argument(
+        "--batch-size", type=positive_int, metavar="N", help="batch size for every case"
+    )
+    what.add_argument(
+        "--side",
+        type=positive_int,
+        metavar="S",
+        help="image side (signal length, volume side) for every case",
+    )
+    what.add_argument(
+        "--max-norm",
+        type=positive_float,
+        default=1.0,
+        metavar="C",
+        help="clipping threshold of task clip (default: 1.0)",
+    )
+    what.add_argument(
+        "--budget-mib",
+        type=positive_float,
+        metavar="MIB",
+        help=f"memory budget of the {BUDGET_ENGINE} rows, in MiB (default: the case's "
+        "documented budget; rows of cases without one are skipped)",
+    )
+    add_common(parser, data_default=None)
+    modes = parser.add_argument_group("other modes (one at a time)")
+    exclusive = modes.add_mutually_exclusive_group()
+    exclusive.add_argument(
+        "--sweep",
+        choices=SWEEPS,
+        help="measure each engine over a range of batch sizes or image sides on one case",
+    )
+    exclusive.add_argument(
+        "--largest-batch",
+        action="store_true",
+        help="find the largest batch each engine fits within --limit-gib, by bisection in "
+        "fresh processes",
+    )
+    exclusive.add_argument(
+        "--report",
         nargs="+",
-        choices=MODELS,
-        default=list(MODELS),
-        metavar="MODEL",
-        help=f"cases to run, by model (default: all): {listed(MODELS)}",
+        metavar="FILE",
+        help="render tables and targets from JSON Lines files of earlier runs",
     )
-    add_common_arguments(
-        parser,
-        engines_help="engines to run on every case ('all': every engine; default: every "
-        "engine on the seed CNN cases, a core set on the others)",
-        data_help="; the ResNet-18, 1-D and 3-D cases use photo crops unless random",
+    modes.add_argument(
+        "--range",
+        metavar="LIST",
+        help="with --sweep: comma-separated positive, strictly increasing values (default: "
+        + "; ".join(f"{k}: {v}" for k, v in DEFAULT_RANGE.items())
+        + ")",
+    )
+    modes.add_argument(
+        "--limit-gib",
+        type=positive_float,
+        metavar="GIB",
+        help="with --largest-batch: the memory limit in GiB, held at allocator level (default: 4)",
+    )
+    modes.add_argument(
+        "--max-batch",
+        type=positive_int,
+        metavar="N",
+        help="with --largest-batch: the largest batch tried (default: 1024)",
+    )
+    modes.add_argument(
+        "--markdown",
+        metavar="PAGE",
+        help="with --report: refill the marked sections of the Markdown file PAGE (or "
+        "write a new page with every section)",
     )
 
 
-def _engines_for(selection: str, override, strategies) -> list[str]:
-    if override:
-        names = list(ENGINES) if "all" in override else list(dict.fromkeys(override))
-    else:
-        names = (
-            [e for e in ENGINES if e != "memconv-streaming"]
-            if selection == "all"
-            else list(CORE_ENGINES)
-        )
-    # memconv's per-strategy engines only for the chosen strategies
-    names = [n for n in names if ":" not in n or n.split(":", 1)[1] in strategies]
-    # the reference and the floor first: the budget row needs torch.func's peak
-    first = [n for n in ("autograd", "torch.func") if n in names]
-    return first + [n for n in names if n not in first]
+# ---------------------------------------------------------------- checks
+def _mode(args) -> str:
+    if args.report:
+        return "report"
+    if args.sweep:
+        return "sweep"
+    return "largest" if args.largest_batch else "matrix"
 
 
-def plan_cases(args) -> list[tuple[dict, list[str]]]:
-    """``[(case configuration, engine names)]`` of a ``bench`` run.
+def check_arguments(args) -> dict:
+    """Validate every option before any work.
+
+    Returns:
+        ``{"mode", "cases", "engines" (per case, or None for the defaults), "range"}``.
 
     Raises:
-        ValueError: on an unusable device.
+        ValueError: an option that does not apply to the mode, an unknown name, a bad
+            range or size (each message names the option and the accepted values).
+        ImportError: a missing optional dependency.
     """
-    torch.device(args.device)
-    matrix = QUICK_CASES if args.quick else DEFAULT_CASES
-    matrix = [(cfg, sel) for cfg, sel in matrix if cfg["model"] in args.models]
-    return [
-        (
-            {**cfg, "data": args.data, "device": args.device, "repeats": args.repeats},
-            _engines_for(sel, args.engines, args.strategies),
-        )
-        for cfg, sel in matrix
-    ]
+    mode = _mode(args)
+    misplaced = {
+        "--range": (args.range, "sweep"),
+        "--limit-gib": (args.limit_gib, "largest"),
+        "--max-batch": (args.max_batch, "largest"),
+        "--markdown": (args.markdown, "report"),
+    }
+    for option, (value, needs) in misplaced.items():
+        if value is not None and mode != needs:
+            flag = {"sweep": "--sweep", "largest": "--largest-batch", "report": "--report"}[needs]
+            raise ValueError(f"{option} applies only with {flag}")
+    plan: dict = {"mode": mode}
+    if mode == "report":
+        for path in args.report:
+            if not os.path.isfile(path):
+                raise ValueError(f"--report: no such file {path!r}")
+        if args.plot:
+            check_dependencies(plot=True, measure=False)
+        return plan
+    check_device(args.device)
+    task = args.task
+    if args.cases is not None:
+        cases = parse_names(args.cases, CASES, "--cases")
+    elif mode == "sweep":
+        cases = ["seed-28"]
+    elif mode == "largest":
+        cases = list(LARGEST_CASES[task])
+    else:
+        cases = list(DEFAULT_CASES[task])
+    if mode == "sweep":
+        if len(cases) != 1:
+            raise ValueError(f"--sweep measures one case; got --cases {','.join(cases)}")
+        plan["range"] = parse_range(args.range or DEFAULT_RANGE[args.sweep])
+    engines = parse_names(args.engines, ENGINES[task], "--engines")
+    for name in cases:
+        model = CASES[name].model
+        sides = [args.side] if args.side else []
+        if mode == "sweep" and args.sweep == "side":
+            sides += plan["range"]
+        for s in sides:
+            if s < MIN_SIDE[model]:
+                raise ValueError(
+                    f"side {s} is too small for case {name}: at least {MIN_SIDE[model]}"
+                )
+    plan["cases"] = cases
+    plan["engines"] = engines
+    # engines asked for by name need their peers now; default ones are skipped with a reason
+    check_dependencies([get_engine(e, task) for e in engines or []], plot=bool(args.plot))
+    chosen = engines or [e for c in cases for e in default_engines(mode, task, c)]
+    for e in dict.fromkeys(chosen):
+        reason = available(get_engine(e, task))
+        if reason:
+            logger.warning("engine %s will be skipped: %s", e, reason)
+    return plan
 
 
-def budget_job(rows: list[dict]) -> list[Job]:
-    """``"auto"`` with ``memory_budget`` = half of torch.func's measured peak."""
-    func = next((r for r in rows if r["engine"] == "torch.func" and "peak_rss_mib" in r), None)
-    if func is None or not any(r["engine"] == "memconv:auto" for r in rows):
-        return []
-    budget = int(func["peak_rss_mib"] * MiB / 2)
-    return [Job(BUDGET_ROW, "memconv:auto", {"memory_budget": budget})]
+def default_engines(mode: str, task: str, case: str) -> list[str]:
+    """The engines a mode runs on a case unless ``--engines`` says otherwise."""
+    if mode == "sweep":
+        return list(SWEEP_ENGINES[task])
+    if mode == "largest":
+        return list(LARGEST_ENGINES[task])
+    if task == "clip" or CASES[case].model == "seed":
+        return list(ENGINES[task])
+    return list(CORE_GRADS)
 
 
-def cost_model_rows(base: dict) -> list[dict]:
-    """Predicted against measured extra memory of each strategy on each conv layer.
+def case_config(args, name: str) -> dict:
+    """The worker configuration of case ``name`` under the options."""
+    case = CASES[name]
+    config = case.config(quick=args.quick, batch=args.batch_size, side=args.side)
+    config.update(
+        task=args.task,
+        data=args.data,
+        device=args.device,
+        repeats=args.repeats,
+        max_norm=args.max_norm,
+    )
+    budget = args.budget_mib or case.budget_mib.get(args.task)
+    if budget:
+        config["memory_budget"] = int(budget * MiB)
+    return config
 
-    Measured in this process at allocator level: the peak while
-    :func:`memconv.weight_vjp` runs, minus the result's bytes. Per layer, the
-    input and output gradient are random tensors of the layer's shapes.
+
+def _public(config: dict) -> dict:
+    """The case's description in the records (no worker plumbing)."""
+    return {k: config[k] for k in ("model", "batch", "side", "depth", "data") if k in config}
+
+
+def _header(args, mode: str) -> dict:
+    return {
+        "record": "run",
+        "mode": mode,
+        "task": args.task,
+        "command": command_line(getattr(args, "argv", None)),
+        "machine": machine(),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "plot": args.plot,
+    }
+
+
+# ---------------------------------------------------------------- the matrix
+def cost_model_rows(config: dict) -> dict:
+    """Predicted against measured extra memory of each strategy on each conv layer,
+    ``{"rows": [...]}``.
+
+    Measured at allocator level: the peak while :func:`memconv.weight_vjp` runs, minus
+    the result's bytes. Per layer, the input and output gradient are random tensors of
+    the layer's shapes. Meant to run in a fresh process (the ``"standard"`` strategy
+    allocates gigabytes on the seed CNN at 112²).
     """
     from .._geometry import CONV_TYPES
     from .cases import build_case
     from .measure import peak_allocated
 
-    device = torch.device(base.get("device", "cpu"))
-    model, x, _ = build_case({**base, "data": "random"}, device)
+    device = torch.device(config.get("device", "cpu"))
+    model, x, _ = build_case({**config, "data": "random"}, device)
     shapes = []
     hooks = [
         m.register_forward_hook(lambda m, a, o: shapes.append((m, a[0].shape, o.shape)))
@@ -180,165 +354,245 @@ def cost_model_rows(base: dict) -> list[dict]:
                     "measured_mib": max(measured, 0) / MiB,
                 }
             )
-    return rows
+    return {"rows": rows}
 
 
-def format_case(base: dict, rows: list[dict]) -> str:
-    """Markdown table of one case, with ratios to the floor and to torch.func."""
-    by = {r["engine"]: r for r in rows if "peak_rss_mib" in r}
-    floor = func = None
-    result = max((r["result_mib"] for r in rows if "result_mib" in r), default=0.0)
-    if "autograd" in by:
-        floor = by["autograd"]["peak_rss_mib"] + result
-    if "torch.func" in by:
-        func = by["torch.func"]
-    lines = [
-        f"**{describe(base)}** (floor = autograd's peak + per-sample result = "
-        + (f"{floor:,.0f} MiB" if floor else "n/a")
-        + ")",
-        "",
-        "| engine | peak RSS increase (MiB) | allocator peak (MiB) | time (s) | result (MiB) | "
-        "RSS / floor | time / torch.func | max rel. deviation |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+def run_matrix(args, plan: dict, out) -> list[tuple[str, dict, list[dict]]]:
+    """Every (case, engine) of the plan; returns ``(task, config, rows)`` per case."""
+    from .compare import _summary
+    from .runner import measure_engines
+
+    groups = []
+    jobs = [
+        (name, plan["engines"] or default_engines("matrix", args.task, name))
+        for name in plan["cases"]
     ]
-    for r in rows:
-        if "skipped" in r or "error" in r:
-            why = r.get("skipped") or r.get("error")
-            lines.append(
-                f"| {r['engine']} | {'skipped' if 'skipped' in r else 'failed'}: {why} |||||||"
-            )
-            continue
-        alloc = "-" if r.get("peak_alloc_mib") is None else f"{r['peak_alloc_mib']:,.0f}"
-        ratio_m = f"{r['peak_rss_mib'] / floor:.2f}" if floor else ""
-        ratio_t = f"{r['time_s'] / func['time_s']:.2f}" if func else ""
-        lines.append(
-            f"| {r['engine']} | {r['peak_rss_mib']:,.0f} | {alloc} | {r['time_s']:.3f} | "
-            f"{r['result_mib']:,.1f} | {ratio_m} | {ratio_t} | {r.get('deviation', float('nan')):.1e} |"
+    total, done = sum(len(e) for _, e in jobs), [0]
+    for name, engines in jobs:
+        config = case_config(args, name)
+        public = _public(config)
+        logger.info("case %s: %s (task %s)", name, describe(config), args.task)
+
+        def on_row(row, name=name, public=public):
+            done[0] += 1
+            logger.info("[%d/%d] %s %s: %s", done[0], total, name, row["engine"], _summary(row))
+            out.write({"record": "row", "task": args.task, "case": name, "config": public, **row})
+
+        rows = measure_engines(config, engines, task=args.task, on_row=on_row)
+        order = {e: i for i, e in enumerate(ENGINES[args.task])}
+        rows.sort(key=lambda r: order[r["engine"]])
+        groups.append((args.task, public, rows))
+    return groups
+
+
+def matrix(args, plan: dict) -> int:
+    """The matrix mode; prints the tables and the targets."""
+    from .report import format_case, format_cost_model, targets
+    from .runner import JsonLines, read_records, run_in_subprocess
+
+    started = time.time()
+    header = _header(args, "matrix")
+    out = JsonLines(args.json, header)
+    groups = run_matrix(args, plan, out)
+    records = []
+    cost = []
+    seed = [c for c in plan["cases"] if CASES[c].model == "seed"]
+    if args.task == "grads" and seed:
+        logger.info("cost model on %s", seed[0])
+        result = run_in_subprocess(
+            {
+                "call": "memconv.bench.bench:cost_model_rows",
+                "args": {"config": {**case_config(args, seed[0]), "device": args.device}},
+            }
         )
-    return "\n".join(lines)
+        cost = result.get("rows", [])
+        if "error" in result:
+            logger.warning("cost model failed: %s", result["error"])
+        for row in cost:
+            out.write({"record": "cost", "case": seed[0], **row})
+    out.write({"record": "done", "elapsed_s": time.time() - started})
+    print(f"\nmachine: {machine()}\n")
+    for task, config, rows in groups:
+        print(format_case(task, config, rows))
+        print()
+    if cost:
+        print(f"cost model on {seed[0]} (per conv layer, allocator level)\n")
+        print(format_cost_model(cost))
+    if args.json:
+        records = read_records([args.json])
+    else:
+        records = [
+            {"record": "row", "file": "-", "task": t, "case": r.get("case", c.get("model")),
+             "config": c, **r}
+            for t, c, rows in groups
+            for r in rows
+        ]  # fmt: skip
+    lines = targets(records)
+    if lines:
+        print("\ntargets:")
+        print("\n".join(lines))
+    if args.plot:
+        from .plots import plot_cases
 
-
-def format_cost_model(rows: list[dict]) -> str:
-    """Markdown table: predicted against measured extra memory."""
-    lines = [
-        "| layer | strategy | predicted (MiB) | measured (MiB) | measured / predicted |",
-        "|---|---|---:|---:|---:|",
+        plot_cases(groups, args.plot)
+    bad = [
+        r["engine"]
+        for _, _, rows in groups
+        for r in rows
+        if r.get("deviation") is not None and r["deviation"] > TOLERANCE
     ]
-    for r in rows:
-        ratio = r["measured_mib"] / r["predicted_mib"] if r["predicted_mib"] > 0 else float("nan")
-        lines.append(
-            f"| {r['layer']} | {r['strategy']} | {r['predicted_mib']:,.1f} | "
-            f"{r['measured_mib']:,.1f} | {ratio:.2f} |"
-        )
-    return "\n".join(lines)
+    if bad:
+        print(f"\nengines disagreeing with torch.func: {bad}")
+    return 1 if bad else 0
 
 
-def targets(cases: list[dict]) -> list[str]:
-    """The design targets as measured ratios (only for the seed-CNN cases)."""
-    out = []
-    for case in cases:
-        base, rows = case["case"], case["rows"]
-        if base.get("model") != "seed":
-            continue
-        by = {r["engine"]: r for r in rows if "peak_rss_mib" in r}
-        if "autograd" not in by or "torch.func" not in by:
-            continue
-        ours = {n: r for n, r in by.items() if n.startswith("memconv") and "budget" not in n}
-        if not ours:
-            continue
-        result = max(r["result_mib"] for r in rows if "result_mib" in r)
-        floor = by["autograd"]["peak_rss_mib"] + result
-        floor_alloc = (by["autograd"].get("peak_alloc_mib") or 0) + result
-        lean = min(ours.values(), key=lambda r: r["peak_rss_mib"])
-        lean_alloc = min(ours.values(), key=lambda r: r.get("peak_alloc_mib") or 1e18)
-        fast = min(ours.values(), key=lambda r: r["time_s"])
-        label = describe(base)
-        out.append(
-            f"- {label}: leanest memconv ({lean['engine']}) peak RSS {lean['peak_rss_mib']:,.0f} MiB = "
-            f"{lean['peak_rss_mib'] / floor:.2f} × floor (target ≤ 1.10); allocator level "
-            f"({lean_alloc['engine']}) {lean_alloc['peak_alloc_mib'] / floor_alloc:.2f} × floor"
-        )
-        out.append(
-            f"- {label}: fastest memconv ({fast['engine']}) {fast['time_s']:.3f} s = "
-            f"{fast['time_s'] / by['torch.func']['time_s']:.2f} × torch.func (target ≤ 1.0), "
-            f"{fast['time_s'] / by['autograd']['time_s']:.2f} × plain autograd"
-        )
-        budget = next((r for r in rows if r["engine"] == BUDGET_ROW), None)
-        if budget and "peak_rss_mib" in budget:
-            budget_mib = budget["memory_budget"] / MiB
-            out.append(
-                f"- {label}: auto with memory_budget = ½ torch.func's peak "
-                f"({budget_mib:,.0f} MiB): peak {budget['peak_rss_mib']:,.0f} MiB "
-                f"({budget['peak_rss_mib'] / budget_mib:.2f} × budget), time "
-                f"{budget['time_s'] / by['torch.func']['time_s']:.2f} × torch.func (target ≤ 2)"
+# ---------------------------------------------------------------- sweeps
+def sweep(args, plan: dict) -> int:
+    """The sweep mode: memory and time of each engine over ``--range``."""
+    from .compare import _summary
+    from .report import _sweep_table
+    from .runner import JsonLines, run_in_subprocess
+
+    started = time.time()
+    out = JsonLines(args.json, _header(args, "sweep"))
+    name = plan["cases"][0]
+    engines = plan["engines"] or default_engines("sweep", args.task, name)
+    for e in engines:
+        get_engine(e, args.task)
+    dropped: dict[str, str] = {}
+    rows = []
+    for value in plan["range"]:
+        config = case_config(args, name)
+        config["batch" if args.sweep == "batch" else "side"] = value
+        public = _public(config)
+        for engine in engines:
+            why = dropped.get(engine) or available(get_engine(engine, args.task))
+            if why:
+                row = {"engine": engine, "skipped": why}
+            elif get_engine(engine, args.task).budget and not config.get("memory_budget"):
+                row = {"engine": engine, "skipped": "no memory budget for this case"}
+            else:
+                run = {**config, "engine": engine, "out": None, "abort_rss_mib": SWEEP_ABORT_MIB}
+                row = {"engine": engine, **run_in_subprocess(run)}
+                if "error" in row or row.get("aborted"):
+                    dropped[engine] = f"failed or over {SWEEP_ABORT_MIB / 1024:.0f} GiB at {value}"
+            record = {
+                "record": "sweep", "task": args.task, "case": name, "sweep": args.sweep,
+                "value": value, "config": public, **row,
+            }  # fmt: skip
+            logger.info("%s %s=%d %s: %s", name, args.sweep, value, engine, _summary(row))
+            out.write(record)
+            rows.append(record)
+    out.write({"record": "done", "elapsed_s": time.time() - started})
+    measured = [r for r in rows if "skipped" not in r]
+    print(f"\n{name} ({args.task}), {args.sweep} swept\n\nallocator peak (MiB):\n")
+    print(_sweep_table(measured, "peak_alloc_mib", ",.0f"))
+    print("\npeak RSS increase (MiB):\n")
+    print(_sweep_table(measured, "peak_rss_mib", ",.0f"))
+    print("\ntime (s):\n")
+    print(_sweep_table(measured, "time_s", ".3f"))
+    if args.plot and measured:
+        from .plots import plot_sweep
+
+        plot_sweep(measured, args.plot)
+    return 0
+
+
+# ---------------------------------------------------------------- largest batch
+def largest(args, plan: dict) -> int:
+    """The largest-batch mode: a table of the largest batch within ``--limit-gib``."""
+    from .largest import largest_batch
+    from .report import format_largest
+    from .runner import JsonLines, read_records
+
+    started = time.time()
+    out = JsonLines(args.json, _header(args, "largest"))
+    limit_mib = (args.limit_gib or 4.0) * 1024
+    cap = args.max_batch or 1024
+    records = []
+    for name in plan["cases"]:
+        engines = plan["engines"] or default_engines("largest", args.task, name)
+        for engine in engines:
+            config = case_config(args, name)
+            public = _public(config)
+            config["engine"] = engine
+            meta = {
+                "task": args.task, "case": name, "config": public, "engine": engine,
+                "limit_mib": limit_mib,
+            }  # fmt: skip
+            e = get_engine(engine, args.task)
+            if e.budget:
+                config["memory_budget"] = int(limit_mib * MiB)
+                meta["memory_budget_mib"] = limit_mib
+            logger.info("largest batch of %s on %s within %.0f MiB", engine, name, limit_mib)
+            why = available(e)
+            if why:
+                result = {"skipped": why}
+            else:
+                result = largest_batch(
+                    config,
+                    limit_mib,
+                    cap=cap,
+                    on_probe=lambda p, meta=meta: out.write({"record": "probe", **meta, **p}),
+                )
+            record = {"record": "largest", **meta, **result}
+            logger.info(
+                "  -> %s", result.get("largest", result.get("error") or result.get("skipped"))
             )
-    return out
+            out.write(record)
+            records.append({**record, "file": args.json or "-"})
+    out.write({"record": "done", "elapsed_s": time.time() - started})
+    print()
+    print(format_largest(read_records([args.json]) if args.json else records))
+    return 0
+
+
+# ---------------------------------------------------------------- report
+def report(args) -> int:
+    """The report mode: render tables from JSON Lines files (to stdout or a page)."""
+    from .report import SECTIONS, default_page, fill, render
+    from .runner import read_records
+
+    records = read_records(args.report)
+    page_dir = os.path.dirname(os.path.abspath(args.markdown)) if args.markdown else None
+    sections = render(records, page_dir)
+    if args.plot:
+        from .plots import plot_cases, plot_sweep
+        from .report import group_rows
+
+        sweeps = [r for r in records if r.get("record") == "sweep" and "skipped" not in r]
+        if sweeps:
+            plot_sweep(sweeps, args.plot)
+        else:
+            plot_cases(
+                [(t, rows[0]["config"], rows) for (_, t, _), rows in group_rows(records).items()],
+                args.plot,
+            )
+    if not args.markdown:
+        for name in SECTIONS:
+            print(f"## {name}\n\n{sections[name]}\n")
+        return 0
+    if os.path.exists(args.markdown):
+        with open(args.markdown) as f:
+            page = f.read()
+        if "<!-- bench:" not in page:
+            raise ValueError(f"--markdown: {args.markdown} has no <!-- bench:NAME --> sections")
+        page = fill(page, sections)
+    else:
+        page = default_page(sections)
+    with open(args.markdown, "w") as f:
+        f.write(page)
+    logger.info("wrote %s", args.markdown)
+    return 0
 
 
 def main(args) -> int:
-    """Run the matrix and print the tables; returns the exit status."""
-    plan = plan_cases(args)
-    if not plan:
-        raise ValueError("no case to run")
-    named = set(ENGINES) if args.engines and "all" in args.engines else set(args.engines or ())
-    every = [e for _, engines in plan for e in engines]
-    needs = {"memory_profiler": "memory measurement"}
-    needs.update({m: e for m, e in engine_needs(every).items() if e in named})
-    for base, _ in plan:
-        data = base["data"] if base["model"] == "seed" or base["data"] == "random" else "photos"
-        needs.update(data_needs(data))
-    if args.plot:
-        needs["matplotlib"] = "--plot"
-    require(needs)
-    for module, engine in engine_needs(every).items():
-        if engine not in named and module in missing_modules(engine_needs(every)):
-            logger.info("%s is not installed: the engines that need it are skipped", module)
-    from tqdm import tqdm
-
-    record = JsonRecord(args.json, {"machine": machine(), "cases": []})
-    cases = record.document["cases"]
-    budget_rows = sum(
-        1 for _, engines in plan if "memconv:auto" in engines and "torch.func" in engines
-    )
-    total = sum(len(engines) for _, engines in plan) + budget_rows
-    with tqdm(total=total, desc="cases × engines", unit="run") as bar:
-
-        def on_row(row):
-            cases[-1]["rows"].append(row)
-            record.write()
-            bar.update()
-
-        for base, engines in plan:
-            cases.append({"case": base, "rows": []})
-            run_engines(
-                base,
-                engines,
-                then=budget_job,
-                on_start=bar.set_postfix_str,
-                on_row=on_row,
-                timeout=args.timeout,
-            )
-            record.write()  # earlier rows' deviations grew as later rows arrived
-    first = plan[0][0]
-    cost = cost_model_rows(first)
-    print(f"\nmachine: {machine()}\n")
-    for case in cases:
-        print(format_case(case["case"], case["rows"]))
-        print()
-    print(f"cost model on {describe(first)} (per conv layer, allocator level)\n")
-    print(format_cost_model(cost))
-    print("\ntargets:")
-    for line in targets(cases):
-        print(line)
-    record.finish(cost_model=cost)
-    if args.plot:
-        plot(cases, args.plot, describe)
-    bad = [
-        r["engine"]
-        for c in cases
-        for r in c["rows"]
-        if "deviation" in r and r["deviation"] > TOLERANCE
-    ]
-    if bad:
-        logger.error("engines disagreeing with the others: %s", ", ".join(bad))
-    return 1 if bad else 0
+    """Run the chosen mode; returns the exit status."""
+    plan = check_arguments(args)
+    if plan["mode"] == "report":
+        return report(args)
+    if plan["mode"] == "sweep":
+        return sweep(args, plan)
+    if plan["mode"] == "largest":
+        return largest(args, plan)
+    return matrix(args, plan)

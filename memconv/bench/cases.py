@@ -1,16 +1,114 @@
-"""Benchmark cases: a model and a batch, built the same way in every worker."""
+"""Benchmark cases: a model and a batch, built the same way in every worker.
+
+A *model* (:data:`MODELS`) and its input shape make a configuration
+(:func:`build_case`); the named *cases* (:data:`CASES`) are the configurations the
+benchmarks run, with a small variant for ``--quick`` and, where one is documented, the
+``memory_budget`` of the budget rows.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from .data import load_batch, load_mosaic, load_signals, load_volumes
-from .models import conv1d_net, conv3d_net, resnet18_shaped, seed_cnn, streaming_net
+MODELS = (
+    "seed", "resnet18", "resnet18-gn", "wrn16-4-gn", "conv1d", "conv3d", "streaming-net",
+)  # fmt: skip
+#: Smallest side each model accepts (the seed CNN's four poolings need 27 pixels).
+MIN_SIDE = {
+    "seed": 27, "resnet18": 8, "resnet18-gn": 8, "wrn16-4-gn": 8, "conv1d": 8, "conv3d": 4,
+    "streaming-net": 64,
+}  # fmt: skip
+#: The real data each model gets unless told otherwise.
+NATURAL_DATA = {
+    "seed": "digits",
+    "resnet18": "photos",
+    "resnet18-gn": "photos",
+    "wrn16-4-gn": "photos",
+    "conv1d": "photos",
+    "conv3d": "photos",
+    "streaming-net": "photos",
+}
+MiB = 2**20
 
-#: The models of ``memconv bench``'s matrix.
-MODELS = ("seed", "resnet18", "conv1d", "conv3d")
-#: Also accepted by :func:`build_case`: StreamingCNN's example network on one mosaic.
-STREAMING_MODEL = "streaming-net"
+
+@dataclass(frozen=True)
+class Case:
+    """A named benchmark configuration.
+
+    Attributes:
+        name: its name on the command line.
+        model: one of :data:`MODELS`.
+        batch: N.
+        side: image side (signal length for ``conv1d``, volume side for ``conv3d``).
+        depth: volume depth (``conv3d`` only).
+        quick: ``(batch, side, depth)`` for ``--quick``.
+        budget_mib: ``{task: MiB}``: the ``memory_budget`` of the ``memconv:budget`` rows.
+        summary: one line for the help and the docs.
+    """
+
+    name: str
+    model: str
+    batch: int
+    side: int
+    depth: int | None = None
+    quick: tuple = ()
+    budget_mib: dict = field(default_factory=dict)
+    summary: str = ""
+
+    def config(self, *, quick: bool = False, batch=None, side=None) -> dict:
+        """The worker configuration of this case (``batch``/``side`` override)."""
+        n, s, d = self.quick if quick else (self.batch, self.side, self.depth)
+        out = {"case": self.name, "model": self.model, "batch": batch or n, "side": side or s}
+        if d is not None:
+            out["depth"] = d
+        return out
+
+
+CASES: dict[str, Case] = {
+    c.name: c
+    for c in (
+        Case("seed-112", "seed", 32, 112, quick=(4, 56, None),
+             budget_mib={"grads": 400, "clip": 400},
+             summary="the CNN of BackPACK's save-memory example, on digits"),
+        Case("seed-28", "seed", 64, 28, quick=(4, 28, None), budget_mib={"grads": 160},
+             summary="the same CNN at 28x28, the main job's case"),
+        Case("resnet18-gn", "resnet18-gn", 64, 32, quick=(2, 16, None),
+             budget_mib={"clip": 300},
+             summary="CIFAR ResNet-18 with GroupNorm, 11.2 M parameters, on photo crops"),
+        Case("wrn16-4-gn", "wrn16-4-gn", 64, 32, quick=(2, 16, None),
+             summary="WideResNet-16-4 with GroupNorm, 2.75 M parameters (De et al. 2022's DP "
+                     "benchmark), on photo crops"),
+        Case("resnet18-bn", "resnet18", 8, 64, quick=(2, 32, None),
+             summary="ImageNet-layout ResNet-18 with BatchNorm in eval mode, on photo crops"),
+        Case("conv1d", "conv1d", 32, 2048, quick=(4, 128, None),
+             summary="a small 1-D CNN on rows of photos"),
+        Case("conv3d", "conv3d", 8, 24, depth=16, quick=(2, 8, 4),
+             summary="a small 3-D CNN on stacks of shifted photo crops"),
+    )
+}  # fmt: skip
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """A freshly initialised model called ``name`` (see :data:`MODELS`).
+
+    Raises:
+        ValueError: for an unknown model.
+    """
+    from . import models
+
+    builders = {
+        "resnet18": models.resnet18_shaped,
+        "resnet18-gn": models.resnet18_gn,
+        "wrn16-4-gn": models.wrn16_4_gn,
+        "conv1d": models.conv1d_net,
+        "conv3d": models.conv3d_net,
+        "streaming-net": models.streaming_net,
+    }
+    if name not in builders:
+        raise ValueError(f"unknown model {name!r}; accepted: {', '.join(MODELS)}")
+    return builders[name]()
 
 
 def build_case(config: dict, device: torch.device):
@@ -18,33 +116,38 @@ def build_case(config: dict, device: torch.device):
 
     Keys read: ``model`` (one of :data:`MODELS`), ``batch``, ``side`` (image side;
     signal length for ``conv1d``; volume side for ``conv3d``), ``depth`` (for
-    ``conv3d``), ``data`` (``"digits"``/``"photos"`` real, ``"random"``), ``seed``.
-    For ``model="streaming-net"`` (:data:`STREAMING_MODEL`): a batch of mosaics of
-    scikit-image's retina photograph (``"photos"``) or noise, and ``tile`` (input
-    pixels per tile of the ``memconv-streaming`` engine, default 512).
+    ``conv3d``), ``data`` (``"digits"``, ``"photos"``, ``"random"``, or None for the
+    model's own real data), ``seed``. ``"streaming-net"`` is StreamingCNN's example
+    network on mosaics of scikit-image's retina photograph, with ``tile`` (input pixels
+    per tile of the ``memconv-streaming`` engine, default 512).
 
     Raises:
-        ValueError: for an unknown model.
+        ValueError: for an unknown model or data source, or a side the model cannot take.
     """
+    from .data import load_batch, load_signals, load_volumes
+    from .models import seed_cnn
+
     name = config.get("model", "seed")
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; accepted: {', '.join(MODELS)}")
     n, side = config["batch"], config["side"]
-    data = config.get("data", "digits")
+    if side < MIN_SIDE[name]:
+        raise ValueError(f"side must be at least {MIN_SIDE[name]} for the {name} model, got {side}")
+    data = config.get("data") or NATURAL_DATA[name]
     torch.manual_seed(config.get("seed", 0))
     if name == "seed":
         model = seed_cnn(side)
         x, y = load_batch(n, side, source=data)
-    elif name == "resnet18":
-        model = resnet18_shaped()
-        x, y = load_batch(n, side, channels=3, source="random" if data == "random" else "photos")
     elif name == "conv1d":
-        model = conv1d_net()
-        x, y = load_signals(n, side, source="random" if data == "random" else "photos")
+        model = build_model(name)
+        x, y = load_signals(n, side, source=data)
     elif name == "conv3d":
-        model = conv3d_net()
-        x, y = load_volumes(
-            n, config.get("depth", 16), side, source="random" if data == "random" else "photos"
-        )
-    elif name == STREAMING_MODEL:
+        model = build_model(name)
+        x, y = load_volumes(n, config.get("depth", 16), side, source=data)
+    elif name == "streaming-net":
+        from .data import load_mosaic
+        from .models import streaming_net
+
         model = streaming_net()
         model.stream_tile = config.get("tile", 512)
         if data == "random":
@@ -53,24 +156,34 @@ def build_case(config: dict, device: torch.device):
             x = load_mosaic("retina", side).expand(n, 3, side, side).contiguous()
         y = torch.zeros(n, dtype=torch.long)
     else:
-        accepted = ", ".join((*MODELS, STREAMING_MODEL))
-        raise ValueError(f"unknown model {name!r}; accepted: {accepted}")
+        model = build_model(name)
+        x, y = load_batch(n, side, channels=3, source=data)
     return model.to(device), x.to(device), y.to(device)
+
+
+LABELS = {
+    "seed": "seed CNN",
+    "resnet18": "ResNet-18 (BN eval)",
+    "resnet18-gn": "ResNet-18-GN",
+    "wrn16-4-gn": "WRN-16-4-GN",
+    "conv1d": "Conv1d CNN",
+    "conv3d": "Conv3d CNN",
+    "streaming-net": "StreamingCNN's example network",
+}
+
+
+def shape_of(config: dict) -> str:
+    """The per-sample input shape, e.g. ``1×112×112``."""
+    name, side = config.get("model", "seed"), config["side"]
+    if name == "seed":
+        return f"1×{side}×{side}"
+    if name == "conv1d":
+        return f"1×{side}"
+    if name == "conv3d":
+        return f"1×{config.get('depth', 16)}×{side}×{side}"
+    return f"3×{side}×{side}"
 
 
 def describe(config: dict) -> str:
     """One-line description of a case, e.g. ``seed CNN, batch 32 × 1×112×112``."""
-    name, n, side = config.get("model", "seed"), config["batch"], config["side"]
-    shape = {
-        "seed": f"1×{side}×{side}",
-        "resnet18": f"3×{side}×{side}",
-        "conv1d": f"1×{side}",
-        "conv3d": f"1×{config.get('depth', 16)}×{side}×{side}",
-        STREAMING_MODEL: f"3×{side}×{side}",
-    }[name]
-    label = {
-        "seed": "seed CNN",
-        "resnet18": "ResNet-18-shaped (BN eval)",
-        STREAMING_MODEL: "StreamingCNN's example network",
-    }.get(name, f"{name} CNN")
-    return f"{label}, batch {n} × {shape}"
+    return f"{LABELS[config.get('model', 'seed')]}, batch {config['batch']} × {shape_of(config)}"

@@ -1,15 +1,17 @@
 """Real image batches from installed packages (nothing is downloaded).
 
-Needs the ``bench`` extra (numpy, scikit-learn, scikit-image) for the real sources.
-
 - ``"digits"``: scikit-learn's handwritten digits (1,797 8×8 images, labels 0–9),
   resized to the requested side with bilinear interpolation;
 - ``"photos"``: crops of scikit-image's bundled photographs and micrographs,
   labelled by the picture they come from;
 - ``"random"``: standard normal noise with random labels, only when asked for.
+
+scikit-learn, scikit-image and numpy are imported only when real data are asked for.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +39,7 @@ def load_batch(
     Args:
         n: batch size N.
         side: image side in pixels.
-        channels: 1 (grey) or 3 (RGB, grey images repeated).
+        channels: 1 (grey) or more (grey images repeated).
         source: ``"digits"``, ``"photos"`` or ``"random"``.
         seed: seed of the crop positions / random data.
 
@@ -53,31 +55,46 @@ def load_batch(
         x = torch.randn(n, channels, side, side, generator=gen)
         return x, torch.randint(0, 10, (n,), generator=gen)
     if source == "digits":
-        import numpy as np
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        idx = np.arange(n) % len(digits.images)
-        x = torch.as_tensor(digits.images[idx], dtype=torch.float32).unsqueeze(1)
-        x = F.interpolate(x, size=(side, side), mode="bilinear", align_corners=False)
-        y = torch.as_tensor(digits.target[idx], dtype=torch.long)
+        images, targets = _digits()
+        idx = torch.arange(n) % len(images)
+        x = F.interpolate(
+            images[idx].unsqueeze(1), size=(side, side), mode="bilinear", align_corners=False
+        )
+        y = targets[idx]
     else:
         x, y = _photo_crops(n, side, gen)
     x = x.expand(n, channels, side, side).contiguous()
     return (x - x.mean()) / x.std(), y
 
 
-def _photo_crops(n, side, gen):
+@functools.lru_cache(maxsize=1)
+def _digits() -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return (
+        torch.as_tensor(digits.images, dtype=torch.float32),
+        torch.as_tensor(digits.target, dtype=torch.long),
+    )
+
+
+@functools.lru_cache(maxsize=len(PHOTOS))
+def _photo(name: str) -> torch.Tensor:
+    """One scikit-image picture, grey, ``[H, W]`` float32."""
     import numpy as np
     import skimage.data
 
+    img = np.asarray(getattr(skimage.data, name)(), dtype=np.float32)
+    if img.ndim == 3:
+        img = img[..., :3].mean(-1)
+    return torch.as_tensor(img)
+
+
+def _photo_crops(n, side, gen):
     crops, labels = [], []
     for i in range(n):
         label = i % len(PHOTOS)
-        img = np.asarray(getattr(skimage.data, PHOTOS[label])(), dtype=np.float32)
-        if img.ndim == 3:
-            img = img[..., :3].mean(-1)
-        t = torch.as_tensor(img)[None, None]
+        t = _photo(PHOTOS[label])[None, None]
         short = min(t.shape[-2:])
         if short < side:
             t = F.interpolate(t, scale_factor=side / short + 1e-6, mode="bilinear")
@@ -90,37 +107,37 @@ def _photo_crops(n, side, gen):
 
 
 def load_signals(n: int, length: int, *, source: str = "photos", seed: int = 0):
-    """Real 1-D signals ``[N, 1, length]``: rows of scikit-image's photographs.
+    """1-D signals ``[N, 1, length]``: the middle rows of :func:`load_batch` images.
 
-    Labels are the picture a row comes from; ``source="random"`` gives noise.
+    Labels are the image's; ``source="random"`` gives noise.
 
     Raises:
         ValueError: on a non-positive size or an unknown source.
     """
-    _check(n, length, 1, source if source != "photos" else "digits")
-    side = max(length, 64)
+    _check(n, length, 1, source)
     if source == "random":
         gen = torch.Generator().manual_seed(seed)
         return torch.randn(n, 1, length, generator=gen), torch.randint(0, 10, (n,), generator=gen)
-    x, y = load_batch(n, side, source="photos", seed=seed)
+    side = max(length, 64)
+    x, y = load_batch(n, side, source=source, seed=seed)
     return x[:, :, side // 2, :length].contiguous(), y
 
 
 def load_volumes(n: int, depth: int, side: int, *, source: str = "photos", seed: int = 0):
-    """Real volumes ``[N, 1, depth, side, side]``: stacks of shifted photo crops.
+    """Volumes ``[N, 1, depth, side, side]``: stacks of shifted image crops.
 
-    Each volume stacks ``depth`` crops of one scikit-image picture, each shifted by
-    one pixel, like slices of a scan; labels are the picture.
+    Each volume stacks ``depth`` crops of one :func:`load_batch` image, each shifted
+    by one pixel, like slices of a scan; labels are the image's.
 
     Raises:
         ValueError: on a non-positive size or an unknown source.
     """
-    _check(n, side, depth, source if source != "photos" else "digits")
+    _check(n, side, depth, source)
     if source == "random":
         gen = torch.Generator().manual_seed(seed)
         x = torch.randn(n, 1, depth, side, side, generator=gen)
         return x, torch.randint(0, 10, (n,), generator=gen)
-    big, y = load_batch(n, side + depth, source="photos", seed=seed)
+    big, y = load_batch(n, side + depth, source=source, seed=seed)
     x = torch.stack([big[:, 0, d : d + side, d : d + side] for d in range(depth)], dim=1)
     return x.unsqueeze(1).contiguous(), y
 

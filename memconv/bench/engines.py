@@ -1,13 +1,24 @@
-"""Per-sample-gradient engines compared by ``memconv compare`` and ``memconv bench``.
+"""The engines ``memconv compare`` and ``memconv bench`` measure, for two tasks.
 
-Every engine takes a plain torch model (freshly built by the worker), a batch and
-its labels, and returns ``{parameter name: Tensor [N, *shape]}`` with the gradient
-of each sample's own loss (cross-entropy, summed reduction), or, for the
-``"autograd"`` floor, the summed gradient ``{name: Tensor [*shape]}``.
+``"grads"``: per-sample gradients. Every engine takes a plain torch model (freshly
+built by the worker), a batch and its labels, and returns ``{parameter name: Tensor
+[N, *shape]}`` with the gradient of each sample's own loss (cross-entropy, summed
+reduction), or, for the ``"autograd"`` floor, the summed gradient ``{name: Tensor
+[*shape]}``.
+
+``"clip"``: the clipped sum of DP-SGD, Σₙ min(1, C/‖gₙ‖)·gₙ. Every engine returns
+``{parameter name: Tensor [*shape]}`` with the clipped sum and, under
+:data:`NORMS`, the per-sample norms ``[N]`` before clipping; the ``"non-private"``
+floor returns the plain summed gradient. Every engine uses the same clip factor
+(:func:`memconv.clipping.clip_factors`), so that results agree to round-off (Opacus'
+own factor, ``C/(‖gₙ‖ + 1e-6)``, differs by about 1e-6 relative and costs the same).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,30 +26,52 @@ import torch
 from torch import nn
 
 import memconv
+from memconv.clipping import clip_factors
+
+TASKS = ("grads", "clip")
+#: Key of the per-sample norms in a clipping engine's result.
+NORMS = "<norms>"
+#: The reference every result is compared with, per task.
+REFERENCE = {"grads": "torch.func", "clip": "torch.func"}
+#: The floor (no per-sample work), per task.
+FLOOR = {"grads": "autograd", "clip": "non-private"}
+#: Engines that take a ``memory_budget`` from the case (or ``--budget-mib``).
+BUDGET_ENGINE = "memconv:budget"
+
+#: pip extra naming each optional peer.
+EXTRAS = {"opacus": "memconv[opacus]", "backpack": "memconv[backpack]"}
 
 
 @dataclass(frozen=True)
 class Engine:
-    """A way of computing per-sample gradients.
+    """A way of computing per-sample gradients or clipped sums.
 
     Attributes:
-        name: the engine's label in tables.
-        run: ``run(model, inputs, labels) -> dict``.
-        per_sample: False for engines that only compute the summed gradient.
+        name: the engine's label in tables and on the command line.
+        task: ``"grads"`` or ``"clip"``.
+        run: ``run(model, inputs, labels, **options) -> dict`` (options:
+            ``max_norm`` for clipping engines, ``memory_budget`` for budget engines).
+        summary: what it runs, in plain words (command-line help, docs).
+        per_sample: False for the floors (plain autograd: summed gradient only).
         requires: importable module the engine needs (reported as skipped if absent).
+        budget: True when the engine takes ``memory_budget``.
     """
 
     name: str
+    task: str
     run: Callable
+    summary: str
     per_sample: bool = True
     requires: str | None = None
+    budget: bool = False
 
 
 def _loss():
     return nn.CrossEntropyLoss(reduction="sum")
 
 
-def autograd_sum(model, x, y):
+# ---------------------------------------------------------------- per-sample gradients
+def autograd_sum(model, x, y, **_):
     """Plain ``loss.backward()``: the summed gradient only (the floor)."""
     model.zero_grad(set_to_none=True)
     _loss()(model(x), y).backward()
@@ -47,7 +80,7 @@ def autograd_sum(model, x, y):
     return out
 
 
-def torch_func(model, x, y):
+def torch_func(model, x, y, **_):
     """``torch.func.vmap(grad(loss))`` over the batch."""
     params = {k: v.detach() for k, v in model.named_parameters()}
     loss = _loss()
@@ -59,21 +92,23 @@ def torch_func(model, x, y):
 
 
 def memconv_hooks(strategy: str):
-    """``memconv.per_sample_grads`` with one strategy."""
+    """``memconv.per_sample_grads`` with one strategy (and the budget, if given)."""
 
-    def run(model, x, y):
-        return memconv.per_sample_grads(model, _loss(), x, y, strategy=strategy)
+    def run(model, x, y, memory_budget=None, **_):
+        return memconv.per_sample_grads(
+            model, _loss(), x, y, strategy=strategy, memory_budget=memory_budget
+        )
 
     return run
 
 
 def memconv_modules(strategy: str):
-    """memconv's extended modules (:func:`memconv.convert`) inside ``per_sample()``.
+    """memconv's extended modules (``memconv.convert``) inside ``per_sample()``.
 
     One backward pass; every parametrised layer leaves ``grad_batch``.
     """
 
-    def run(model, x, y):
+    def run(model, x, y, **_):
         memconv.convert(model)
         model.zero_grad(set_to_none=True)
         with memconv.save_memory(strategy), memconv.per_sample():
@@ -102,14 +137,19 @@ def _backpack_extended(model, convert: bool = False):
 
 
 def _backpack_batch_grad(model, x, y, ext=None, block=None):
-    import contextlib
-
     from backpack import backpack, extensions
 
     model.zero_grad(set_to_none=True)
     ext = ext if ext is not None else extensions.BatchGrad()
     with backpack(ext), block if block is not None else contextlib.nullcontext():
         _loss()(model(x), y).backward()
+    for module in model.modules():
+        for n, p in module.named_parameters(recurse=False):
+            if p.requires_grad and not hasattr(p, "grad_batch"):
+                raise NotImplementedError(
+                    f"BackPACK's BatchGrad does not support {type(module).__name__} layers "
+                    f"(no grad_batch for its {n})"
+                )
     out = {n: p.grad_batch for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = None
@@ -117,19 +157,15 @@ def _backpack_batch_grad(model, x, y, ext=None, block=None):
     return out
 
 
-def backpack_default(model, x, y):
+def backpack_default(model, x, y, **_):
     """BackPACK's ``BatchGrad`` with its default (same-order) weight VJP."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return _backpack_batch_grad(_backpack_extended(model), x, y)
 
 
-def backpack_save_memory(model, x, y):
+def backpack_save_memory(model, x, y, **_):
     """BackPACK's ``BatchGrad`` inside ``weight_jac_t_save_memory(True)``."""
-    import warnings
-
     from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 
     with warnings.catch_warnings(), weight_jac_t_save_memory(save_memory=True):
@@ -141,9 +177,7 @@ def memconv_backpack(strategy: str):
     """BackPACK's ``BatchGrad`` with memconv installed, the forward pass inside
     ``memconv.save_memory(strategy)``."""
 
-    def run(model, x, y):
-        import warnings
-
+    def run(model, x, y, **_):
         from backpack import extensions
 
         from memconv.integrations import backpack as mb
@@ -156,26 +190,30 @@ def memconv_backpack(strategy: str):
     return run
 
 
+def _opacus_grad_samples(model, x, y, force_functorch: bool):
+    from opacus import GradSampleModule
+
+    gsm = GradSampleModule(model, loss_reduction="sum", force_functorch=force_functorch)
+    try:
+        _loss()(gsm(x), y).backward()
+        return {n: p.grad_sample for n, p in model.named_parameters()}
+    finally:
+        for p in model.parameters():
+            p.grad = None
+            p.grad_sample = None
+        gsm._close()
+
+
 def opacus(force_functorch: bool):
     """Opacus' ``GradSampleModule`` (hooks, or functorch for every layer)."""
 
-    def run(model, x, y):
-        from opacus import GradSampleModule
-
-        gsm = GradSampleModule(model, loss_reduction="sum", force_functorch=force_functorch)
-        try:
-            _loss()(gsm(x), y).backward()
-            out = {n: p.grad_sample for n, p in model.named_parameters()}
-        finally:
-            for p in model.parameters():
-                p.grad = None
-            gsm._close()
-        return out
+    def run(model, x, y, **_):
+        return _opacus_grad_samples(model, x, y, force_functorch)
 
     return run
 
 
-def expanded_weights(model, x, y):
+def expanded_weights(model, x, y, **_):
     """torch's ExpandedWeights (``call_for_per_sample_grads``)."""
     from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
 
@@ -187,6 +225,84 @@ def expanded_weights(model, x, y):
         p.grad = None
         p.grad_sample = None
     return out
+
+
+# ---------------------------------------------------------------- clipped sums
+def clip_sum(grads: dict, max_norm: float) -> dict:
+    """Norms of per-sample gradients ``{name: [N, ...]}`` and their clipped sums."""
+    sq = sum(g.flatten(1).pow(2).sum(1) for g in grads.values())
+    norms = sq.sqrt()
+    c = clip_factors(norms, float(max_norm))
+    out = {k: torch.einsum("n,n...->...", c.to(g.dtype), g) for k, g in grads.items()}
+    out[NORMS] = norms
+    return out
+
+
+def non_private(model, x, y, **_):
+    """Plain ``loss.backward()`` (no per-sample work: the floor of DP-SGD)."""
+    return autograd_sum(model, x, y)
+
+
+def torch_func_clip(model, x, y, max_norm, **_):
+    """``vmap(grad)`` per-sample gradients, then their norms, clip factors and sum."""
+    grads = torch_func(model, x, y)
+    return clip_sum(grads, max_norm)
+
+
+def opacus_hooks_clip(model, x, y, max_norm, **_):
+    """Opacus' ``GradSampleModule`` per-sample gradients (hooks), then clip and sum
+    (what Opacus' ``DPOptimizer`` does)."""
+    grads = _opacus_grad_samples(model, x, y, force_functorch=False)
+    return clip_sum(grads, max_norm)
+
+
+def opacus_ghost_clip(model, x, y, max_norm, **_):
+    """Opacus' ghost clipping (``GradSampleModuleFastGradientClipping``, as
+    ``PrivacyEngine(grad_sample_mode="ghost")``): a first backward pass computes the
+    per-sample norms (ghost norms for Linear layers, per-layer instantiated
+    per-sample gradients elsewhere), a second backward pass of Σₙ cₙ·ℓₙ the clipped
+    sum (as Opacus' ``DPTensorFastGradientClipping.backward``)."""
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+    gsm = GradSampleModuleFastGradientClipping(
+        model, loss_reduction="sum", max_grad_norm=max_norm, use_ghost_clipping=True
+    )
+    try:
+        losses = nn.CrossEntropyLoss(reduction="none")(gsm(x), y)
+        losses.sum().backward(retain_graph=True)
+        norms = gsm.get_norm_sample()
+        for p in model.parameters():
+            p.grad = None
+        c = clip_factors(norms, float(max_norm))
+        gsm.disable_hooks()
+        (losses * c.to(losses.dtype)).sum().backward()
+        gsm.enable_hooks()
+        out = {n: p.grad for n, p in model.named_parameters()}
+        out[NORMS] = norms.detach()
+    finally:
+        for p in model.parameters():
+            p.grad = None
+            p.grad_sample = None
+            if hasattr(p, "_norm_sample"):
+                del p._norm_sample
+        gsm._close()
+    return out
+
+
+def memconv_clip(**kwargs):
+    """``memconv.clip_and_accumulate`` with fixed options (and the budget, if given)."""
+
+    def run(model, x, y, max_norm, memory_budget=None, **_):
+        model.zero_grad(set_to_none=True)
+        norms = memconv.clip_and_accumulate(
+            model, _loss(), x, y, max_norm=max_norm, memory_budget=memory_budget, **kwargs
+        )
+        out = {n: p.grad for n, p in model.named_parameters()}
+        out[NORMS] = norms
+        model.zero_grad(set_to_none=True)
+        return out
+
+    return run
 
 
 def _streamable_prefix(model: nn.Sequential) -> int:
@@ -202,7 +318,7 @@ def _streamable_prefix(model: nn.Sequential) -> int:
     raise ValueError("no leading layer of the model can be streamed")
 
 
-def memconv_streaming(model, x, y):
+def memconv_streaming(model, x, y, **_):
     """:class:`memconv.streaming.StreamingCNN` over the model's leading local layers,
     the rest as usual: the summed gradient, as ``"autograd"`` (the tile is the
     model's ``stream_tile`` attribute, else 512 input pixels)."""
@@ -222,46 +338,107 @@ def memconv_streaming(model, x, y):
     return out
 
 
-def _registry() -> dict[str, Engine]:
+# ---------------------------------------------------------------- registry
+def _grads_registry() -> list[Engine]:
     engines = [
-        Engine("autograd", autograd_sum, per_sample=False),
-        Engine("torch.func", torch_func),
-        Engine("expanded-weights", expanded_weights),
-        Engine("opacus-hooks", opacus(False), requires="opacus"),
-        Engine("opacus-functorch", opacus(True), requires="opacus"),
-        Engine("backpack", backpack_default, requires="backpack"),
-        Engine("backpack-save-memory", backpack_save_memory, requires="backpack"),
-        Engine("memconv-streaming", memconv_streaming, per_sample=False),
-    ]
-    engines += [Engine(f"memconv:{s}", memconv_hooks(s)) for s in memconv.strategies()]
-    engines += [Engine(f"memconv-modules:{s}", memconv_modules(s)) for s in memconv.strategies()]
-    engines += [
-        Engine(f"memconv-backpack:{s}", memconv_backpack(s), requires="backpack")
-        for s in memconv.strategies()
-    ]
-    return {e.name: e for e in engines}
+        Engine("autograd", "grads", autograd_sum, "plain loss.backward(): summed gradient only "
+               "(the floor)", per_sample=False),
+        Engine("torch.func", "grads", torch_func, "torch.func.vmap(grad(loss)) (the reference)"),
+        Engine("expanded-weights", "grads", expanded_weights,
+               "torch's ExpandedWeights (call_for_per_sample_grads)"),
+        Engine("opacus-hooks", "grads", opacus(False), "Opacus GradSampleModule (hooks)",
+               requires="opacus"),
+        Engine("opacus-functorch", "grads", opacus(True),
+               "Opacus GradSampleModule with functorch for every layer", requires="opacus"),
+        Engine("backpack", "grads", backpack_default, "BackPACK BatchGrad (default weight VJP)",
+               requires="backpack"),
+        Engine("backpack-save-memory", "grads", backpack_save_memory,
+               "BackPACK BatchGrad inside weight_jac_t_save_memory(True)", requires="backpack"),
+        Engine("memconv-streaming", "grads", memconv_streaming,
+               "memconv.streaming.StreamingCNN over the leading local layers: summed "
+               "gradient only, tile by tile", per_sample=False),
+    ]  # fmt: skip
+    for s in memconv.strategies():
+        engines.append(
+            Engine(f"memconv:{s}", "grads", memconv_hooks(s),
+                   f"memconv.per_sample_grads(strategy={s!r})")
+        )  # fmt: skip
+    engines.append(
+        Engine(BUDGET_ENGINE, "grads", memconv_hooks("auto"),
+               "memconv.per_sample_grads(strategy='auto', memory_budget=the case's budget)",
+               budget=True)
+    )  # fmt: skip
+    for s in memconv.strategies():
+        engines.append(
+            Engine(f"memconv-modules:{s}", "grads", memconv_modules(s),
+                   f"memconv's extended modules inside per_sample(), strategy {s!r}")
+        )  # fmt: skip
+    for s in memconv.strategies():
+        engines.append(
+            Engine(f"memconv-backpack:{s}", "grads", memconv_backpack(s),
+                   f"BackPACK BatchGrad through memconv, strategy {s!r}", requires="backpack")
+        )  # fmt: skip
+    return engines
 
 
-ENGINES = _registry()
+def _clip_registry() -> list[Engine]:
+    return [
+        Engine("non-private", "clip", non_private,
+               "plain loss.backward(), no clipping (the floor)", per_sample=False),
+        Engine("torch.func", "clip", torch_func_clip,
+               "torch.func vmap(grad) per-sample gradients, then clip and sum (the reference)"),
+        Engine("opacus-hooks", "clip", opacus_hooks_clip,
+               "Opacus GradSampleModule per-sample gradients, then clip and sum",
+               requires="opacus"),
+        Engine("opacus-ghost", "clip", opacus_ghost_clip,
+               "Opacus ghost clipping (GradSampleModuleFastGradientClipping): norms, then a "
+               "second backward pass", requires="opacus"),
+        Engine("memconv:auto", "clip", memconv_clip(),
+               "memconv.clip_and_accumulate, routes chosen per layer"),
+        Engine("memconv:ghost", "clip", memconv_clip(norm_route="ghost"),
+               "memconv.clip_and_accumulate(norm_route='ghost')"),
+        Engine("memconv:instantiate", "clip", memconv_clip(norm_route="instantiate"),
+               "memconv.clip_and_accumulate(norm_route='instantiate')"),
+        Engine("memconv:book-keeping", "clip", memconv_clip(clip_route="book-keeping"),
+               "memconv.clip_and_accumulate(clip_route='book-keeping')"),
+        Engine("memconv:two-pass", "clip", memconv_clip(clip_route="two-pass"),
+               "memconv.clip_and_accumulate(clip_route='two-pass')"),
+        Engine(BUDGET_ENGINE, "clip", memconv_clip(),
+               "memconv.clip_and_accumulate(memory_budget=the case's budget)", budget=True),
+    ]  # fmt: skip
+
+
+ENGINES: dict[str, dict[str, Engine]] = {
+    "grads": {e.name: e for e in _grads_registry()},
+    "clip": {e.name: e for e in _clip_registry()},
+}
+
+
+def check_task(task: str) -> str:
+    """Raise unless ``task`` is a known task; returns it.
+
+    Raises:
+        ValueError: naming the accepted tasks.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; accepted: {', '.join(TASKS)}")
+    return task
+
+
+def get_engine(name: str, task: str = "grads") -> Engine:
+    """The engine called ``name`` for ``task``.
+
+    Raises:
+        ValueError: for an unknown task or name (the message lists the accepted ones).
+    """
+    engines = ENGINES[check_task(task)]
+    if name not in engines:
+        raise ValueError(f"unknown {task} engine {name!r}; accepted: {', '.join(engines)}")
+    return engines[name]
 
 
 def available(engine: Engine) -> str | None:
     """None if the engine can run here, else why not (a missing optional peer)."""
-    if engine.requires is None:
+    if engine.requires is None or importlib.util.find_spec(engine.requires) is not None:
         return None
-    import importlib.util
-
-    if importlib.util.find_spec(engine.requires) is None:
-        return f"{engine.requires} is not installed"
-    return None
-
-
-def get_engine(name: str) -> Engine:
-    """The engine called ``name``.
-
-    Raises:
-        ValueError: for an unknown name (the message lists the accepted ones).
-    """
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}; accepted: {', '.join(ENGINES)}")
-    return ENGINES[name]
+    return f"{engine.requires} is not installed (pip install '{EXTRAS[engine.requires]}')"

@@ -7,6 +7,11 @@
   PyTorch profiler's allocation events (every allocation and free of the c10 CPU
   allocator, kernels' own temporaries included), replayed in time order; in MiB;
 - time: median of repeated calls after a warm-up, in seconds.
+
+With glibc's default ``malloc``, freed heap memory is not always given back to the
+system at once, so the RSS figure can exceed the allocator-level one by what the
+heap retains (``MALLOC_MMAP_THRESHOLD_=1048576`` makes large blocks bypass the heap
+and the two figures match); the benchmarks report the default-``malloc`` figures.
 """
 
 from __future__ import annotations
@@ -65,9 +70,29 @@ def peak_allocated(fn, device: torch.device) -> tuple[float, object]:
     return peak / MiB, value
 
 
-def median_time(fn, repeats: int, device: torch.device) -> float:
-    """Median wall time (s) of ``repeats`` calls of ``fn()`` after one warm-up call."""
-    fn()
+def peak_both(fn, device: torch.device, interval: float = 0.002) -> tuple[float, float, object]:
+    """Peak RSS increase and allocator-level peak (MiB) of one call of ``fn()``, and its
+    return value: the allocator is followed during the same call the RSS is sampled
+    in (the profiler's event records add a little to the RSS figure).
+
+    Raises:
+        ImportError: if ``memory_profiler`` is not installed.
+    """
+    box = {}
+
+    def inner():
+        box["alloc"], value = peak_allocated(fn, device)
+        return value
+
+    rss, value = peak_rss_increase(inner, interval)
+    return rss, box["alloc"], value
+
+
+def median_time(fn, repeats: int, device: torch.device, warm_up: bool = True) -> float:
+    """Median wall time (s) of ``repeats`` calls of ``fn()`` (after one warm-up call
+    unless ``warm_up`` is False: the caller has just run it)."""
+    if warm_up:
+        fn()
     times = []
     for _ in range(repeats):
         _sync(device)

@@ -1,4 +1,4 @@
-"""Models used by the main job, the benchmarks and the examples."""
+"""Models of the benchmarks, the main job (``memconv compare``) and the examples."""
 
 from __future__ import annotations
 
@@ -46,20 +46,32 @@ def seed_cnn(side: int = 28, in_channels: int = 1, num_classes: int = 10, conv=n
     )
 
 
-class BasicBlock(nn.Module):
-    """ResNet's basic block: two 3×3 convolutions with BatchNorm and a shortcut."""
+def group_norm(channels: int, groups: int = 32) -> nn.GroupNorm:
+    """``GroupNorm(min(groups, C), C)``."""
+    return nn.GroupNorm(min(groups, channels), channels)
 
-    def __init__(self, c_in: int, c_out: int, stride: int = 1):
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3×3 convolutions with normalisation and a shortcut.
+
+    Args:
+        c_in: input channels.
+        c_out: output channels.
+        stride: stride of the first convolution (and of the shortcut's).
+        norm: ``norm(channels)`` builds a normalisation layer (default BatchNorm2d).
+    """
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1, norm=nn.BatchNorm2d):
         super().__init__()
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c_out)
+        self.bn1 = norm(c_out)
         self.relu = nn.ReLU()
         self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c_out)
+        self.bn2 = norm(c_out)
         self.downsample = None
         if stride != 1 or c_in != c_out:
             self.downsample = nn.Sequential(
-                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), norm(c_out)
             )
 
     def forward(self, x):
@@ -83,6 +95,75 @@ def resnet18_shaped(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
         c = width
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)]
     return nn.Sequential(*layers).eval()
+
+
+def resnet18_gn(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
+    """CIFAR ResNet-18 with GroupNorm (11.2 M parameters for 3 channels and 10 classes).
+
+    The CIFAR layout of He et al. (2016): a 3×3 stem convolution with stride 1 and no
+    max-pool, four stages of two BasicBlocks (64, 128, 256, 512 channels), global
+    average pooling and a Linear layer; every normalisation is
+    ``GroupNorm(min(32, C), C)``, so that samples stay independent in training mode.
+    """
+    layers = [nn.Conv2d(in_channels, 64, 3, padding=1, bias=False), group_norm(64), nn.ReLU()]
+    c = 64
+    for width, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [
+            BasicBlock(c, width, stride, group_norm),
+            BasicBlock(width, width, 1, group_norm),
+        ]
+        c = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)]
+    return nn.Sequential(*layers)
+
+
+class WideBlock(nn.Module):
+    """Pre-activation wide-ResNet block: (GroupNorm, ReLU, 3×3 conv) twice, and a shortcut
+    (a 1×1 convolution where the shape changes)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, groups: int = 16):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(min(groups, c_in), c_in)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.norm2 = nn.GroupNorm(min(groups, c_out), c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.relu = nn.ReLU()
+        self.shortcut = None
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False)
+
+    def forward(self, x):
+        out = self.relu(self.norm1(x))
+        shortcut = x if self.shortcut is None else self.shortcut(out)
+        out = self.conv2(self.relu(self.norm2(self.conv1(out))))
+        return out + shortcut
+
+
+def wrn16_4_gn(in_channels: int = 3, num_classes: int = 10, groups: int = 16) -> nn.Module:
+    """WideResNet-16-4 with GroupNorm (2.75 M parameters), the CIFAR-10 model of De et al.
+    (2022), "Unlocking high-accuracy differentially private image classification
+    through scale".
+
+    Zagoruyko & Komodakis' layout: a 3×3 stem convolution to 16 channels, three
+    groups of two pre-activation blocks (64, 128, 256 channels; strides 1, 2, 2), a
+    final GroupNorm and ReLU, global average pooling and a Linear layer. Every
+    normalisation is ``GroupNorm(16, C)`` as in De et al. (their weight
+    standardisation and augmentation multiplicity are left out: they change neither
+    the layer shapes nor the per-sample gradient computation).
+    """
+    layers = [nn.Conv2d(in_channels, 16, 3, padding=1, bias=False)]
+    c = 16
+    for width, stride in ((64, 1), (128, 2), (256, 2)):
+        layers += [WideBlock(c, width, stride, groups), WideBlock(width, width, 1, groups)]
+        c = width
+    layers += [
+        nn.GroupNorm(min(groups, c), c),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(c, num_classes),
+    ]
+    return nn.Sequential(*layers)
 
 
 def conv1d_net(in_channels: int = 1, num_classes: int = 10) -> nn.Module:

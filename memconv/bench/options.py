@@ -1,116 +1,199 @@
-"""Command-line options shared by ``memconv compare`` and ``memconv bench``: the same
-names, the same values, and every accepted value listed in the help."""
+"""Command-line options shared by ``memconv compare`` and ``memconv bench``, their
+checks (before any work), and the check of optional dependencies."""
 
 from __future__ import annotations
 
 import argparse
-import textwrap
-
-import memconv
+import importlib.util
+import shlex
+import sys
 
 from .data import SOURCES
-from .engines import ENGINES
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written; option help wrapped without breaking names at hyphens."""
-
-    def _split_lines(self, text, width):
-        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
-
-
-def listed(names) -> str:
-    """``"a, b, c"``: accepted values for a help text."""
-    return ", ".join(names)
 
 
 def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    value = int(text)
+    """argparse type: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer ≥ 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return value
 
 
 def positive_float(text: str) -> float:
-    """An argparse type: a number above 0."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    """argparse type: a positive finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
     return value
 
 
-def add_common_arguments(
-    parser: argparse.ArgumentParser, *, engines_help: str, data_help: str = ""
-) -> None:
-    """The options both commands take.
-
-    Args:
-        parser: the sub-command's parser.
-        engines_help: what ``--engines`` means for this command (the accepted names
-            are appended).
-        data_help: appended to the help of ``--data``.
-    """
-    strategies = memconv.strategies()
-    parser.add_argument(
-        "--strategies",
-        nargs="+",
-        choices=strategies,
-        default=list(strategies),
-        metavar="STRATEGY",
-        help=f"memconv strategies to measure (default: all): {listed(strategies)}",
-    )
-    parser.add_argument(
-        "--engines",
-        nargs="+",
-        choices=[*ENGINES, "all"],
-        metavar="ENGINE",
-        help=f"{engines_help}. Accepted: all, {listed(ENGINES)}",
+def add_common(parser: argparse.ArgumentParser, *, data_default: str | None) -> None:
+    """``--data``, ``--device``, ``--repeats``, ``--json``, ``--plot``."""
+    natural = (
+        f"default: {data_default}"
+        if data_default
+        else "default: each case's own real data, digits for the seed CNN and photo crops "
+        "for the others"
     )
     parser.add_argument(
         "--data",
         choices=SOURCES,
-        default="digits",
-        help="real handwritten digits (scikit-learn's, resized), real photo crops "
-        f"(scikit-image's) or random noise (default: digits){data_help}",
+        default=data_default,
+        help="input data: scikit-learn's handwritten digits, crops of scikit-image's "
+        f"photographs, or random noise ({natural})",
     )
     parser.add_argument(
-        "--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)"
+        "--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default: cpu)"
     )
     parser.add_argument(
         "--repeats",
-        type=positive_int,
+        type=non_negative_int,
         default=3,
-        help="timed runs per engine; the median is reported (default: 3)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=positive_float,
-        default=1800.0,
-        metavar="SECONDS",
-        help="time one engine may take before it is reported as failed (default: 1800)",
+        metavar="R",
+        help="timed calls per measurement; the median is reported (default: 3; 0: no timing)",
     )
     parser.add_argument(
         "--json",
         metavar="PATH",
-        help="write every figure to PATH as JSON, rewritten after each measurement",
+        help="write every measurement to PATH as JSON Lines, one line as each "
+        "measurement completes (the first line records the command and the machine)",
     )
     parser.add_argument(
-        "--plot",
-        metavar="PATH",
-        help="save a plot of peak memory against time to PATH (needs matplotlib)",
+        "--plot", metavar="PATH", help="save a figure of the results to PATH (needs matplotlib)"
     )
 
 
-def engine_needs(engines) -> dict[str, str]:
-    """``{module: engine}`` for the optional peers of ``engines``."""
-    return {ENGINES[e].requires: e for e in engines if ENGINES[e].requires}
+def parse_names(text: str | None, accepted, option: str) -> list[str] | None:
+    """A comma-separated list of names, each one of ``accepted`` (``"all"``: all of them).
+
+    Raises:
+        ValueError: an empty list or an unknown name (naming the option and the
+            accepted names).
+    """
+    if text is None:
+        return None
+    accepted = list(accepted)
+    if text.strip() == "all":
+        return accepted
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"{option} needs at least one name; accepted: {', '.join(accepted)}")
+    for n in names:
+        if n not in accepted:
+            raise ValueError(f"{option}: unknown name {n!r}; accepted: {', '.join(accepted)}")
+    return list(dict.fromkeys(names))
 
 
-def data_needs(data: str) -> dict[str, str]:
-    """``{module: why}`` for loading the real data of ``--data``."""
-    if data == "digits":
-        return {"numpy": "--data digits", "sklearn": "--data digits"}
-    if data == "photos":
-        return {"numpy": "--data photos", "skimage": "--data photos"}
-    return {}
+def parse_range(text: str, option: str = "--range") -> list[int]:
+    """``"8,16,32"``: positive integers, strictly increasing, at least one.
+
+    Raises:
+        ValueError: naming the option and what is wrong.
+    """
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise ValueError(
+            f"{option} must be a comma-separated list of positive integers, e.g. 8,16,32; "
+            f"got {text!r}"
+        )
+    values = []
+    for p in parts:
+        try:
+            v = int(p)
+        except ValueError:
+            raise ValueError(f"{option}: {p!r} is not an integer (got {text!r})") from None
+        if v < 1:
+            raise ValueError(f"{option}: values must be positive, got {v} in {text!r}")
+        values.append(v)
+    for a, b in zip(values, values[1:]):
+        if b <= a:
+            raise ValueError(f"{option}: values must be strictly increasing, got {a} then {b}")
+    return values
+
+
+def check_device(device: str) -> None:
+    """Raise unless ``device`` names a torch device that is available.
+
+    Raises:
+        ValueError: naming the option.
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"--device: {err}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here")
+
+
+def check_dependencies(engines=(), *, plot: bool = False, measure: bool = True) -> None:
+    """Raise before a long run if a needed optional package is missing.
+
+    Args:
+        engines: the :class:`~memconv.bench.engines.Engine` objects asked for by name.
+        plot: matplotlib is needed.
+        measure: memory_profiler is needed.
+
+    Raises:
+        ImportError: naming each missing package and how to install it.
+    """
+    needs = {}
+    if measure:
+        needs["memory_profiler"] = "pip install 'memconv[bench]'"
+    if plot:
+        needs["matplotlib"] = "pip install 'memconv[bench]' (or drop --plot)"
+    for engine in engines:
+        if engine.requires:
+            needs[engine.requires] = (
+                f"pip install 'memconv[{engine.requires}]' (or leave out the engine {engine.name})"
+            )
+    missing = [f"{m}: {how}" for m, how in needs.items() if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError("missing optional dependencies: " + "; ".join(missing))
+
+
+def command_line(argv=None) -> str:
+    """The command as typed, ``memconv ...``."""
+    argv = sys.argv[1:] if argv is None else argv
+    return "memconv " + shlex.join(argv)
+
+
+def machine() -> dict:
+    """CPU model, threads and versions, for the JSON records."""
+    import platform
+
+    import torch
+
+    import memconv
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "memconv": memconv.__version__,
+        "python": platform.python_version(),
+    }

@@ -1,144 +1,477 @@
-"""What the measurements leave behind: the machine, JSON written as rows arrive, a plot,
-and a check of the optional dependencies before a long run starts."""
+"""Markdown tables and the targets, rendered from the JSON Lines records of runs.
+
+``memconv bench --report FILE... --markdown PAGE`` fills the sections of PAGE
+delimited by ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` with the tables
+rendered from the records (every other line of PAGE is kept), so a page's figures
+always come from the files, never from hand copies. Section names:
+:data:`SECTIONS`.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import logging
+import math
 import os
-import platform
+import re
+from collections import defaultdict
 
-import torch
+from .cases import CASES, describe
+from .engines import BUDGET_ENGINE, FLOOR, REFERENCE
 
-from .._version import __version__
-
-logger = logging.getLogger("memconv")
-
-#: Optional modules the measurements use, and the extra of memconv that installs each.
-EXTRAS = {
-    "numpy": "bench",
-    "memory_profiler": "bench",
-    "sklearn": "bench",
-    "skimage": "bench",
-    "matplotlib": "bench",
-    "backpack": "backpack",
-    "opacus": "opacus",
+SECTIONS = (
+    "commands", "machine", "grads", "cost-model", "clip", "budget", "targets", "largest",
+    "sweeps",
+)  # fmt: skip
+#: The documented targets of the budget rows: (task, case) → (budget MiB, max peak /
+#: budget, max time / the unbudgeted call or None).
+BUDGET_TARGETS = {
+    ("grads", "seed-112"): (400, 1.05, 2.0),
+    ("clip", "resnet18-gn"): (300, 1.05, None),
 }
 
 
-class MissingDependencyError(ImportError):
-    """An optional dependency a command needs is not installed (the message names the
-    ``pip install 'memconv[EXTRA]'`` line)."""
+def _fmt(value, spec: str = ",.0f", missing: str = "-") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return missing
+    return format(value, spec)
 
 
-def missing(modules) -> list[str]:
-    """The modules of ``modules`` that cannot be imported here."""
-    return [m for m in dict.fromkeys(modules) if importlib.util.find_spec(m) is None]
+def _ratio(a, b, spec: str = ".2f") -> str:
+    if a is None or not b:
+        return "-"
+    return format(a / b, spec)
 
 
-def require(needs: dict[str, str]) -> None:
-    """Check, before any work, that every module a run needs is installed.
+def label(row: dict) -> str:
+    """An engine's label, with its budget for budget rows."""
+    if row["engine"] == BUDGET_ENGINE and row.get("memory_budget_mib"):
+        return f"{row['engine']} ({row['memory_budget_mib']:,.0f} MiB)"
+    return row["engine"]
 
-    Args:
-        needs: ``{module: what needs it}``, e.g. ``{"matplotlib": "--plot"}``.
 
-    Raises:
-        MissingDependencyError: naming each missing module, what needs it, and the
-            extra to install.
-    """
-    absent = missing(needs)
-    if not absent:
-        return
-    extras = sorted({EXTRAS.get(m, "bench") for m in absent})
-    lines = [f"  {m} (needed by {needs[m]})" for m in absent]
-    raise MissingDependencyError(
-        "missing optional dependencies:\n"
-        + "\n".join(lines)
-        + f"\ninstall them with: pip install 'memconv[{','.join(extras)}]'"
+def _failed(row: dict, columns: int) -> str | None:
+    if "skipped" in row:
+        return f"| {label(row)} | skipped: {row['skipped']} |" + " |" * (columns - 2)
+    if "error" in row:
+        return f"| {label(row)} | failed: {row['error']} |" + " |" * (columns - 2)
+    return None
+
+
+def group_rows(records: list[dict], kind: str = "row") -> dict:
+    """``{(file, task, case): [records]}`` in file order (ratios are read within one run)."""
+    groups: dict = defaultdict(list)
+    for r in records:
+        if r.get("record") == kind:
+            groups[(r["file"], r["task"], r["case"])].append(r)
+    return groups
+
+
+def format_case(task: str, config: dict, rows: list[dict]) -> str:
+    """Markdown table of one case, with ratios to the floor and to the reference."""
+    by = {r["engine"]: r for r in rows if r.get("peak_rss_mib") is not None}
+    floor, ref = by.get(FLOOR[task]), by.get(REFERENCE[task])
+    if task == "grads":
+        result = max((r["result_mib"] for r in by.values()), default=0.0)
+        floor_rss = floor["peak_rss_mib"] + result if floor else None
+        floor_alloc = (
+            floor["peak_alloc_mib"] + result if floor and floor["peak_alloc_mib"] else None
+        )
+        head = (
+            f"**{describe(config)}** (grads; floor = autograd's peak + the per-sample result "
+            f"= {_fmt(floor_rss)} MiB RSS, {_fmt(floor_alloc)} MiB allocator)"
+        )
+        columns = [
+            "engine", "peak RSS increase (MiB)", "allocator peak (MiB)", "time (s)",
+            "result (MiB)", "RSS / floor", "allocator / floor", "time / torch.func",
+            "time / autograd", "max rel. deviation from torch.func",
+        ]  # fmt: skip
+    else:
+        floor_rss = floor["peak_rss_mib"] if floor else None
+        floor_alloc = floor["peak_alloc_mib"] if floor else None
+        head = f"**{describe(config)}** (clip; ratios to the non-private step)"
+        columns = [
+            "engine", "peak RSS increase (MiB)", "allocator peak (MiB)", "time (s)",
+            "RSS / non-private", "allocator / non-private", "time / non-private",
+            "time / torch.func", "max rel. deviation from torch.func",
+        ]  # fmt: skip
+    lines = [
+        head,
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|---" + "|---:" * (len(columns) - 1) + "|",
+    ]
+    t_ref = ref["time_s"] if ref else None
+    t_floor = floor["time_s"] if floor else None
+    for r in rows:
+        bad = _failed(r, len(columns))
+        if bad:
+            lines.append(bad)
+            continue
+        dev = _fmt(r.get("deviation"), ".1e", "n/a")
+        cells = [
+            label(r),
+            _fmt(r["peak_rss_mib"]),
+            _fmt(r["peak_alloc_mib"]),
+            _fmt(r["time_s"], ".3f"),
+        ]
+        if task == "grads":
+            cells += [
+                _fmt(r["result_mib"], ",.1f"),
+                _ratio(r["peak_rss_mib"], floor_rss),
+                _ratio(r["peak_alloc_mib"], floor_alloc),
+                _ratio(r["time_s"], t_ref),
+                _ratio(r["time_s"], t_floor),
+                dev,
+            ]
+        else:
+            cells += [
+                _ratio(r["peak_rss_mib"], floor_rss),
+                _ratio(r["peak_alloc_mib"], floor_alloc),
+                _ratio(r["time_s"], t_floor),
+                _ratio(r["time_s"], t_ref),
+                dev,
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_cost_model(rows: list[dict]) -> str:
+    """Markdown table: predicted against measured extra memory of each conv layer."""
+    lines = [
+        "| layer | strategy | predicted (MiB) | measured (MiB) | measured / predicted |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = r["measured_mib"] / r["predicted_mib"] if r["predicted_mib"] > 0 else float("nan")
+        lines.append(
+            f"| {r['layer']} | {r['strategy']} | {r['predicted_mib']:,.1f} | "
+            f"{r['measured_mib']:,.1f} | {ratio:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _unbudgeted(rows):
+    return next((r for r in rows if r["engine"] == "memconv:auto" and r.get("time_s")), None)
+
+
+def format_budget(records: list[dict]) -> str:
+    """Markdown table of the ``memconv:budget`` rows against their budgets."""
+    lines = [
+        "| case | task | memory_budget (MiB) | micro-batches (size) | predicted peak (MiB) | "
+        "allocator peak (MiB) | allocator / budget | RSS peak (MiB) | RSS / budget | "
+        "time / unbudgeted call |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (_, task, _case), rows in group_rows(records).items():
+        for r in rows:
+            if r["engine"] != BUDGET_ENGINE or r.get("peak_rss_mib") is None:
+                continue
+            budget, plan = r["memory_budget_mib"], r.get("plan", {})
+            free = _unbudgeted(rows)
+            lines.append(
+                f"| {describe(r['config'])} | {task} | {budget:,.0f} | "
+                f"{plan.get('micro_batches', '-')} ({plan.get('micro_batch', '-')}) | "
+                f"{_fmt(plan.get('predicted_peak_mib'))} | {_fmt(r['peak_alloc_mib'])} | "
+                f"{_ratio(r['peak_alloc_mib'], budget)} | {_fmt(r['peak_rss_mib'])} | "
+                f"{_ratio(r['peak_rss_mib'], budget)} | "
+                f"{_ratio(r['time_s'], free['time_s'] if free else None)} |"
+            )
+    return "\n".join(lines) if len(lines) > 2 else "(no budget rows in these runs)"
+
+
+def largest_rows(records: list[dict]) -> list[dict]:
+    """The ``largest`` records."""
+    return [r for r in records if r.get("record") == "largest"]
+
+
+def format_largest(records: list[dict]) -> str:
+    """Markdown table of the largest batch within the memory limit."""
+    rows = largest_rows(records)
+    if not rows:
+        return "(no largest-batch runs in these files)"
+    floors = {
+        (r["file"], r["task"], r["case"]): r["largest"]
+        for r in rows
+        if r["engine"] == FLOOR[r["task"]] and r.get("largest")
+    }
+    lines = [
+        "| case | task | engine | limit (MiB) | largest batch that fits | smallest that does not | "
+        "× the floor's | allocator peak at largest (MiB) | RSS peak at largest (MiB) | probes |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r or "skipped" in r:
+            why = r.get("error") or r.get("skipped")
+            lines.append(
+                f"| {r['case']} | {r['task']} | {label(r)} | {r['limit_mib']:,.0f} | {why} |||||"
+            )
+            continue
+        largest = f"≥ {r['largest']:,} (cap)" if r.get("capped") else f"{r['largest']:,}"
+        failing = _fmt(r.get("smallest_failing"), ",")
+        floor = floors.get((r["file"], r["task"], r["case"]))
+        lines.append(
+            f"| {r['case']} | {r['task']} | {label(r)} | {r['limit_mib']:,.0f} | {largest} | "
+            f"{failing} | {_ratio(r['largest'], floor)} | {_fmt(r.get('peak_alloc_mib'))} | "
+            f"{_fmt(r.get('peak_rss_mib'))} | {r['probes']} |"
+        )
+    return "\n".join(lines)
+
+
+def _sweep_table(rows: list[dict], key: str, spec: str) -> str:
+    values = sorted({r["value"] for r in rows})
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    cell = {(r["engine"], r["value"]): r for r in rows}
+    lines = [
+        "| engine | " + " | ".join(str(v) for v in values) + " | growth exponent (last two) |",
+        "|---" + "|---:" * (len(values) + 1) + "|",
+    ]
+    for e in engines:
+        cells, points = [], []
+        for v in values:
+            r = cell.get((e, v))
+            x = r.get(key) if r else None
+            if r and ("error" in r or r.get("aborted")):
+                cells.append("over" if r.get("aborted") else "failed")
+            else:
+                cells.append(_fmt(x, spec))
+            if x:
+                points.append((v, x))
+        slope = "-"
+        if len(points) >= 2:
+            (v0, y0), (v1, y1) = points[-2:]
+            slope = f"{math.log(y1 / y0) / math.log(v1 / v0):.2f}" if y0 > 0 and y1 > 0 else "-"
+        lines.append(f"| {e} | " + " | ".join(cells) + f" | {slope} |")
+    return "\n".join(lines)
+
+
+def format_sweeps(records: list[dict], page_dir: str | None = None) -> str:
+    """Per sweep: the figure (if one was saved) and tables of memory and time."""
+    groups: dict = defaultdict(list)
+    headers = {r["file"]: r for r in records if r.get("record") == "run"}
+    for r in records:
+        if r.get("record") == "sweep":
+            groups[(r["file"], r["task"], r["case"], r["sweep"])].append(r)
+    if not groups:
+        return "(no sweeps in these files)"
+    out = []
+    for (file, task, case, sweep), rows in groups.items():
+        config = rows[0]["config"]
+        fixed = f"side {config['side']}" if sweep == "batch" else f"batch {config['batch']}"
+        variable = "batch size N" if sweep == "batch" else "image side"
+        out.append(f"**{case}, task {task}: {variable} swept, {fixed}**")
+        out.append("")
+        plot = headers.get(file, {}).get("plot")
+        if plot:
+            path = os.path.relpath(plot, page_dir) if page_dir else plot
+            out += [f"![{case} {sweep} sweep]({path})", ""]
+        out += ["Allocator peak (MiB):", "", _sweep_table(rows, "peak_alloc_mib", ",.0f"), ""]
+        out += ["Peak RSS increase (MiB):", "", _sweep_table(rows, "peak_rss_mib", ",.0f"), ""]
+        out += ["Time (s):", "", _sweep_table(rows, "time_s", ".3f"), ""]
+    return "\n".join(out).rstrip()
+
+
+# ---------------------------------------------------------------- targets
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def _full_size(record) -> bool:
+    """Whether a record is of its case's documented size (targets are for those only)."""
+    case = CASES.get(record.get("case"))
+    config = record.get("config", {})
+    return (
+        case is not None
+        and config.get("side") == case.side
+        and (record.get("record") == "largest" or config.get("batch") == case.batch)
     )
 
 
-def machine() -> dict:
-    """CPU model, threads and versions, for the JSON record."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
+def _find(records, task, case, engine, kind="row"):
+    for r in records:
+        if (
+            r.get("record") == kind
+            and r.get("task") == task
+            and r.get("case") == case
+            and r.get("engine") == engine
+            and "error" not in r
+            and "skipped" not in r
+            and _full_size(r)
+        ):
+            return r
+    return None
+
+
+def targets(records: list[dict]) -> list[str]:
+    """The targets as measured ratios (each line says met or missed); targets whose
+    measurements are not in ``records`` are left out."""
+    out = []
+    floor = _find(records, "clip", "resnet18-gn", "non-private")
+    ours = _find(records, "clip", "resnet18-gn", "memconv:auto")
+    if floor and ours and floor.get("peak_alloc_mib"):
+        a = ours["peak_alloc_mib"] / floor["peak_alloc_mib"]
+        r = ours["peak_rss_mib"] / floor["peak_rss_mib"]
+        out.append(
+            f"- ResNet-18-GN, batch 64, clip_and_accumulate peak ≤ 1.15 × non-private: "
+            f"allocator {a:.2f} × ({_verdict(a <= 1.15)}), RSS {r:.2f} × ({_verdict(r <= 1.15)})"
+        )
+        if ours.get("time_s") and floor.get("time_s"):
+            t = ours["time_s"] / floor["time_s"]
+            out.append(
+                f"- ResNet-18-GN, batch 64, clip_and_accumulate time ≤ 1.6 × non-private: "
+                f"{t:.2f} × ({_verdict(t <= 1.6)})"
+            )
+        variants = [
+            r
+            for r in records
+            if r.get("record") == "row"
+            and _full_size(r)
+            and r.get("task") == "clip"
+            and r.get("case") == "resnet18-gn"
+            and r["engine"].startswith("memconv:")
+            and r.get("time_s")
+            and r["engine"] != BUDGET_ENGINE
+        ]
+        if variants:
+            fast = min(variants, key=lambda r: r["time_s"])
+            lean = min(variants, key=lambda r: r["peak_alloc_mib"] or math.inf)
+            out.append(
+                f"  (fastest memconv variant: {fast['engine']}, "
+                f"{fast['time_s'] / floor['time_s']:.2f} × non-private's time; leanest: "
+                f"{lean['engine']}, {lean['peak_alloc_mib'] / floor['peak_alloc_mib']:.2f} × its "
+                "allocator peak)"
+            )
+    largest = {
+        (r["task"], r["case"], r["engine"]): r
+        for r in largest_rows(records)
+        if "largest" in r and _full_size(r)
+    }
+
+    def size(key):
+        r = largest.get(key)
+        return None if r is None else (r["largest"], r.get("capped", False))
+
+    ours, floor = (
+        size(("clip", "resnet18-gn", "memconv:auto")),
+        size(("clip", "resnet18-gn", "non-private")),
+    )
+    if ours and floor:
+        q = ours[0] / floor[0]
+        out.append(
+            f"- ResNet-18-GN, largest batch in the limit ≥ 0.8 × non-private's: clip_and_accumulate "
+            f"{ours[0]:,} vs {floor[0]:,} = {q:.2f} × ({_verdict(q >= 0.8)})"
+        )
+    for task in ("clip", "grads"):
+        ours = size((task, "seed-112", "memconv:auto"))
+        for peer in ("torch.func", "opacus-hooks"):
+            theirs = size((task, "seed-112", peer))
+            if ours and theirs:
+                q = ours[0] / theirs[0]
+                what = "clip_and_accumulate" if task == "clip" else "per_sample_grads"
+                out.append(
+                    f"- seed CNN 1×112², task {task}, largest batch in the limit ≥ 4 × {peer}'s: "
+                    f"{what} {ours[0]:,} vs {theirs[0]:,} = {q:.2f} × ({_verdict(q >= 4)})"
+                )
+    for (task, case), (budget, peak_max, time_max) in BUDGET_TARGETS.items():
+        row = _find(records, task, case, BUDGET_ENGINE)
+        if row is None or row.get("peak_alloc_mib") is None or row["memory_budget_mib"] != budget:
+            continue
+        b = row["memory_budget_mib"]
+        a, r = row["peak_alloc_mib"] / b, row["peak_rss_mib"] / b
+        line = (
+            f"- {describe(row['config'])}, task {task}, memory_budget {b:,.0f} MiB: peak ≤ "
+            f"{peak_max} × budget: allocator {a:.2f} × ({_verdict(a <= peak_max)}), RSS {r:.2f} × "
+            f"({_verdict(r <= peak_max)})"
+        )
+        free = _find(records, task, case, "memconv:auto")
+        if time_max and free and free.get("time_s") and row.get("time_s"):
+            t = row["time_s"] / free["time_s"]
+            line += (
+                f"; time ≤ {time_max} × the unbudgeted call: {t:.2f} × ({_verdict(t <= time_max)})"
+            )
+        out.append(line)
+    return out
+
+
+# ---------------------------------------------------------------- the page
+def format_commands(records: list[dict]) -> str:
+    """The commands that produced the records, with their wall time."""
+    done = {r["file"]: r for r in records if r.get("record") == "done"}
+    lines = []
+    for r in records:
+        if r.get("record") != "run":
+            continue
+        d = done.get(r["file"])
+        took = f"{d['elapsed_s'] / 60:.1f} min" if d else "did not finish"
+        lines.append(f"    {r['command']}    # {r['started'][:10]}, {took}")
+    return "\n".join(lines)
+
+
+def format_machine(records: list[dict]) -> str:
+    """The machines the records were measured on (one line per distinct machine)."""
+    seen = []
+    for r in records:
+        if r.get("record") == "run" and r["machine"] not in seen:
+            seen.append(r["machine"])
+    return "\n".join(
+        f"- {m['cpu']}, {m['threads']} threads; torch {m['torch']}, memconv {m['memconv']}, "
+        f"Python {m['python']}"
+        for m in seen
+    )
+
+
+def render(records: list[dict], page_dir: str | None = None) -> dict[str, str]:
+    """Every section of :data:`SECTIONS`, rendered from ``records``."""
+    cases = {
+        task: "\n\n".join(
+            format_case(task, rows[0]["config"], rows)
+            for (_, t, _), rows in group_rows(records).items()
+            if t == task
+        )
+        or "(no measurements of this task in these files)"
+        for task in ("grads", "clip")
+    }
+    cost = [r for r in records if r.get("record") == "cost"]
     return {
-        "cpu": cpu,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "memconv": __version__,
-        "python": platform.python_version(),
+        "commands": format_commands(records),
+        "machine": format_machine(records),
+        "grads": cases["grads"],
+        "cost-model": format_cost_model(cost) if cost else "(no cost-model rows in these files)",
+        "clip": cases["clip"],
+        "budget": format_budget(records),
+        "targets": "\n".join(targets(records)) or "(no target measurements in these files)",
+        "largest": format_largest(records),
+        "sweeps": format_sweeps(records, page_dir),
     }
 
 
-class JsonRecord:
-    """A JSON document rewritten whole after every change, so that an interrupted run
-    leaves every row measured so far (``"complete": false`` until :meth:`finish`).
+def fill(page: str, sections: dict[str, str]) -> str:
+    """``page`` with each ``<!-- bench:NAME -->...<!-- /bench:NAME -->`` block refilled.
 
-    Args:
-        path: the file, or ``None`` to record nothing.
-        document: the initial document (a dict; it is kept and mutated by callers).
+    Raises:
+        ValueError: an unknown section name in the page.
     """
 
-    def __init__(self, path: str | None, document: dict):
-        self.path = path
-        self.document = {**document, "complete": False}
-        self.write()
+    def replace(match):
+        name = match.group(1)
+        if name not in sections:
+            raise ValueError(
+                f"unknown section <!-- bench:{name} -->; accepted: {', '.join(SECTIONS)}"
+            )
+        return f"<!-- bench:{name} -->\n{sections[name]}\n<!-- /bench:{name} -->"
 
-    def write(self) -> None:
-        """Write the document now (atomically: a temporary file, then a rename)."""
-        if not self.path:
-            return
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.document, f, indent=2)
-        os.replace(tmp, self.path)
-
-    def finish(self, **items) -> None:
-        """Add ``items``, mark the document complete and write it."""
-        self.document.update(items)
-        self.document["complete"] = True
-        self.write()
-        if self.path:
-            logger.info("wrote %s", self.path)
+    pattern = re.compile(r"<!-- bench:([\w-]+) -->.*?<!-- /bench:\1 -->", re.S)
+    return pattern.sub(replace, page)
 
 
-def plot(cases: list[dict], path: str, describe) -> None:
-    """Peak memory against time per engine, log–log, one panel per case.
-
-    Args:
-        cases: ``[{"case": config, "rows": rows}]``.
-        path: the image file to write.
-        describe: ``describe(config) -> str``, the panel titles.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(3, len(cases))
-    rows_n = -(-len(cases) // cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(6.5 * cols, 5.5 * rows_n), squeeze=False)
-    for ax in axes.flat[len(cases) :]:
-        ax.set_visible(False)
-    for ax, case in zip(axes.flat, cases):
-        rows = [r for r in case["rows"] if "peak_rss_mib" in r]
-        for r in rows:
-            color = "tab:red" if r["engine"].startswith("memconv") else "tab:blue"
-            ax.scatter(r["time_s"], max(r["peak_rss_mib"], 1), color=color)
-            ax.annotate(r["engine"], (r["time_s"], max(r["peak_rss_mib"], 1)), fontsize=7)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel("peak RSS increase (MiB)")
-        ax.set_title(describe(case["case"]), fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    logger.info("wrote %s", path)
+def default_page(sections: dict[str, str]) -> str:
+    """A page holding every section, for a file that has none yet."""
+    parts = ["# Benchmarks", ""]
+    for name in SECTIONS:
+        parts += [
+            f"## {name}",
+            "",
+            f"<!-- bench:{name} -->",
+            sections[name],
+            f"<!-- /bench:{name} -->",
+            "",
+        ]
+    return "\n".join(parts)

@@ -1,9 +1,10 @@
-"""The one runner of every measurement: each engine in a fresh Python process.
+"""The one fresh-process runner of ``memconv compare``, ``memconv bench`` and the examples.
 
-``memconv compare``, ``memconv bench`` and the examples all call :func:`run_engines`:
-every job runs :func:`memconv.bench.worker.run` in a new interpreter (so that one
-engine's memory never shows in another's peak), its per-sample result comes back
-through a temporary file, and the results are cross-validated as they arrive.
+:func:`run_in_subprocess` starts ``python -m memconv.bench.worker`` for one
+measurement; :func:`measure_engines` runs a list of engines on one case that way,
+the reference first, and cross-validates each result against the reference's as it
+arrives, handing every row to a callback at once (so that a run stopped midway keeps
+its rows). :class:`JsonLines` writes records one line each, flushed.
 """
 
 from __future__ import annotations
@@ -15,45 +16,27 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .engines import ENGINES, available
+from .engines import FLOOR, REFERENCE, available, get_engine
 
 logger = logging.getLogger("memconv")
 
-#: Seconds one job may run before it is reported as failed.
-DEFAULT_TIMEOUT = 1800.0
+#: Seconds one measurement may take before it is reported as failed.
+DEFAULT_TIMEOUT = 1800
 
 
-@dataclass(frozen=True)
-class Job:
-    """One row of a measurement.
-
-    Attributes:
-        label: the row's name in tables and JSON (e.g. ``"memconv:auto (budget)"``).
-        engine: the engine that runs (a key of :data:`memconv.bench.engines.ENGINES`).
-        settings: extra worker settings, e.g. ``{"memory_budget": bytes}``.
-    """
-
-    label: str
-    engine: str
-    settings: dict = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, job: str | Job) -> Job:
-        """A :class:`Job` from an engine name (label = engine) or a job."""
-        return job if isinstance(job, Job) else cls(job, job)
-
-
-def run_in_subprocess(config: dict, timeout: float | None = DEFAULT_TIMEOUT) -> dict:
-    """Run :func:`memconv.bench.worker.run` on ``config`` in a fresh Python process.
+def run_in_subprocess(config: dict, timeout: float = DEFAULT_TIMEOUT) -> dict:
+    """Run one measurement (:mod:`memconv.bench.worker`) in a fresh Python process.
 
     Returns:
-        The worker's figures, or ``{"error": message}`` if it failed or timed out.
+        The worker's figures; ``{"aborted": True, ...}`` if it stopped past its
+        ``abort_rss_mib``; or ``{"error": message}`` if it failed or timed out.
     """
+    from .worker import ABORTED
+
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -67,102 +50,142 @@ def run_in_subprocess(config: dict, timeout: float | None = DEFAULT_TIMEOUT) -> 
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
-    if proc.returncode != 0:
-        logger.debug("worker failed on %s:\n%s", config.get("engine"), proc.stderr)
-        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == ABORTED and lines:
+        return json.loads(lines[-1])
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
         message = tail[0]
         return {"error": message if len(message) <= 160 else message[:157] + "..."}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(lines[-1])
 
 
 def max_rel_deviation(a: dict, b: dict) -> float:
-    """Largest ``max|a-b| / max|b|`` over the parameters both results hold.
-
-    A per-sample result ``[N, *shape]`` compared with a summed one ``[*shape]`` is
-    summed over the samples first.
-    """
+    """Largest ``max|a-b| / max|b|`` over the entries both results hold (a per-sample
+    result is summed over the batch where compared with a summed one)."""
     worst = 0.0
     for name in a.keys() & b.keys():
         x, y = a[name].double(), b[name].double()
         if x.shape != y.shape:
             x = x.sum(0) if x.dim() == y.dim() + 1 else x
             y = y.sum(0) if y.dim() == x.dim() + 1 else y
-        scale = y.abs().max().item() or 1.0
-        worst = max(worst, (x - y).abs().max().item() / scale)
+        scale = y.abs().max().item() if y.numel() else 0.0
+        worst = max(worst, (x - y).abs().max().item() / (scale or 1.0) if x.numel() else 0.0)
     return worst
 
 
-def run_engines(
-    base: dict,
-    jobs: Iterable[str | Job],
-    *,
-    then: Callable[[list[dict]], Iterable[str | Job]] | None = None,
-    on_start: Callable[[str], None] | None = None,
-    on_row: Callable[[dict], None] | None = None,
-    results: dict | None = None,
-    timeout: float | None = DEFAULT_TIMEOUT,
-) -> list[dict]:
-    """Measure every job on the case ``base``, each in a fresh process, and cross-validate.
+def execution_order(names: Iterable[str], task: str, reference: str | None = None) -> list[str]:
+    """The reference first (later rows are compared with it as they arrive), then the
+    floor, then the others in the given order."""
+    names = list(dict.fromkeys(names))
+    first = [n for n in dict.fromkeys((reference or REFERENCE[task], FLOOR[task])) if n in names]
+    return first + [n for n in names if n not in first]
 
-    Each row is ``{"engine": label, "peak_rss_mib", "peak_alloc_mib", "time_s",
-    "result_mib", "deviation"}`` (see :func:`memconv.bench.worker.run`), or
-    ``{"engine": label, "skipped": why}`` for an engine whose optional dependency is
-    missing, or ``{"engine": label, "error": message}``. ``deviation`` is the largest
-    relative deviation (:func:`max_rel_deviation`) of the row's result from any other
-    row's; it is updated in place as later rows arrive.
+
+def measure_engines(
+    base: dict,
+    names: Iterable[str],
+    *,
+    task: str = "grads",
+    on_row: Callable[[dict], None] | None = None,
+    validate: bool = True,
+    timeout: float = DEFAULT_TIMEOUT,
+    reference: str | None = None,
+) -> list[dict]:
+    """Measure engines on one case, each in a fresh process.
+
+    Each row is ``{"engine": name, **figures}`` (or ``"skipped"``/``"error"``) and,
+    when ``validate`` and the reference ran, ``deviation``: the largest relative
+    deviation of its result from the reference's (:data:`REFERENCE`; not given for the
+    clipping task's floor, whose result is not clipped).
 
     Args:
-        base: the case (see :func:`memconv.bench.cases.build_case`) and worker settings
-            (``device``, ``repeats``, ``seed``, ``alloc``).
-        jobs: engine names or :class:`Job` objects, run in order.
-        then: called once with the rows of ``jobs``; the jobs it returns run after them
-            (e.g. ``"auto"`` with a budget derived from a measured peak).
-        on_start: called with each job's label before it runs.
-        on_row: called with each row as soon as it is measured (e.g. to write it out).
-        results: if given, filled with ``{label: {parameter name: Tensor}}``.
-        timeout: seconds one job may run.
+        base: the worker configuration without ``engine`` (case, task, repeats, ...).
+        names: engine names (validated before any work).
+        task: ``"grads"`` or ``"clip"``.
+        on_row: called with each row as soon as it is complete.
+        validate: save each result and compare it with the reference's.
+        timeout: seconds per measurement.
+        reference: the engine the others are compared with (default
+            :data:`REFERENCE` of the task).
 
     Returns:
-        The rows, in the order the jobs ran.
-    """
-    rows: list[dict] = []
-    kept: dict[str, dict] = {}
+        The rows, in execution order (:func:`execution_order`).
 
-    def run(pending: Iterable[str | Job]) -> None:
-        for job in map(Job.of, pending):
-            if on_start is not None:
-                on_start(job.label)
-            reason = available(ENGINES[job.engine]) if job.engine in ENGINES else None
+    Raises:
+        ValueError: an unknown engine name.
+    """
+    reference_name = reference or REFERENCE[task]
+    names = execution_order(names, task, reference_name)
+    engines = {n: get_engine(n, task) for n in names}
+    rows, reference_result = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, name in enumerate(names):
+            reason = available(engines[name])
             if reason:
-                row = {"engine": job.label, "skipped": reason}
+                row = {"engine": name, "skipped": reason}
+            elif engines[name].budget and not base.get("memory_budget"):
+                row = {"engine": name, "skipped": "no memory budget for this case"}
             else:
-                path = os.path.join(tmp, f"{len(rows)}.pt")
-                config = {**base, **job.settings, "engine": job.engine, "out": path}
-                row = {"engine": job.label, **job.settings, **run_in_subprocess(config, timeout)}
-                if "error" not in row:
-                    _cross_validate(row, torch.load(path), rows, kept)
+                path = os.path.join(tmp, f"{i}.pt") if validate else None
+                config = {**base, "task": task, "engine": name, "out": path}
+                row = {"engine": name, **run_in_subprocess(config, timeout)}
+                if path and "error" not in row:
+                    result = torch.load(path)
                     os.remove(path)
-            if "error" in row:
-                logger.warning("%s failed: %s", job.label, row["error"])
+                    if name == reference_name:
+                        reference_result = result
+                    if reference_result is not None and not (
+                        task == "clip" and not engines[name].per_sample
+                    ):
+                        row["deviation"] = max_rel_deviation(result, reference_result)
+                    del result
+            if engines[name].budget and base.get("memory_budget"):
+                row["memory_budget_mib"] = base["memory_budget"] / 2**20
             rows.append(row)
             if on_row is not None:
                 on_row(row)
-
-    with tempfile.TemporaryDirectory(prefix="memconv-") as tmp:
-        run(jobs)
-        if then is not None:
-            run(then(list(rows)))
-    if results is not None:
-        results.update(kept)
     return rows
 
 
-def _cross_validate(row: dict, result: dict, rows: list[dict], kept: dict) -> None:
-    """Set ``row["deviation"]`` against every earlier result, and raise theirs."""
-    by_label = {r["engine"]: r for r in rows}
-    row["deviation"] = 0.0
-    for label, other in kept.items():
-        row["deviation"] = max(row["deviation"], max_rel_deviation(result, other))
-        earlier = by_label[label]
-        earlier["deviation"] = max(earlier["deviation"], max_rel_deviation(other, result))
-    kept[row["engine"]] = result
+class JsonLines:
+    """Records written one JSON line each, flushed at once (a run stopped midway keeps
+    every record written so far). ``path=None`` writes nothing.
+
+    Args:
+        path: the file (overwritten).
+        header: the first record (the command and the machine).
+    """
+
+    def __init__(self, path: str | None, header: dict):
+        self.path = path
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(json.dumps(header) + "\n")
+
+    def write(self, record: dict) -> None:
+        """Append one record."""
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def read_records(paths: Iterable[str]) -> list[dict]:
+    """Every record of JSON Lines files, each with ``"file"`` (the path it came from).
+
+    Raises:
+        ValueError: a file that is not JSON Lines (naming it and the line).
+    """
+    records = []
+    for path in paths:
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{i} is not a JSON line: {err}") from err
+                records.append({**record, "file": str(path)})
+    return records
