@@ -17,7 +17,7 @@ MIN_PYTHON := 3.10
 # the interpreter PYTHON resolves to, and its version ("" if there is none)
 PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>/dev/null)
 
-.PHONY: install compare test test-slow lint format docs docs-clean clean FORCE
+.PHONY: install compare test test-slow lint format docs docs-clean clean benchmarks benchmarks-report FORCE
 
 # Rebuilt (with the whole venv) only when the interpreter changed; FORCE makes make
 # look at it every time, but its timestamp moves only on a rebuild.
@@ -56,6 +56,23 @@ compare: $(VENV)/.installed-$(EXTRAS_COMPARE)
 
 test: $(VENV)/.installed-$(EXTRAS_TEST)
 	$(BIN)/python -m pytest -q
+
+# The measurements behind docs/benchmarks.md (about 1.5 hours on 2 CPU cores), each
+# command writing JSON Lines under docs/bench/, then the page refilled from them.
+BENCH := $(BIN)/memconv bench
+BENCH_DIR := docs/bench
+benchmarks: $(VENV)/.installed-bench+backpack+opacus
+	$(BENCH) --task clip --json $(BENCH_DIR)/clip.jsonl --plot $(BENCH_DIR)/clip.png
+	$(BENCH) --task grads --json $(BENCH_DIR)/grads.jsonl --plot $(BENCH_DIR)/grads.png
+	$(BENCH) --task clip --largest-batch --json $(BENCH_DIR)/largest-clip.jsonl
+	$(BENCH) --task grads --largest-batch --json $(BENCH_DIR)/largest-grads.jsonl
+	$(BENCH) --sweep batch --json $(BENCH_DIR)/sweep-batch.jsonl --plot $(BENCH_DIR)/sweep-batch.png
+	$(BENCH) --sweep side --json $(BENCH_DIR)/sweep-side.jsonl --plot $(BENCH_DIR)/sweep-side.png
+	$(MAKE) benchmarks-report
+
+# Refill docs/benchmarks.md from the JSON Lines files (seconds; no measurement).
+benchmarks-report: $(VENV)/.installed-bench
+	$(BENCH) --report $(wildcard $(BENCH_DIR)/*.jsonl) --markdown docs/benchmarks.md
 
 test-slow: $(VENV)/.installed-$(EXTRAS_TEST)
 	$(BIN)/python -m pytest -q -m slow
