@@ -59,15 +59,19 @@ test: $(VENV)/.installed-$(EXTRAS_TEST)
 
 # The measurements behind docs/benchmarks.md (about 1.5 hours on 2 CPU cores), each
 # command writing JSON Lines under docs/bench/, then the page refilled from them.
+# `memconv bench` without --cases/--engines runs the full matrix (several hours here).
 BENCH := $(BIN)/memconv bench
 BENCH_DIR := docs/bench
+GRADS_ENGINES := autograd,torch.func,expanded-weights,opacus-hooks,backpack-save-memory,memconv:standard,memconv:rochette,memconv:unfold,memconv:shift,memconv:auto,memconv:budget,memconv-modules:auto,memconv-backpack:auto
 benchmarks: $(VENV)/.installed-bench+backpack+opacus
-	$(BENCH) --task clip --json $(BENCH_DIR)/clip.jsonl --plot $(BENCH_DIR)/clip.png
-	$(BENCH) --task grads --json $(BENCH_DIR)/grads.jsonl --plot $(BENCH_DIR)/grads.png
-	$(BENCH) --task clip --largest-batch --json $(BENCH_DIR)/largest-clip.jsonl
-	$(BENCH) --task grads --largest-batch --json $(BENCH_DIR)/largest-grads.jsonl
-	$(BENCH) --sweep batch --json $(BENCH_DIR)/sweep-batch.jsonl --plot $(BENCH_DIR)/sweep-batch.png
-	$(BENCH) --sweep side --json $(BENCH_DIR)/sweep-side.jsonl --plot $(BENCH_DIR)/sweep-side.png
+	$(BENCH) --task clip --cases resnet18-gn,seed-112 --json $(BENCH_DIR)/clip.jsonl --plot $(BENCH_DIR)/clip.png
+	$(BENCH) --task grads --cases seed-112,seed-28 --engines $(GRADS_ENGINES) --json $(BENCH_DIR)/grads.jsonl --plot $(BENCH_DIR)/grads.png
+	$(BENCH) --task grads --largest-batch --engines autograd,torch.func,opacus-hooks,memconv:auto --json $(BENCH_DIR)/largest-grads.jsonl
+	$(BENCH) --task clip --largest-batch --cases resnet18-gn --engines non-private,opacus-ghost,memconv:auto --json $(BENCH_DIR)/largest-clip.jsonl
+	$(BENCH) --task clip --cases wrn16-4-gn,conv1d,conv3d --json $(BENCH_DIR)/clip-more.jsonl
+	$(BENCH) --task grads --cases resnet18-gn,conv1d,conv3d --json $(BENCH_DIR)/grads-more.jsonl
+	$(BENCH) --sweep batch --range 8,32,128,512 --json $(BENCH_DIR)/sweep-batch.jsonl --plot $(BENCH_DIR)/sweep-batch.png
+	$(BENCH) --sweep side --range 28,56,112,224 --json $(BENCH_DIR)/sweep-side.jsonl --plot $(BENCH_DIR)/sweep-side.png
 	$(MAKE) benchmarks-report
 
 # Refill docs/benchmarks.md from the JSON Lines files (seconds; no measurement).

@@ -438,8 +438,3 @@ def convert(model: nn.Module) -> nn.Module:
             stacklevel=2,
         )
     return model
-
-
-def is_memconv_conv(module: nn.Module) -> bool:
-    """Whether ``module`` is one of memconv's convolution classes."""
-    return isinstance(module, MEMCONV_CONV_TYPES)

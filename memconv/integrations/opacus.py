@@ -33,7 +33,10 @@ or ``with mo.installed(): ...``. What :func:`install` registers:
   :func:`memconv.grad_sample.bias_grad`, with the strategy of the
   :class:`memconv.save_memory` block open when Opacus calls the sampler (Opacus
   computes per-sample gradients in a backward hook, so: the block around
-  ``loss.backward()``; ``"auto"`` outside any). Exact for every ``padding_mode``:
+  ``loss.backward()``; ``"auto"`` outside any). This is the one place where the
+  block around the backward pass applies, because Opacus, not memconv, decides when
+  the sampler runs; on a GPU, autograd may run backward hooks on its device thread,
+  which sees no block of the calling thread, and the sampler then uses ``"auto"``. Exact for every ``padding_mode``:
   Opacus 1.6's own convolution sampler unfolds the input with zero padding whatever
   the ``padding_mode``, so its per-sample weight gradients (and, in ghost mode, the
   norms made from them) of ``"reflect"``, ``"replicate"`` and ``"circular"``
