@@ -38,7 +38,7 @@ from .extraction import (
     streams,
 )
 from .grad_sample import bias_grad, grad_sample, own_trainable, summed_weight_grad
-from .norms import DEFAULT_NORM_BUDGET, check_route, layer_sq_norms
+from .norms import DEFAULT_NORM_BUDGET, check_route, layer_sq_norms, sq_norms
 
 CLIP_ROUTES = ("book-keeping", "two-pass")
 
@@ -143,7 +143,7 @@ def _add(total: dict, name: str, value: Tensor) -> None:
 
 
 def _squared(grads: Tensor) -> Tensor:
-    return grads.flatten(1).pow(2).sum(1).to(torch.promote_types(grads.dtype, torch.float32))
+    return sq_norms(grads).to(torch.promote_types(grads.dtype, torch.float32))
 
 
 def _count_uses(model: nn.Module, names: dict) -> dict[str, int]:

@@ -46,6 +46,15 @@ ROUTES = ("ghost", "instantiate")
 DEFAULT_NORM_BUDGET = 32 * 2**20
 
 
+def sq_norms(t: Tensor) -> Tensor:
+    """Squared L2 norm per sample ``[N]`` of ``t`` ``[N, ...]``, without a squared copy
+    of ``t`` (a reduction: no temporary of ``t``'s size, which the cost models assume)."""
+    if t.dim() == 1:
+        return t.square()
+    # over the trailing axes of a view as it is: flatten(1) would copy a permuted one
+    return torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim()))).square()
+
+
 @dataclass(frozen=True)
 class RouteCost:
     """A norm route's predicted cost for one layer.
@@ -179,7 +188,7 @@ def instantiate_sq_norms(ops: Operands, settings: Settings, budget: int) -> Tens
     for n0 in range(0, n, chunk):
         part = Operands(ops.x[n0 : n0 + chunk], ops.g[n0 : n0 + chunk], ops.geometry)
         grads = weight_grad(part, settings, per_sample=True)
-        out.append(grads.flatten(1).pow(2).sum(1))
+        out.append(sq_norms(grads))
         del grads
     return torch.cat(out)
 
@@ -209,16 +218,21 @@ def conv_weight_sq_norms(
         g: its output gradient.
         settings: the strategy of the instantiating route.
         route: ``"ghost"``, ``"instantiate"`` or None (the cost models choose).
-        budget: bytes for the route's temporaries (None: :data:`DEFAULT_NORM_BUDGET`).
+        budget: bytes for the route's temporaries, the copy that brings the input to
+            normal form (reflect padding, a transposed convolution) included (None:
+            :data:`DEFAULT_NORM_BUDGET` for the route, the copy besides).
     """
     if x.dtype != g.dtype:
         x = x.to(g.dtype)
     ops = conv_spec(module).operands(x, g)
     problem = Problem(ops.geometry, x.shape[0], tuple(ops.x.shape[2:]), x.element_size(), True)
-    chosen = route or choose_route(problem, budget).route
+    # a budget covers the copy that brought the input to normal form; the route gets
+    # what is left of it
+    room = None if budget is None else max(budget - ops.copied * x.element_size(), 1)
+    chosen = route or choose_route(problem, room).route
     if chosen == "ghost":
-        return ghost_sq_norms(ops, budget or DEFAULT_NORM_BUDGET)
-    return instantiate_sq_norms(ops, settings, budget or DEFAULT_NORM_BUDGET)
+        return ghost_sq_norms(ops, room or DEFAULT_NORM_BUDGET)
+    return instantiate_sq_norms(ops, settings, room or DEFAULT_NORM_BUDGET)
 
 
 def conv_sq_norms(
@@ -229,7 +243,7 @@ def conv_sq_norms(
     if module.weight.requires_grad:
         out["weight"] = conv_weight_sq_norms(module, x, g, settings, route, budget)
     if module.bias is not None and module.bias.requires_grad:
-        out["bias"] = bias_grad(g, per_sample=True).pow(2).sum(1)
+        out["bias"] = sq_norms(bias_grad(g, per_sample=True))
     return out
 
 
@@ -252,7 +266,7 @@ def linear_sq_norms(
             gb = g2 @ g2.transpose(1, 2)
             out["weight"] = (ga * gb).sum((1, 2))
         else:
-            out["weight"] = (g2.transpose(1, 2) @ x2).pow(2).sum((1, 2))
+            out["weight"] = sq_norms(g2.transpose(1, 2) @ x2)
     if module.bias is not None and module.bias.requires_grad:
         out["bias"] = g2.sum(1).pow(2).sum(1)
     return out
@@ -290,5 +304,5 @@ def layer_sq_norms(
             out = linear_sq_norms(module, x, g, route)
         else:
             grads = grad_sample(module, x, g, settings, autocast)
-            out = {k: v.flatten(1).pow(2).sum(1) for k, v in grads.items()}
+            out = {k: sq_norms(v) for k, v in grads.items()}
     return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}

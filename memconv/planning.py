@@ -243,7 +243,9 @@ def _layer_temporaries(layer: LayerProfile, m: int, task: str, settings: Setting
             torch.empty((m, *_output_shape(spec, module, shape)), device="meta"),
         )
         problem = Problem(ops.geometry, m, tuple(ops.x.shape[2:]), layer.itemsize, True)
-        return choose_route(problem, budget).memory
+        copied = ops.copied * layer.itemsize  # the input in normal form, within the budget
+        room = None if budget is None else max(budget - copied, 1)
+        return copied + choose_route(problem, room).memory
     if isinstance(module, nn.Linear):
         return per_sample
     return 2 * per_sample  # per-sample gradients of a small layer (and their squares)

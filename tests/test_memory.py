@@ -21,6 +21,7 @@ CPU = torch.device("cpu")
 LAYERS = {
     "first-layer": (nn.Conv2d(1, 64, 3, padding=1), (32, 1, 28, 28)),
     "3x3": (nn.Conv2d(64, 96, 3, padding=1), (8, 64, 13, 13)),
+    "late-layer": (nn.Conv2d(128, 128, 3, padding=1), (16, 128, 4, 4)),
     "strided": (nn.Conv2d(32, 64, 3, stride=2, padding=1), (8, 32, 32, 32)),
     "dilated-grouped": (nn.Conv2d(32, 64, 3, padding=2, dilation=2, groups=4), (8, 32, 24, 24)),
     "depthwise": (nn.Conv2d(64, 64, 3, padding=1, groups=64), (8, 64, 32, 32)),
@@ -83,3 +84,28 @@ def test_auto_warns_when_no_strategy_fits():
     with pytest.warns(UserWarning, match="below the extra memory of every strategy"):
         with memconv.save_memory("auto", memory_budget=copied // 2):
             memconv.weight_vjp(module, x, g)
+
+
+@pytest.mark.parametrize("route", ["ghost", "instantiate"])
+def test_norm_route_cost_model_within_25_percent(layer, route):
+    """A norm route's temporaries (per-sample squared norms of the weight gradient,
+    memconv.norms) against its cost model, at a budget that holds a whole chunk."""
+    from memconv.context import Settings
+    from memconv.norms import conv_weight_sq_norms, route_costs
+    from memconv.strategies import Options, Problem
+
+    module, x, g = layer
+    ops = conv_spec(module).operands(x, g)
+    problem = Problem(ops.geometry, x.shape[0], tuple(ops.x.shape[2:]), x.element_size(), True)
+    budget = 64 * MiB
+    copied = ops.copied * x.element_size()  # the input in normal form, within the budget
+    predicted = copied + {c.route: c.memory for c in route_costs(problem, budget - copied)}[route]
+    settings = Settings("auto", Options())
+    peak, result = peak_allocated(
+        lambda: conv_weight_sq_norms(module, x, g, settings, route, budget), CPU
+    )
+    measured = peak * MiB - result.numel() * result.element_size()
+    assert abs(measured - predicted) <= max(0.25 * predicted, 64 * 1024), (
+        predicted / MiB,
+        measured / MiB,
+    )

@@ -23,7 +23,7 @@ from torch import nn
 
 from ...context import warn_if_block_missed
 from ...modules import _describe
-from ...norms import conv_weight_sq_norms
+from ...norms import conv_weight_sq_norms, sq_norms
 from . import derivatives
 
 #: BackPACK extensions whose convolution quantities memconv computes.
@@ -56,7 +56,7 @@ class BatchL2(BatchL2Base):
             batch = self.derivatives.param_mjp(
                 "weight", module, g_inp, g_out, g_out[0], sum_batch=False
             )
-            return batch.flatten(1).pow(2).sum(1)
+            return sq_norms(batch)
         warn_if_block_missed(recorded, _describe(module))
         settings = recorded.strategy_settings
         return conv_weight_sq_norms(
