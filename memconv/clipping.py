@@ -22,23 +22,23 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
-from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES, conv_spec
-from .context import Settings, activate, budgeted, use_block_settings
+from .context import activate, use_block_settings
 from .extraction import (
-    LayerVisit,
-    backward_walk,
     check_batch,
     check_per_sample_model,
+    model_route,
     parameter_names,
     sample_by_sample,
     streams,
 )
-from .grad_sample import bias_grad, grad_sample, own_trainable, summed_weight_grad
-from .norms import DEFAULT_NORM_BUDGET, check_route, layer_sq_norms, sq_norms
+from .layers import RuleSettings
+from .norms import DEFAULT_NORM_BUDGET, check_route, sq_norms
+from .walk import LayerCall, backward_walk, probe_axes
 
 CLIP_ROUTES = ("book-keeping", "two-pass")
 
@@ -59,57 +59,57 @@ def _unwrap(model):
     return (model.module, model) if isinstance(model, DistributedDataParallel) else (model, None)
 
 
-def _check_common(model, inputs, targets, memory_budget, norm_route) -> int:
+def _check_common(model, inputs, targets, memory_budget, norm_route, settings):
     from .planning import check_budget
 
-    check_per_sample_model(model)
+    model = check_per_sample_model(model, settings=settings)
     n = check_batch(inputs, targets)
     check_budget(memory_budget)
     check_route(norm_route)
-    return n
+    return model, n
 
 
 class _Norms:
-    """Squared per-sample norms per parameter, gathered layer by layer; with
-    book-keeping, also what the clipped sum needs of each layer.
+    """Squared per-sample norms per parameter, gathered call by call; with
+    book-keeping, also what the clipped sum needs of each call.
 
-    Parameters used more than once (shared between layers, or a layer called
-    twice) have per-sample gradients summed over their uses first, since the norm of
-    a sum is not the sum of norms. With book-keeping a layer keeps its per-sample
-    gradients where they are smaller than its input and output gradient, else the
-    latter (and its norms come from the ghost or instantiating route).
+    A parameter that several calls' routes compute (shared between layers, or a layer
+    called twice) has its per-sample gradients summed over them first, since the norm
+    of a sum is not the sum of norms. With book-keeping a rule call keeps its
+    per-sample gradients where they are smaller than its input and output gradient,
+    else the latter (and its norms come from the rule's lean route); a generic call
+    keeps its per-sample gradients.
     """
 
-    def __init__(self, n: int, settings: Settings, route, budget, keep: bool):
-        self.n, self.settings, self.route, self.budget, self.keep = n, settings, route, budget, keep
+    def __init__(self, n: int, rs: RuleSettings, keep: bool):
+        self.n, self.rs, self.keep = n, rs, keep
         self.sq: dict[str, Tensor] = {}
         self.grads: dict[str, Tensor] = {}  # per-sample gradients kept (or shared)
-        self.io: list[LayerVisit] = []  # layers kept as input and output gradient
-        self.uses: dict[str, int] = {}
+        self.io: list[LayerCall] = []  # calls kept as inputs and output gradient
 
-    def visit(self, layer: LayerVisit) -> None:
-        shared = {k for k, full in layer.params.items() if self.uses.get(full, 0) > 1}
-        own = dict(layer.module.named_parameters(recurse=False))
-        per_sample = self.n * sum(own[k].numel() for k in layer.params)
-        # book-keeping keeps the smaller of per-sample gradients and (input, output grad)
-        instantiate = bool(shared) or (self.keep and per_sample < layer.x.numel() + layer.g.numel())
-        if instantiate:  # the strategy's temporaries within the layer's budget
-            settings = budgeted(self.settings, self.budget or DEFAULT_NORM_BUDGET)
-            grads = grad_sample(layer.module, layer.x, layer.g, settings, layer.autocast)
+    def visit(self, call: LayerCall) -> None:
+        named = dict(call.module.named_parameters(remove_duplicate=False))
+        per_sample = self.n * sum(named[k].numel() for k in call.params)
+        io = sum(a.numel() for a in call.args) + sum(g.numel() for g in call.grads if g is not None)
+        instantiate = bool(call.shared) or call.rule is None or (self.keep and per_sample < io)
+        if instantiate:  # the route's temporaries within the layer's budget
+            budget = self.rs.budget or DEFAULT_NORM_BUDGET
+            grads = call.grad_sample(replace(self.rs, budget=budget))
             for k, v in grads.items():
-                full = layer.params[k]
-                if k in shared or self.keep:
-                    self.grads[full] = v if full not in self.grads else self.grads[full] + v
-                else:
-                    self.sq[full] = _squared(v)
+                self.add_grads(call.params[k], v, keep=k in call.shared or self.keep)
             return
-        sq = layer_sq_norms(
-            layer.module, layer.x, layer.g, self.settings, layer.autocast, self.route, self.budget
-        )
-        for k, v in sq.items():
-            self.sq[layer.params[k]] = v
+        for k, v in call.sq_norms(self.rs).items():
+            self.sq[call.params[k]] = v
         if self.keep:
-            self.io.append(layer)
+            call.kept = True
+            self.io.append(call)
+
+    def add_grads(self, name: str, grads: Tensor, keep: bool) -> None:
+        """Per-sample gradients of a parameter: kept (summed over routes) or squared."""
+        if keep:
+            self.grads[name] = grads if name not in self.grads else self.grads[name] + grads
+        else:
+            self.sq[name] = _squared(grads)
 
     def result(self, params: dict) -> dict[str, Tensor]:
         out = {}
@@ -124,18 +124,16 @@ class _Norms:
 
     def add_clipped_sums(self, c: Tensor, total: dict) -> None:
         """Add Σₙ cₙ·gₙ per parameter into ``total``: kept per-sample gradients weighted,
-        and one summed VJP per layer kept as input and output gradient (each layer's
+        and one summed VJP per call kept as inputs and output gradient (each call's
         share added, and released, as it goes)."""
         for full in list(self.grads):
             grads = self.grads.pop(full)
             _add(total, full, torch.einsum("n,n...->...", c.to(grads.dtype), grads))
         while self.io:
-            layer = self.io.pop(0)
-            shape = (-1,) + (1,) * (layer.g.dim() - 1)
-            g = layer.g * c.to(layer.g.dtype).reshape(shape)  # each sample's output gradient scaled
-            for k, v in _summed_grads(layer, g, self.settings).items():
-                _add(total, layer.params[k], v)
-            del layer, g
+            call = self.io.pop(0)
+            for k, v in call.summed_grad(self.rs, c).items():
+                _add(total, call.params[k], v)
+            call.release()
 
 
 def _add(total: dict, name: str, value: Tensor) -> None:
@@ -146,49 +144,37 @@ def _squared(grads: Tensor) -> Tensor:
     return sq_norms(grads).to(torch.promote_types(grads.dtype, torch.float32))
 
 
-def _count_uses(model: nn.Module, names: dict) -> dict[str, int]:
-    """How many layers own each trainable parameter (a module called twice counts
-    once here; :func:`_forward_counts` adds the calls)."""
-    uses: dict[str, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            if id(p) in names:
-                uses[names[id(p)]] = uses.get(names[id(p)], 0) + 1
-    return uses
-
-
-def _with_call_counts(model, names, uses):
-    """Forward hooks adding, to ``uses``, each further call of a parametrised layer."""
-    calls: dict[nn.Module, int] = {}
-
-    def hook(module, args, output):
-        calls[module] = calls.get(module, 0) + 1
-        if calls[module] > 1:  # called again: its parameters are used once more
-            for p in module.parameters(recurse=False):
-                if id(p) in names:
-                    uses[names[id(p)]] = uses.get(names[id(p)], 0) + 1
-
-    return [m.register_forward_hook(hook) for m in model.modules() if own_trainable(m)]
-
-
-def _walk_norms(model, loss_fn, inputs, targets, settings, route, budget, *, clip_route, caller):
+def _walk_norms(model, loss_fn, inputs, targets, rs, axes, *, clip_route, caller):
     """The backward walk gathering norms (and, for book-keeping, what the clipped sum
     needs); returns ``(squared norms per parameter, losses, the gatherer)``."""
     names = parameter_names(model)
-    norms = _Norms(len(inputs), settings, route, budget, keep=clip_route == "book-keeping")
-    norms.uses = _count_uses(model, names)
-    handles = _with_call_counts(model, names, norms.uses)
-    try:
-        with activate(None, False):  # the user's blocks do not reach the model's own layers
-            losses = backward_walk(
-                model, loss_fn, inputs, targets, names, norms.visit, caller=caller,
-                keep_graph=clip_route == "two-pass",
-            )  # fmt: skip
-    finally:
-        for h in handles:
-            h.remove()
+    keep = clip_route == "book-keeping"
+    norms = _Norms(len(inputs), rs, keep=keep)
+    with activate(None, False):  # the user's blocks do not reach the model's own layers
+        walk = backward_walk(
+            model, loss_fn, inputs, targets, names, axes, norms.visit, caller=caller,
+            keep_graph=clip_route == "two-pass",
+        )  # fmt: skip
+    for name, grads in model_route(model, loss_fn, inputs, targets, walk, rs).items():
+        norms.add_grads(name, grads, keep=keep)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    return norms.result(params), losses, norms
+    return norms.result(params), walk.losses, norms
+
+
+def check_finite(norms: Tensor, caller: str) -> None:
+    """Raise if a per-sample norm is NaN or infinite, naming the samples.
+
+    Raises:
+        RuntimeError: naming the first samples (their indices in the batch).
+    """
+    bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
+        raise RuntimeError(
+            f"{caller}: the per-sample gradient norm of sample(s) {shown} is not finite "
+            "(NaN or inf), so their clip factors are undefined; nothing was added to .grad. "
+            "Check those inputs and the loss (overflow in float16/bfloat16, log of 0)."
+        )
 
 
 def per_sample_norms(
@@ -234,7 +220,7 @@ def per_sample_norms(
     """
     settings = use_block_settings(strategy)
     model, _ = _unwrap(model)
-    n = _check_common(model, inputs, targets, memory_budget, norm_route)
+    model, n = _check_common(model, inputs, targets, memory_budget, norm_route, settings)
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if n == 0:
         empty = {
@@ -248,20 +234,19 @@ def per_sample_norms(
                 {name: _squared(g.unsqueeze(0)) for name, g in grads.items()}
                 for _, grads in sample_by_sample(model, loss_fn, inputs, targets, params)
             ]
-        if per_parameter:
-            return {name: torch.cat([s[name] for s in sq]).sqrt() for name in params}
-        return torch.cat([_total(s, 1) for s in sq]).sqrt()
-    m, layer_budget, _ = _plan(model, inputs, "norms", settings, memory_budget, None)
-    walks = _walks(
-        model, loss_fn, inputs, targets, settings, norm_route, layer_budget, m, None,
-        "memconv.per_sample_norms",
-    )  # fmt: skip
-    parts = [sq for sq, _, _ in walks]
+        parts = [(s, slice(i, i + 1)) for i, s in enumerate(sq)]
+    else:
+        m, layer_budget, _ = _plan(model, inputs, "norms", settings, memory_budget, None, norm_route)
+        rs = RuleSettings(settings, norm_route, layer_budget)
+        walks = _walks(
+            model, loss_fn, inputs, targets, rs, m, None, "memconv.per_sample_norms"
+        )  # fmt: skip
+        parts = [(sq, rows) for (sq, _, _), rows in zip(walks, _micro_batches(n, m))]
+    total = torch.cat([_total(part, rows.stop - rows.start) for part, rows in parts]).sqrt()
+    check_finite(total, "memconv.per_sample_norms")
     if per_parameter:
-        return {name: torch.cat([part[name] for part in parts]).sqrt() for name in params}
-    return torch.cat(
-        [_total(part, len(inputs[rows])) for part, rows in zip(parts, _micro_batches(n, m))]
-    ).sqrt()
+        return {name: torch.cat([part[name] for part, _ in parts]).sqrt() for name in params}
+    return total
 
 
 def _total(sq: dict, n: int) -> Tensor:
@@ -273,23 +258,26 @@ def _micro_batches(n: int, m: int):
     return [slice(i0, min(n, i0 + m)) for i0 in range(0, n, m)]
 
 
-def _walks(model, loss_fn, inputs, targets, settings, route, budget, m, clip_route, caller):
+def _walks(model, loss_fn, inputs, targets, rs, m, clip_route, caller):
     """:func:`_walk_norms` over the micro-batches of ``m`` samples, one at a time."""
+    axes = probe_axes(model, inputs)
     for rows in _micro_batches(len(inputs), m):
         yield _walk_norms(
-            model, loss_fn, inputs[rows], targets[rows], settings, route, budget,
+            model, loss_fn, inputs[rows], targets[rows], rs, axes,
             clip_route=clip_route, caller=caller,
         )  # fmt: skip
 
 
-def _plan(model, inputs, task, settings, memory_budget, clip_route):
+def _plan(model, inputs, task, settings, memory_budget, clip_route, norm_route):
     """``(micro-batch, per-layer budget, clip route)`` for a whole call."""
     from .planning import make_plan, profile
 
     n = len(inputs)
     if memory_budget is None:
         return n, None, clip_route or "book-keeping"
-    chosen = make_plan(profile(model, inputs), n, task, settings, memory_budget, clip_route)
+    chosen = make_plan(
+        profile(model, inputs), n, task, settings, memory_budget, clip_route, norm_route
+    )
     return chosen.micro_batch, chosen.layer_budget, chosen.clip_route
 
 
@@ -297,30 +285,6 @@ def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
     """``min(1, max_norm / ‖gₙ‖)`` per sample (1 for a zero gradient)."""
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))
     return torch.where(norms > max_norm, max_norm / safe, torch.ones_like(norms))
-
-
-def _summed_grads(layer: LayerVisit, g: Tensor, settings: Settings) -> dict[str, Tensor]:
-    """The layer's summed parameter gradients for output gradient ``g``."""
-    m, x = layer.module, layer.x
-    out = {}
-    if isinstance(m, CONV_TYPES + CONV_TRANSPOSE_TYPES):
-        if "weight" in layer.params:  # torch's own kernel: the fastest summed VJP
-            ops = conv_spec(m).operands(x.to(g.dtype), g)
-            out["weight"] = summed_weight_grad(ops, m.weight)
-        if "bias" in layer.params:
-            out["bias"] = bias_grad(g, per_sample=False)
-    elif isinstance(m, nn.Linear):
-        x2 = x.to(g.dtype).reshape(-1, x.shape[-1])
-        g2 = g.reshape(-1, g.shape[-1])
-        if "weight" in layer.params:
-            out["weight"] = g2.transpose(0, 1) @ x2
-        if "bias" in layer.params:
-            out["bias"] = g2.sum(0)
-    else:
-        grads = grad_sample(m, x, g, settings, layer.autocast)
-        out = {k: v.sum(0) for k, v in grads.items() if k in layer.params}
-    params = dict(m.named_parameters(recurse=False))
-    return {k: v.to(params[k].dtype) for k, v in out.items()}
 
 
 def clip_and_accumulate(
@@ -380,7 +344,7 @@ def clip_and_accumulate(
         raise ValueError(
             f"unknown clip_route {clip_route!r}; accepted: {', '.join(CLIP_ROUTES)} or None"
         )
-    n = _check_common(model, inputs, targets, memory_budget, norm_route)
+    model, n = _check_common(model, inputs, targets, memory_budget, norm_route, settings)
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if n == 0:
         _accumulate(params, {}, ddp)
@@ -389,15 +353,16 @@ def clip_and_accumulate(
         return _clip_sample_by_sample(
             model, loss_fn, inputs, targets, params, settings, max_norm, ddp
         )
-    m, layer_budget, route = _plan(model, inputs, "clip", settings, memory_budget, clip_route)
+    m, layer_budget, route = _plan(
+        model, inputs, "clip", settings, memory_budget, clip_route, norm_route
+    )
     total: dict[str, Tensor] = {}
     all_norms = []
-    walks = _walks(
-        model, loss_fn, inputs, targets, settings, norm_route, layer_budget, m, route,
-        "memconv.clip_and_accumulate",
-    )  # fmt: skip
+    rs = RuleSettings(settings, norm_route, layer_budget)
+    walks = _walks(model, loss_fn, inputs, targets, rs, m, route, "memconv.clip_and_accumulate")
     for sq, losses, gathered in walks:
         norms = _total(sq, len(losses)).sqrt()
+        check_finite(norms, "memconv.clip_and_accumulate")
         c = clip_factors(norms, float(max_norm))
         # clip factors are per sample: the micro-batches' clipped sums add up
         if route == "book-keeping":
@@ -420,6 +385,7 @@ def _clip_sample_by_sample(model, loss_fn, inputs, targets, params, settings, ma
     with activate(settings):
         for _, grads in sample_by_sample(model, loss_fn, inputs, targets, params):
             norm = _total({k: _squared(g.unsqueeze(0)) for k, g in grads.items()}, 1).sqrt()
+            check_finite(norm, "memconv.clip_and_accumulate")
             c = clip_factors(norm, float(max_norm))
             for name, g in grads.items():
                 _add(total, name, g * c.to(g.dtype))

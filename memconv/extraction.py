@@ -1,42 +1,61 @@
 """Per-sample gradients of a whole model in one backward pass.
 
-The forward pass records, for every module that owns trainable parameters, its
-input and attaches a hook to its output (:func:`memconv.grad_sample.capture`); in
-the one backward pass the hook receives the output gradient and the per-sample
-parameter gradients are computed right there (:func:`memconv.grad_sample.grad_sample`:
-convolutions by the strategy, Linear as a product, any other layer through
-``torch.func``), after which the output gradient is dropped. The backward pass
-asks autograd only for the gradients of the deepest of those outputs, so autograd
-itself computes no parameter gradient: nothing is computed twice.
+The forward pass records every call of a module that owns trainable parameters;
+in the one backward pass each call's output gradient reaches its route
+(:mod:`memconv.walk`): the layer's rule (convolutions by the strategy, Linear as a
+product, ...: :mod:`memconv.layers`), the generic route (``torch.func`` on the
+call's real arguments) or, for a parameter used outside the modules that own it,
+the whole model's per-sample loss by ``torch.func``. Autograd itself computes no
+parameter gradient: nothing is computed twice.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
 
-from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES, conv_spec
-from .context import activate, budgeted, use_block_settings
-from .grad_sample import Autocast, capture, check_independent, grad_sample, own_trainable
-from .vjp import check_settings
+from .context import activate, use_block_settings
+from .layers import RuleSettings, check_layer, find_rule
+from .layers.generic import chunk_size, model_grad_sample
+from .walk import LayerCall, backward_walk, probe_axes
 
 
-def check_per_sample_model(model: nn.Module, argument: str = "model") -> None:
-    """Raise if ``model`` is not a module or a layer of it mixes samples.
+def unwrap_compiled(model):
+    """The eager module a ``torch.compile``'d model (``OptimizedModule``) wraps: memconv
+    runs its own forward and backward passes eagerly, with the same parameters."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
+        return inner
+    return model
+
+
+def check_per_sample_model(model: nn.Module, argument: str = "model", settings=None) -> nn.Module:
+    """Check a model for per-sample quantities; returns the module to run (a
+    ``torch.compile``'d model's eager module).
 
     Raises:
         TypeError: if ``model`` is not an ``nn.Module``.
-        ValueError: naming the first coupling layer (BatchNorm in training mode).
+        ValueError: naming the first layer that mixes samples (BatchNorm in training
+            mode, or in eval mode without running statistics), or whose settings do
+            not fit it.
+        RuntimeError: under ``torch.no_grad()`` or ``torch.inference_mode()``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"{argument} must be a torch.nn.Module, got {type(model).__name__}")
+    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+        raise RuntimeError(
+            "memconv runs its own forward and backward passes, which need gradients: it "
+            "cannot run under torch.no_grad() or torch.inference_mode(); call it outside them"
+        )
+    model = unwrap_compiled(model)
     for name, module in model.named_modules():
-        check_independent(module, name or type(module).__name__)
+        check_layer(module, name or type(module).__name__)
+        rule = find_rule(module)
+        if settings is not None and rule is not None:
+            rule.check_settings(module, settings)
+    return model
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
@@ -80,46 +99,6 @@ def per_sample_losses(loss_fn, output: Tensor, targets) -> list[Tensor]:
     return losses
 
 
-def _graph_below(root, captured: set) -> tuple[set, set, set]:
-    """Nodes reachable from ``root``; the captured ones with no captured node below
-    them (backward direction): asking autograd for those runs every captured node
-    reachable from ``root``; and the ids of the leaf tensors (parameters) reached."""
-    reachable: set = set()
-    leaves: set = set()
-    below: dict = {}  # node -> a captured node lies strictly below it
-    stack = [(root, False)]
-    while stack:
-        node, children_done = stack.pop()
-        children = [n for n, _ in node.next_functions if n is not None]
-        if children_done:
-            below[node] = any(c in captured or below[c] for c in children)
-            continue
-        if node in reachable:
-            continue
-        reachable.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        if variable is not None:
-            leaves.add(id(variable))
-        stack.append((node, True))
-        stack.extend((c, False) for c in children if c not in reachable)
-    deepest = {n for n in captured & reachable if not below[n]}
-    return reachable, deepest, leaves
-
-
-@dataclass
-class _Capture:
-    """A parametrised layer's output in the graph, and whether its gradient arrived."""
-
-    module: nn.Module
-    name: str
-    edge: object  # torch.autograd.graph.GradientEdge of the layer's output
-    fired: list = field(default_factory=lambda: [False])
-
-    @property
-    def node(self):
-        return self.edge.node
-
-
 def per_sample_grads(
     model: nn.Module,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
@@ -143,9 +122,10 @@ def per_sample_grads(
     raises. An empty batch (N = 0) gives ``[0, *shape]`` tensors.
 
     Args:
-        model: any model whose parametrised layers take one tensor and return one
-            (convolutions, transposed convolutions, Linear, normalisation layers,
-            and any other layer through ``torch.func``).
+        model: any model whose samples are independent (layers with a rule in
+            :mod:`memconv.layers` take their lean route; every other parametrised
+            layer, and parameters used outside their modules, the exact generic
+            route by ``torch.func``). A ``torch.compile``'d model runs eagerly.
         loss_fn: called as ``loss_fn(output[n:n+1], targets[n:n+1])``; must return a
             scalar tensor.
         inputs: ``[N, ...]``.
@@ -170,20 +150,18 @@ def per_sample_grads(
             training mode), ``inputs`` and ``targets`` of different lengths, a
             non-positive or non-integer ``memory_budget`` or one below the smallest
             feasible budget (named), a ``loss_fn`` that does not return a scalar for
-            one sample, a parametrised layer whose forward pass does not take one
-            tensor.
-        RuntimeError: when the gradient of a parameter that influences the loss was
-            not reached (naming it).
+            one sample, a layer whose forward pass draws random numbers (dropout in
+            training mode) where the generic route must replay it.
+        RuntimeError: under ``torch.no_grad()``/``torch.inference_mode()``; when the
+            gradient of a parameter that influences the loss was not reached
+            (naming it).
     """
     from .planning import check_budget, make_plan, profile
 
     settings = use_block_settings(strategy)
-    check_per_sample_model(model)
+    model = check_per_sample_model(model, settings=settings)
     n = check_batch(inputs, targets)
     check_budget(memory_budget)
-    for module in model.modules():
-        if isinstance(module, CONV_TYPES + CONV_TRANSPOSE_TYPES):
-            check_settings(settings, conv_spec(module).geometry)
     names = parameter_names(model)
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
@@ -199,18 +177,38 @@ def per_sample_grads(
     if memory_budget is not None:
         chosen = make_plan(profile(model, inputs), n, "grads", settings, memory_budget)
         m, layer_budget = chosen.micro_batch, chosen.layer_budget
-    settings = budgeted(settings, layer_budget)
+    rs = RuleSettings(settings, None, layer_budget)
+    axes = probe_axes(model, inputs)
     for i0 in range(0, n, m):
         rows = slice(i0, min(n, i0 + m))
 
-        def visit(layer: LayerVisit, rows=rows):
-            grads = grad_sample(layer.module, layer.x, layer.g, settings, layer.autocast)
-            for k, v in grads.items():
-                out[layer.params[k]][rows] += v
+        def visit(call: LayerCall, rows=rows):
+            for k, v in call.grad_sample(rs).items():
+                out[call.params[k]][rows] += v
 
         with activate(None, False):  # the user's blocks do not reach the model's own layers
-            backward_walk(model, loss_fn, inputs[rows], targets[rows], names, visit)
+            walk = backward_walk(
+                model, loss_fn, inputs[rows], targets[rows], names, axes, visit,
+                caller="memconv.per_sample_grads",
+            )  # fmt: skip
+        for k, v in model_route(model, loss_fn, inputs[rows], targets[rows], walk, rs).items():
+            out[k][rows] += v
     return out
+
+
+def model_route(model, loss_fn, inputs, targets, walk, rs: RuleSettings) -> dict[str, Tensor]:
+    """Per-sample gradients ``{model name: [m, ...]}`` of the parameters the walk left
+    to the model route (none: ``{}``)."""
+    if not walk.model_params:
+        return {}
+    named = dict(model.named_parameters())
+    per = sum(named[k].numel() * named[k].element_size() for k in walk.model_params)
+    per += inputs[:1].numel() * inputs.element_size() * 8  # a sample's activations, roughly
+    with activate(None, False):
+        return model_grad_sample(
+            model, loss_fn, inputs, targets, walk.model_params,
+            chunk=chunk_size(len(inputs), per, rs.budget),
+        )  # fmt: skip
 
 
 def streams(model: nn.Module) -> bool:
@@ -238,139 +236,3 @@ def sample_by_sample(model, loss_fn, inputs, targets, params: dict):
             i,
             {k: g if g is not None else torch.zeros_like(params[k]) for k, g in zip(names, grads)},
         )
-
-
-@dataclass(frozen=True)
-class LayerVisit:
-    """One parametrised layer's output gradient arriving in the backward pass.
-
-    Attributes:
-        module: the layer.
-        name: its name in the model.
-        params: ``{local parameter name: model parameter name}`` of its trainable
-            parameters (a shared parameter under its first name).
-        x: its input ``[N, ...]`` (detached).
-        g: its output gradient.
-        autocast: the autocast state its forward pass ran under.
-    """
-
-    module: nn.Module
-    name: str
-    params: dict
-    x: Tensor
-    g: Tensor
-    autocast: Autocast
-
-
-def backward_walk(
-    model: nn.Module,
-    loss_fn,
-    inputs: Tensor,
-    targets,
-    names: dict,
-    visit: Callable[[LayerVisit], None],
-    *,
-    caller: str = "memconv.per_sample_grads",
-    keep_graph: bool = False,
-) -> Tensor:
-    """One forward and one backward pass in which every parametrised layer's output
-    gradient is handed to ``visit`` (and then dropped); autograd computes no
-    parameter gradient.
-
-    Args:
-        model: the model.
-        loss_fn: per-sample loss, see :func:`per_sample_losses`.
-        inputs: ``[N, ...]`` (detached for the pass).
-        targets: ``[N, ...]``.
-        names: :func:`parameter_names` of the model.
-        visit: called once per layer and forward call, during the backward pass.
-        caller: the public function's name, for messages.
-        keep_graph: keep the graph for a second backward pass of the returned losses.
-
-    Returns:
-        The per-sample losses ``[N]`` (with their graph when ``keep_graph``).
-
-    Raises:
-        ValueError: a parametrised layer whose forward pass does not take one tensor,
-            a ``loss_fn`` that does not return a scalar for one sample.
-        RuntimeError: a layer whose output gradient influences the loss but never
-            arrived (naming its parameters).
-    """
-    captures: list[_Capture] = []
-    unseen: dict = {}  # parametrised layers that ran with gradients disabled
-    module_names = {m: name or type(m).__name__ for name, m in model.named_modules()}
-    active = [True]
-
-    def forward_hook(module, args, output):
-        name = module_names.get(module, type(module).__name__)
-        if not isinstance(output, Tensor) or not output.requires_grad:
-            if not torch.is_grad_enabled():  # inside a no-grad region of the model
-                unseen[module] = name
-            return None
-        if len(args) != 1 or not isinstance(args[0], Tensor):
-            raise ValueError(
-                f"layer {name!r} ({type(module).__name__}) has trainable parameters but its "
-                f"forward pass does not take one tensor; {caller} cannot split it by sample"
-            )
-        kept = [args[0].detach()]  # released once used: the input is freed as in autograd
-        own = {k: names[id(p)] for k, p in own_trainable(module).items()}
-        state = Autocast.current(output.device.type)
-        fired = [False]
-
-        def on_grad(g):
-            if not active[0]:  # a second backward pass of a kept graph
-                return
-            fired[0] = True
-            visit(LayerVisit(module, name, own, kept.pop(), g, state))
-
-        output = capture(output, on_grad)
-        captures.append(_Capture(module, name, get_gradient_edge(output), fired))
-        return output
-
-    owners = [m for m in model.modules() if own_trainable(m)]
-    handles = [m.register_forward_hook(forward_hook) for m in owners]
-    try:
-        # detached: the graph then starts at the parametrised layers, whatever the
-        # caller's inputs require
-        output = model(inputs.detach())
-    finally:
-        for h in handles:
-            h.remove()
-    losses = torch.stack(per_sample_losses(loss_fn, output, targets))
-    del output
-    if losses.grad_fn is not None and captures:
-        reachable, deepest, leaves = _graph_below(losses.grad_fn, {c.node for c in captures})
-        edges = {(id(c.node), c.edge.output_nr): c.edge for c in captures if c.node in deepest}
-        if edges:
-            torch.autograd.grad(
-                losses.sum(), list(edges.values()), allow_unused=True, retain_graph=keep_graph
-            )
-        active[0] = False
-        missed = [c for c in captures if c.node in reachable and not c.fired[0]]
-        if missed:
-            raise RuntimeError(
-                f"{caller}: the output gradient of layer {missed[0].name!r} "
-                f"({type(missed[0].module).__name__}) influences the loss but never arrived, "
-                "so the per-sample quantities of "
-                f"{', '.join(names[id(p)] for p in own_trainable(missed[0].module).values())} "
-                "are unknown"
-            )
-        covered = {id(p) for c in captures for p in own_trainable(c.module).values()}
-        hidden = [name for i, name in names.items() if i in leaves and i not in covered]
-        if hidden:
-            raise RuntimeError(
-                f"{caller}: the parameter {hidden[0]!r} influences the loss through an "
-                "autograd Function that hides its layer's forward pass (as StreamingCNN "
-                "does), so its per-sample quantities cannot be split by sample in one pass"
-            )
-        captured = {c.module for c in captures}
-        quiet = [name for module, name in unseen.items() if module not in captured]
-        if quiet:
-            warnings.warn(
-                f"{caller}: layers {quiet} ran their forward pass with gradients disabled "
-                "inside the model; if their parameters influence the loss through a "
-                "recomputation (reentrant checkpointing), their per-sample quantities are "
-                "reported as zeros. Use torch.utils.checkpoint with use_reentrant=False.",
-                stacklevel=3,
-            )
-    return losses if keep_graph else losses.detach()

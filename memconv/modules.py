@@ -10,10 +10,9 @@ subclass (same constructor, parameters and ``state_dict`` keys):
   is per sample: it is stored as ``param.grad_batch`` and its sum is the gradient
   added to ``param.grad``. Outside any block the summed gradient comes from torch's
   own kernel, as in ``torch.nn``;
-- ``memconv.Linear`` and the normalisation, embedding and PReLU layers of
-  :data:`memconv.grad_sample.GENERIC_LAYERS`: torch's forward and backward; inside
-  :class:`memconv.per_sample` their output gradient also yields ``grad_batch``
-  (:func:`memconv.grad_sample.grad_sample`).
+- ``memconv.Linear`` and the normalisation, embedding and PReLU layers: torch's
+  forward and backward; inside :class:`memconv.per_sample` their output gradient
+  also yields ``grad_batch`` by the layer's rule (:mod:`memconv.layers`).
 
 ``grad_batch`` accumulates exactly when ``.grad`` does: a backward pass that adds to
 a ``.grad`` left by an earlier one appends its N per-sample gradients (as Opacus'
@@ -46,8 +45,6 @@ from .grad_sample import (
     Autocast,
     bias_grad,
     capture,
-    check_independent,
-    grad_sample,
     own_trainable,
     weight_grad,
 )
@@ -297,7 +294,7 @@ class ConvTranspose3d(_ConvTransposeMixin, nn.ConvTranspose3d):
 # ----------------------------------------------------------------- other layers
 class _PerSampleMixin:
     """torch's forward and backward; inside ``per_sample()`` the output gradient also
-    yields ``grad_batch`` through :func:`memconv.grad_sample.grad_sample`."""
+    yields ``grad_batch`` by the layer's rule (:mod:`memconv.layers`)."""
 
     def forward(self, input, *args, **kwargs):
         out = super().forward(input, *args, **kwargs)
@@ -311,13 +308,20 @@ class _PerSampleMixin:
             return out
         if not record(per_sample_only=True).per_sample:
             return out
-        check_independent(self, _describe(self))
+        from .layers import RuleSettings, check_layer, find_rule, run_rule, using
+
+        check_layer(self, _describe(self))
+        rule = find_rule(self)
         x = input.detach()
         state = Autocast.current(out.device.type)
+        settings = RuleSettings(DEFAULT_SETTINGS, autocast=(state.device_type, state.dtype))
 
         def on_grad(g):
-            for name, batch in grad_sample(self, x, g, DEFAULT_SETTINGS, state).items():
-                store_grad_batch(getattr(self, name), batch)
+            with using(settings):
+                grads = run_rule(rule, "grad_sample", self, (x,), g)
+            for name, batch in grads.items():
+                param = getattr(self, name)
+                store_grad_batch(param, batch.to(param.dtype))
 
         return capture(out, on_grad)
 

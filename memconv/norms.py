@@ -31,13 +31,13 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES, Operands, conv_spec
-from .context import Settings
-from .grad_sample import Autocast, bias_grad, grad_sample, own_trainable, weight_grad
-from .strategies import Options, Problem, get_strategy
-from .strategies.base import linear_time, numel, padded_size
+from ._geometry import Operands, conv_spec
+from .context import DEFAULT_SETTINGS, Settings
+from .grad_sample import weight_grad
+from .strategies import Problem, get_strategy
+from .strategies.base import fastest_that_fits, linear_time, numel, padded_size
 from .strategies.shift import TIME as SHIFT_TIME
 from .strategies.shift import _flat_ok, offset_operands
 
@@ -169,15 +169,26 @@ def ghost_sq_norms(ops: Operands, budget: int) -> Tensor:
 
 
 # ----------------------------------------------------------------- instantiate (conv)
-def instantiate_cost(problem: Problem, budget: int) -> RouteCost:
-    """Cost of instantiating a chunk of per-sample gradients at a time."""
+def _instantiate_settings(settings: Settings, chunk_bytes: int, budget: int) -> Settings:
+    """The strategy settings the instantiating route runs: a strategy reading a
+    ``memory_budget`` shares the budget with the chunk's gradients."""
+    strategy = get_strategy(settings.strategy)
+    if "memory_budget" in strategy.options and settings.options.memory_budget is None:
+        left = max(budget - chunk_bytes, 1)
+        return Settings(settings.strategy, replace(settings.options, memory_budget=left))
+    return settings
+
+
+def instantiate_cost(problem: Problem, budget: int, settings: Settings = DEFAULT_SETTINGS):
+    """Cost of instantiating a chunk of per-sample gradients at a time, by the strategy
+    of ``settings`` (the one :func:`instantiate_sq_norms` runs)."""
     per = numel(problem.geom.weight_shape) * problem.itemsize
     chunk = max(1, min(problem.n, budget // 2 // max(per, 1)))
     sub = Problem(problem.geom, chunk, problem.size, problem.itemsize, True)
-    auto = get_strategy("auto")
-    options = Options(memory_budget=max(budget - chunk * per, 1))
-    memory = chunk * per + auto.memory(sub, options)
-    time = auto.time(problem, Options()) + 2e-10 * problem.per_sample_elements()
+    run = _instantiate_settings(settings, chunk * per, budget)
+    strategy = get_strategy(run.strategy)
+    memory = chunk * per + strategy.memory(sub, run.options)
+    time = strategy.time(problem, run.options) + 2e-10 * problem.per_sample_elements()
     return RouteCost("instantiate", memory, time)
 
 
@@ -192,11 +203,7 @@ def instantiate_sq_norms(ops: Operands, settings: Settings, budget: int) -> Tens
     per = numel(ops.geometry.weight_shape) * ops.x.element_size()
     n = ops.x.shape[0]
     chunk = max(1, min(n, budget // 2 // max(per, 1)))
-    strategy = get_strategy(settings.strategy)
-    if "memory_budget" in strategy.options and settings.options.memory_budget is None:
-        # the strategy's temporaries share the budget with the chunk's gradients
-        left = max(budget - chunk * per, 1)
-        settings = Settings(settings.strategy, replace(settings.options, memory_budget=left))
+    settings = _instantiate_settings(settings, chunk * per, budget)
     out = []
     for n0 in range(0, n, chunk):
         part = Operands(ops.x[n0 : n0 + chunk], ops.g[n0 : n0 + chunk], ops.geometry)
@@ -206,17 +213,34 @@ def instantiate_sq_norms(ops: Operands, settings: Settings, budget: int) -> Tens
     return torch.cat(out)
 
 
-def route_costs(problem: Problem, budget: int | None) -> list[RouteCost]:
+def route_costs(
+    problem: Problem, budget: int | None, settings: Settings = DEFAULT_SETTINGS
+) -> list[RouteCost]:
     """Both routes' costs for a convolution (``budget``: bytes, or the default)."""
     budget = budget or DEFAULT_NORM_BUDGET
-    return [ghost_cost(problem, budget), instantiate_cost(problem, budget)]
+    return [ghost_cost(problem, budget), instantiate_cost(problem, budget, settings)]
 
 
-def choose_route(problem: Problem, budget: int | None) -> RouteCost:
-    """The faster route within the budget (the leaner one if neither fits)."""
-    costs = route_costs(problem, budget)
-    fitting = [c for c in costs if budget is None or c.memory <= budget]
-    return min(fitting, key=lambda c: c.time) if fitting else min(costs, key=lambda c: c.memory)
+def choose_route(
+    problem: Problem,
+    budget: int | None,
+    settings: Settings = DEFAULT_SETTINGS,
+    route: str | None = None,
+) -> RouteCost:
+    """The route that runs: ``route`` if forced, else the fastest within the budget
+    (the leanest if neither fits; :func:`memconv.strategies.base.fastest_that_fits`)."""
+    costs = route_costs(problem, budget, settings)
+    if route is not None:
+        return next(c for c in costs if c.route == route)
+    return fastest_that_fits(costs, budget)[0]
+
+
+def conv_route_problem(module, x: Tensor, g: Tensor, itemsize: int) -> tuple[Problem, int]:
+    """``(the routes' problem, bytes of the copy that brings the input to normal
+    form)`` for a convolution's input and output gradient (meta tensors will do)."""
+    ops = conv_spec(module).operands(x, g)
+    problem = Problem(ops.geometry, x.shape[0], tuple(ops.x.shape[2:]), itemsize, True)
+    return problem, ops.copied * itemsize
 
 
 # ----------------------------------------------------------------- per layer
@@ -242,80 +266,7 @@ def conv_weight_sq_norms(
     # a budget covers the copy that brought the input to normal form; the route gets
     # what is left of it
     room = None if budget is None else max(budget - ops.copied * x.element_size(), 1)
-    chosen = route or choose_route(problem, room).route
+    chosen = choose_route(problem, room, settings, route).route
     if chosen == "ghost":
         return ghost_sq_norms(ops, room or DEFAULT_NORM_BUDGET)
     return instantiate_sq_norms(ops, settings, room or DEFAULT_NORM_BUDGET)
-
-
-def conv_sq_norms(
-    module, x: Tensor, g: Tensor, settings: Settings, route: str | None, budget: int | None
-) -> dict[str, Tensor]:
-    """Squared per-sample norms ``{local name: [N]}`` of a convolution's parameters."""
-    out = {}
-    if module.weight.requires_grad:
-        out["weight"] = conv_weight_sq_norms(module, x, g, settings, route, budget)
-    if module.bias is not None and module.bias.requires_grad:
-        out["bias"] = sq_norms(bias_grad(g, per_sample=True))
-    return out
-
-
-def linear_sq_norms(
-    module: nn.Linear, x: Tensor, g: Tensor, route: str | None
-) -> dict[str, Tensor]:
-    """Squared per-sample norms of a Linear layer's parameters."""
-    if x.dtype != g.dtype:
-        x = x.to(g.dtype)
-    n = x.shape[0]
-    x2 = x.reshape(n, -1, x.shape[-1])  # [N, L, in]
-    g2 = g.reshape(n, -1, g.shape[-1])  # [N, L, out]
-    length = x2.shape[1]
-    out = {}
-    if module.weight.requires_grad:
-        if length == 1:  # an outer product: ‖g aᵀ‖ = ‖g‖·‖a‖
-            out["weight"] = g2.pow(2).sum((1, 2)) * x2.pow(2).sum((1, 2))
-        elif route == "ghost" or (route is None and 2 * length**2 < x2.shape[2] * g2.shape[2]):
-            ga = x2 @ x2.transpose(1, 2)  # [N, L, L]
-            gb = g2 @ g2.transpose(1, 2)
-            out["weight"] = (ga * gb).sum((1, 2))
-        else:
-            out["weight"] = sq_norms(g2.transpose(1, 2) @ x2)
-    if module.bias is not None and module.bias.requires_grad:
-        out["bias"] = g2.sum(1).pow(2).sum(1)
-    return out
-
-
-def layer_sq_norms(
-    module: nn.Module,
-    x: Tensor,
-    g: Tensor,
-    settings: Settings,
-    autocast: Autocast,
-    route: str | None = None,
-    budget: int | None = None,
-) -> dict[str, Tensor]:
-    """Squared per-sample gradient norms ``{local name: [N]}`` of one layer.
-
-    Args:
-        module: the layer.
-        x: its input ``[N, ...]`` (detached).
-        g: its output gradient.
-        settings: the strategy of the instantiating route.
-        autocast: the forward pass's autocast state (for layers re-run by torch.func).
-        route: ``"ghost"``, ``"instantiate"`` or None (chosen per layer).
-        budget: bytes the route's temporaries may use (None: a default).
-
-    Returns:
-        Squared norms in float32 or wider (the gradients' dtype, at least float32).
-    """
-    with torch.no_grad():
-        if x.shape[0] == 0:
-            out = {k: x.new_zeros(0) for k in own_trainable(module)}
-        elif isinstance(module, CONV_TYPES + CONV_TRANSPOSE_TYPES):
-            out = conv_sq_norms(module, x, g, settings, route, budget)
-        elif isinstance(module, nn.Linear):
-            out = linear_sq_norms(module, x, g, route)
-        else:
-            grads = grad_sample(module, x, g, settings, autocast)
-            out = {k: sq_norms(v) for k, v in grads.items()}
-    return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}

@@ -35,12 +35,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
-from ._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES, conv_spec
 from .context import Settings, activate, use_block_settings
 from .grad_sample import own_trainable
-from .memory import predict_memory
-from .norms import choose_route
-from .strategies import Problem, get_strategy
+from .layers import RuleSettings, find_rule, using
 
 logger = logging.getLogger("memconv")
 
@@ -226,36 +223,18 @@ class Plan:
         )
 
 
-def _layer_temporaries(layer: LayerProfile, m: int, task: str, settings: Settings, budget):
-    """Bytes of a parametrised layer's temporaries for m samples within ``budget``."""
-    module = layer.module
-    per_sample = m * layer.params * layer.itemsize  # its per-sample gradients, before stored
-    if isinstance(module, CONV_TYPES + CONV_TRANSPOSE_TYPES):
-        shape = (m, *layer.input_shape[1:])
-        if task == "grads":
-            options = {}
-            if budget is not None and "memory_budget" in get_strategy(settings.strategy).options:
-                options["memory_budget"] = max(int(budget), 1)
-            return predict_memory(module, shape, settings.strategy, **options) + per_sample
-        spec = conv_spec(module)
-        ops = spec.operands(
-            torch.empty(shape, device="meta"),
-            torch.empty((m, *_output_shape(spec, module, shape)), device="meta"),
-        )
-        problem = Problem(ops.geometry, m, tuple(ops.x.shape[2:]), layer.itemsize, True)
-        copied = ops.copied * layer.itemsize  # the input in normal form, within the budget
-        room = None if budget is None else max(budget - copied, 1)
-        return copied + choose_route(problem, room).memory
-    if isinstance(module, nn.Linear):
-        return per_sample
-    return 2 * per_sample  # per-sample gradients of a small layer (and their squares)
-
-
-def _output_shape(spec, module, shape):
-    from ._geometry import layer_output_size
-
-    channels = spec.geometry.in_channels if spec.transposed else spec.geometry.out_channels
-    return (channels, *layer_output_size(spec, module, shape[2:]))
+def _layer_temporaries(layer: LayerProfile, m: int, task: str, settings: Settings, budget, route):
+    """Bytes of a parametrised layer's temporaries for m samples within ``budget``: its
+    rule's memory model, or the generic route's (per-sample gradients, their squares,
+    and a chunk's activations re-run by ``torch.func``)."""
+    rule = find_rule(layer.module)
+    shape = (m, *layer.input_shape[1:])
+    if rule is None:
+        per_sample = m * layer.params * layer.itemsize
+        return 2 * per_sample + 4 * m * (layer.input_elements + layer.output_elements) * layer.itemsize
+    kind = "grads" if task == "grads" else "norms"
+    with using(RuleSettings(settings, route, budget)):
+        return rule.memory(layer.module, (shape,), layer.itemsize, kind)
 
 
 def predict(
@@ -266,6 +245,7 @@ def predict(
     settings: Settings,
     layer_budget: int | None,
     clip_route: str | None = None,
+    norm_route: str | None = None,
 ) -> tuple[int, dict]:
     """Predicted peak bytes of a call on N samples in micro-batches of m.
 
@@ -292,7 +272,7 @@ def predict(
         if layer.params:
             kept_grads = keeping and m * layer.params < layer.input_elements + layer.output_elements
             kind = "grads" if kept_grads else task  # book-keeping instantiates these
-            temp = _layer_temporaries(layer, m, kind, settings, layer_budget)
+            temp = _layer_temporaries(layer, m, kind, settings, layer_budget, norm_route)
         # the backend's copy of the layer's weight (oneDNN reorders it) counts too
         weight = layer.params * layer.itemsize
         backward = max(backward, alive + layer.grad_bytes(m) + temp + kept + weight)
@@ -338,6 +318,7 @@ def make_plan(
     settings: Settings,
     memory_budget: int | None,
     clip_route: str | None = None,
+    norm_route: str | None = None,
 ) -> Plan:
     """The plan for a profiled model (see :func:`plan`).
 
@@ -349,19 +330,19 @@ def make_plan(
     routes = [route] if (task != "clip" or clip_route) else ["book-keeping", "two-pass"]
     # predictions grow with the micro-batch except for the two-pass running total
     smallest = min(
-        predict(prof, n, m, task, settings, MIN_LAYER_BUDGET, r)[0]
+        predict(prof, n, m, task, settings, MIN_LAYER_BUDGET, r, norm_route)[0]
         for r in routes
         for m in {1, max(n, 1)}
     )
     if memory_budget is None or n == 0:
-        peak, parts = predict(prof, n, max(n, 1), task, settings, None, route)
+        peak, parts = predict(prof, n, max(n, 1), task, settings, None, route, norm_route)
         return Plan(
             task, n, max(n, 1), None, peak, memory_budget, parts,
             route if task == "clip" else None, smallest,
         )  # fmt: skip
     best = None
     for r in routes:
-        candidate = _best_for_route(prof, n, task, settings, memory_budget, r)
+        candidate = _best_for_route(prof, n, task, settings, memory_budget, r, norm_route)
         if candidate is not None and (best is None or candidate.micro_batch > best.micro_batch):
             best = candidate
     if best is None:
@@ -381,12 +362,12 @@ def make_plan(
 COMFORTABLE_LAYER_BUDGET = 4 * 2**20
 
 
-def _best_for_route(prof, n, task, settings, memory_budget, route):
+def _best_for_route(prof, n, task, settings, memory_budget, route, norm_route=None):
     """The largest micro-batch that fits with a comfortable per-layer budget (or, if
     none does, the largest that fits at all), with the largest per-layer budget."""
 
     def fits(m, layer_budget):
-        return predict(prof, n, m, task, settings, layer_budget, route)[0] <= memory_budget
+        return predict(prof, n, m, task, settings, layer_budget, route, norm_route)[0] <= memory_budget
 
     def largest(layer_budget):  # predictions grow with m: a bisection
         lo, hi = 0, n
@@ -411,7 +392,7 @@ def _best_for_route(prof, n, task, settings, memory_budget, route):
     while layer_budget > MIN_LAYER_BUDGET and not fits(m, layer_budget):
         layer_budget //= 2
     layer_budget = max(layer_budget, MIN_LAYER_BUDGET)
-    peak, parts = predict(prof, n, m, task, settings, layer_budget, route)
+    peak, parts = predict(prof, n, m, task, settings, layer_budget, route, norm_route)
     return Plan(
         task, n, m, layer_budget, peak, memory_budget, parts, route if task == "clip" else None
     )
@@ -425,6 +406,7 @@ def plan(
     memory_budget: int | None = None,
     strategy: str | bool | None = None,
     clip_route: str | None = None,
+    norm_route: str | None = None,
 ) -> Plan:
     """How a whole call would run within ``memory_budget``, and its predicted peak.
 
@@ -440,6 +422,8 @@ def plan(
         strategy: as in :func:`memconv.per_sample_grads`.
         clip_route: for ``"clip"``: ``"book-keeping"``, ``"two-pass"`` or None (the
             one that fits with the largest micro-batch).
+        norm_route: as in :func:`memconv.per_sample_norms` (``"ghost"``,
+            ``"instantiate"`` or None).
 
     Returns:
         The :class:`Plan`.
@@ -448,13 +432,23 @@ def plan(
         TypeError, ValueError: a bad ``task``, ``memory_budget`` or ``inputs``; a budget
             below the smallest feasible one (named in the message).
     """
+    from .clipping import CLIP_ROUTES
+    from .norms import check_route
+
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; accepted: {', '.join(TASKS)}")
     check_budget(memory_budget)
+    check_route(norm_route)
+    if clip_route is not None and clip_route not in CLIP_ROUTES:
+        raise ValueError(
+            f"unknown clip_route {clip_route!r}; accepted: {', '.join(CLIP_ROUTES)} or None"
+        )
     if not isinstance(inputs, Tensor):
         raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
     settings = use_block_settings(strategy)
     n = len(inputs)
     if n == 0:
         return Plan(task, 0, 1, None, 0, memory_budget, {})
-    return make_plan(profile(model, inputs), n, task, settings, memory_budget, clip_route)
+    return make_plan(
+        profile(model, inputs), n, task, settings, memory_budget, clip_route, norm_route
+    )

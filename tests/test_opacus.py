@@ -17,6 +17,7 @@ from helpers import CONV_TRANSPOSES, CONVS, loop_reference, rel_err
 from torch import nn
 
 import memconv
+import memconv.layers.conv as conv_rules
 import memconv.norms
 
 opacus = pytest.importorskip("opacus")
@@ -108,15 +109,16 @@ def bridge():
 
 @pytest.fixture
 def sq_norm_calls(monkeypatch):
-    """Layers whose norms memconv's norm sampler computed (a spy on conv_sq_norms)."""
+    """Layers whose weight norms memconv's norm sampler computed (a spy on the
+    convolution rule's conv_weight_sq_norms)."""
     calls = []
-    real = mo.conv_sq_norms
+    real = conv_rules.conv_weight_sq_norms
 
     def spy(module, *args, **kwargs):
         calls.append(type(module))
         return real(module, *args, **kwargs)
 
-    monkeypatch.setattr(mo, "conv_sq_norms", spy)
+    monkeypatch.setattr(conv_rules, "conv_weight_sq_norms", spy)
     return calls
 
 
@@ -138,7 +140,7 @@ def test_memconv_classes_and_the_block_around_backward(case, bridge, strategy_ca
     loss_fn = nn.CrossEntropyLoss()  # mean: Opacus rescales the backprops by N
     per, _ = reference(model, loss_fn, x, y)
     memconv.convert(model)
-    assert type(model[0]) in mo.CLASSES and type(model[0]).__module__ == "memconv.modules"
+    assert type(model[0]) in mo.classes() and type(model[0]).__module__ == "memconv.modules"
     gsm = GradSampleModule(model, loss_reduction="mean")
     with memconv.save_memory("shift"):
         loss_fn(gsm(x), y).backward()
@@ -186,10 +188,10 @@ def test_norm_samplers_match_the_loop(case, route, bridge, sq_norm_calls, monkey
         memconv.norms, "ghost_sq_norms", lambda *a: ghost_calls.append(1) or real_ghost(*a)
     )
     if route is not None:
-        spy = mo.conv_sq_norms
+        spy = conv_rules.conv_weight_sq_norms
         monkeypatch.setattr(
-            mo,
-            "conv_sq_norms",
+            conv_rules,
+            "conv_weight_sq_norms",
             lambda m, x, g, settings, _, budget: spy(m, x, g, settings, route, budget),
         )
     model, x, y = layer_model(case)
@@ -264,9 +266,10 @@ def opacus_noise(sigma, max_norm, seed):
     }
 
 
-def test_memconv_classes_that_are_not_convolutions_get_opacus_own_samplers(bridge):
-    """A converted model: memconv.GroupNorm and memconv.Linear get the samplers Opacus
-    has for torch's classes (no torch.func fallback), in both modes."""
+def test_layers_that_are_not_convolutions_get_memconv_rules(bridge):
+    """A converted model: memconv.GroupNorm and memconv.Linear (and torch's classes) get
+    memconv's samplers from their layer rules (no torch.func fallback), in both modes;
+    GroupNorm gets a norm sampler, which Opacus has none of."""
     model, x, y = small_cnn(), *dp_batch()
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     per, norms = reference(model, loss_fn, x, y)
@@ -274,9 +277,9 @@ def test_memconv_classes_that_are_not_convolutions_get_opacus_own_samplers(bridg
     grads, _, norm_samplers = registries()
     for memconv_cls, torch_cls in [(memconv.GroupNorm, nn.GroupNorm), (memconv.Linear, nn.Linear)]:
         assert memconv_cls in map(type, model)
-        assert grads[memconv_cls] is grads[torch_cls]
-    assert norm_samplers[memconv.Linear] is norm_samplers[nn.Linear]
-    assert memconv.GroupNorm not in norm_samplers  # Opacus has none for GroupNorm
+        assert grads[memconv_cls] is grads[torch_cls] is mo.grad_sampler
+    assert norm_samplers[memconv.Linear] is norm_samplers[nn.Linear] is mo.norm_sampler
+    assert norm_samplers[memconv.GroupNorm] is mo.norm_sampler
     gsm = GradSampleModule(model, loss_reduction="sum")
     loss_fn(gsm(x), y).backward()
     assert not any(hasattr(m, "ft_compute_sample_grad") for m in model.modules())
@@ -298,9 +301,10 @@ def test_samplers_on_an_empty_batch_and_on_a_wrong_layer():
     assert got[conv.weight].shape == (0, 4, 1, 3, 3) and got[conv.bias].shape == (0, 4)
     norms = mo.norm_sampler(conv, [x], g)
     assert norms[conv.weight].shape == (0,) and norms[conv.bias].shape == (0,)
-    with pytest.raises(TypeError, match="Conv1d/2d/3d"):
-        mo.grad_sampler(nn.Linear(3, 2), [torch.zeros(1, 3)], torch.zeros(1, 2))
-    with pytest.raises(TypeError, match="first activation"):
+    attention = nn.MultiheadAttention(4, 2)
+    with pytest.raises(TypeError, match="no layer rule for MultiheadAttention"):
+        mo.grad_sampler(attention, [torch.zeros(1, 3, 4)], torch.zeros(1, 3, 4))
+    with pytest.raises(TypeError, match="input tensors as activations"):
         mo.norm_sampler(conv, [None], g)
 
 
@@ -366,11 +370,8 @@ def test_install_uninstall_restore_the_registries_exactly():
         assert not mo.is_installed()
         mo.install()
         assert mo.is_installed()
-        for cls in mo.CLASSES:
+        for cls in mo.classes():  # every type with a memconv layer rule
             assert grads[cls] is mo.grad_sampler and norms[cls] is mo.norm_sampler
-        for memconv_cls, torch_cls in mo.ALIASES.items():  # Opacus' entries of torch's class
-            for r in (grads, norms):
-                assert r.get(memconv_cls) is r.get(torch_cls)
         assert memconv.Linear in norms and memconv.GroupNorm in grads
         after_one = [dict(r) for r in registries()]
         mo.install()  # twice: nothing changes

@@ -17,7 +17,15 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from .base import NO_OPTIONS, Options, Problem, get_strategy, register_strategy, strategy_names
+from .base import (
+    NO_OPTIONS,
+    Options,
+    Problem,
+    fastest_that_fits,
+    get_strategy,
+    register_strategy,
+    strategy_names,
+)
 
 logger = logging.getLogger("memconv")
 
@@ -48,12 +56,10 @@ def choose(problem: Problem, options: Options):
             candidates.append(
                 (strategy, sub, strategy.memory(problem, sub), strategy.time(problem, sub))
             )
-    fitting = [c for c in candidates if budget is None or c[2] <= budget]
-    if fitting:
-        strategy, sub, memory, _ = min(fitting, key=lambda c: c[3])
-    else:
-        strategy, sub, memory, _ = min(candidates, key=lambda c: c[2])
-    return strategy, sub, memory, bool(fitting)
+    (strategy, sub, memory, _), fits = fastest_that_fits(
+        candidates, budget, memory=lambda c: c[2], time=lambda c: c[3]
+    )
+    return strategy, sub, memory, fits
 
 
 class Auto:

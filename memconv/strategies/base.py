@@ -200,6 +200,25 @@ def elementary() -> tuple[Strategy, ...]:
 
 
 # ----------------------------------------------------------------- shared helpers
+def fastest_that_fits(candidates, budget, *, memory=lambda c: c.memory, time=lambda c: c.time):
+    """The policy every memconv choice follows: the fastest candidate whose predicted
+    memory fits ``budget`` (any, when ``budget`` is None), else the leanest.
+
+    Args:
+        candidates: a non-empty sequence of choices.
+        budget: bytes, or None.
+        memory: a choice's predicted bytes.
+        time: a choice's predicted time (seconds, or units comparable between choices).
+
+    Returns:
+        ``(choice, fits)``; ``fits`` is False when none fits (the leanest is returned).
+    """
+    fitting = [c for c in candidates if budget is None or memory(c) <= budget]
+    if fitting:
+        return min(fitting, key=time), True
+    return min(candidates, key=memory), False
+
+
 def linear_time(coefficients: tuple[float, float, float], flops, traffic, calls) -> float:
     """A time model: seconds per multiply-add, per element moved, per kernel call.
 

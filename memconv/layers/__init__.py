@@ -1,0 +1,44 @@
+"""Layer rules: what memconv knows about each kind of layer, one file per family.
+
+Every whole-model computation (:func:`memconv.per_sample_grads`,
+:func:`memconv.per_sample_norms`, :func:`memconv.clip_and_accumulate`,
+:func:`memconv.plan`), the extended modules and the integrations ask this registry
+how to treat a layer. A rule is a :class:`LayerRule` subclass registered for layer
+types with :func:`register`; it must implement ``grad_sample(module, inputs,
+grad_output)`` and may add leaner squared norms, the summed gradient for DP-SGD's
+book-keeping and a memory model. Rules are found by exact type
+(:func:`find_rule`); every other parametrised layer takes the exact generic route
+(:mod:`memconv.layers.generic`: ``torch.func``).
+
+Families: :mod:`~memconv.layers.conv` (convolutions, transposed convolutions),
+:mod:`~memconv.layers.linear`, :mod:`~memconv.layers.norm` (GroupNorm, LayerNorm,
+RMSNorm, InstanceNorm, BatchNorm in eval mode), :mod:`~memconv.layers.embedding`,
+:mod:`~memconv.layers.prelu`.
+"""
+
+from . import conv, embedding, linear, norm, prelu  # noqa: F401  (they register their rules)
+from .base import (
+    LayerRule,
+    RuleSettings,
+    check_layer,
+    find_rule,
+    register,
+    registered,
+    rule_settings,
+    run_rule,
+    unregister,
+    using,
+)
+
+__all__ = [
+    "LayerRule",
+    "RuleSettings",
+    "check_layer",
+    "find_rule",
+    "register",
+    "registered",
+    "rule_settings",
+    "run_rule",
+    "unregister",
+    "using",
+]

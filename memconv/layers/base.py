@@ -1,0 +1,235 @@
+"""The registry of layer rules: what memconv knows about a layer, in one place.
+
+A *rule* tells memconv how to get a layer's per-sample gradients from the inputs of
+one forward call and the gradient of its output (Opacus' grad samplers, BackPACK's
+derivatives). Rules are found by the layer's **exact type**; a subclass uses the rule
+of its nearest registered base class only if it does not override ``forward`` (a
+weight-standardised convolution computes something else than ``nn.Conv2d``, so it
+takes the generic route). Layers without a rule take the exact generic route
+(:mod:`memconv.layers.generic`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..context import DEFAULT_SETTINGS, Settings
+
+_RULES: dict[type, LayerRule] = {}
+
+
+@dataclass(frozen=True)
+class RuleSettings:
+    """What a whole-model computation passes on to the rules it calls.
+
+    Attributes:
+        settings: the weight-VJP strategy and its options (convolutions).
+        norm_route: ``"ghost"``, ``"instantiate"`` or None (chosen per layer).
+        budget: bytes a layer's temporaries may use (None: the rule's default).
+        autocast: ``(device type, dtype or None)`` of the forward pass, for rules
+            that recompute part of it.
+    """
+
+    settings: Settings = DEFAULT_SETTINGS
+    norm_route: str | None = None
+    budget: int | None = None
+    autocast: tuple[str, torch.dtype | None] | None = None
+
+    @contextlib.contextmanager
+    def autocast_context(self):
+        """A ``torch.autocast`` block restoring the forward pass's autocast state."""
+        if self.autocast is None:
+            yield
+            return
+        device, dtype = self.autocast
+        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+            yield
+
+
+_CURRENT: contextvars.ContextVar[RuleSettings | None] = contextvars.ContextVar(
+    "memconv_rule_settings", default=None
+)
+_DEFAULT = RuleSettings()
+
+
+def rule_settings() -> RuleSettings:
+    """The :class:`RuleSettings` of the computation calling a rule right now (the
+    defaults outside any: ``"auto"``, routes chosen per layer, no budget)."""
+    current = _CURRENT.get()
+    return _DEFAULT if current is None else current
+
+
+@contextlib.contextmanager
+def using(settings: RuleSettings):
+    """Make ``settings`` what :func:`rule_settings` returns inside the block."""
+    token = _CURRENT.set(settings)
+    try:
+        yield settings
+    finally:
+        _CURRENT.reset(token)
+
+
+class LayerRule:
+    """How memconv computes the per-sample quantities of one kind of layer.
+
+    A rule must implement :meth:`grad_sample`; every other method has a default
+    derived from it, which a rule overrides where it knows a leaner or faster way.
+    ``inputs`` is the tuple of the layer call's positional tensor arguments, each
+    with the batch axis first (``[N, ...]``), and ``grad_output`` the gradient of
+    its (single tensor) output, batch axis first. Rules run under ``torch.no_grad``;
+    the strategy, norm route and budget of the calling computation are in
+    :func:`rule_settings`.
+
+    Attributes:
+        movable_batch_axis: whether a call whose batch axis is not the first (a
+            ``batch_first=False`` Transformer's Linear layers) may be given to the rule
+            with the batch axis moved first. False (the default) sends such calls
+            to the generic route.
+    """
+
+    movable_batch_axis: bool = False
+
+    def grad_sample(
+        self, module: nn.Module, inputs: tuple[Tensor, ...], grad_output: Tensor
+    ) -> dict[str, Tensor]:
+        """Per-sample gradients ``{local parameter name: [N, *param.shape]}`` of the
+        layer's own trainable parameters (those with ``requires_grad``)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement grad_sample")
+
+    def sq_norms(
+        self, module: nn.Module, inputs: tuple[Tensor, ...], grad_output: Tensor
+    ) -> dict[str, Tensor]:
+        """Squared norms ``{local name: [N]}`` of the per-sample gradients (default:
+        from :meth:`grad_sample`)."""
+        from ..norms import sq_norms
+
+        return {k: sq_norms(v) for k, v in self.grad_sample(module, inputs, grad_output).items()}
+
+    def summed_grad(
+        self, module: nn.Module, inputs: tuple[Tensor, ...], grad_output: Tensor
+    ) -> dict[str, Tensor]:
+        """The gradient summed over the batch ``{local name: param.shape}`` for this
+        output gradient (DP-SGD's book-keeping calls it with each sample's output
+        gradient scaled by its clip factor). Default: :meth:`grad_sample` summed."""
+        return {k: v.sum(0) for k, v in self.grad_sample(module, inputs, grad_output).items()}
+
+    def memory(
+        self, module: nn.Module, input_shapes: tuple[tuple[int, ...], ...], itemsize: int, task: str
+    ) -> int:
+        """Predicted bytes of the rule's temporaries for one call (batch axis first in
+        ``input_shapes``), within ``rule_settings().budget``; ``task`` is
+        ``"grads"`` (:meth:`grad_sample`) or ``"norms"`` (:meth:`sq_norms`). Default:
+        twice the per-sample gradients (the gradients and their squares)."""
+        n = input_shapes[0][0] if input_shapes else 0
+        params = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+        return 2 * n * params * itemsize
+
+    def check_settings(self, module: nn.Module, settings: Settings) -> None:
+        """Raise ``ValueError`` if the strategy settings cannot run on this layer."""
+
+    def check(self, module: nn.Module, name: str) -> None:
+        """Raise ``ValueError`` (naming ``name`` and the remedy) if the layer mixes the
+        samples of a batch, so that per-sample gradients are undefined."""
+
+
+def run_rule(
+    rule: LayerRule, method: str, module: nn.Module, inputs: tuple, grad_output: Tensor
+) -> dict[str, Tensor]:
+    """Call a rule's ``grad_sample``, ``sq_norms`` or ``summed_grad`` under
+    ``torch.no_grad``; an empty batch (N = 0) gets empty results without calling it.
+
+    Returns:
+        ``{local name: tensor}`` for the layer's trainable parameters the rule covers.
+    """
+    if grad_output.shape[0] == 0:
+        own = {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
+        if method == "grad_sample":
+            return {k: p.new_zeros(0, *p.shape) for k, p in own.items()}
+        if method == "sq_norms":
+            return {k: p.new_zeros(0) for k, p in own.items()}
+        return {k: torch.zeros_like(p) for k, p in own.items()}
+    with torch.no_grad():
+        return getattr(rule, method)(module, inputs, grad_output)
+
+
+def register(*types: type):
+    """Class decorator registering a :class:`LayerRule` subclass for ``types``.
+
+    Example::
+
+        @memconv.layers.register(WSConv2d)
+        class WSConv2dRule(memconv.layers.LayerRule):
+            def grad_sample(self, module, inputs, grad_output):
+                ...
+
+    Args:
+        *types: ``nn.Module`` subclasses the rule describes exactly (their
+            ``forward``, hooks aside).
+
+    Returns:
+        The decorator (it returns the class unchanged).
+
+    Raises:
+        TypeError: if a type is not an ``nn.Module`` subclass, or the decorated class
+            is not a :class:`LayerRule` subclass.
+    """
+    for t in types:
+        if not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise TypeError(f"register() takes nn.Module subclasses, got {t!r}")
+    if not types:
+        raise TypeError("register() needs at least one nn.Module subclass")
+
+    def decorate(cls):
+        if not (isinstance(cls, type) and issubclass(cls, LayerRule)):
+            raise TypeError(f"register(...) decorates LayerRule subclasses, got {cls!r}")
+        rule = cls()
+        for t in types:
+            _RULES[t] = rule
+        return cls
+
+    return decorate
+
+
+def unregister(*types: type) -> None:
+    """Remove the rules registered for ``types`` (a missing one is ignored)."""
+    for t in types:
+        _RULES.pop(t, None)
+
+
+def find_rule(module: nn.Module) -> LayerRule | None:
+    """The rule of ``module``'s exact type, else of its nearest registered base class
+    whose ``forward`` it inherits unchanged; None if there is none (generic route)."""
+    cls = type(module)
+    rule = _RULES.get(cls)
+    if rule is not None:
+        return rule
+    for base in cls.__mro__[1:]:
+        if base in _RULES and getattr(cls, "forward", None) is getattr(base, "forward", None):
+            return _RULES[base]
+    return None
+
+
+def check_layer(module: nn.Module, name: str) -> None:
+    """Run the :meth:`LayerRule.check` of every rule registered for ``module``'s type or
+    a base class of it (a subclass of BatchNorm mixes samples as BatchNorm does,
+    whatever route computes its gradients).
+
+    Raises:
+        ValueError: from the rules' checks.
+    """
+    seen = set()
+    for cls in type(module).__mro__:
+        rule = _RULES.get(cls)
+        if rule is not None and id(rule) not in seen:
+            seen.add(id(rule))
+            rule.check(module, name)
+
+
+def registered() -> dict[type, LayerRule]:
+    """A copy of the registry ``{layer type: rule}``."""
+    return dict(_RULES)

@@ -1,0 +1,109 @@
+"""Convolutions and transposed convolutions (1d/2d/3d, torch's and memconv's classes).
+
+Per-sample weight gradients by the weight-VJP strategy of the calling computation
+(:mod:`memconv.strategies`), squared norms by ghost norms or instantiated chunks
+(:mod:`memconv.norms`), summed gradients by torch's own kernel; bias gradients as the
+output gradient summed over space.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import modules
+from .._geometry import conv_spec, layer_output_size
+from ..context import budgeted
+from ..grad_sample import bias_grad, conv_weight_grad, summed_weight_grad
+from ..memory import predict_memory
+from ..norms import choose_route, conv_route_problem, conv_weight_sq_norms
+from ..norms import sq_norms as _sq
+from ..strategies import get_strategy
+from ..vjp import check_settings
+from .base import LayerRule, register, rule_settings
+
+TYPES = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    modules.Conv1d,
+    modules.Conv2d,
+    modules.Conv3d,
+    modules.ConvTranspose1d,
+    modules.ConvTranspose2d,
+    modules.ConvTranspose3d,
+)
+
+
+def _trainable(module, name: str) -> bool:
+    p = getattr(module, name, None)
+    return isinstance(p, nn.Parameter) and p.requires_grad
+
+
+@register(*TYPES)
+class ConvRule(LayerRule):
+    """``Conv*d`` and ``ConvTranspose*d``: every padding mode, stride, dilation, groups."""
+
+    def grad_sample(self, module, inputs, grad_output):
+        (x,) = inputs
+        rs = rule_settings()
+        settings = budgeted(rs.settings, rs.budget)
+        out = {}
+        if _trainable(module, "weight"):
+            out["weight"] = conv_weight_grad(module, x, grad_output, settings, per_sample=True)
+        if _trainable(module, "bias"):
+            out["bias"] = bias_grad(grad_output, per_sample=True)
+        return out
+
+    def sq_norms(self, module, inputs, grad_output):
+        (x,) = inputs
+        rs = rule_settings()
+        out = {}
+        if _trainable(module, "weight"):
+            out["weight"] = conv_weight_sq_norms(
+                module, x, grad_output, rs.settings, rs.norm_route, rs.budget
+            )
+        if _trainable(module, "bias"):
+            out["bias"] = _sq(bias_grad(grad_output, per_sample=True))
+        return out
+
+    def summed_grad(self, module, inputs, grad_output):
+        (x,) = inputs
+        out = {}
+        if _trainable(module, "weight"):  # torch's own kernel: the fastest summed VJP
+            ops = conv_spec(module).operands(x.to(grad_output.dtype), grad_output)
+            out["weight"] = summed_weight_grad(ops, module.weight)
+        if _trainable(module, "bias"):
+            out["bias"] = bias_grad(grad_output, per_sample=False)
+        return out
+
+    def memory(self, module, input_shapes, itemsize, task):
+        shape = input_shapes[0]
+        m = shape[0]
+        rs = rule_settings()
+        params = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+        per_sample = m * params * itemsize  # its per-sample gradients, before stored
+        if task == "grads":
+            settings = budgeted(rs.settings, rs.budget)
+            options = {}
+            strategy = get_strategy(settings.strategy)
+            for key in ("memory_budget", "tile_size", "inner"):
+                value = getattr(settings.options, key)
+                if value is not None and key in strategy.options:
+                    options[key] = value
+            return predict_memory(module, shape, settings.strategy, **options) + per_sample
+        spec = conv_spec(module)
+        channels = spec.geometry.in_channels if spec.transposed else spec.geometry.out_channels
+        out_shape = (m, channels, *layer_output_size(spec, module, shape[2:]))
+        problem, copied = conv_route_problem(
+            module, torch.empty(shape, device="meta"), torch.empty(out_shape, device="meta"), itemsize
+        )
+        room = None if rs.budget is None else max(rs.budget - copied, 1)
+        cost = choose_route(problem, room, rs.settings, rs.norm_route)
+        return copied + cost.memory
+
+    def check_settings(self, module, settings):
+        check_settings(settings, conv_spec(module).geometry)

@@ -1,0 +1,78 @@
+"""``Linear``, with or without sequence axes (``[N, *, in]``).
+
+Per-sample gradients ``gᵀa`` summed over the sequence; squared norms ``‖g‖²·‖a‖²``
+without a sequence axis, else ghost norms over the sequence (``⟨aaᵀ, ggᵀ⟩``,
+Goodfellow 2015; Li et al. 2022) or the instantiated gradients when 2L² > in·out.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .. import modules
+from ..norms import sq_norms
+from .base import LayerRule, register, rule_settings
+
+
+def _flat(x, g):
+    if x.dtype != g.dtype:
+        x = x.to(g.dtype)
+    n = x.shape[0]
+    return x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])  # [N, L, in/out]
+
+
+def _trainable(module, name):
+    p = getattr(module, name, None)
+    return p is not None and p.requires_grad
+
+
+@register(nn.Linear, modules.Linear)
+class LinearRule(LayerRule):
+    """``y = x Wᵀ + b`` over the last axis."""
+
+    movable_batch_axis = True
+
+    def grad_sample(self, module, inputs, grad_output):
+        x2, g2 = _flat(inputs[0], grad_output)
+        out = {}
+        if _trainable(module, "weight"):
+            out["weight"] = g2.transpose(1, 2) @ x2  # [N, out, in]
+        if _trainable(module, "bias"):
+            out["bias"] = g2.sum(1)  # [N, out]
+        return out
+
+    def sq_norms(self, module, inputs, grad_output):
+        x2, g2 = _flat(inputs[0], grad_output)
+        length = x2.shape[1]
+        route = rule_settings().norm_route
+        out = {}
+        if _trainable(module, "weight"):
+            if length == 1:  # an outer product: ‖g aᵀ‖ = ‖g‖·‖a‖
+                out["weight"] = g2.pow(2).sum((1, 2)) * x2.pow(2).sum((1, 2))
+            elif route == "ghost" or (
+                route is None and 2 * length**2 < x2.shape[2] * g2.shape[2]
+            ):
+                ga = x2 @ x2.transpose(1, 2)  # [N, L, L]
+                gb = g2 @ g2.transpose(1, 2)
+                out["weight"] = (ga * gb).sum((1, 2))
+            else:
+                out["weight"] = sq_norms(g2.transpose(1, 2) @ x2)
+        if _trainable(module, "bias"):
+            out["bias"] = g2.sum(1).pow(2).sum(1)
+        return out
+
+    def summed_grad(self, module, inputs, grad_output):
+        x = inputs[0].to(grad_output.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        g2 = grad_output.reshape(-1, grad_output.shape[-1])
+        out = {}
+        if _trainable(module, "weight"):
+            out["weight"] = g2.transpose(0, 1) @ x2
+        if _trainable(module, "bias"):
+            out["bias"] = g2.sum(0)
+        return out
+
+    def memory(self, module, input_shapes, itemsize, task):
+        n = input_shapes[0][0]
+        params = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+        return n * params * itemsize

@@ -1,0 +1,127 @@
+"""Normalisation layers: GroupNorm, LayerNorm, RMSNorm, InstanceNorm, BatchNorm (eval).
+
+Their output is ``x̂·weight + bias``, so the per-sample gradients are ``Σ g·x̂`` and
+``Σ g`` over the axes the affine parameters are shared along, with the normalised
+input ``x̂`` recomputed (elementwise; no per-sample Jacobian). BatchNorm mixes the
+samples of a batch in training mode, and also in eval mode without running
+statistics: both are rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import modules
+from .base import LayerRule, register, rule_settings
+
+
+def _trainable(module, name):
+    p = getattr(module, name, None)
+    return p is not None and p.requires_grad
+
+
+class AffineNormRule(LayerRule):
+    """Shared by the normalisation rules: subclasses give :meth:`normalized` and
+    :meth:`shared_axes`."""
+
+    def normalized(self, module, x):
+        """The layer's output before its affine part."""
+        raise NotImplementedError
+
+    def shared_axes(self, module, g) -> tuple[int, ...]:
+        """The axes of ``g`` (batch axis excluded) the parameters are shared along."""
+        return tuple(range(2, g.dim()))  # per channel (axis 1)
+
+    def grad_sample(self, module, inputs, grad_output):
+        g = grad_output
+        with rule_settings().autocast_context():
+            xhat = self.normalized(module, inputs[0])
+        xhat = xhat.to(g.dtype)
+        axes = self.shared_axes(module, g)
+        out = {}
+        if _trainable(module, "weight"):
+            out["weight"] = (g * xhat).sum(axes) if axes else g * xhat
+        if _trainable(module, "bias"):
+            out["bias"] = g.sum(axes) if axes else g
+        return out
+
+    def memory(self, module, input_shapes, itemsize, task):
+        n = input_shapes[0][0]
+        elements = 1
+        for s in input_shapes[0]:
+            elements *= s
+        params = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+        return (2 * elements + 2 * n * params) * itemsize  # x̂, g·x̂ and the gradients
+
+
+@register(nn.GroupNorm, modules.GroupNorm)
+class GroupNormRule(AffineNormRule):
+    def normalized(self, module, x):
+        return F.group_norm(x, module.num_groups, eps=module.eps)
+
+
+@register(nn.LayerNorm, modules.LayerNorm)
+class LayerNormRule(AffineNormRule):
+    movable_batch_axis = True
+
+    def normalized(self, module, x):
+        return F.layer_norm(x, module.normalized_shape, eps=module.eps)
+
+    def shared_axes(self, module, g):  # parameters over the trailing normalized dims
+        return tuple(range(1, g.dim() - len(module.normalized_shape)))
+
+
+if hasattr(nn, "RMSNorm"):
+
+    @register(nn.RMSNorm, modules.RMSNorm)
+    class RMSNormRule(LayerNormRule):
+        def normalized(self, module, x):
+            return F.rms_norm(x, module.normalized_shape, eps=module.eps)
+
+
+@register(
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    modules.InstanceNorm1d,
+    modules.InstanceNorm2d,
+    modules.InstanceNorm3d,
+)
+class InstanceNormRule(AffineNormRule):
+    def normalized(self, module, x):
+        use_input_stats = module.training or not module.track_running_stats
+        return F.instance_norm(
+            x, module.running_mean, module.running_var, use_input_stats=use_input_stats,
+            eps=module.eps,
+        )  # fmt: skip
+
+
+@register(
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    modules.BatchNorm1d,
+    modules.BatchNorm2d,
+    modules.BatchNorm3d,
+)
+class BatchNormRule(AffineNormRule):
+    def check(self, module, name):
+        if module.training:
+            why = "in training mode"
+        elif module.running_mean is None:
+            why = "in eval mode without running statistics (track_running_stats=False)"
+        else:
+            return
+        raise ValueError(
+            f"layer {name!r} ({type(module).__name__} {why}) normalises with the statistics "
+            "of the whole batch, so it mixes the samples and per-sample gradients are "
+            "undefined; call .eval() on it with running statistics, or replace it by "
+            "GroupNorm/LayerNorm"
+        )
+
+    def normalized(self, module, x):
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        mean = module.running_mean.reshape(shape)
+        return (x - mean) / torch.sqrt(module.running_var.reshape(shape) + module.eps)

@@ -1,0 +1,572 @@
+"""One forward and one backward pass that hand every layer call's output gradient to a
+route: the layer's rule, the generic route, or the model route.
+
+How each trainable parameter is covered is **checked, not assumed**. The forward pass
+records every call of a module that owns trainable parameters: its arguments, the
+batch axis of each argument and output (from a probe of one and two samples,
+:func:`probe_axes`), and the window of autograd nodes the call created (their
+sequence numbers). Before the backward pass, every use of a parameter in the graph
+of the loss (an edge into its ``AccumulateGrad`` node) is attributed to the innermost
+call that can differentiate it:
+
+- a **rule call**: a layer with a rule (:func:`memconv.layers.find_rule`), called
+  with positional tensors only, no hooks, batch axis first (or movable), for the
+  layer's own parameters;
+- a **generic call**: any other call of a parametrised module, for the parameters of
+  its subtree (``torch.func`` on the call's real arguments,
+  :func:`memconv.layers.generic.call_grad_sample`);
+- otherwise the **model route**: the whole model's per-sample loss by ``torch.func``
+  (:func:`memconv.layers.generic.model_grad_sample`) — a parameter used outside the
+  modules that own it, in the loss function, or in a parent's ``forward``.
+
+A parameter whose uses all lie in rule calls is summed over them; a generic call
+covers every use inside it (nested calls included), so no use is counted twice and
+none is missed. Autograd itself computes no parameter gradient in the walk.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .layers import LayerRule, RuleSettings, find_rule, run_rule, using
+from .layers.generic import call_grad_sample, chunk_size
+
+#: Marks a tensor whose batch axis cannot be told (it grew other than 1 → 2).
+UNSPLIT = -1
+
+
+def own_trainable(module: nn.Module) -> dict[str, Tensor]:
+    """``{local name: parameter}`` of the module's own parameters that require grad."""
+    return {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
+
+
+def _axis(s1, s2) -> int | None:
+    if s1 == s2:
+        return None
+    if len(s1) != len(s2):
+        return UNSPLIT
+    diff = [a for a, (u, v) in enumerate(zip(s1, s2)) if u != v]
+    if len(diff) == 1 and s1[diff[0]] == 1 and s2[diff[0]] == 2:
+        return diff[0]
+    return UNSPLIT
+
+
+def _shapes(tree) -> list:
+    return [tuple(t.shape) if isinstance(t, Tensor) else None for t in tree_flatten(tree)[0]]
+
+
+@dataclass(frozen=True)
+class CallAxes:
+    """The batch axes of one layer call, found by :func:`probe_axes`.
+
+    Attributes:
+        module: the layer.
+        inputs: the batch axis of each leaf of ``(args, kwargs)`` (None: shared by
+            all samples; :data:`UNSPLIT`: cannot be told).
+        outputs: the same for each leaf of the output.
+    """
+
+    module: nn.Module
+    inputs: tuple
+    outputs: tuple
+
+
+def probe_axes(model: nn.Module, inputs: Tensor) -> list[CallAxes]:
+    """The batch axes of every call of a parametrised module, in forward order, read
+    off forward passes of one and of two samples (the first sample, repeated).
+
+    Returns:
+        One :class:`CallAxes` per call of a module owning trainable parameters.
+    """
+    owners = [m for m in model.modules() if own_trainable(m)]
+    runs = []
+    for m in (1, 2):
+        calls: list = []
+
+        def hook(module, args, kwargs, output, calls=calls):
+            calls.append((module, _shapes((args, kwargs)), _shapes(output)))
+
+        handles = [o.register_forward_hook(hook, with_kwargs=True) for o in owners]
+        try:
+            with torch.no_grad():
+                model(inputs[:1].expand(m, *inputs.shape[1:]).clone())
+        finally:
+            for h in handles:
+                h.remove()
+        runs.append(calls)
+    one, two = runs
+    if len(one) != len(two) or any(a[0] is not b[0] for a, b in zip(one, two)):
+        raise RuntimeError(
+            "the model calls its layers differently for one sample than for two (data-"
+            "dependent control flow), so memconv cannot tell their batch axes"
+        )
+    return [
+        CallAxes(
+            module,
+            tuple(_axis(u, v) if u is not None else None for u, v in zip(in1, in2)),
+            tuple(_axis(u, v) if u is not None else None for u, v in zip(out1, out2)),
+        )
+        for (module, in1, out1), (_, in2, out2) in zip(one, two)
+    ]
+
+
+@dataclass(eq=False)
+class LayerCall:
+    """One forward call of a parametrised module, and what its route needs.
+
+    Attributes:
+        module: the layer.
+        name: its name in the model.
+        rule: its rule if the call is a rule call, else None (generic route).
+        params: ``{name in module: name in model}`` of the parameters this call's
+            route computes (filled before the backward pass).
+        args, kwargs: the call's arguments (tensors detached).
+        in_axes, out_axes: batch axes of their leaves and of the output's leaves.
+        grads: the gradient of each output leaf as it arrives (None: not yet).
+        expected: the output leaves whose gradient will arrive.
+        window: ``(first, last)`` autograd sequence numbers of the call's nodes.
+        autocast: ``(device type, dtype or None)`` of the forward pass.
+        edges: ``(output leaf index, gradient edge)`` of the captured outputs.
+        shared: local names of parameters that other calls' routes also compute
+            (their per-sample gradients must be summed before taking norms).
+        done: whether the route ran (or had nothing to do).
+        kept: set by a visitor that keeps the call's tensors for later.
+    """
+
+    module: nn.Module
+    name: str
+    rule: LayerRule | None
+    args: tuple
+    kwargs: dict
+    in_axes: tuple
+    out_axes: tuple
+    window: tuple[int, int]
+    autocast: tuple
+    params: dict = field(default_factory=dict)
+    grads: list = field(default_factory=list)
+    expected: set = field(default_factory=set)
+    edges: list = field(default_factory=list)
+    shared: set = field(default_factory=set)
+    done: bool = False
+    kept: bool = False
+
+    @property
+    def what(self) -> str:
+        return f"layer {self.name!r} ({type(self.module).__name__})"
+
+    def rule_inputs(self) -> tuple[tuple[Tensor, ...], Tensor]:
+        """``(inputs, grad_output)`` with the batch axis first, for the rule."""
+        inputs = tuple(a.movedim(ax, 0) if ax else a for a, ax in zip(self.args, self.in_axes))
+        g = self.grads[0]
+        ax = self.out_axes[0]
+        return inputs, (g.movedim(ax, 0) if ax else g)
+
+    def n(self) -> int:
+        for leaf, ax in zip(tree_flatten((self.args, self.kwargs))[0], self.in_axes):
+            if isinstance(leaf, Tensor) and ax is not None:
+                return leaf.shape[ax]
+        for g, ax in zip(self.grads, self.out_axes):
+            if g is not None:
+                return g.shape[ax]
+        return 0
+
+    def settings(self, rs: RuleSettings) -> RuleSettings:
+        return RuleSettings(rs.settings, rs.norm_route, rs.budget, self.autocast)
+
+    def grad_sample(self, rs: RuleSettings) -> dict[str, Tensor]:
+        """Per-sample gradients ``{name in module: [N, ...]}`` of :attr:`params`."""
+        if self.rule is not None:
+            inputs, g = self.rule_inputs()
+            with using(self.settings(rs)):
+                out = run_rule(self.rule, "grad_sample", self.module, inputs, g)
+            return self._typed({k: v for k, v in out.items() if k in self.params})
+        leaves = tree_flatten((self.args, self.kwargs))[0]
+        per = sum(p.numel() for k, p in self._named().items() if k in self.params)
+        per += sum(t[:1].numel() for t in leaves if isinstance(t, Tensor))
+        per += sum(g[:1].numel() for g in self.grads if g is not None)
+        n = self.n()
+        itemsize = next((g.element_size() for g in self.grads if g is not None), 4)
+        out = call_grad_sample(
+            self.module, self.args, self.kwargs, self.in_axes, self.grads, self.out_axes,
+            list(self.params), what=self.what, chunk=chunk_size(n, 4 * per * itemsize, rs.budget),
+        )  # fmt: skip
+        return self._typed(out)
+
+    def sq_norms(self, rs: RuleSettings) -> dict[str, Tensor]:
+        """Squared per-sample norms ``{name in module: [N]}`` of :attr:`params`."""
+        from .norms import sq_norms
+
+        if self.rule is not None:
+            inputs, g = self.rule_inputs()
+            with using(self.settings(rs)):
+                out = run_rule(self.rule, "sq_norms", self.module, inputs, g)
+            out = {k: v for k, v in out.items() if k in self.params}
+        else:
+            out = {k: sq_norms(v) for k, v in self.grad_sample(rs).items()}
+        return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}
+
+    def summed_grad(self, rs: RuleSettings, scale: Tensor) -> dict[str, Tensor]:
+        """Σₙ scaleₙ·(per-sample gradient)ₙ of :attr:`params` (a rule call)."""
+        inputs, g = self.rule_inputs()
+        shape = (-1,) + (1,) * (g.dim() - 1)
+        g = g * scale.to(g.dtype).reshape(shape)
+        with using(self.settings(rs)):
+            out = run_rule(self.rule, "summed_grad", self.module, inputs, g)
+        return self._typed({k: v for k, v in out.items() if k in self.params})
+
+    def _named(self) -> dict[str, Tensor]:
+        return dict(self.module.named_parameters(remove_duplicate=False))
+
+    def _typed(self, out: dict) -> dict:
+        named = self._named()
+        return {k: v.to(named[k].dtype) for k, v in out.items()}
+
+    def release(self) -> None:
+        """Drop the tensors kept for the route."""
+        self.args, self.kwargs, self.grads = (), {}, []
+
+
+def _hooked(module: nn.Module, ours) -> bool:
+    """Whether hooks other than memconv's own may change the module's call."""
+    from torch.nn.modules import module as module_mod
+
+    others = [k for k in module._forward_hooks if k not in ours]
+    others += [k for k in module._forward_pre_hooks if k not in ours]
+    return bool(
+        others
+        or module_mod._global_forward_hooks
+        or module_mod._global_forward_pre_hooks
+    )
+
+
+def _rule_for(module, args, kwargs, in_axes, output, out_axes, ours) -> LayerRule | None:
+    """The rule of a call if the call is one the rule describes exactly, else None."""
+    rule = find_rule(module)
+    if rule is None or kwargs or _hooked(module, ours):
+        return None
+    if not args or not all(isinstance(a, Tensor) for a in args) or not isinstance(output, Tensor):
+        return None
+    axes = (*in_axes, *out_axes)
+    if all(a == 0 for a in axes):
+        return rule
+    if rule.movable_batch_axis and all(a is not None and a != UNSPLIT for a in axes):
+        return rule
+    return None
+
+
+class _Sequence:
+    """Sequence numbers of autograd nodes created from now on."""
+
+    def __init__(self):
+        self.anchor = torch.zeros((), requires_grad=True)
+
+    def now(self) -> int:
+        with torch.enable_grad():
+            return (self.anchor * 1).grad_fn._sequence_nr()
+
+
+def _graph(root) -> tuple[set, dict, dict]:
+    """Nodes reachable from ``root``; for each, whether a captured node lies below;
+    and the uses of leaves: ``{id(parameter): [sequence numbers of the using nodes]}``."""
+    reachable: set = set()
+    uses: dict[int, list[int]] = {}
+    order: list = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node in reachable:
+            continue
+        reachable.add(node)
+        order.append(node)
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            variable = getattr(child, "variable", None)
+            if variable is not None:
+                uses.setdefault(id(variable), []).append(node._sequence_nr())
+            if child not in reachable:
+                stack.append(child)
+    return reachable, uses, {}
+
+
+def _deepest(captured: set, reachable: set) -> set:
+    """The captured nodes with no captured node below them (backward direction):
+    asking autograd for those runs every captured node reachable."""
+    below: dict = {}
+    stack = [(n, False) for n in captured & reachable]
+    seen: set = set()
+    while stack:
+        node, children_done = stack.pop()
+        children = [c for c, _ in node.next_functions if c is not None]
+        if children_done:
+            below[node] = any(c in captured or below.get(c, False) for c in children)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if c not in seen)
+    return {n for n in captured & reachable if not below[n]}
+
+
+@dataclass
+class Walk:
+    """What :func:`backward_walk` found: the calls and how parameters are covered.
+
+    Attributes:
+        losses: the per-sample losses ``[N]`` (with their graph if kept).
+        calls: every recorded layer call.
+        model_params: model names of the parameters left to the model route.
+        routes: ``{model name: number of calls whose route computes it}``.
+    """
+
+    losses: Tensor
+    calls: list
+    model_params: list
+    routes: dict
+
+
+def _check_axes(call_axes: CallAxes, module, args_shapes, out_shapes, m: int, name: str):
+    ok = call_axes.module is module and len(call_axes.inputs) == len(args_shapes)
+    ok = ok and len(call_axes.outputs) == len(out_shapes)
+    for shapes, axes in ((args_shapes, call_axes.inputs), (out_shapes, call_axes.outputs)):
+        for s, ax in zip(shapes, axes):
+            if ok and s is not None and ax not in (None, UNSPLIT) and s[ax] != m:
+                ok = False
+    if not ok:
+        raise RuntimeError(
+            f"layer {name!r} ({type(module).__name__}) was called differently in the probe of "
+            "one and two samples than for the batch (data-dependent control flow); memconv "
+            "cannot tell its batch axes"
+        )
+
+
+def backward_walk(
+    model: nn.Module,
+    loss_fn,
+    inputs: Tensor,
+    targets,
+    names: dict,
+    axes: list[CallAxes],
+    visit: Callable[[LayerCall], None],
+    *,
+    caller: str,
+    keep_graph: bool = False,
+) -> Walk:
+    """One forward and one backward pass in which every layer call's output gradient
+    reaches ``visit`` (once per call, then dropped); autograd computes no parameter
+    gradient. Parameters no call can cover are left to the model route.
+
+    Args:
+        model: the model.
+        loss_fn: the per-sample loss, see :func:`memconv.extraction.per_sample_losses`.
+        inputs: ``[m, ...]`` (detached for the pass).
+        targets: ``[m, ...]``.
+        names: ``{id(parameter): model name}`` of the trainable parameters.
+        axes: :func:`probe_axes` of the model.
+        visit: called with each :class:`LayerCall` whose route computes at least
+            one parameter, during the backward pass.
+        caller: the public function's name, for messages.
+        keep_graph: keep the graph for a second backward pass of the losses.
+
+    Returns:
+        The :class:`Walk`.
+
+    Raises:
+        ValueError: a ``loss_fn`` that does not return a scalar per sample; a call
+            whose output reaches the loss but has no batch axis.
+        RuntimeError: an output gradient that should have arrived but did not.
+    """
+    from .extraction import per_sample_losses
+
+    calls: list[LayerCall] = []
+    module_names = {m: name or type(m).__name__ for name, m in model.named_modules()}
+    owners = [m for m in model.modules() if own_trainable(m)]
+    seq = _Sequence()
+    starts: dict = {}
+    ours: set = set()
+    unseen: dict = {}
+    m = len(inputs)
+    active = [True]
+    counter = [0]
+
+    def pre_hook(module, args, kwargs):
+        starts.setdefault(module, []).append(seq.now())
+
+    def forward_hook(module, args, kwargs, output):
+        start = starts[module].pop()
+        index = counter[0]
+        counter[0] += 1
+        name = module_names.get(module, type(module).__name__)
+        out_leaves, out_spec = tree_flatten(output)
+        if not any(isinstance(t, Tensor) and t.requires_grad for t in out_leaves):
+            if not torch.is_grad_enabled():  # inside a no-grad region of the model
+                unseen[module] = name
+            return None
+        end = seq.now()
+        if index >= len(axes):
+            raise RuntimeError(f"{caller}: the model calls more layers than in its probe")
+        call_axes = axes[index]
+        _check_axes(call_axes, module, _shapes((args, kwargs)), _shapes(output), m, name)
+        detached_args, detached_kwargs = tree_unflatten(
+            [t.detach() if isinstance(t, Tensor) else t for t in tree_flatten((args, kwargs))[0]],
+            tree_flatten((args, kwargs))[1],
+        )
+        rule = _rule_for(
+            module, args, kwargs, call_axes.inputs, output, call_axes.outputs, ours
+        )
+        call = LayerCall(
+            module, name, rule, detached_args, detached_kwargs, call_axes.inputs,
+            call_axes.outputs, (start, end), _autocast_state(out_leaves),
+        )  # fmt: skip
+        call.grads = [None] * len(out_leaves)
+        calls.append(call)
+        new_leaves = list(out_leaves)
+        for j, t in enumerate(out_leaves):
+            if not (isinstance(t, Tensor) and t.requires_grad):
+                continue
+            if t._is_view():  # an in-place op on a view would rebuild its graph
+                t = t.clone()
+                new_leaves[j] = t
+            t.register_hook(_on_grad(call, j, visit, active))
+            call.edges.append((j, get_gradient_edge(t)))
+        return tree_unflatten(new_leaves, out_spec)
+
+    handles = []
+    for o in owners:
+        handles.append(o.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(o.register_forward_hook(forward_hook, with_kwargs=True))
+    ours.update(h.id for h in handles)
+    try:
+        output = model(inputs.detach())
+    finally:
+        for h in handles:
+            h.remove()
+    losses = torch.stack(per_sample_losses(loss_fn, output, targets))
+    del output
+    walk = Walk(losses if keep_graph else losses.detach(), calls, [], {})
+    if losses.grad_fn is None:
+        walk.model_params = []
+        return walk
+    reachable, uses, _ = _graph(losses.grad_fn)
+    _assign(calls, uses, names, model, walk)
+    for call in calls:
+        call.expected = {j for j, e in call.edges if e.node in reachable}
+        if not call.params or not call.expected:
+            call.release()
+            call.done = True
+    wanted = {e.node: e for c in calls if not c.done for _, e in c.edges}
+    deepest = _deepest(set(wanted), reachable)
+    edges = [wanted[n] for n in deepest]
+    if edges:
+        torch.autograd.grad(losses.sum(), edges, allow_unused=True, retain_graph=keep_graph)
+    active[0] = False
+    missed = [c for c in calls if not c.done]
+    if missed:
+        raise RuntimeError(
+            f"{caller}: the output gradient of {missed[0].what} influences the loss but never "
+            f"arrived, so the per-sample quantities of {', '.join(missed[0].params.values())} "
+            "are unknown"
+        )
+    covered = {c.module for c in calls}
+    quiet = [
+        name
+        for module, name in unseen.items()
+        if module not in covered and not any(id(p) in uses for p in own_trainable(module).values())
+    ]
+    if quiet:
+        warnings.warn(
+            f"{caller}: layers {quiet} ran their forward pass with gradients disabled "
+            "inside the model; if their parameters influence the loss through a "
+            "recomputation (reentrant checkpointing), their per-sample quantities are "
+            "reported as zeros. Use torch.utils.checkpoint with use_reentrant=False.",
+            stacklevel=3,
+        )
+    return walk
+
+
+def _autocast_state(leaves) -> tuple:
+    device = next((t.device.type for t in leaves if isinstance(t, Tensor)), "cpu")
+    if torch.is_autocast_enabled(device):
+        return (device, torch.get_autocast_dtype(device))
+    return (device, None)
+
+
+def _on_grad(call: LayerCall, j: int, visit, active):
+    def hook(grad):
+        if not active[0] or call.done:  # a second backward pass of a kept graph
+            return
+        call.grads[j] = grad
+        if all(call.grads[k] is not None for k in call.expected):
+            call.done = True
+            visit(call)
+            if not call.kept:  # a visitor that keeps the call releases it itself
+                call.release()
+
+    return hook
+
+
+def _assign(calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, walk: Walk):
+    """Give each parameter's uses to routes (see the module docstring)."""
+    windows = sorted(calls, key=lambda c: c.window[0])
+    subtree = {}
+
+    def locals_of(call):  # {id(p): name in module} over its subtree
+        if call.module not in subtree:
+            subtree[call.module] = {
+                id(p): k for k, p in call.module.named_parameters(remove_duplicate=False)
+            }
+        return subtree[call.module]
+
+    def can_route(call, pid):
+        if call.rule is not None:
+            return any(id(p) == pid for p in own_trainable(call.module).values())
+        return pid in locals_of(call)
+
+    for pid, model_name in names.items():
+        seqs = uses.get(pid, [])
+        if not seqs:
+            continue
+        chosen: list[LayerCall] = []
+        model_route = False
+        for s in seqs:
+            inner = None
+            for call in windows:
+                lo, hi = call.window
+                if lo < s < hi and can_route(call, pid):
+                    if inner is None or call.window[0] >= inner.window[0]:
+                        inner = call
+            if inner is None:
+                model_route = True
+                break
+            if inner not in chosen:
+                chosen.append(inner)
+        if model_route:
+            walk.model_params.append(model_name)
+            continue
+        outer = [
+            c
+            for c in chosen
+            if not any(
+                o is not c and o.rule is None and o.window[0] < c.window[0] and c.window[1] < o.window[1]
+                for o in chosen
+            )
+        ]
+        for call in outer:
+            call.params[locals_of(call)[pid] if call.rule is None else _own_name(call, pid)] = (
+                model_name
+            )
+        walk.routes[model_name] = len(outer)
+    for call in calls:
+        call.shared = {k for k, full in call.params.items() if walk.routes.get(full, 0) > 1}
+
+
+def _own_name(call: LayerCall, pid: int) -> str:
+    return next(k for k, p in own_trainable(call.module).items() if id(p) == pid)
