@@ -236,7 +236,9 @@ def per_sample_norms(
             ]
         parts = [(s, slice(i, i + 1)) for i, s in enumerate(sq)]
     else:
-        m, layer_budget, _ = _plan(model, inputs, "norms", settings, memory_budget, None, norm_route)
+        m, layer_budget, _ = _plan(
+            model, inputs, "norms", settings, memory_budget, None, norm_route
+        )
         rs = RuleSettings(settings, norm_route, layer_budget)
         walks = _walks(
             model, loss_fn, inputs, targets, rs, m, None, "memconv.per_sample_norms"
@@ -361,7 +363,7 @@ def clip_and_accumulate(
     rs = RuleSettings(settings, norm_route, layer_budget)
     walks = _walks(model, loss_fn, inputs, targets, rs, m, route, "memconv.clip_and_accumulate")
     for sq, losses, gathered in walks:
-        norms = _total(sq, len(losses)).sqrt()
+        norms = _total(sq, len(losses)).sqrt().detach()
         check_finite(norms, "memconv.clip_and_accumulate")
         c = clip_factors(norms, float(max_norm))
         # clip factors are per sample: the micro-batches' clipped sums add up

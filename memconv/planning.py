@@ -34,10 +34,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from .context import Settings, activate, use_block_settings
 from .grad_sample import own_trainable
 from .layers import RuleSettings, find_rule, using
+from .walk import keep_rng
 
 logger = logging.getLogger("memconv")
 
@@ -154,18 +156,21 @@ def _probe(model, x, leaves, param_storages):
             seen[ptr] = storage.nbytes()
         return t.detach()  # not t itself: an output saved by its own node would form a cycle
 
-    def hook(module, args, output):
-        if not isinstance(output, Tensor) or not args or not isinstance(args[0], Tensor):
+    def hook(module, args, kwargs, output):
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)), None)
+        out = next((t for t in tree_flatten(output)[0] if isinstance(t, Tensor)), None)
+        if first is None or out is None or not first.dim() or not out.dim():
             return
         calls.append(
-            (module, args[0][0].numel(), output[0].numel(), (1, *args[0].shape[1:]),
-             output.element_size(), sum(seen.values()))
+            (module, first[0].numel(), out[0].numel(), (1, *first.shape[1:]),
+             out.element_size(), sum(seen.values()))
         )  # fmt: skip
 
-    handles = [leaf.register_forward_hook(hook) for leaf in leaves]
+    handles = [leaf.register_forward_hook(hook, with_kwargs=True) for leaf in leaves]
     try:
         with (
             torch.enable_grad(),
+            keep_rng(),
             activate(None, False),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
@@ -193,6 +198,8 @@ class Plan:
         clip_route: for ``"clip"``, the clipping route.
         smallest_budget: the smallest budget this call can run in (one sample, the
             leanest per-layer budget), bytes.
+        generic_layers: names of the parametrised layers without a rule, which take
+            the generic route (``torch.func``; :mod:`memconv.layers`).
     """
 
     task: str
@@ -204,6 +211,7 @@ class Plan:
     breakdown: dict = field(default_factory=dict)
     clip_route: str | None = None
     smallest_budget: int | None = None
+    generic_layers: tuple[str, ...] = ()
 
     @property
     def micro_batches(self) -> int:
@@ -216,10 +224,13 @@ class Plan:
         budget = "none" if self.memory_budget is None else f"{self.memory_budget / mib:,.1f} MiB"
         layer = "default" if self.layer_budget is None else f"{self.layer_budget / mib:,.2f} MiB"
         route = f", {self.clip_route}" if self.clip_route else ""
+        generic = (
+            f"; generic route: {', '.join(self.generic_layers)}" if self.generic_layers else ""
+        )
         return (
             f"{self.task}{route}: {self.micro_batches} micro-batch(es) of {self.micro_batch} "
             f"(N={self.batch}), layer budget {layer}; predicted peak "
-            f"{self.predicted_peak / mib:,.1f} MiB ({parts}); memory_budget {budget}"
+            f"{self.predicted_peak / mib:,.1f} MiB ({parts}); memory_budget {budget}{generic}"
         )
 
 
@@ -231,7 +242,9 @@ def _layer_temporaries(layer: LayerProfile, m: int, task: str, settings: Setting
     shape = (m, *layer.input_shape[1:])
     if rule is None:
         per_sample = m * layer.params * layer.itemsize
-        return 2 * per_sample + 4 * m * (layer.input_elements + layer.output_elements) * layer.itemsize
+        return (
+            2 * per_sample + 4 * m * (layer.input_elements + layer.output_elements) * layer.itemsize
+        )
     kind = "grads" if task == "grads" else "norms"
     with using(RuleSettings(settings, route, budget)):
         return rule.memory(layer.module, (shape,), layer.itemsize, kind)
@@ -328,6 +341,13 @@ def make_plan(
     """
     route = clip_route or ("book-keeping" if task == "clip" else None)
     routes = [route] if (task != "clip" or clip_route) else ["book-keeping", "two-pass"]
+    generic = tuple(
+        dict.fromkeys(
+            layer.name or "(model)"
+            for layer in prof.layers
+            if layer.params and find_rule(layer.module) is None
+        )
+    )
     # predictions grow with the micro-batch except for the two-pass running total
     smallest = min(
         predict(prof, n, m, task, settings, MIN_LAYER_BUDGET, r, norm_route)[0]
@@ -338,7 +358,7 @@ def make_plan(
         peak, parts = predict(prof, n, max(n, 1), task, settings, None, route, norm_route)
         return Plan(
             task, n, max(n, 1), None, peak, memory_budget, parts,
-            route if task == "clip" else None, smallest,
+            route if task == "clip" else None, smallest, generic,
         )  # fmt: skip
     best = None
     for r in routes:
@@ -352,7 +372,7 @@ def make_plan(
             f"{smallest} bytes ({smallest / 2**20:,.1f} MiB). For images too large for one "
             "sample's activations, stream the convolutions with memconv.streaming.StreamingCNN."
         )
-    best = replace(best, smallest_budget=smallest)
+    best = replace(best, smallest_budget=smallest, generic_layers=generic)
     logger.info("memconv plan: %s", best)
     return best
 
@@ -367,7 +387,9 @@ def _best_for_route(prof, n, task, settings, memory_budget, route, norm_route=No
     none does, the largest that fits at all), with the largest per-layer budget."""
 
     def fits(m, layer_budget):
-        return predict(prof, n, m, task, settings, layer_budget, route, norm_route)[0] <= memory_budget
+        return (
+            predict(prof, n, m, task, settings, layer_budget, route, norm_route)[0] <= memory_budget
+        )
 
     def largest(layer_budget):  # predictions grow with m: a bisection
         lo, hi = 0, n

@@ -47,6 +47,13 @@ def own_trainable(module: nn.Module) -> dict[str, Tensor]:
     return {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
 
 
+def keep_rng():
+    """A block after which the random number generators are as before it (a probe
+    forward pass must not change the dropout masks of the pass that follows)."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    return torch.random.fork_rng(devices=devices)
+
+
 def _axis(s1, s2) -> int | None:
     if s1 == s2:
         return None
@@ -95,7 +102,7 @@ def probe_axes(model: nn.Module, inputs: Tensor) -> list[CallAxes]:
 
         handles = [o.register_forward_hook(hook, with_kwargs=True) for o in owners]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), keep_rng():  # the pass then draws the same random numbers
                 model(inputs[:1].expand(m, *inputs.shape[1:]).clone())
         finally:
             for h in handles:
@@ -239,11 +246,7 @@ def _hooked(module: nn.Module, ours) -> bool:
 
     others = [k for k in module._forward_hooks if k not in ours]
     others += [k for k in module._forward_pre_hooks if k not in ours]
-    return bool(
-        others
-        or module_mod._global_forward_hooks
-        or module_mod._global_forward_pre_hooks
-    )
+    return bool(others or module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks)
 
 
 def _rule_for(module, args, kwargs, in_axes, output, out_axes, ours) -> LayerRule | None:
@@ -419,9 +422,7 @@ def backward_walk(
             [t.detach() if isinstance(t, Tensor) else t for t in tree_flatten((args, kwargs))[0]],
             tree_flatten((args, kwargs))[1],
         )
-        rule = _rule_for(
-            module, args, kwargs, call_axes.inputs, output, call_axes.outputs, ours
-        )
+        rule = _rule_for(module, args, kwargs, call_axes.inputs, output, call_axes.outputs, ours)
         call = LayerCall(
             module, name, rule, detached_args, detached_kwargs, call_axes.inputs,
             call_axes.outputs, (start, end), _autocast_state(out_leaves),
@@ -555,7 +556,10 @@ def _assign(calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, w
             c
             for c in chosen
             if not any(
-                o is not c and o.rule is None and o.window[0] < c.window[0] and c.window[1] < o.window[1]
+                o is not c
+                and o.rule is None
+                and o.window[0] < c.window[0]
+                and c.window[1] < o.window[1]
                 for o in chosen
             )
         ]

@@ -99,7 +99,10 @@ class ConvRule(LayerRule):
         channels = spec.geometry.in_channels if spec.transposed else spec.geometry.out_channels
         out_shape = (m, channels, *layer_output_size(spec, module, shape[2:]))
         problem, copied = conv_route_problem(
-            module, torch.empty(shape, device="meta"), torch.empty(out_shape, device="meta"), itemsize
+            module,
+            torch.empty(shape, device="meta"),
+            torch.empty(out_shape, device="meta"),
+            itemsize,
         )
         room = None if rs.budget is None else max(rs.budget - copied, 1)
         cost = choose_route(problem, room, rs.settings, rs.norm_route)

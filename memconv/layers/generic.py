@@ -23,7 +23,9 @@ naming the layer, never a gradient of other random numbers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -57,11 +59,31 @@ def _same_states(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@contextlib.contextmanager
+def _quiet_fallbacks():
+    """Silence torch's note that an operator has no batching rule (vmap then loops over
+    it internally: the numbers are the same, only slower)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There is a performance drop because we have")
+        yield
+
+
 def chunk_size(n: int, per_sample_bytes: int, budget: int | None) -> int | None:
     """Samples per ``vmap`` chunk within ``budget`` bytes (None: all at once)."""
     if budget is None:
         return None
     return max(1, min(n, budget // max(per_sample_bytes, 1)))
+
+
+def _split_params(module: nn.Module, names) -> tuple[dict, dict]:
+    """``(the parameters to differentiate, every other parameter)`` of ``module``, by
+    name, detached: the others enter as constants, so that no result depends on them
+    through a graph (a clip factor must not carry one into a second backward pass)."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    params = {k: named[k].detach() for k in names}
+    ids = {id(named[k]) for k in names}
+    fixed = {k: p.detach() for k, p in named.items() if id(p) not in ids}
+    return params, fixed
 
 
 def _narrow(t: Tensor, axis: int, i: int) -> Tensor:
@@ -103,7 +125,9 @@ def call_grad_sample(
             loss has no batch axis.
     """
     leaves, spec = tree_flatten((args, kwargs))
-    batched = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and in_axes[i] is not None]
+    batched = [
+        i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and in_axes[i] is not None
+    ]
     used = [j for j, g in enumerate(grad_outputs) if g is not None]
     for j in used:
         if out_axes[j] is None:
@@ -111,9 +135,11 @@ def call_grad_sample(
                 f"{what}: an output that reaches the loss has no batch axis, so its "
                 "gradient cannot be split by sample"
             )
-    n = leaves[batched[0]].shape[in_axes[batched[0]]] if batched else grad_outputs[used[0]].shape[out_axes[used[0]]]
-    all_params = dict(module.named_parameters(remove_duplicate=False))
-    params = {k: all_params[k].detach() for k in names}
+    if batched:
+        n = leaves[batched[0]].shape[in_axes[batched[0]]]
+    else:
+        n = grad_outputs[used[0]].shape[out_axes[used[0]]]
+    params, fixed = _split_params(module, names)
     if n == 0 or not used:
         return {k: p.new_zeros(n, *p.shape) for k, p in params.items()}
 
@@ -124,7 +150,8 @@ def call_grad_sample(
         return tree_unflatten(full, spec)
 
     def outputs(p, call_args, call_kwargs, squeeze: bool):
-        out_leaves = tree_flatten(torch.func.functional_call(module, p, call_args, call_kwargs))[0]
+        out = torch.func.functional_call(module, {**fixed, **p}, call_args, call_kwargs)
+        out_leaves = tree_flatten(out)[0]
         return tuple(out_leaves[j].squeeze(out_axes[j]) if squeeze else out_leaves[j] for j in used)
 
     def single(batch_leaves, gouts):
@@ -135,12 +162,13 @@ def call_grad_sample(
     xs = [leaves[i] for i in batched]
     gs = [grad_outputs[j] for j in used]
     try:
-        return torch.func.vmap(
-            single,
-            in_dims=([in_axes[i] for i in batched], [out_axes[j] for j in used]),
-            randomness="error",
-            chunk_size=chunk,
-        )(xs, gs)
+        with _quiet_fallbacks():
+            return torch.func.vmap(
+                single,
+                in_dims=([in_axes[i] for i in batched], [out_axes[j] for j in used]),
+                randomness="error",
+                chunk_size=chunk,
+            )(xs, gs)
     except RuntimeError as err:
         if "random" in str(err).lower():
             raise _random_error(what) from err
@@ -150,7 +178,8 @@ def call_grad_sample(
     per_sample = []
     with torch.enable_grad():
         for i in range(n):
-            call_args, call_kwargs = rebuild([_narrow(x, in_axes[b], i) for b, x in zip(batched, xs)], False)
+            parts = [_narrow(x, in_axes[b], i) for b, x in zip(batched, xs)]
+            call_args, call_kwargs = rebuild(parts, False)
             p = {k: v.clone().requires_grad_() for k, v in params.items()}
             before = _rng_states() if i == 0 else None
             outs = outputs(p, call_args, call_kwargs, False)
@@ -187,20 +216,20 @@ def model_grad_sample(
     Raises:
         ValueError: the model's forward pass draws random numbers.
     """
-    all_params = dict(model.named_parameters(remove_duplicate=False))
-    params = {k: all_params[k].detach() for k in names}
+    params, fixed = _split_params(model, names)
     n = len(inputs)
     if n == 0 or not params:
         return {k: p.new_zeros(n, *p.shape) for k, p in params.items()}
 
     def loss(p, x, t):
-        out = torch.func.functional_call(model, p, (x.unsqueeze(0),))
+        out = torch.func.functional_call(model, {**fixed, **p}, (x.unsqueeze(0),))
         return loss_fn(out, t.unsqueeze(0))
 
     try:
-        return torch.func.vmap(
-            torch.func.grad(loss), in_dims=(None, 0, 0), randomness="error", chunk_size=chunk
-        )(params, inputs.detach(), targets)
+        with _quiet_fallbacks():
+            return torch.func.vmap(
+                torch.func.grad(loss), in_dims=(None, 0, 0), randomness="error", chunk_size=chunk
+            )(params, inputs.detach(), targets)
     except RuntimeError as err:
         if "random" in str(err).lower():
             raise _random_error("the model") from err

@@ -49,9 +49,7 @@ class LinearRule(LayerRule):
         if _trainable(module, "weight"):
             if length == 1:  # an outer product: ‖g aᵀ‖ = ‖g‖·‖a‖
                 out["weight"] = g2.pow(2).sum((1, 2)) * x2.pow(2).sum((1, 2))
-            elif route == "ghost" or (
-                route is None and 2 * length**2 < x2.shape[2] * g2.shape[2]
-            ):
+            elif route == "ghost" or (route is None and 2 * length**2 < x2.shape[2] * g2.shape[2]):
                 ga = x2 @ x2.transpose(1, 2)  # [N, L, L]
                 gb = g2 @ g2.transpose(1, 2)
                 out["weight"] = (ga * gb).sum((1, 2))
