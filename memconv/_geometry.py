@@ -371,30 +371,39 @@ def conv_transpose_function(dims: int):
     return (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
 
 
-def input_vjp(
-    x: Tensor, weight: Tensor, g: Tensor, geom: ConvGeometry, output_padding=None
-) -> Tensor:
-    """Gradient of the layer with respect to its input, no weight gradient computed.
-
-    ATen's ``convolution_backward`` with only the input mask set.
+def convolution_backward(
+    x: Tensor,
+    weight: Tensor,
+    g: Tensor,
+    geom: ConvGeometry,
+    output_padding=None,
+    *,
+    input_grad: bool = False,
+    weight_grad: bool = False,
+) -> tuple[Tensor | None, Tensor | None]:
+    """torch's own kernel for a convolution's VJPs (ATen's ``convolution_backward``),
+    computing only the gradients asked for; the one place memconv calls it.
 
     Args:
-        x: the layer's (normal-form) input ``[N, C, *S]``; only its shape is used.
-        weight: the layer's weight.
+        x: the layer's (normal-form) input ``[N, C, *S]`` (only its shape is read
+            when only the input gradient is asked for).
+        weight: the layer's weight (cast to ``x``'s dtype).
         g: the layer's output gradient.
         geom: geometry of the convolution (for a transposed convolution, the
             equivalent convolution's: same stride, padding, dilation and groups).
         output_padding: ``None`` for a convolution; a transposed convolution's
             ``output_padding``.
+        input_grad: compute the input gradient ``[N, C, *S]``.
+        weight_grad: compute the summed weight gradient (``weight.shape``).
 
     Returns:
-        ``[N, C, *S]``, the input gradient.
+        ``(input gradient or None, weight gradient or None)``.
     """
     transposed = output_padding is not None
-    grad_input, _, _ = torch.ops.aten.convolution_backward(
+    grad_input, grad_weight, _ = torch.ops.aten.convolution_backward(
         g,
         x,
-        weight,
+        weight.to(x.dtype),
         None,
         list(geom.stride),
         list(geom.padding),
@@ -402,9 +411,21 @@ def input_vjp(
         transposed,
         list(output_padding) if transposed else [0] * geom.dims,
         geom.groups,
-        [True, False, False],
+        [input_grad, weight_grad, False],
     )
-    return grad_input
+    return grad_input, grad_weight
+
+
+def input_vjp(
+    x: Tensor, weight: Tensor, g: Tensor, geom: ConvGeometry, output_padding=None
+) -> Tensor:
+    """Gradient of the layer with respect to its input, no weight gradient computed
+    (:func:`convolution_backward` with only the input gradient).
+
+    Returns:
+        ``[N, C, *S]``, the input gradient.
+    """
+    return convolution_backward(x, weight, g, geom, output_padding, input_grad=True)[0]
 
 
 # ------------------------------------------------------------- window arithmetic

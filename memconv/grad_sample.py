@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from ._geometry import Operands, conv_spec
+from ._geometry import Operands, conv_spec, convolution_backward
 from .context import Settings
 from .strategies import Options, get_strategy
 
@@ -72,23 +72,9 @@ def weight_grad(ops: Operands, settings: Settings, per_sample: bool) -> Tensor:
 
 
 def summed_weight_grad(ops: Operands, weight: Tensor) -> Tensor:
-    """The summed weight gradient by torch's own kernel (ATen's
-    ``convolution_backward`` with only the weight mask set), from strategy operands."""
-    geom = ops.geometry
-    _, grad_w, _ = torch.ops.aten.convolution_backward(
-        ops.g,
-        ops.x,
-        weight.to(ops.x.dtype),
-        None,
-        list(geom.stride),
-        list(geom.padding),
-        list(geom.dilation),
-        False,
-        [0] * geom.dims,
-        geom.groups,
-        [False, True, False],
-    )
-    return grad_w
+    """The summed weight gradient by torch's own kernel
+    (:func:`memconv._geometry.convolution_backward`), from strategy operands."""
+    return convolution_backward(ops.x, weight, ops.g, ops.geometry, weight_grad=True)[1]
 
 
 def spend(options: Options, spent: int) -> Options:

@@ -38,6 +38,7 @@ from ._geometry import (
     conv_function,
     conv_spec,
     conv_transpose_function,
+    convolution_backward,
     input_vjp,
 )
 from .context import DEFAULT_SETTINGS, Recorded, record, warn_if_block_missed
@@ -156,21 +157,7 @@ class _ConvFunction(torch.autograd.Function):
 
 
 def _torch_weight_grad(x, weight, g, geom, output_padding) -> Tensor:
-    transposed = output_padding is not None
-    _, grad_w, _ = torch.ops.aten.convolution_backward(
-        g,
-        x,
-        weight,
-        None,
-        list(geom.stride),
-        list(geom.padding),
-        list(geom.dilation),
-        transposed,
-        list(output_padding) if transposed else [0] * geom.dims,
-        geom.groups,
-        [False, True, False],
-    )
-    return grad_w
+    return convolution_backward(x, weight, g, geom, output_padding, weight_grad=True)[1]
 
 
 def _autocast_operands(input: Tensor, weight: Tensor, bias):
