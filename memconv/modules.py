@@ -424,8 +424,9 @@ def convert(model: nn.Module) -> nn.Module:
     if left:
         warnings.warn(
             "memconv.convert: per_sample() cannot compute grad_batch for these layers, which "
-            f"keep torch's behaviour: {', '.join(left)}. memconv.per_sample_grads covers "
-            "layers with one tensor input and output.",
+            f"keep torch's behaviour: {', '.join(left)}. memconv.per_sample_grads, "
+            "per_sample_norms and clip_and_accumulate cover every layer (those without a "
+            "rule in memconv.layers through torch.func).",
             stacklevel=2,
         )
     return model
