@@ -125,10 +125,9 @@ def use_block_settings(strategy=None) -> Settings:
     if strategy is not None:
         return Settings(resolve_strategy_name(strategy), NO_OPTIONS)
     block = _SETTINGS.get()
-    if block is None:
-        return DEFAULT_SETTINGS
-    block.mark_used()
-    return block.value
+    if block is not None:
+        block.mark_used()
+    return current_settings()
 
 
 @contextlib.contextmanager
@@ -166,16 +165,18 @@ def strategies() -> tuple[str, ...]:
     return strategy_names()
 
 
-def current_settings() -> Settings:
-    """The :class:`Settings` of the block open in this thread/task (default outside)."""
-    block = _SETTINGS.get()
-    return block.value if block is not None else DEFAULT_SETTINGS
-
-
 def block_settings() -> Settings | None:
-    """The settings of the open :class:`save_memory` block, or None outside any."""
+    """The settings of the open :class:`save_memory` block, or None outside any: the one
+    place the block's settings are read (:func:`current_settings`,
+    :func:`use_block_settings` and :func:`record` go through it or its variable)."""
     block = _SETTINGS.get()
     return block.value if block is not None else None
+
+
+def current_settings() -> Settings:
+    """The :class:`Settings` of the block open in this thread/task (default outside)."""
+    settings = block_settings()
+    return settings if settings is not None else DEFAULT_SETTINGS
 
 
 def current_strategy() -> str:
