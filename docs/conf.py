@@ -84,6 +84,12 @@ html_show_sourcelink = False
 nitpicky = False
 
 
+def _public_bases(app, name, obj, options, bases) -> None:
+    """Show only public base classes (memconv's private mixins are an implementation
+    detail of the extended layers)."""
+    bases[:] = [b for b in bases if not getattr(b, "__name__", "").startswith("_")]
+
+
 # ---------------------------------------------------------------- CLI help, generated
 def _write_cli_help() -> None:
     """Write the help of every ``memconv`` command to ``_generated/`` (included by
@@ -109,3 +115,7 @@ def _write_cli_help() -> None:
 
 
 _write_cli_help()
+
+
+def setup(app) -> None:
+    app.connect("autodoc-process-bases", _public_bases)

@@ -49,7 +49,7 @@ case = {
     "repeats": 3 if FULL else 1,
     "alloc": FULL,  # the allocator-level peak too (slower: the profiler records every allocation)
 }
-strategies = memconv.strategies() if FULL else ("shift", "auto")
+strategies = memconv.available_strategies() if FULL else ("shift", "auto")
 labels = {
     "backpack": "BackPACK save_memory=False",
     "backpack-save-memory": "BackPACK save_memory=True",

@@ -12,9 +12,10 @@ Example:
     >>> model[0].weight.grad_batch.shape    # [N, C_out, C_in/G, k, k]
 """
 
+from . import layers, modules, strategies
 from ._version import __version__ as __version__
 from .clipping import clip_and_accumulate, per_sample_norms
-from .context import current_strategy, per_sample, save_memory, strategies
+from .context import available_strategies, current_strategy, per_sample, save_memory
 from .extraction import per_sample_grads
 from .grad_sample import bias_grad
 from .memory import predict_memory
@@ -60,6 +61,7 @@ __all__ = [
     "Linear",
     "PReLU",
     "Plan",
+    "available_strategies",
     "bias_grad",
     "clip_and_accumulate",
     "convert",
@@ -70,6 +72,12 @@ __all__ = [
     "plan",
     "predict_memory",
     "save_memory",
+    "layers",
     "strategies",
     "weight_vjp",
 ]
+
+if hasattr(modules, "RMSNorm"):  # torch >= 2.4
+    from .modules import RMSNorm  # noqa: F401
+
+    __all__.append("RMSNorm")

@@ -54,7 +54,7 @@ def list_names(args) -> int:
     import memconv
 
     from .bench.cases import CASES, describe
-    from .bench.data import SOURCES
+    from .bench.data import SOURCE_SUMMARIES, SOURCES
     from .bench.engines import ENGINES, available
 
     print("tasks (memconv bench --task):")
@@ -72,9 +72,15 @@ def list_names(args) -> int:
     for name, case in CASES.items():
         print(f"  {name:{width}s}  {describe(case.config())}: {case.summary}")
     print("\nstrategies (memconv compare --strategies):")
-    print("  " + ", ".join(memconv.strategies()))
+    names = memconv.available_strategies()
+    width = max(len(n) for n in names)
+    for name in names:
+        doc = (type(memconv.strategies.get_strategy(name)).__doc__ or "").strip()
+        print(f"  {name:{width}s}  {doc.splitlines()[0] if doc else ''}")
     print("\ndata (--data):")
-    print("  " + ", ".join(SOURCES))
+    width = max(len(n) for n in SOURCES)
+    for name in SOURCES:
+        print(f"  {name:{width}s}  {SOURCE_SUMMARIES[name]}")
     return 0
 
 

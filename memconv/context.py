@@ -160,8 +160,9 @@ def budgeted(settings: Settings, budget: int | None) -> Settings:
     return Settings(settings.strategy, replace(settings.options, memory_budget=int(budget)))
 
 
-def strategies() -> tuple[str, ...]:
-    """Names of the registered weight-VJP strategies."""
+def available_strategies() -> tuple[str, ...]:
+    """Names of the registered weight-VJP strategies, in registration order (the
+    registry itself is :mod:`memconv.strategies`)."""
     return strategy_names()
 
 
@@ -261,7 +262,7 @@ def resolve_strategy_name(strategy, argument: str = "strategy") -> str:
     return strategy
 
 
-def make_settings(strategy="rochette", *, tile_size=None, memory_budget=None, inner=None):
+def make_settings(strategy=DEFAULT_STRATEGY, *, tile_size=None, memory_budget=None, inner=None):
     """Validate arguments and build :class:`Settings` (no state is touched).
 
     Raises:
@@ -334,12 +335,14 @@ class save_memory(_Switch):
     which no memconv layer ran warns when it closes; a backward pass inside a block
     that its forward pass did not see warns, naming the layer.
 
+    ``save_memory()`` with no argument means ``"auto"``, memconv's default;
     ``save_memory(True)`` means ``"rochette"`` and ``save_memory(False)`` means
     ``"standard"``, so that code written for BackPACK's
     ``weight_jac_t_save_memory(save_memory=...)`` reads the same.
 
     Args:
-        strategy: a name from :func:`memconv.strategies`, or a bool.
+        strategy: a name from :func:`memconv.available_strategies` (default
+            ``"auto"``), or a bool.
         tile_size: for ``"streaming"``, output positions per spatial dimension of a
             tile (int or tuple of ints, > 0).
         memory_budget: bytes of extra memory one layer's weight VJP may use, for
@@ -366,7 +369,9 @@ class save_memory(_Switch):
         "forward pass inside the block."
     )
 
-    def __init__(self, strategy="rochette", *, tile_size=None, memory_budget=None, inner=None):
+    def __init__(
+        self, strategy=DEFAULT_STRATEGY, *, tile_size=None, memory_budget=None, inner=None
+    ):
         super().__init__(
             make_settings(strategy, tile_size=tile_size, memory_budget=memory_budget, inner=inner)
         )

@@ -34,7 +34,7 @@ def predict_memory(
     Args:
         module: ``torch.nn.Conv1d/2d/3d`` or ``ConvTranspose1d/2d/3d``.
         input_shape: the layer input's shape ``(N, C_in, *S)``.
-        strategy: a name from :func:`memconv.strategies` (or a bool); ``None`` uses
+        strategy: a name from :func:`memconv.available_strategies` (or a bool); ``None`` uses
             the open block's strategy and options.
         per_sample: per-sample (True) or summed (False) gradient.
         dtype: floating dtype of input and gradient.

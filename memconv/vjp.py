@@ -40,7 +40,7 @@ def weight_vjp(
             When its dtype differs from the input's (autocast), the input is cast to
             it, the dtype the forward pass computed in.
         per_sample: return ``[N, *weight.shape]`` if True, else the sum over N.
-        strategy: a name from :func:`memconv.strategies` (or a bool, as in
+        strategy: a name from :func:`memconv.available_strategies` (or a bool, as in
             :class:`memconv.save_memory`), run with its default options; ``None``
             uses the open :class:`memconv.save_memory` block (``"auto"`` outside any).
 

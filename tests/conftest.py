@@ -15,7 +15,7 @@ def strategy_calls(monkeypatch):
     from memconv.strategies import get_strategy
 
     calls = []
-    for name in memconv.strategies():
+    for name in memconv.available_strategies():
         strategy = get_strategy(name)
 
         def spy(*args, _real=strategy.vjp, _name=name, **kwargs):

@@ -22,7 +22,7 @@ from backpack import extend, extensions  # noqa: E402
 
 from memconv.integrations import backpack as mb  # noqa: E402
 
-STRATEGIES = memconv.strategies()
+STRATEGIES = memconv.available_strategies()
 EXTENSIONS = ("BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance")
 SAVEFIELD = {
     "BatchGrad": "grad_batch",

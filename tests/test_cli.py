@@ -62,7 +62,7 @@ def test_every_accepted_name_is_in_the_help(helps, command):
     text = re.sub(
         r"-?\n\s*", lambda m: m.group(0)[0] if m.group(0)[0] == "-" else " ", helps[command]
     )
-    names = (*memconv.strategies(), *SOURCES)
+    names = (*memconv.available_strategies(), *SOURCES)
     if command == "bench":
         names += (*TASKS, *CASES, *(e for task in ENGINES.values() for e in task))
     for name in names:
@@ -102,12 +102,58 @@ def test_unknown_names_are_rejected_listing_the_accepted_ones(capsys):
     assert "digits" in capsys.readouterr().err
 
 
-def test_list_prints_every_name(capsys):
+def test_list_prints_a_line_on_each_name(capsys):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     engines = (e for task in ENGINES.values() for e in task)
-    for name in (*memconv.strategies(), *TASKS, *engines, *CASES, *SOURCES):
-        assert name in out
+    lines = out.splitlines()
+    for name in (*memconv.available_strategies(), *TASKS, *engines, *CASES, *SOURCES):
+        line = next(x for x in lines if x.split() and x.split()[0] == name)
+        assert len(line.split()) >= 2, line  # the name and a description
+
+
+def test_terminal_tables_fit_100_columns_without_markdown():
+    from memconv.bench.report import format_case, terminal
+
+    config = {"model": "seed", "batch": 64, "side": 28, "data": "digits"}
+    rows = [
+        {"engine": e, "peak_rss_mib": 1234.0, "peak_alloc_mib": 1200.0, "time_s": 0.123,
+         "result_mib": 113.0, "deviation": 1e-7}
+        for e in ("autograd", "torch.func", "memconv:standard", "memconv:auto")
+    ] + [{"engine": "memconv:budget", "memory_budget_mib": 160.0, "peak_rss_mib": 150.0,
+          "peak_alloc_mib": 140.0, "time_s": 0.3, "result_mib": 113.0, "deviation": 1e-7}]  # fmt: skip
+    markdown = format_case("grads", config, rows)
+    assert "**" in markdown and "|---" in markdown  # files keep Markdown
+    text = terminal(markdown)
+    assert "**" not in text and "|" not in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "memconv:budget (160 MiB)" in text
+
+
+def test_quick_is_a_small_smoke_test():
+    from memconv.bench.bench import QUICK_CASES, QUICK_ENGINES, check_arguments
+
+    for task in ("grads", "clip"):
+        args = cli.build_parser().parse_args(["bench", "--quick", "--task", task])
+        plan = check_arguments(args)
+        assert plan["cases"] == list(QUICK_CASES[task])
+        assert plan["engines"] == list(QUICK_ENGINES[task])
+        assert len(plan["cases"]) * len(plan["engines"]) <= 4  # processes, each seconds
+
+
+def test_a_users_report_shows_no_project_targets(tmp_path, capsys):
+    path = tmp_path / "clip.jsonl"
+    config = {"model": "resnet18-gn", "batch": 64, "side": 32}
+    rows = [
+        {"record": "row", "task": "clip", "case": "resnet18-gn", "config": config,
+         "engine": e, "peak_rss_mib": m, "peak_alloc_mib": m, "time_s": t, "result_mib": 42.6,
+         "deviation": 0.0}
+        for e, m, t in (("non-private", 400.0, 2.0), ("memconv:auto", 440.0, 4.0))
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main(["bench", "--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "memconv:auto" in out and "missed" not in out and "targets" not in out
 
 
 def test_missing_dependency_names_the_extra(monkeypatch):
@@ -151,5 +197,5 @@ def test_package_files():
     assert (ROOT / "LICENSE").read_text().startswith("MIT License")
     assert (ROOT / "memconv" / "py.typed").exists()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["dependencies"] == ["torch>=2.2", "tqdm"]
+    assert pyproject["project"]["dependencies"] == ["torch>=2.2", "tqdm", "numpy"]
     assert pyproject["tool"]["setuptools"]["package-data"]["memconv"] == ["py.typed"]

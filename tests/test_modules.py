@@ -10,7 +10,7 @@ from torch import nn
 import memconv
 
 TOL = 1e-10
-STRATEGIES = memconv.strategies()
+STRATEGIES = memconv.available_strategies()
 
 
 def small_cnn(dtype=torch.float64):

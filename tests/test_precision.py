@@ -16,7 +16,7 @@ from torch import nn
 
 import memconv
 
-STRATEGIES = memconv.strategies()
+STRATEGIES = memconv.available_strategies()
 DEVICES = [("cpu", torch.bfloat16)] + (
     [("cuda", torch.float16)] if torch.cuda.is_available() else []
 )

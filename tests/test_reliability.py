@@ -17,7 +17,7 @@ from torch import nn
 
 import memconv
 
-STRATEGIES = memconv.strategies()
+STRATEGIES = memconv.available_strategies()
 TOL = 1e-10
 
 

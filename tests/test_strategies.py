@@ -19,7 +19,7 @@ from memconv.strategies import Options, Problem, elementary, get_strategy
 from memconv.strategies.auto import choose
 
 TOL = 1e-10
-STRATEGIES = memconv.strategies()
+STRATEGIES = memconv.available_strategies()
 ELEMENTARY = [s.name for s in elementary()]
 
 # (dims, N, C_in, C_out, k, size, kwargs)

@@ -7,7 +7,8 @@ Four modes:
   profiler on the CPU or ``torch.cuda.max_memory_allocated``), median run time,
   size of the result, and the largest relative deviation from torch.func's result;
   for the ``grads`` task also the cost model against the measured extra memory of
-  each strategy on each convolution layer; then the targets as measured ratios;
+  each strategy on each convolution layer (the project's own targets, as measured
+  ratios, go to the benchmarks page through ``--report ... --markdown``);
 - ``--sweep batch|side``: memory and time of each engine over a range of batch sizes
   or image sides;
 - ``--largest-batch``: the largest batch each engine fits within a memory limit
@@ -79,6 +80,12 @@ LARGEST_ENGINES = {
              "memconv:two-pass", BUDGET_ENGINE),
 }  # fmt: skip
 LARGEST_CASES = {"grads": ("seed-112",), "clip": ("resnet18-gn", "seed-112")}
+#: ``--quick``: one small case and a few engines per task (a smoke test of about a minute).
+QUICK_CASES = {"grads": ("seed-28",), "clip": ("resnet18-gn",)}
+QUICK_ENGINES = {
+    "grads": ("autograd", "torch.func", "memconv:auto", BUDGET_ENGINE),
+    "clip": ("non-private", "memconv:auto", "memconv:two-pass"),
+}
 SWEEPS = ("batch", "side")
 DEFAULT_RANGE = {"batch": "8,16,32,64,128,256,512", "side": "28,56,112,168,224"}
 #: A sweep stops an engine's run past this RSS increase, and runs it no further.
@@ -115,7 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ". Accepted for task clip: "
         + ", ".join(ENGINES["clip"]),
     )
-    what.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")
+    what.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke test: small shapes and, unless --cases/--engines say otherwise, one "
+        "case and a few engines (about a minute on 2 CPU cores; without it the default "
+        "matrix of a task takes 15-30 minutes, a sweep 5-10, a largest-batch search 10-60)",
+    )
     what.add_argument(
         "--batch-size", type=positive_int, metavar="N", help="batch size for every case"
     )
@@ -157,7 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--report",
         nargs="+",
         metavar="FILE",
-        help="render tables and targets from JSON Lines files of earlier runs",
+        help="render tables from JSON Lines files of earlier runs (with --markdown PAGE, "
+        "also the project's targets, to refill the benchmarks page)",
     )
     modes.add_argument(
         "--range",
@@ -229,6 +243,8 @@ def check_arguments(args) -> dict:
     task = args.task
     if args.cases is not None:
         cases = parse_names(args.cases, CASES, "--cases")
+    elif args.quick and mode == "matrix":
+        cases = list(QUICK_CASES[task])
     elif mode == "sweep":
         cases = ["seed-28"]
     elif mode == "largest":
@@ -240,6 +256,8 @@ def check_arguments(args) -> dict:
             raise ValueError(f"--sweep measures one case; got --cases {','.join(cases)}")
         plan["range"] = parse_range(args.range or DEFAULT_RANGE[args.sweep])
     engines = parse_names(args.engines, ENGINES[task], "--engines")
+    if engines is None and args.quick and mode == "matrix":
+        engines = list(QUICK_ENGINES[task])
     for name in cases:
         model = CASES[name].model
         sides = [args.side] if args.side else []
@@ -337,7 +355,7 @@ def cost_model_rows(config: dict) -> dict:
     for i, (module, in_shape, out_shape) in enumerate(shapes):
         xi = torch.randn(in_shape, device=device)
         gi = torch.randn(out_shape, device=device)
-        for strategy in memconv.strategies():
+        for strategy in memconv.available_strategies():
             predicted = memconv.predict_memory(module, tuple(in_shape), strategy)
             peak, result = peak_allocated(
                 lambda m=module, s=strategy, a=xi, b=gi: memconv.weight_vjp(m, a, b, strategy=s),
@@ -386,15 +404,14 @@ def run_matrix(args, plan: dict, out) -> list[tuple[str, dict, list[dict]]]:
 
 
 def matrix(args, plan: dict) -> int:
-    """The matrix mode; prints the tables and the targets."""
-    from .report import format_case, format_cost_model, targets
-    from .runner import JsonLines, read_records, run_in_subprocess
+    """The matrix mode; prints the tables."""
+    from .report import COST_MODEL_NOTE, format_case, format_cost_model, terminal
+    from .runner import JsonLines, run_in_subprocess
 
     started = time.time()
     header = _header(args, "matrix")
     out = JsonLines(args.json, header)
     groups = run_matrix(args, plan, out)
-    records = []
     cost = []
     seed = [c for c in plan["cases"] if CASES[c].model == "seed"]
     if args.task == "grads" and seed:
@@ -413,24 +430,12 @@ def matrix(args, plan: dict) -> int:
     out.write({"record": "done", "elapsed_s": time.time() - started})
     print(f"\nmachine: {machine()}\n")
     for task, config, rows in groups:
-        print(format_case(task, config, rows))
+        print(terminal(format_case(task, config, rows)))
         print()
     if cost:
         print(f"cost model on {seed[0]} (per conv layer, allocator level)\n")
-        print(format_cost_model(cost))
-    if args.json:
-        records = read_records([args.json])
-    else:
-        records = [
-            {"record": "row", "file": "-", "task": t, "case": r.get("case", c.get("model")),
-             "config": c, **r}
-            for t, c, rows in groups
-            for r in rows
-        ]  # fmt: skip
-    lines = targets(records)
-    if lines:
-        print("\ntargets:")
-        print("\n".join(lines))
+        print(terminal(format_cost_model(cost)))
+        print(COST_MODEL_NOTE)
     if args.plot:
         from .plots import plot_cases
 
@@ -450,7 +455,7 @@ def matrix(args, plan: dict) -> int:
 def sweep(args, plan: dict) -> int:
     """The sweep mode: memory and time of each engine over ``--range``."""
     from .compare import _summary
-    from .report import _sweep_table
+    from .report import _sweep_table, terminal
     from .runner import JsonLines, run_in_subprocess
 
     started = time.time()
@@ -486,11 +491,11 @@ def sweep(args, plan: dict) -> int:
     out.write({"record": "done", "elapsed_s": time.time() - started})
     measured = [r for r in rows if "skipped" not in r]
     print(f"\n{name} ({args.task}), {args.sweep} swept\n\nallocator peak (MiB):\n")
-    print(_sweep_table(measured, "peak_alloc_mib", ",.0f"))
+    print(terminal(_sweep_table(measured, "peak_alloc_mib", ",.0f")))
     print("\npeak RSS increase (MiB):\n")
-    print(_sweep_table(measured, "peak_rss_mib", ",.0f"))
+    print(terminal(_sweep_table(measured, "peak_rss_mib", ",.0f")))
     print("\ntime (s):\n")
-    print(_sweep_table(measured, "time_s", ".3f"))
+    print(terminal(_sweep_table(measured, "time_s", ".3f")))
     if args.plot and measured:
         from .plots import plot_sweep
 
@@ -502,7 +507,7 @@ def sweep(args, plan: dict) -> int:
 def largest(args, plan: dict) -> int:
     """The largest-batch mode: a table of the largest batch within ``--limit-gib``."""
     from .largest import largest_batch
-    from .report import format_largest
+    from .report import format_largest, terminal
     from .runner import JsonLines, read_records
 
     started = time.time()
@@ -543,14 +548,14 @@ def largest(args, plan: dict) -> int:
             records.append({**record, "file": args.json or "-"})
     out.write({"record": "done", "elapsed_s": time.time() - started})
     print()
-    print(format_largest(read_records([args.json]) if args.json else records))
+    print(terminal(format_largest(read_records([args.json]) if args.json else records)))
     return 0
 
 
 # ---------------------------------------------------------------- report
 def report(args) -> int:
     """The report mode: render tables from JSON Lines files (to stdout or a page)."""
-    from .report import SECTIONS, default_page, fill, render
+    from .report import SECTIONS, default_page, fill, render, terminal
     from .runner import read_records
 
     records = read_records(args.report)
@@ -568,9 +573,10 @@ def report(args) -> int:
                 [(t, rows[0]["config"], rows) for (_, t, _), rows in group_rows(records).items()],
                 args.plot,
             )
-    if not args.markdown:
+    if not args.markdown:  # a user's report: the tables, not the project's own targets
         for name in SECTIONS:
-            print(f"## {name}\n\n{sections[name]}\n")
+            if name != "targets":
+                print(f"{name}:\n\n{terminal(sections[name])}\n")
         return 0
     if os.path.exists(args.markdown):
         with open(args.markdown) as f:

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="image side in pixels, at least 27 (default: 28)",
     )
-    strategies = ", ".join(memconv.strategies())
+    strategies = ", ".join(memconv.available_strategies())
     parser.add_argument(
         "--strategies",
         default="all",
@@ -73,7 +73,7 @@ def check_arguments(args) -> list[str]:
     if args.side < MIN_SIDE["seed"]:
         raise ValueError(f"--side must be at least {MIN_SIDE['seed']} for the seed CNN")
     check_device(args.device)
-    names = parse_names(args.strategies, memconv.strategies(), "--strategies")
+    names = parse_names(args.strategies, memconv.available_strategies(), "--strategies")
     engines = ["autograd", "torch.func"] + [f"memconv:{s}" for s in names]
     check_dependencies([get_engine(e) for e in engines], plot=bool(args.plot))
     return engines
@@ -81,7 +81,7 @@ def check_arguments(args) -> list[str]:
 
 def main(args) -> int:
     """Run the comparison and print the table; returns the exit status."""
-    from .report import format_case
+    from .report import format_case, terminal
     from .runner import JsonLines, measure_engines
 
     engines = check_arguments(args)
@@ -118,7 +118,7 @@ def main(args) -> int:
         f"\nseed CNN of BackPACK's save-memory example, batch {args.batch_size} × 1×"
         f"{args.side}×{args.side} ({args.data}), {args.device}, float32\n"
     )
-    print(format_case("grads", config, rows))
+    print(terminal(format_case("grads", config, rows)))
     worst = max((r.get("deviation", 0.0) for r in rows), default=0.0)
     failed = [r["engine"] for r in rows if "error" in r]
     print(f"\nlargest relative deviation from torch.func: {worst:.1e}")

@@ -17,6 +17,12 @@ import torch
 import torch.nn.functional as F
 
 SOURCES = ("digits", "photos", "random")
+#: One line on each source, for ``memconv list``.
+SOURCE_SUMMARIES = {
+    "digits": "scikit-learn's handwritten digits (8x8), resized",
+    "photos": "scikit-image's bundled photographs (astronaut, camera, ...), cropped and resized",
+    "random": "standard normal noise (no real image)",
+}
 PHOTOS = (
     "astronaut", "camera", "coffee", "chelsea", "moon",
     "brick", "grass", "gravel", "cell", "coins",

@@ -358,7 +358,7 @@ def _grads_registry() -> list[Engine]:
                "memconv.streaming.StreamingCNN over the leading local layers: summed "
                "gradient only, tile by tile", per_sample=False),
     ]  # fmt: skip
-    for s in memconv.strategies():
+    for s in memconv.available_strategies():
         engines.append(
             Engine(f"memconv:{s}", "grads", memconv_hooks(s),
                    f"memconv.per_sample_grads(strategy={s!r})")
@@ -368,12 +368,12 @@ def _grads_registry() -> list[Engine]:
                "memconv.per_sample_grads(strategy='auto', memory_budget=the case's budget)",
                budget=True)
     )  # fmt: skip
-    for s in memconv.strategies():
+    for s in memconv.available_strategies():
         engines.append(
             Engine(f"memconv-modules:{s}", "grads", memconv_modules(s),
                    f"memconv's extended modules inside per_sample(), strategy {s!r}")
         )  # fmt: skip
-    for s in memconv.strategies():
+    for s in memconv.available_strategies():
         engines.append(
             Engine(f"memconv-backpack:{s}", "grads", memconv_backpack(s),
                    f"BackPACK BatchGrad through memconv, strategy {s!r}", requires="backpack")

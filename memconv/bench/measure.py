@@ -16,8 +16,11 @@ and the two figures match); the benchmarks report the default-``malloc`` figures
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -44,6 +47,22 @@ def peak_rss_increase(fn, interval: float = 0.002) -> tuple[float, object]:
     return float(peak) - float(baseline), value
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Send the process's file descriptor 2 to /dev/null for the block (C++ prints that
+    Python's ``sys.stderr`` does not see)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def peak_allocated(fn, device: torch.device) -> tuple[float, object]:
     """Allocator-level peak increase (MiB) while ``fn()`` runs, and its return value."""
     gc.collect()
@@ -56,8 +75,14 @@ def peak_allocated(fn, device: torch.device) -> tuple[float, object]:
         return (torch.cuda.max_memory_allocated(device) - start) / MiB, value
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # the profiler's C++ side prints a "USDT" line at start and stop
+        prof.__enter__()
+    try:
         value = fn()
+    finally:
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
     events = [
         (e.start_ns(), e.nbytes())
         for e in prof.profiler.kineto_results.events()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import textwrap
 from collections import defaultdict
 
 from .cases import CASES, describe
@@ -27,6 +28,77 @@ BUDGET_TARGETS = {
     ("grads", "seed-112"): (400, 1.05, 2.0),
     ("clip", "resnet18-gn"): (300, 1.05, None),
 }
+
+
+#: Terminal tables: characters per header line, and shorter words for long headers, so
+#: that a table fits 100 columns.
+HEADER_WIDTH = 7
+SHORT_HEADERS = {
+    "peak RSS increase (MiB)": "RSS (MiB)",
+    "allocator peak (MiB)": "alloc. (MiB)",
+    "allocator / floor": "alloc. / floor",
+    "allocator / non-private": "alloc. / non-priv.",
+    "RSS / non-private": "RSS / non-priv.",
+    "time / non-private": "time / non-priv.",
+    "time / torch.func": "time / func",
+    "time / autograd": "time / auto- grad",
+    "result (MiB)": "result (MiB)",
+    "max rel. deviation from torch.func": "rel. dev.",
+    "measured / predicted": "measured / predicted",
+}
+
+
+def _wrap(header: str) -> str:
+    """A header broken at spaces into lines of at most :data:`HEADER_WIDTH` characters
+    (a longer word stays whole)."""
+    lines: list[str] = []
+    for word in SHORT_HEADERS.get(header, header).split():
+        if lines and len(lines[-1]) + 1 + len(word) <= HEADER_WIDTH:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return "\n".join(lines)
+
+
+def terminal(text: str) -> str:
+    """``text`` with its Markdown tables drawn as plain-text tables (``tabulate``,
+    headers wrapped) and its ``**bold**`` marks removed, for a terminal; Markdown stays
+    for files (``--report``, ``--markdown``)."""
+    import tabulate as tabulate_module
+    from tabulate import tabulate
+
+    tabulate_module.MIN_PADDING = 0  # columns apart by the format's two spaces alone
+
+    out: list[str] = []
+    block: list[str] = []
+
+    def flush():
+        if not block:
+            return
+        rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in block]
+        header, body = rows[0], rows[2:]
+        aligns = ["right" if c.endswith(":") else "left" for c in rows[1]] if len(rows) > 1 else []
+        out.append(
+            tabulate(
+                body,
+                headers=[_wrap(h) for h in header],
+                tablefmt="simple",
+                colalign=aligns or None,
+                disable_numparse=True,
+            )  # fmt: skip
+        )
+        block.clear()
+
+    for line in text.splitlines():
+        if line.lstrip().startswith("|"):
+            block.append(line)
+            continue
+        flush()
+        out.append(line.replace("**", ""))
+    flush()
+    return "\n".join(
+        textwrap.fill(line, 100) if len(line) > 100 and "  " not in line else line for line in out
+    )
 
 
 def _fmt(value, spec: str = ",.0f", missing: str = "-") -> str:
@@ -132,6 +204,14 @@ def format_case(task: str, config: dict, rows: list[dict]) -> str:
             ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+#: What the cost-model table's last column means (printed under it).
+COST_MODEL_NOTE = (
+    "measured / predicted: the allocator's peak increase while the layer's weight VJP ran, "
+    "over the strategy's memory model; a large ratio on a tiny prediction (well under "
+    "1 MiB) is the convolution backend's own workspace, which the models do not price."
+)
 
 
 def format_cost_model(rows: list[dict]) -> str:

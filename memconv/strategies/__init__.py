@@ -2,7 +2,7 @@
 
 The protocol, the options and the registry live in :mod:`memconv.strategies.base`;
 each strategy is one module that registers an instance on import. The import order
-below is the order users see in :func:`memconv.strategies`.
+below is the order users see in :func:`memconv.available_strategies`.
 """
 
 # isort: off
