@@ -242,3 +242,20 @@ def test_streaming_engine_agrees_with_autograd_over_several_tiles():
     assert len(model._memconv_bench_stream[0].tiles((96, 96))) > 1
     assert set(result) == set(reference)
     assert max_rel_deviation(result, reference) < 1e-10
+
+
+def test_a_probe_stopped_over_the_limit_returns_at_once():
+    """A worker that stops itself (os._exit) while memory_profiler's forked child still
+    holds its outputs: the runner returns when the worker is done, not at the timeout."""
+    import time
+
+    from memconv.bench.largest import probe_config
+    from memconv.bench.runner import run_in_subprocess
+
+    base = {"case": "seed-28", "model": "seed", "batch": 8, "side": 28, "data": "random",
+            "task": "grads", "engine": "torch.func", "device": "cpu", "max_norm": 1.0}  # fmt: skip
+    config = probe_config(base, 512, limit_mib=20.0)  # stops at 30 MiB, after the warm-up
+    start = time.perf_counter()
+    result = run_in_subprocess(config, timeout=100)
+    assert result.get("aborted") is True, result
+    assert time.perf_counter() - start < 60

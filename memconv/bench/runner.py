@@ -9,9 +9,11 @@ its rows). :class:`JsonLines` writes records one line each, flushed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,21 +42,34 @@ def run_in_subprocess(config: dict, timeout: float = DEFAULT_TIMEOUT) -> dict:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "memconv.bench.worker", json.dumps(config)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=timeout,
+    command = [sys.executable, "-m", "memconv.bench.worker", json.dumps(config)]
+    # Files, not pipes, and a session of its own: memory_profiler forks a child that
+    # inherits the worker's outputs and outlives a worker that stops itself
+    # (os._exit), so pipes would stay open until the timeout; the whole session is
+    # killed once the worker is done.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=err, text=True, env=env, start_new_session=True
         )
-    except subprocess.TimeoutExpired:
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if timed_out:
         return {"error": f"timed out after {timeout:.0f} s"}
-    lines = proc.stdout.strip().splitlines()
+    lines = stdout.strip().splitlines()
     if proc.returncode == ABORTED and lines:
         return json.loads(lines[-1])
     if proc.returncode != 0 or not lines:
-        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        tail = stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
         message = tail[0]
         return {"error": message if len(message) <= 160 else message[:157] + "..."}
     return json.loads(lines[-1])
