@@ -53,6 +53,8 @@ napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 
 # ---------------------------------------------------------------- gallery (MEMCONV_FULL=1: full sizes)
+# the examples save their figures when run as scripts, not while the gallery captures them
+os.environ["MEMCONV_GALLERY"] = "1"
 sphinx_gallery_conf = {
     "examples_dirs": str(ROOT / "examples"),
     "gallery_dirs": "auto_examples",

@@ -111,6 +111,12 @@ ax_time.set_yticklabels([])
 fig.suptitle(f"BatchGrad on {describe(case)}")
 fig.tight_layout()
 
+if "MEMCONV_GALLERY" not in os.environ:  # run as a script: keep the figure, show it if possible
+    fig.savefig("plot_backpack_save_memory.png", dpi=120)
+    print("figure saved to plot_backpack_save_memory.png")
+    if plt.get_backend().lower() != "agg":
+        plt.show()
+
 # %%
 # Reading it: BackPACK's default algorithm repeats the output gradient C_in/G times
 # (the ``"standard"`` strategy computes the same); ``"rochette"`` is BackPACK's

@@ -70,6 +70,7 @@ model = nn.Sequential(
 loss_fn = nn.CrossEntropyLoss()
 
 grads = memconv.per_sample_grads(model, loss_fn, x, y)
+print(f"{'parameter':10s} per-sample gradient shape [N, *parameter.shape]")
 for name, g in grads.items():
     print(f"{name:10s} {tuple(g.shape)}")
 
@@ -163,3 +164,9 @@ ax.bar(
 ax.set_xlabel("sample (grouped by picture: " + ", ".join(PICTURES) + ")", fontsize=8)
 ax.set_ylabel("per-sample gradient norm")
 fig.tight_layout()
+
+if "MEMCONV_GALLERY" not in os.environ:  # run as a script: keep the figure, show it if possible
+    fig.savefig("plot_per_sample_real_images.png", dpi=120)
+    print("figure saved to plot_per_sample_real_images.png")
+    if plt.get_backend().lower() != "agg":
+        plt.show()

@@ -131,3 +131,9 @@ ax.set_ylabel("allocator peak (MiB)")
 ax.set_xscale("log", base=2)
 ax.legend()
 fig.tight_layout()
+
+if "MEMCONV_GALLERY" not in os.environ:  # run as a script: keep the figure, show it if possible
+    fig.savefig("plot_streaming_large_image.png", dpi=120)
+    print("figure saved to plot_streaming_large_image.png")
+    if plt.get_backend().lower() != "agg":
+        plt.show()

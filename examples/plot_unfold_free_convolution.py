@@ -146,3 +146,9 @@ for ax, (value, label) in zip(axes, ((2, "time (ms)"), (3, "allocator peak (MiB)
     ax.set_ylabel(label)
 axes[0].legend(fontsize=8)
 fig.tight_layout()
+
+if "MEMCONV_GALLERY" not in os.environ:  # run as a script: keep the figure, show it if possible
+    fig.savefig("plot_unfold_free_convolution.png", dpi=120)
+    print("figure saved to plot_unfold_free_convolution.png")
+    if plt.get_backend().lower() != "agg":
+        plt.show()

@@ -47,3 +47,21 @@ def test_bad_arguments_are_rejected():
     for argv in (["--epochs", "0"], ["--max-steps", "1"], ["--lr", "-1"], ["--batch-size", "0"]):
         with pytest.raises(SystemExit):
             example.parse_args(argv)
+
+
+def test_three_line_opacus_example_uses_memconvs_rules():
+    """The gallery's first DP path: Opacus' PrivacyEngine with memconv's samplers."""
+    import os
+    import subprocess
+    import sys
+
+    script = EXAMPLE.parent / "plot_dp_sgd_opacus.py"
+    env = {**os.environ, "MEMCONV_GALLERY": "1"}
+    env["PYTHONPATH"] = str(EXAMPLE.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "ε = " in out and "eps=" in out  # the accountant's ε, also on the progress bar
+    assert "memconv's rules: Conv2d, GroupNorm, Conv2d, GroupNorm, Linear" in out
