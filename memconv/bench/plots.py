@@ -22,27 +22,31 @@ def _colour(engine: str, task: str) -> str:
 
 
 def _bars(ax, rows, task, key, xlabel, rss=False):
+    """Horizontal bars on a linear axis from zero (bar lengths compare as the figures
+    do), each labelled with its value; the RSS as a tick mark, explained below the
+    axes so that no legend hides a bar."""
     names = [r["engine"] for r in rows]
-    values = [max(r[key] or 0.0, 1e-3) for r in rows]
+    values = [r[key] or 0.0 for r in rows]
     ys = range(len(rows))
     ax.barh(ys, values, color=[_colour(n, task) for n in names], height=0.7)
+    top = max(values + ([r["peak_rss_mib"] for r in rows] if rss else []), default=1.0)
+    spec = ",.0f" if key != "time_s" else ".3f"
+    for y, v in zip(ys, values):
+        ax.text(v + 0.01 * top, y, format(v, spec), va="center", fontsize=6)
     if rss:
-        ax.plot(
-            [max(r["peak_rss_mib"], 1e-3) for r in rows], ys, "k|", markersize=9,
-            label="peak RSS increase",
-        )  # fmt: skip
-        ax.legend(loc="lower right", fontsize=7)
+        ax.plot([r["peak_rss_mib"] for r in rows], ys, "k|", markersize=9)
+        ax.text(0.0, -0.18, "| peak RSS increase", transform=ax.transAxes, fontsize=7)
     ax.set_yticks(list(ys))
     ax.set_yticklabels(names, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xscale("log")
+    ax.set_xlim(0, 1.15 * top)
     ax.set_xlabel(xlabel)
-    ax.grid(True, axis="x", which="both", alpha=0.3)
+    ax.grid(True, axis="x", alpha=0.3)
 
 
 def plot_cases(groups: list[tuple[str, dict, list[dict]]], path: str) -> None:
     """One row of panels per case: allocator peak (bars; RSS as ticks) and time per
-    engine, log scales; memconv in red, peers in blue, the floor in grey.
+    engine, linear axes from zero; memconv in red, peers in blue, the floor in grey.
 
     Args:
         groups: ``(task, case configuration, rows)`` per case.
@@ -55,7 +59,7 @@ def plot_cases(groups: list[tuple[str, dict, list[dict]]], path: str) -> None:
     groups = [g for g in groups if g[2]]
     if not groups:
         return
-    heights = [0.6 + 0.22 * len(rows) for _, _, rows in groups]
+    heights = [0.9 + 0.22 * len(rows) for _, _, rows in groups]
     fig, axes = plt.subplots(
         len(groups), 2, figsize=(11, sum(heights) + 0.4), squeeze=False,
         gridspec_kw={"height_ratios": heights},
@@ -108,7 +112,7 @@ def plot_sweep(rows: list[dict], path: str) -> None:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks(values)
-        ax.set_xticklabels([str(v) for v in values], fontsize=8)
+        ax.set_xticklabels([str(v) for v in values], fontsize=8, rotation=45, ha="right")
         ax.minorticks_off()
         ax.set_xlabel(variable)
         ax.set_ylabel(ylabel)
