@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -38,6 +39,7 @@ from .extraction import (
 )
 from .layers import RuleSettings
 from .norms import DEFAULT_NORM_BUDGET, check_route, sq_norms
+from .resources import AVAILABLE, process_budget, resolve_budget
 from .walk import LayerCall, backward_walk, probe_axes
 
 CLIP_ROUTES = ("book-keeping", "two-pass")
@@ -184,7 +186,7 @@ def per_sample_norms(
     targets: Tensor,
     *,
     strategy: str | bool | None = None,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = AVAILABLE,
     per_parameter: bool = False,
     norm_route: str | None = None,
 ):
@@ -203,8 +205,9 @@ def per_sample_norms(
             ``None``: the open :class:`memconv.save_memory` block's, or ``"auto"``.
         memory_budget: bytes the whole call's peak memory increase may reach: the
             batch runs in micro-batches and each layer's norm computation within a
-            budget, as :func:`memconv.plan` plans them (None: one pass, and 32 MiB
-            per layer's norm temporaries).
+            budget, as :func:`memconv.plan` plans them; ``"available"`` (the default):
+            what the process can still use (:func:`memconv.resources.default_budget`);
+            None: one pass, and 32 MiB per layer's norm temporaries.
         per_parameter: return ``{name: [N]}`` (each parameter's own norms) instead of
             the norm over all trainable parameters.
         norm_route: ``"ghost"`` or ``"instantiate"`` for every convolution and Linear
@@ -263,11 +266,13 @@ def _micro_batches(n: int, m: int):
 def _walks(model, loss_fn, inputs, targets, rs, m, clip_route, caller):
     """:func:`_walk_norms` over the micro-batches of ``m`` samples, one at a time."""
     axes = probe_axes(model, inputs)
-    for rows in _micro_batches(len(inputs), m):
-        yield _walk_norms(
-            model, loss_fn, inputs[rows], targets[rows], rs, axes,
-            clip_route=clip_route, caller=caller,
-        )  # fmt: skip
+    # a budget holds for the process too (glibc's heap), see memconv.resources
+    with process_budget(inputs.device) if rs.budget is not None else nullcontext():
+        for rows in _micro_batches(len(inputs), m):
+            yield _walk_norms(
+                model, loss_fn, inputs[rows], targets[rows], rs, axes,
+                clip_route=clip_route, caller=caller,
+            )  # fmt: skip
 
 
 def _plan(model, inputs, task, settings, memory_budget, clip_route, norm_route):
@@ -275,6 +280,7 @@ def _plan(model, inputs, task, settings, memory_budget, clip_route, norm_route):
     from .planning import make_plan, profile
 
     n = len(inputs)
+    memory_budget = resolve_budget(memory_budget, inputs.device)
     if memory_budget is None:
         return n, None, clip_route or "book-keeping"
     chosen = make_plan(
@@ -297,7 +303,7 @@ def clip_and_accumulate(
     *,
     max_norm: float,
     strategy: str | bool | None = None,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = AVAILABLE,
     norm_route: str | None = None,
     clip_route: str | None = None,
 ) -> Tensor:

@@ -12,6 +12,7 @@ parameter gradient: nothing is computed twice.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 from .context import activate, use_block_settings
 from .layers import RuleSettings, check_layer, find_rule
 from .layers.generic import chunk_size, model_grad_sample
+from .resources import AVAILABLE, process_budget, resolve_budget
 from .walk import LayerCall, backward_walk, probe_axes
 
 
@@ -106,7 +108,7 @@ def per_sample_grads(
     targets: Tensor,
     *,
     strategy: str | bool | None = None,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = AVAILABLE,
 ) -> dict[str, Tensor]:
     """Per-sample gradients of every trainable parameter, in one backward pass.
 
@@ -135,8 +137,10 @@ def per_sample_grads(
             ``"auto"`` outside any.
         memory_budget: bytes the whole call's peak memory increase may reach, the
             result included: the batch then runs in micro-batches and each layer's
-            weight VJP within a budget, as :func:`memconv.plan` plans them. None:
-            one pass over the whole batch. A model holding a
+            weight VJP within a budget, as :func:`memconv.plan` plans them (the plan
+            is logged on the ``memconv`` logger). ``"available"`` (the default): what
+            the process can still use (:func:`memconv.resources.default_budget`);
+            None: one pass over the whole batch. A model holding a
             :class:`memconv.streaming.StreamingCNN` runs one sample at a time (its
             layers are hidden from the per-layer hooks), whatever the budget.
 
@@ -164,21 +168,30 @@ def per_sample_grads(
     check_budget(memory_budget)
     names = parameter_names(model)
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
-    if n == 0:
-        return out
-    if streams(model):  # its layers are hidden from the hooks: one sample at a time
+    if n == 0 or streams(model):
+        out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
+        # a model that streams hides its layers from the hooks: one sample at a time
         with activate(settings):
             for i, grads in sample_by_sample(model, loss_fn, inputs, targets, params):
                 for name, g in grads.items():
                     out[name][i] = g
         return out
+    memory_budget = resolve_budget(memory_budget, inputs.device)
     m, layer_budget = n, None
-    if memory_budget is not None:
+    if memory_budget is not None:  # raises before any work if the result cannot fit
         chosen = make_plan(profile(model, inputs), n, "grads", settings, memory_budget)
         m, layer_budget = chosen.micro_batch, chosen.layer_budget
+    out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
     rs = RuleSettings(settings, None, layer_budget)
     axes = probe_axes(model, inputs)
+    with process_budget(inputs.device) if memory_budget is not None else nullcontext():
+        _grads_walks(model, loss_fn, inputs, targets, names, axes, rs, m, out)
+    return out
+
+
+def _grads_walks(model, loss_fn, inputs, targets, names, axes, rs, m, out) -> None:
+    """Per-sample gradients into ``out``, micro-batch by micro-batch."""
+    n = len(inputs)
     for i0 in range(0, n, m):
         rows = slice(i0, min(n, i0 + m))
 
@@ -193,7 +206,6 @@ def per_sample_grads(
             )  # fmt: skip
         for k, v in model_route(model, loss_fn, inputs[rows], targets[rows], walk, rs).items():
             out[k][rows] += v
-    return out
 
 
 def model_route(model, loss_fn, inputs, targets, walk, rs: RuleSettings) -> dict[str, Tensor]:

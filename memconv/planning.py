@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten
 from .context import Settings, activate, use_block_settings
 from .grad_sample import own_trainable
 from .layers import RuleSettings, find_rule, using
+from .resources import AVAILABLE, resolve_budget
 from .walk import keep_rng
 
 logger = logging.getLogger("memconv")
@@ -310,18 +311,21 @@ def predict(
 
 
 def check_budget(memory_budget, argument: str = "memory_budget") -> None:
-    """Raise unless ``memory_budget`` is None or a positive int (bytes).
+    """Raise unless ``memory_budget`` is ``"available"``, None or a positive int (bytes).
 
     Raises:
-        TypeError: a non-integer.
-        ValueError: a non-positive value.
+        TypeError: a non-integer other than ``"available"``.
+        ValueError: a non-positive value, or another string.
     """
-    if memory_budget is None:
+    accepted = "a positive int (bytes), 'available' or None"
+    if memory_budget is None or memory_budget == AVAILABLE:
         return
+    if isinstance(memory_budget, str):
+        raise ValueError(f"{argument} must be {accepted}, got {memory_budget!r}")
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral):
-        raise TypeError(f"{argument} must be a positive int (bytes) or None, got {memory_budget!r}")
+        raise TypeError(f"{argument} must be {accepted}, got {memory_budget!r}")
     if memory_budget <= 0:
-        raise ValueError(f"{argument} must be a positive int (bytes) or None, got {memory_budget}")
+        raise ValueError(f"{argument} must be {accepted}, got {memory_budget}")
 
 
 def make_plan(
@@ -365,6 +369,18 @@ def make_plan(
         candidate = _best_for_route(prof, n, task, settings, memory_budget, r, norm_route)
         if candidate is not None and (best is None or candidate.micro_batch > best.micro_batch):
             best = candidate
+    if best is None and task == "grads" and prof.param_bytes:
+        # the per-sample result alone grows with N: name the largest batch that fits
+        rest = smallest - n * prof.param_bytes
+        largest = max(int((memory_budget - rest) // prof.param_bytes), 0)
+        if 0 < largest < n:  # (not even one sample: the message below)
+            raise ValueError(
+                f"memory_budget={memory_budget} bytes ({memory_budget / 2**20:,.1f} MiB) cannot "
+                f"hold the per-sample gradients of N={n} samples ({n * prof.param_bytes / 2**20:,.1f}"
+                f" MiB of result besides the pass itself); the largest batch that fits is "
+                f"{largest}. Split the batch, or use per_sample_norms/clip_and_accumulate, "
+                "which do not keep per-sample gradients."
+            )
     if best is None:
         raise ValueError(
             f"memory_budget={memory_budget} bytes ({memory_budget / 2**20:,.1f} MiB) is below "
@@ -425,7 +441,7 @@ def plan(
     inputs: Tensor,
     *,
     task: str = "grads",
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = AVAILABLE,
     strategy: str | bool | None = None,
     clip_route: str | None = None,
     norm_route: str | None = None,
@@ -440,7 +456,10 @@ def plan(
             (:func:`memconv.per_sample_norms`) or ``"clip"``
             (:func:`memconv.clip_and_accumulate`).
         memory_budget: bytes the whole call's peak memory increase may reach, result
-            included; None: no limit (one pass over the whole batch).
+            included; ``"available"`` (the default): what the process can still use
+            (:func:`memconv.resources.default_budget`: free device memory, or the
+            host's available memory within its container limit, less headroom); None:
+            no limit (one pass over the whole batch).
         strategy: as in :func:`memconv.per_sample_grads`.
         clip_route: for ``"clip"``: ``"book-keeping"``, ``"two-pass"`` or None (the
             one that fits with the largest micro-batch).
@@ -468,6 +487,7 @@ def plan(
     if not isinstance(inputs, Tensor):
         raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
     settings = use_block_settings(strategy)
+    memory_budget = resolve_budget(memory_budget, inputs.device)
     n = len(inputs)
     if n == 0:
         return Plan(task, 0, 1, None, 0, memory_budget, {})

@@ -1,0 +1,200 @@
+"""The memory a process can really use, and keeping it within a budget.
+
+:func:`available_memory` reads what a call may still use: on CUDA the device's free
+memory (``torch.cuda.mem_get_info``); on the CPU the smaller of the kernel's
+``MemAvailable`` and the limit of the process's memory cgroup minus its usage (cgroup
+v2 ``memory.max``/``memory.current``, v1 ``memory.limit_in_bytes``/
+``memory.usage_in_bytes``: what Docker and Kubernetes set). :func:`default_budget`
+keeps headroom off it; it is the budget :func:`memconv.per_sample_grads`,
+:func:`memconv.per_sample_norms`, :func:`memconv.clip_and_accumulate` and
+:func:`memconv.plan` plan against by default (``memory_budget="available"``).
+
+:func:`process_budget` makes a budget hold for the process, not only for torch's
+allocator: glibc's ``malloc`` keeps freed heap memory for reuse, so a process's RSS
+(what a container limit and the OOM killer see) runs above the allocator's figure.
+Inside the block, blocks of 1 MiB and more are served by ``mmap`` and returned to the
+system when freed (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``, as
+``MALLOC_MMAP_THRESHOLD_=1048576`` does for a whole process), and the heap is trimmed
+at the end (``malloc_trim(0)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+
+import torch
+
+logger = logging.getLogger("memconv")
+
+#: ``memory_budget`` meaning: plan against :func:`default_budget`.
+AVAILABLE = "available"
+#: Headroom kept off the available memory: this fraction of it, at least
+#: :data:`MIN_HEADROOM` bytes (torch's allocator caches, the interpreter, other threads).
+HEADROOM_FRACTION = 0.15
+MIN_HEADROOM = 256 * 2**20
+#: A cgroup limit at or above this means no limit (v1 reports ~2⁶³ for "unlimited").
+NO_LIMIT = 2**60
+#: glibc's mallopt parameter numbers (malloc.h).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+#: Blocks this large or larger go to mmap inside :func:`process_budget`.
+MMAP_THRESHOLD = 2**20
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= NO_LIMIT else value
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """``MemAvailable`` of the kernel (bytes), or None where there is no such file."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes left under the memory limit of the process's cgroup (limit minus usage), or
+    None if it has no limit (or no cgroup files can be read).
+
+    Args:
+        proc_cgroup: the process's cgroup membership file.
+        root: where the cgroup hierarchies are mounted.
+    """
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.strip().split(":", 2) for line in f if line.strip()]
+    except OSError:
+        return None
+    rooms = []
+    for _, controllers, path in (x for x in lines if len(x) == 3):
+        path = path.lstrip("/")
+        if controllers == "":  # cgroup v2
+            base = os.path.join(root, path)
+            limit = _read_int(os.path.join(base, "memory.max"))
+            usage = _read_int(os.path.join(base, "memory.current"))
+        elif "memory" in controllers.split(","):  # cgroup v1
+            base = os.path.join(root, "memory", path)
+            limit = _read_int(os.path.join(base, "memory.limit_in_bytes"))
+            usage = _read_int(os.path.join(base, "memory.usage_in_bytes"))
+        else:
+            continue
+        if limit is not None:
+            rooms.append(max(limit - (usage or 0), 0))
+    return min(rooms) if rooms else None
+
+
+def available_memory(device: torch.device | str | None = None) -> int:
+    """Bytes a computation on ``device`` may still use (see the module docstring).
+
+    Args:
+        device: a CUDA device for its free memory; anything else (None) for the host.
+
+    Returns:
+        Bytes (0 if nothing is left; ``MemAvailable`` alone where no cgroup limit
+        applies).
+
+    Raises:
+        RuntimeError: if the host's available memory cannot be read (no
+            ``/proc/meminfo``): give ``memory_budget`` explicitly there.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    values = [v for v in (mem_available(), cgroup_room()) if v is not None]
+    if not values:
+        raise RuntimeError(
+            "memconv cannot read the memory available on this machine (no /proc/meminfo): "
+            "give memory_budget in bytes, or None for no budget"
+        )
+    return int(min(values))
+
+
+def default_budget(device: torch.device | str | None = None) -> int:
+    """The budget a whole call plans against by default: :func:`available_memory` less
+    :data:`HEADROOM_FRACTION` of it (at least :data:`MIN_HEADROOM`), in bytes (≥ 1)."""
+    free = available_memory(device)
+    headroom = max(int(HEADROOM_FRACTION * free), MIN_HEADROOM)
+    return max(free - headroom, 1)
+
+
+def resolve_budget(memory_budget, device) -> int | None:
+    """``memory_budget`` as bytes or None: ``"available"`` becomes
+    :func:`default_budget` of ``device`` (logged)."""
+    if memory_budget != AVAILABLE:
+        return memory_budget
+    budget = default_budget(device)
+    logger.info(
+        "memconv: memory_budget='available': planning against %.1f MiB on %s",
+        budget / 2**20,
+        torch.device(device).type if device is not None else "cpu",
+    )
+    return budget
+
+
+def _libc():
+    if os.name != "posix":
+        return None
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_lock = threading.Lock()
+_depth = 0
+
+
+@contextlib.contextmanager
+def process_budget(device: torch.device | str | None = None):
+    """Keep freed host memory from piling up in the heap for the block (glibc only;
+    elsewhere, and for CUDA tensors, nothing changes).
+
+    On entry, ``mallopt(M_MMAP_THRESHOLD, 1 MiB)``: blocks of 1 MiB and more are mapped
+    and unmapped, so freeing them lowers the RSS; on exit, ``malloc_trim(0)`` returns
+    the heap's free pages. glibc has no way to read the threshold back, so after the
+    first block it stays at 1 MiB for the process (glibc's default starts at 128 KiB
+    and grows); a process that sets ``MALLOC_MMAP_THRESHOLD_`` itself keeps its value.
+    The cost: large allocations are mapped afresh each time (measured in the
+    benchmarks).
+    """
+    global _depth
+    libc = _libc() if torch.device(device or "cpu").type == "cpu" else None
+    if libc is None:
+        yield
+        return
+    with _lock:
+        _depth += 1
+        if _depth == 1 and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+            libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                libc.malloc_trim(0)

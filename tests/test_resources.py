@@ -1,0 +1,100 @@
+"""The memory a process can use (meminfo, cgroup v1/v2 files), the default budget, and
+the planner's answer when a batch's per-sample result cannot fit."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import memconv
+from memconv import resources
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_mem_available_reads_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    write(meminfo, "MemTotal:  1000 kB\nMemFree:  10 kB\nMemAvailable:  500 kB\n")
+    assert resources.mem_available(str(meminfo)) == 500 * 1024
+    assert resources.mem_available(str(tmp_path / "missing")) is None
+
+
+def test_cgroup_v2_limit_minus_usage(tmp_path):
+    write(tmp_path / "self", "0::/box\n")
+    write(tmp_path / "fs" / "box" / "memory.max", "2147483648\n")
+    write(tmp_path / "fs" / "box" / "memory.current", "1073741824\n")
+    assert resources.cgroup_room(str(tmp_path / "self"), str(tmp_path / "fs")) == 2**30
+    write(tmp_path / "fs" / "box" / "memory.max", "max\n")  # no limit
+    assert resources.cgroup_room(str(tmp_path / "self"), str(tmp_path / "fs")) is None
+
+
+def test_cgroup_v1_limit_minus_usage_and_unlimited(tmp_path):
+    write(tmp_path / "self", "5:cpu,cpuacct:/\n4:memory:/docker/abc\n0::/\n")
+    base = tmp_path / "fs" / "memory" / "docker" / "abc"
+    write(base / "memory.limit_in_bytes", str(3 * 2**30))
+    write(base / "memory.usage_in_bytes", str(2**30))
+    assert resources.cgroup_room(str(tmp_path / "self"), str(tmp_path / "fs")) == 2 * 2**30
+    write(base / "memory.limit_in_bytes", str(2**63 - 4096))  # v1's "unlimited"
+    assert resources.cgroup_room(str(tmp_path / "self"), str(tmp_path / "fs")) is None
+
+
+def test_default_budget_keeps_headroom(monkeypatch):
+    monkeypatch.setattr(resources, "mem_available", lambda: 10 * 2**30)
+    monkeypatch.setattr(resources, "cgroup_room", lambda: 4 * 2**30)  # a container limit
+    assert resources.available_memory() == 4 * 2**30
+    assert resources.default_budget() == 4 * 2**30 - int(0.15 * 4 * 2**30)
+    monkeypatch.setattr(resources, "cgroup_room", lambda: 100 * 2**20)
+    assert resources.default_budget() == 1  # less than the headroom: nothing to plan with
+    monkeypatch.setattr(resources, "mem_available", lambda: None)
+    monkeypatch.setattr(resources, "cgroup_room", lambda: None)
+    with pytest.raises(RuntimeError, match="give memory_budget"):
+        resources.available_memory()
+
+
+def small():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).double()
+    return model, torch.randn(16, 1, 8, 8, dtype=torch.float64), torch.randint(0, 3, (16,))
+
+
+def test_the_default_budget_is_the_available_memory_and_is_logged(monkeypatch, caplog):
+    model, x, y = small()
+    monkeypatch.setattr(resources, "available_memory", lambda device=None: 2**30)
+    with caplog.at_level(logging.INFO, logger="memconv"):
+        plan = memconv.plan(model, x)
+    assert plan.memory_budget == resources.default_budget()
+    assert "memory_budget='available'" in caplog.text
+    ref = memconv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, memory_budget=None)
+    got = memconv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    for k in ref:
+        assert torch.allclose(got[k], ref[k], rtol=1e-12, atol=0)
+
+
+def test_a_result_that_cannot_fit_raises_naming_the_largest_batch(monkeypatch):
+    model, x, y = small()
+    per_sample = sum(p.numel() * p.element_size() for p in model.parameters())
+    smallest = memconv.plan(model, x, memory_budget=None).smallest_budget
+    budget = smallest - 8 * per_sample  # room for about 8 of the 16 samples' gradients
+    with pytest.raises(ValueError, match=r"the largest batch that fits is [5-8]\b"):
+        memconv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y, memory_budget=budget)
+
+
+def test_bad_budgets_name_the_accepted_values():
+    model, x, y = small()
+    with pytest.raises(ValueError, match="'available' or None"):
+        memconv.per_sample_norms(model, nn.CrossEntropyLoss(), x, y, memory_budget="all")
+    with pytest.raises(TypeError, match="'available' or None"):
+        memconv.plan(model, x, memory_budget=1.5)
+
+
+def test_process_budget_nests_and_trims():
+    with resources.process_budget():
+        with resources.process_budget():
+            assert resources._depth == 2
+    assert resources._depth == 0
