@@ -39,7 +39,7 @@ from .extraction import (
 )
 from .layers import RuleSettings
 from .norms import DEFAULT_NORM_BUDGET, check_route, sq_norms
-from .resources import AVAILABLE, process_budget, resolve_budget
+from .resources import AVAILABLE, guards, process_budget, resolve_budget
 from .walk import LayerCall, backward_walk, probe_axes
 
 CLIP_ROUTES = ("book-keeping", "two-pass")
@@ -244,7 +244,8 @@ def per_sample_norms(
         )
         rs = RuleSettings(settings, norm_route, layer_budget)
         walks = _walks(
-            model, loss_fn, inputs, targets, rs, m, None, "memconv.per_sample_norms"
+            model, loss_fn, inputs, targets, rs, m, None, "memconv.per_sample_norms",
+            guards(memory_budget, m, n),
         )  # fmt: skip
         parts = [(sq, rows) for (sq, _, _), rows in zip(walks, _micro_batches(n, m))]
     total = torch.cat([_total(part, rows.stop - rows.start) for part, rows in parts]).sqrt()
@@ -263,11 +264,11 @@ def _micro_batches(n: int, m: int):
     return [slice(i0, min(n, i0 + m)) for i0 in range(0, n, m)]
 
 
-def _walks(model, loss_fn, inputs, targets, rs, m, clip_route, caller):
+def _walks(model, loss_fn, inputs, targets, rs, m, clip_route, caller, guard=False):
     """:func:`_walk_norms` over the micro-batches of ``m`` samples, one at a time."""
     axes = probe_axes(model, inputs)
     # a budget holds for the process too (glibc's heap), see memconv.resources
-    with process_budget(inputs.device) if rs.budget is not None else nullcontext():
+    with process_budget(inputs.device) if guard else nullcontext():
         for rows in _micro_batches(len(inputs), m):
             yield _walk_norms(
                 model, loss_fn, inputs[rows], targets[rows], rs, axes,
@@ -367,7 +368,10 @@ def clip_and_accumulate(
     total: dict[str, Tensor] = {}
     all_norms = []
     rs = RuleSettings(settings, norm_route, layer_budget)
-    walks = _walks(model, loss_fn, inputs, targets, rs, m, route, "memconv.clip_and_accumulate")
+    walks = _walks(
+        model, loss_fn, inputs, targets, rs, m, route, "memconv.clip_and_accumulate",
+        guards(memory_budget, m, n),
+    )  # fmt: skip
     for sq, losses, gathered in walks:
         norms = _total(sq, len(losses)).sqrt().detach()
         check_finite(norms, "memconv.clip_and_accumulate")

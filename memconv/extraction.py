@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from .context import activate, use_block_settings
 from .layers import RuleSettings, check_layer, find_rule
 from .layers.generic import chunk_size, model_grad_sample
-from .resources import AVAILABLE, process_budget, resolve_budget
+from .resources import AVAILABLE, guards, process_budget, resolve_budget
 from .walk import LayerCall, backward_walk, probe_axes
 
 
@@ -176,15 +176,15 @@ def per_sample_grads(
                 for name, g in grads.items():
                     out[name][i] = g
         return out
-    memory_budget = resolve_budget(memory_budget, inputs.device)
+    budget = resolve_budget(memory_budget, inputs.device)
     m, layer_budget = n, None
-    if memory_budget is not None:  # raises before any work if the result cannot fit
-        chosen = make_plan(profile(model, inputs), n, "grads", settings, memory_budget)
+    if budget is not None:  # raises before any work if the result cannot fit
+        chosen = make_plan(profile(model, inputs), n, "grads", settings, budget)
         m, layer_budget = chosen.micro_batch, chosen.layer_budget
     out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
     rs = RuleSettings(settings, None, layer_budget)
     axes = probe_axes(model, inputs)
-    with process_budget(inputs.device) if memory_budget is not None else nullcontext():
+    with process_budget(inputs.device) if guards(memory_budget, m, n) else nullcontext():
         _grads_walks(model, loss_fn, inputs, targets, names, axes, rs, m, out)
     return out
 

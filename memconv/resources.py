@@ -152,6 +152,15 @@ def resolve_budget(memory_budget, device) -> int | None:
     return budget
 
 
+def guards(memory_budget, micro_batch: int, n: int) -> bool:
+    """Whether :func:`process_budget` guards a call: for an explicit budget always; for
+    ``"available"`` only when the budget binds (the plan splits the batch), since the
+    headroom absorbs the heap's slack otherwise and the guard costs time."""
+    if memory_budget is None:
+        return False
+    return memory_budget != AVAILABLE or micro_batch < n
+
+
 def _libc():
     if os.name != "posix":
         return None

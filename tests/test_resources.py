@@ -98,3 +98,10 @@ def test_process_budget_nests_and_trims():
         with resources.process_budget():
             assert resources._depth == 2
     assert resources._depth == 0
+
+
+def test_the_process_guard_applies_to_explicit_or_binding_budgets():
+    assert resources.guards(300 * 2**20, 64, 64)  # explicit: always
+    assert not resources.guards("available", 64, 64)  # the default, not binding
+    assert resources.guards("available", 16, 64)  # the default, splitting the batch
+    assert not resources.guards(None, 64, 64)
