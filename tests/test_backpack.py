@@ -6,6 +6,7 @@ reference (one ``torch.autograd.grad`` per sample), in float64 (1e-10 relative) 
 float32 (1e-5); torch's own layers keep BackPACK's algorithm, with a warning.
 """
 
+import contextlib
 import sys
 import warnings
 
@@ -120,15 +121,67 @@ def test_extension_every_strategy(case, kind, dtype, tol, strategy_calls):
 
 
 @pytest.mark.parametrize("kind", EXTENSIONS)
-def test_torch_layers_keep_backpacks_algorithm_with_a_warning(case, kind, strategy_calls):
+def test_torch_layers_get_memconvs_exact_jacobian(case, kind, strategy_calls):
+    """extend(model) without convert: under install(), torch.nn convolutions get
+    memconv's weight Jacobian, "standard" outside any block and the block open at
+    backward time inside one."""
     model, x, y = build(case, torch.float64, convert=False)
     ref = expected(model, x, y, kind)
-    with pytest.warns(UserWarning, match=r"torch.nn layer.*memconv.convert"):
-        with mb.installed(getattr(extensions, kind)()) as ext, backpack.backpack(ext):
-            nn.CrossEntropyLoss()(model(x), y).backward()
-    assert strategy_calls == []
-    # the per-sample reduction is BackPACK's generic one: correct for groups > 1 too
+    with mb.installed(getattr(extensions, kind)()) as ext, backpack.backpack(ext):
+        nn.CrossEntropyLoss()(model(x), y).backward()
+    if kind != "BatchL2Grad":  # norms may come from ghost norms, without a strategy
+        assert strategy_calls and {s for s, _ in strategy_calls} == {"standard"}
     assert rel_err(getattr(model[0].weight, SAVEFIELD[kind]), ref[0]) < 1e-10
+    model.zero_grad()
+    strategy_calls.clear()
+    with mb.installed(getattr(extensions, kind)()) as ext, backpack.backpack(ext):
+        loss = nn.CrossEntropyLoss()(model(x), y)
+        with memconv.save_memory("shift"):
+            loss.backward()
+    if kind != "BatchL2Grad":
+        assert strategy_calls and {s for s, _ in strategy_calls} == {"shift"}
+    assert rel_err(getattr(model[0].weight, SAVEFIELD[kind]), ref[0]) < 1e-10
+
+
+PLAIN_CASES = {
+    "reflect": lambda: nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"),
+    "circular": lambda: nn.Conv1d(2, 4, 3, padding=2, padding_mode="circular"),
+    "same-even": lambda: nn.Conv2d(2, 4, 4, padding="same"),
+    "transposed-groups-output-padding": lambda: nn.ConvTranspose2d(
+        4, 6, 3, stride=2, groups=2, output_padding=1
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PLAIN_CASES))
+def test_plain_layers_exact_where_backpack_alone_is_not(name):
+    """BackPACK's own algorithm is wrong or raises on these torch.nn layers; under
+    install() the same extend()ed model gives the per-sample autograd loop's numbers."""
+    torch.manual_seed(0)
+    conv = PLAIN_CASES[name]().double()
+    dims = conv.weight.dim() - 2
+    c_in = conv.in_channels
+    x = torch.randn(3, c_in, *(7,) * dims, dtype=torch.float64)
+    with torch.no_grad():
+        features = conv(x)[0].numel()
+    model = nn.Sequential(conv, nn.Flatten(), nn.Linear(features, 3)).double()
+    y = torch.tensor([0, 1, 2])
+    ref = expected(model, x, y, "BatchGrad")[0]
+
+    def batch_grad(install):
+        model.zero_grad()
+        work = backpack.extend(model)
+        ext = extensions.BatchGrad()
+        with mb.installed(ext) if install else contextlib.nullcontext(), backpack.backpack(ext):
+            nn.CrossEntropyLoss()(work(x), y).backward()
+        return work[0].weight.grad_batch
+
+    try:
+        alone = batch_grad(install=False)
+        assert rel_err(alone, ref) > 1e-3  # BackPACK alone is wrong here
+    except (RuntimeError, ValueError, NotImplementedError):
+        pass  # or raises
+    assert rel_err(batch_grad(install=True), ref) < 1e-10
 
 
 @pytest.mark.parametrize("dims", [1, 2, 3])

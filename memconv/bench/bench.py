@@ -30,7 +30,7 @@ import torch
 import memconv
 
 from .cases import CASES, MIN_SIDE, describe
-from .engines import BUDGET_ENGINE, ENGINES, TASKS, available, get_engine
+from .engines import BUDGET_ENGINE, DEFAULT_ENGINE, ENGINES, TASKS, available, get_engine
 from .options import (
     add_common,
     check_dependencies,
@@ -75,9 +75,9 @@ SWEEP_ENGINES = {
 }  # fmt: skip
 LARGEST_ENGINES = {
     "grads": ("autograd", "torch.func", "opacus-hooks", "backpack-save-memory",
-              "memconv:auto", BUDGET_ENGINE),
+              "memconv:auto", BUDGET_ENGINE, DEFAULT_ENGINE),
     "clip": ("non-private", "torch.func", "opacus-hooks", "opacus-ghost", "memconv:auto",
-             "memconv:two-pass", BUDGET_ENGINE),
+             "memconv:two-pass", BUDGET_ENGINE, DEFAULT_ENGINE),
 }  # fmt: skip
 LARGEST_CASES = {"grads": ("seed-112",), "clip": ("resnet18-gn", "seed-112")}
 #: ``--quick``: one small case and a few engines per task (a smoke test of about a minute).
@@ -187,6 +187,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --largest-batch: the memory limit in GiB, held at allocator level (default: 4)",
     )
     modes.add_argument(
+        "--container",
+        action="store_true",
+        default=None,
+        help="with --largest-batch: set the limit as a container does, each probe in a memory "
+        "cgroup of --limit-gib (Linux, root); a batch fits when its call completes",
+    )
+    modes.add_argument(
         "--max-batch",
         type=positive_int,
         metavar="N",
@@ -225,6 +232,7 @@ def check_arguments(args) -> dict:
         "--range": (args.range, "sweep"),
         "--limit-gib": (args.limit_gib, "largest"),
         "--max-batch": (args.max_batch, "largest"),
+        "--container": (args.container, "largest"),
         "--markdown": (args.markdown, "report"),
     }
     for option, (value, needs) in misplaced.items():
@@ -523,7 +531,7 @@ def largest(args, plan: dict) -> int:
             config["engine"] = engine
             meta = {
                 "task": args.task, "case": name, "config": public, "engine": engine,
-                "limit_mib": limit_mib,
+                "limit_mib": limit_mib, "container": bool(args.container),
             }  # fmt: skip
             e = get_engine(engine, args.task)
             if e.budget:
@@ -539,6 +547,7 @@ def largest(args, plan: dict) -> int:
                     limit_mib,
                     cap=cap,
                     on_probe=lambda p, meta=meta: out.write({"record": "probe", **meta, **p}),
+                    container=bool(args.container),
                 )
             record = {"record": "largest", **meta, **result}
             logger.info(

@@ -37,6 +37,8 @@ REFERENCE = {"grads": "torch.func", "clip": "torch.func"}
 FLOOR = {"grads": "autograd", "clip": "non-private"}
 #: Engines that take a ``memory_budget`` from the case (or ``--budget-mib``).
 BUDGET_ENGINE = "memconv:budget"
+#: memconv's whole-call functions with default arguments.
+DEFAULT_ENGINE = "memconv:default"
 
 #: pip extra naming each optional peer.
 EXTRAS = {"opacus": "memconv[opacus]", "backpack": "memconv[backpack]"}
@@ -289,6 +291,22 @@ def opacus_ghost_clip(model, x, y, max_norm, **_):
     return out
 
 
+def memconv_default_grads(model, x, y, **_):
+    """``memconv.per_sample_grads`` with default arguments (the budget: the memory the
+    process can use)."""
+    return memconv.per_sample_grads(model, _loss(), x, y)
+
+
+def memconv_default_clip(model, x, y, max_norm, **_):
+    """``memconv.clip_and_accumulate`` with default arguments but ``max_norm``."""
+    model.zero_grad(set_to_none=True)
+    norms = memconv.clip_and_accumulate(model, _loss(), x, y, max_norm=max_norm)
+    out = {n: p.grad for n, p in model.named_parameters()}
+    out[NORMS] = norms
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def memconv_clip(**kwargs):
     """``memconv.clip_and_accumulate`` with fixed options (and the budget, if given)."""
 
@@ -364,6 +382,10 @@ def _grads_registry() -> list[Engine]:
                    f"memconv.per_sample_grads(strategy={s!r})")
         )  # fmt: skip
     engines.append(
+        Engine(DEFAULT_ENGINE, "grads", memconv_default_grads,
+               "memconv.per_sample_grads with default arguments (budget: the memory available)")
+    )  # fmt: skip
+    engines.append(
         Engine(BUDGET_ENGINE, "grads", memconv_hooks("auto"),
                "memconv.per_sample_grads(strategy='auto', memory_budget=the case's budget)",
                budget=True)
@@ -405,6 +427,9 @@ def _clip_registry() -> list[Engine]:
                "memconv.clip_and_accumulate(clip_route='two-pass')"),
         Engine(BUDGET_ENGINE, "clip", memconv_clip(),
                "memconv.clip_and_accumulate(memory_budget=the case's budget)", budget=True),
+        Engine(DEFAULT_ENGINE, "clip", memconv_default_clip,
+               "memconv.clip_and_accumulate with default arguments (budget: the memory "
+               "available)"),
     ]  # fmt: skip
 
 

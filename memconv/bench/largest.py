@@ -16,6 +16,12 @@ scale from zero), kept strictly inside the bracket of the largest fitting and th
 smallest failing N so that the bracket shrinks; the search stops once the bracket is
 within ``rel_tol`` (or one sample), or at ``cap``. A probe whose RSS grows past 1.5 ×
 the limit is stopped early (it cannot fit).
+
+``container=True`` (``memconv bench --largest-batch --container``) sets the limit the
+way a container does instead: each probe runs in a memory cgroup of the limit (root,
+Linux), and a batch fits when its call completes; the kernel kills a probe that passes
+the limit. That is what a Docker or Kubernetes memory limit does to a training job,
+and what ``memory_budget="available"`` reads.
 """
 
 from __future__ import annotations
@@ -32,8 +38,13 @@ logger = logging.getLogger("memconv")
 REL_TOL = 0.03
 
 
-def probe_config(base: dict, n: int, limit_mib: float) -> dict:
-    """The worker configuration of one probe at batch size ``n``."""
+def probe_config(base: dict, n: int, limit_mib: float, container: bool = False) -> dict:
+    """The worker configuration of one probe at batch size ``n`` (in a memory cgroup of
+    ``limit_mib`` when ``container``: then the RSS alone is measured, and the kernel
+    stops a probe that passes the limit)."""
+    if container:
+        return {**base, "batch": n, "alloc": False, "repeats": 0, "out": None,
+                "cgroup_limit_mib": limit_mib}  # fmt: skip
     return {
         **base,
         "batch": n,
@@ -44,14 +55,24 @@ def probe_config(base: dict, n: int, limit_mib: float) -> dict:
     }
 
 
+def _fits(r: dict, limit_mib: float, container: bool) -> bool:
+    """A probe fits: in a container, when it completed; else when its allocator-level
+    peak stays within the limit."""
+    if container:
+        return "error" not in r and not r.get("aborted") and r.get("peak_rss_mib") is not None
+    return r.get("peak_alloc_mib") is not None and r["peak_alloc_mib"] <= limit_mib
+
+
 def search(
     probe: Callable[[int], dict],
     limit_mib: float,
     start: int,
     cap: int,
     rel_tol: float = REL_TOL,
+    container: bool = False,
 ) -> dict:
-    """Largest N with ``probe(N)["peak_alloc_mib"] <= limit_mib``.
+    """Largest N with ``probe(N)["peak_alloc_mib"] <= limit_mib`` (in a container: the
+    largest N whose probe completes).
 
     Args:
         probe: runs one call at batch size N; returns the worker's figures (or
@@ -70,11 +91,12 @@ def search(
     seen: dict[int, dict] = {}
     lo, hi = 0, None
 
+    key = "peak_rss_mib" if container else "peak_alloc_mib"
+
     def fits(n):
         if n not in seen:
             seen[n] = probe(n)
-        r = seen[n]
-        return r.get("peak_alloc_mib") is not None and r["peak_alloc_mib"] <= limit_mib
+        return _fits(seen[n], limit_mib, container)
 
     def estimate(points):
         """N where the line through the last two measured points reaches the limit."""
@@ -97,9 +119,7 @@ def search(
                 if n == 1 or not fits(1):
                     break
                 lo = 1
-        measured = sorted(
-            (k, v["peak_alloc_mib"]) for k, v in seen.items() if v.get("peak_alloc_mib")
-        )
+        measured = sorted((k, v[key]) for k, v in seen.items() if v.get(key))
         if hi is None:
             if lo >= cap:
                 break
@@ -142,6 +162,7 @@ def largest_batch(
     cap: int,
     on_probe: Callable[[dict], None] | None = None,
     timeout: float = 3600,
+    container: bool = False,
 ) -> dict:
     """The largest batch of ``base``'s engine and case within ``limit_mib``.
 
@@ -152,24 +173,30 @@ def largest_batch(
         cap: the largest batch tried.
         on_probe: called with each probe's record as it completes.
         timeout: seconds per probe.
+        container: run each probe in a memory cgroup of ``limit_mib`` (as a container's
+            limit); a batch fits when its call completes.
     """
 
     def probe(n):
-        r = run_in_subprocess(probe_config(base, n, limit_mib), timeout)
-        fits = r.get("peak_alloc_mib") is not None and r["peak_alloc_mib"] <= limit_mib
+        r = run_in_subprocess(probe_config(base, n, limit_mib, container), timeout)
+        fits = _fits(r, limit_mib, container)
         record = {"batch": n, "fits": fits, **r}
         logger.info(
             "  %s, batch %d: %s",
             base["engine"],
             n,
-            "stopped, over the limit"
+            r.get("killed", "stopped, over the limit")
             if r.get("aborted")
             else r.get("error")
-            or f"allocator {r['peak_alloc_mib']:,.0f} MiB, RSS {r['peak_rss_mib']:,.0f} MiB "
-            f"({'fits' if fits else 'over'})",
+            or f"allocator {_fmt(r.get('peak_alloc_mib'))} MiB, RSS {_fmt(r['peak_rss_mib'])} "
+            f"MiB ({'fits' if fits else 'over'})",
         )
         if on_probe is not None:
             on_probe(record)
         return r
 
-    return search(probe, limit_mib, base["batch"], cap)
+    return search(probe, limit_mib, base["batch"], cap, container=container)
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:,.0f}"

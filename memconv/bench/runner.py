@@ -10,6 +10,7 @@ its rows). :class:`JsonLines` writes records one line each, flushed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -28,6 +30,60 @@ logger = logging.getLogger("memconv")
 
 #: Seconds one measurement may take before it is reported as failed.
 DEFAULT_TIMEOUT = 1800
+
+
+_probes = itertools.count()
+#: Where a container's memory limit is set (cgroup v1's memory controller, or v2).
+CGROUP_V1 = "/sys/fs/cgroup/memory"
+CGROUP_V2 = "/sys/fs/cgroup"
+
+
+class memory_cgroup:
+    """A memory cgroup of ``limit_mib`` for one process, as a container's limit (Linux;
+    needs write access to the cgroup hierarchy, e.g. root): v1's
+    ``memory.limit_in_bytes`` (swap off for it), or v2's ``memory.max``.
+
+    Raises:
+        RuntimeError: where no cgroup can be made (naming why).
+    """
+
+    def __init__(self, limit_mib: float):
+        self.limit = int(limit_mib * 2**20)
+        name = f"memconv-probe-{os.getpid()}-{next(_probes)}-{time.monotonic_ns()}"
+        if os.path.isdir(CGROUP_V1) and os.path.exists(f"{CGROUP_V1}/cgroup.procs"):
+            self.path, files = os.path.join(CGROUP_V1, name), ("memory.limit_in_bytes",)
+        elif os.path.exists(f"{CGROUP_V2}/cgroup.controllers"):
+            self.path, files = os.path.join(CGROUP_V2, name), ("memory.max",)
+        else:
+            raise RuntimeError("no memory cgroup hierarchy under /sys/fs/cgroup")
+        self.files = files
+
+    def __enter__(self):
+        try:
+            os.mkdir(self.path)
+            with open(os.path.join(self.path, self.files[0]), "w") as f:
+                f.write(str(self.limit))
+            swappiness = os.path.join(self.path, "memory.swappiness")
+            if os.path.exists(swappiness):
+                with open(swappiness, "w") as f:
+                    f.write("0")
+        except OSError as err:
+            raise RuntimeError(f"cannot make a memory cgroup at {self.path}: {err}") from err
+        return self
+
+    def join(self) -> None:
+        """Put the calling process in the cgroup (a ``preexec_fn``)."""
+        with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def __exit__(self, *exc):
+        for _ in range(50):  # killed processes leave the cgroup a moment later
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError:
+                time.sleep(0.05)
+        logger.warning("could not remove the memory cgroup %s", self.path)
 
 
 def run_in_subprocess(config: dict, timeout: float = DEFAULT_TIMEOUT) -> dict:
@@ -47,10 +103,17 @@ def run_in_subprocess(config: dict, timeout: float = DEFAULT_TIMEOUT) -> dict:
     # inherits the worker's outputs and outlives a worker that stops itself
     # (os._exit), so pipes would stay open until the timeout; the whole session is
     # killed once the worker is done.
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    limit = config.get("cgroup_limit_mib")
+    with (
+        tempfile.TemporaryFile("w+") as out,
+        tempfile.TemporaryFile("w+") as err,
+        memory_cgroup(limit) if limit else contextlib.nullcontext() as cgroup,
+    ):
+        join = (lambda: cgroup.join()) if limit else None
         proc = subprocess.Popen(
-            command, stdout=out, stderr=err, text=True, env=env, start_new_session=True
-        )
+            command, stdout=out, stderr=err, text=True, env=env, start_new_session=True,
+            preexec_fn=join,
+        )  # fmt: skip
         timed_out = False
         try:
             proc.wait(timeout=timeout)
@@ -65,6 +128,8 @@ def run_in_subprocess(config: dict, timeout: float = DEFAULT_TIMEOUT) -> dict:
         stdout, stderr = out.read(), err.read()
     if timed_out:
         return {"error": f"timed out after {timeout:.0f} s"}
+    if limit and proc.returncode == -signal.SIGKILL:  # the cgroup's OOM killer
+        return {"aborted": True, "killed": f"killed for memory within {limit:,.0f} MiB"}
     lines = stdout.strip().splitlines()
     if proc.returncode == ABORTED and lines:
         return json.loads(lines[-1])

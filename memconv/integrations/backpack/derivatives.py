@@ -3,16 +3,16 @@
 BackPACK chooses the weight-Jacobian algorithm of a convolution in
 ``ConvNDDerivatives._weight_jac_t_mat_prod`` (and ``ConvTransposeNDDerivatives``'s);
 these subclasses compute it with the memconv strategy that the layer's forward pass
-recorded (the rule of :class:`memconv.save_memory`). A layer whose forward pass did
-not run through memconv (a ``torch.nn`` convolution) keeps BackPACK's own
-algorithm, with a warning naming it.
+recorded (the rule of :class:`memconv.save_memory`). A ``torch.nn`` convolution,
+whose forward pass recorded nothing, gets memconv's exact weight Jacobian too, with
+the strategy of the :class:`memconv.save_memory` block open at backward time, else
+``"standard"`` (BackPACK's own algorithm, in memconv's exact form: every padding mode,
+``padding="same"``, transposed convolutions with groups and ``output_padding``).
 
 Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 from backpack.core.derivatives.conv1d import Conv1DDerivatives
@@ -23,9 +23,13 @@ from backpack.core.derivatives.conv_transpose2d import ConvTranspose2DDerivative
 from backpack.core.derivatives.conv_transpose3d import ConvTranspose3DDerivatives
 from backpack.utils.subsampling import subsample
 
-from ...context import warn_if_block_missed
+from ...context import Settings, block_settings, use_block_settings, warn_if_block_missed
 from ...grad_sample import conv_weight_grad
 from ...modules import _ConvFunction, _describe
+from ...strategies import NO_OPTIONS
+
+#: BackPACK's own algorithm (a grouped convolution of the same order), memconv's form.
+STANDARD = Settings("standard", NO_OPTIONS)
 
 
 def recorded_settings(module):
@@ -37,29 +41,28 @@ def recorded_settings(module):
     return None
 
 
+def settings_for(module) -> Settings:
+    """The strategy settings of a layer's weight Jacobian: what its memconv forward pass
+    recorded; for a ``torch.nn`` layer, the :class:`memconv.save_memory` block open now
+    (at backward time), else ``"standard"``."""
+    recorded = recorded_settings(module)
+    if recorded is not None:
+        warn_if_block_missed(recorded, _describe(module))
+        return recorded.strategy_settings
+    if block_settings() is None:
+        return STANDARD
+    return use_block_settings(None)  # the open block (marked as used)
+
+
 class _MemconvWeightJacobian:
     """``_weight_jac_t_mat_prod`` by memconv's strategies."""
 
     def _weight_jac_t_mat_prod(self, module, g_inp, g_out, mat, sum_batch=True, subsampling=None):
-        recorded = recorded_settings(module)
-        if recorded is None:
-            warnings.warn(
-                f"memconv: {_describe(module)} ran its forward pass as a torch.nn layer, so "
-                "BackPACK's own algorithm computes its weight Jacobian. Convert the model "
-                "with memconv.convert(model) before backpack.extend(model).",
-                stacklevel=2,
-            )
-            return super()._weight_jac_t_mat_prod(
-                module, g_inp, g_out, mat, sum_batch=sum_batch, subsampling=subsampling
-            )
-        warn_if_block_missed(recorded, _describe(module))
+        settings = settings_for(module)
         x = subsample(module.input0, subsampling=subsampling)
         # mat [V, N, C_out, *T]: one weight VJP per vector v
         return torch.stack(
-            [
-                conv_weight_grad(module, x, m, recorded.strategy_settings, per_sample=not sum_batch)
-                for m in mat
-            ]
+            [conv_weight_grad(module, x, m, settings, per_sample=not sum_batch) for m in mat]
         )
 
 

@@ -21,9 +21,7 @@ from backpack.extensions.firstorder.sum_grad_squared.sgs_base import SGSBase
 from backpack.extensions.firstorder.variance.variance_base import VarianceBaseModule
 from torch import nn
 
-from ...context import warn_if_block_missed
-from ...modules import _describe
-from ...norms import conv_weight_sq_norms, sq_norms
+from ...norms import conv_weight_sq_norms
 from . import derivatives
 
 #: BackPACK extensions whose convolution quantities memconv computes.
@@ -43,22 +41,15 @@ PARAMS = ["bias", "weight"]
 class BatchL2(BatchL2Base):
     """``BatchL2Grad`` for a convolution: per-sample squared norms by memconv's routes.
 
-    A layer whose forward pass did not run through memconv keeps BackPACK's
-    Jacobian (through the derivatives' fallback, with its warning).
+    A ``torch.nn`` layer gets the block open at backward time, else ``"standard"``
+    (:func:`memconv.integrations.backpack.derivatives.settings_for`).
     """
 
     def __init__(self, derivatives):
         super().__init__(PARAMS, derivatives=derivatives)
 
     def weight(self, ext, module, g_inp, g_out, backproped):
-        recorded = derivatives.recorded_settings(module)
-        if recorded is None:  # BackPACK's generic rule through the derivatives
-            batch = self.derivatives.param_mjp(
-                "weight", module, g_inp, g_out, g_out[0], sum_batch=False
-            )
-            return sq_norms(batch)
-        warn_if_block_missed(recorded, _describe(module))
-        settings = recorded.strategy_settings
+        settings = derivatives.settings_for(module)
         return conv_weight_sq_norms(
             module, module.input0, g_out[0], settings, None, settings.options.memory_budget
         )
