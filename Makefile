@@ -63,13 +63,16 @@ test: $(VENV)/.installed-$(EXTRAS_TEST)
 BENCH := $(BIN)/memconv bench
 BENCH_DIR := docs/bench
 BENCH_FILES := clip.jsonl clip-more.jsonl grads.jsonl grads-more.jsonl largest-grads.jsonl \
-	largest-clip.jsonl sweep-batch.jsonl sweep-side.jsonl
+	largest-clip.jsonl largest-container-grads.jsonl largest-container-clip.jsonl \
+	sweep-batch.jsonl sweep-side.jsonl
 GRADS_ENGINES := autograd,torch.func,expanded-weights,opacus-hooks,backpack-save-memory,memconv:standard,memconv:rochette,memconv:unfold,memconv:shift,memconv:auto,memconv:budget,memconv-modules:auto,memconv-backpack:auto
 benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	$(BENCH) --task clip --cases resnet18-gn,seed-112 --json $(BENCH_DIR)/clip.jsonl --plot $(BENCH_DIR)/clip.png
 	$(BENCH) --task grads --cases seed-112,seed-28 --engines $(GRADS_ENGINES) --json $(BENCH_DIR)/grads.jsonl --plot $(BENCH_DIR)/grads.png
 	$(BENCH) --task grads --largest-batch --engines autograd,torch.func,opacus-hooks,memconv:auto,memconv:budget --json $(BENCH_DIR)/largest-grads.jsonl
 	$(BENCH) --task clip --largest-batch --cases resnet18-gn --engines non-private,opacus-ghost,memconv:auto,memconv:budget --json $(BENCH_DIR)/largest-clip.jsonl
+	$(BENCH) --task grads --largest-batch --container --limit-gib 2 --cases seed-112 --engines autograd,torch.func,opacus-hooks,memconv:default --json $(BENCH_DIR)/largest-container-grads.jsonl
+	$(BENCH) --task clip --largest-batch --container --limit-gib 2 --max-batch 2048 --cases resnet18-gn --engines non-private,opacus-ghost,memconv:default --json $(BENCH_DIR)/largest-container-clip.jsonl
 	$(BENCH) --task clip --cases wrn16-4-gn,conv1d,conv3d --json $(BENCH_DIR)/clip-more.jsonl
 	$(BENCH) --task grads --cases resnet18-gn,conv1d,conv3d --json $(BENCH_DIR)/grads-more.jsonl
 	$(BENCH) --sweep batch --range 8,32,128,512 --json $(BENCH_DIR)/sweep-batch.jsonl --plot $(BENCH_DIR)/sweep-batch.png

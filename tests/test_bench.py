@@ -259,3 +259,10 @@ def test_a_probe_stopped_over_the_limit_returns_at_once():
     result = run_in_subprocess(config, timeout=100)
     assert result.get("aborted") is True, result
     assert time.perf_counter() - start < 60
+
+
+def test_largest_batch_search_survives_a_flat_memory_curve():
+    """A budgeted engine's memory stops growing with N (it micro-batches): the line
+    through two probes is flat, and the search must go on to the cap, not fail."""
+    result = search(lambda n: {"peak_alloc_mib": 100.0 + (n < 8)}, 4096.0, 4, 512)
+    assert result["largest"] == 512 and result["capped"]

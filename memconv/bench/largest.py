@@ -125,7 +125,8 @@ def search(
                 break
             guess = estimate([p for p in measured if p[0] <= lo][-2:] or measured[-1:])
             if guess > lo * (1 + rel_tol):  # aim just below the limit, at most 16 × per probe
-                n = min(cap, 16 * lo, max(lo + 1, int(guess * 0.99)))
+                aim = int(guess * 0.99) if math.isfinite(guess) else cap  # flat: jump
+                n = min(cap, 16 * lo, max(lo + 1, aim))
             else:  # the limit is near: one probe just above closes the bracket
                 n = min(cap, max(lo + 1, math.ceil(lo * (1 + rel_tol / 2))))
             continue

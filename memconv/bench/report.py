@@ -279,17 +279,16 @@ def format_largest(records: list[dict]) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        limit = f"{r['limit_mib']:,.0f}" + (" (cgroup)" if r.get("container") else "")
         if "error" in r or "skipped" in r:
             why = r.get("error") or r.get("skipped")
-            lines.append(
-                f"| {r['case']} | {r['task']} | {label(r)} | {r['limit_mib']:,.0f} | {why} |||||"
-            )
+            lines.append(f"| {r['case']} | {r['task']} | {label(r)} | {limit} | {why} |||||")
             continue
         largest = f"≥ {r['largest']:,} (cap)" if r.get("capped") else f"{r['largest']:,}"
         failing = _fmt(r.get("smallest_failing"), ",")
         floor = floors.get((r["file"], r["task"], r["case"]))
         lines.append(
-            f"| {r['case']} | {r['task']} | {label(r)} | {r['limit_mib']:,.0f} | {largest} | "
+            f"| {r['case']} | {r['task']} | {label(r)} | {limit} | {largest} | "
             f"{failing} | {_ratio(r['largest'], floor)} | {_fmt(r.get('peak_alloc_mib'))} | "
             f"{_fmt(r.get('peak_rss_mib'))} | {r['probes']} |"
         )
