@@ -239,13 +239,12 @@ def per_sample_norms(
             ]
         parts = [(s, slice(i, i + 1)) for i, s in enumerate(sq)]
     else:
-        m, layer_budget, _ = _plan(
+        m, layer_budget, _, guard = _plan(
             model, inputs, "norms", settings, memory_budget, None, norm_route
         )
         rs = RuleSettings(settings, norm_route, layer_budget)
         walks = _walks(
-            model, loss_fn, inputs, targets, rs, m, None, "memconv.per_sample_norms",
-            guards(memory_budget, m, n),
+            model, loss_fn, inputs, targets, rs, m, None, "memconv.per_sample_norms", guard,
         )  # fmt: skip
         parts = [(sq, rows) for (sq, _, _), rows in zip(walks, _micro_batches(n, m))]
     total = torch.cat([_total(part, rows.stop - rows.start) for part, rows in parts]).sqrt()
@@ -277,17 +276,16 @@ def _walks(model, loss_fn, inputs, targets, rs, m, clip_route, caller, guard=Fal
 
 
 def _plan(model, inputs, task, settings, memory_budget, clip_route, norm_route):
-    """``(micro-batch, per-layer budget, clip route)`` for a whole call."""
+    """``(micro-batch, per-layer budget, clip route, whether to guard the process)`` for
+    a whole call."""
     from .planning import make_plan, profile
 
     n = len(inputs)
-    memory_budget = resolve_budget(memory_budget, inputs.device)
-    if memory_budget is None:
-        return n, None, clip_route or "book-keeping"
-    chosen = make_plan(
-        profile(model, inputs), n, task, settings, memory_budget, clip_route, norm_route
-    )
-    return chosen.micro_batch, chosen.layer_budget, chosen.clip_route
+    budget = resolve_budget(memory_budget, inputs.device)
+    if budget is None:
+        return n, None, clip_route or "book-keeping", False
+    chosen = make_plan(profile(model, inputs), n, task, settings, budget, clip_route, norm_route)
+    return chosen.micro_batch, chosen.layer_budget, chosen.clip_route, guards(memory_budget, chosen)
 
 
 def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
@@ -362,15 +360,14 @@ def clip_and_accumulate(
         return _clip_sample_by_sample(
             model, loss_fn, inputs, targets, params, settings, max_norm, ddp
         )
-    m, layer_budget, route = _plan(
+    m, layer_budget, route, guard = _plan(
         model, inputs, "clip", settings, memory_budget, clip_route, norm_route
     )
     total: dict[str, Tensor] = {}
     all_norms = []
     rs = RuleSettings(settings, norm_route, layer_budget)
     walks = _walks(
-        model, loss_fn, inputs, targets, rs, m, route, "memconv.clip_and_accumulate",
-        guards(memory_budget, m, n),
+        model, loss_fn, inputs, targets, rs, m, route, "memconv.clip_and_accumulate", guard,
     )  # fmt: skip
     for sq, losses, gathered in walks:
         norms = _total(sq, len(losses)).sqrt().detach()

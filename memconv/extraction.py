@@ -177,14 +177,14 @@ def per_sample_grads(
                     out[name][i] = g
         return out
     budget = resolve_budget(memory_budget, inputs.device)
-    m, layer_budget = n, None
+    m, layer_budget, chosen = n, None, None
     if budget is not None:  # raises before any work if the result cannot fit
         chosen = make_plan(profile(model, inputs), n, "grads", settings, budget)
         m, layer_budget = chosen.micro_batch, chosen.layer_budget
     out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
     rs = RuleSettings(settings, None, layer_budget)
     axes = probe_axes(model, inputs)
-    with process_budget(inputs.device) if guards(memory_budget, m, n) else nullcontext():
+    with process_budget(inputs.device) if guards(memory_budget, chosen) else nullcontext():
         _grads_walks(model, loss_fn, inputs, targets, names, axes, rs, m, out)
     return out
 

@@ -156,13 +156,26 @@ def resolve_budget(memory_budget, device) -> int | None:
     return budget
 
 
-def guards(memory_budget, micro_batch: int, n: int) -> bool:
+#: The default budget guards the process once a plan's predicted peak passes this
+#: fraction of it (the RSS runs up to a third above the allocator's figure).
+TIGHT = 0.5
+
+
+def guards(memory_budget, plan) -> bool:
     """Whether :func:`process_budget` guards a call: for an explicit budget always; for
-    ``"available"`` only when the budget binds (the plan splits the batch), since the
-    headroom absorbs the heap's slack otherwise and the guard costs time."""
-    if memory_budget is None:
+    ``"available"`` when the plan is tight (it splits the batch, or its predicted peak
+    passes :data:`TIGHT` of the budget), since the headroom absorbs the heap's slack
+    otherwise and the guard costs time.
+
+    Args:
+        memory_budget: the argument the caller was given.
+        plan: the :class:`memconv.Plan` made for it (None when there is no budget).
+    """
+    if memory_budget is None or plan is None:
         return False
-    return memory_budget != AVAILABLE or micro_batch < n
+    if memory_budget != AVAILABLE:
+        return True
+    return plan.micro_batch < plan.batch or plan.predicted_peak > TIGHT * plan.memory_budget
 
 
 def _libc():

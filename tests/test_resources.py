@@ -100,8 +100,12 @@ def test_process_budget_nests_and_trims():
     assert resources._depth == 0
 
 
-def test_the_process_guard_applies_to_explicit_or_binding_budgets():
-    assert resources.guards(300 * 2**20, 64, 64)  # explicit: always
-    assert not resources.guards("available", 64, 64)  # the default, not binding
-    assert resources.guards("available", 16, 64)  # the default, splitting the batch
-    assert not resources.guards(None, 64, 64)
+def test_the_process_guard_applies_to_explicit_or_tight_budgets():
+    def plan(m, peak):
+        return memconv.Plan("clip", 64, m, 2**20, peak, memory_budget=1000)
+
+    assert resources.guards(300 * 2**20, plan(64, 10))  # explicit: always
+    assert not resources.guards("available", plan(64, 100))  # the default, loose
+    assert resources.guards("available", plan(16, 100))  # the default, splitting the batch
+    assert resources.guards("available", plan(64, 600))  # the default, tight
+    assert not resources.guards(None, None)
