@@ -399,13 +399,19 @@ COMFORTABLE_LAYER_BUDGET = 4 * 2**20
 
 
 def _best_for_route(prof, n, task, settings, memory_budget, route, norm_route=None):
-    """The largest micro-batch that fits with a comfortable per-layer budget (or, if
-    none does, the largest that fits at all), with the largest per-layer budget."""
+    """One pass with the layers' own defaults if that fits (the budget then changes
+    nothing: the call runs as without one); else the largest micro-batch that fits with a
+    comfortable per-layer budget (or, if none does, the largest that fits at all), with
+    the largest per-layer budget."""
 
     def fits(m, layer_budget):
         return (
             predict(prof, n, m, task, settings, layer_budget, route, norm_route)[0] <= memory_budget
         )
+
+    peak, parts = predict(prof, n, n, task, settings, None, route, norm_route)
+    if peak <= memory_budget:
+        return Plan(task, n, n, None, peak, memory_budget, parts, route if task == "clip" else None)
 
     def largest(layer_budget):  # predictions grow with m: a bisection
         lo, hi = 0, n
