@@ -16,7 +16,7 @@ import textwrap
 from collections import defaultdict
 
 from .cases import CASES, describe
-from .engines import BUDGET_ENGINE, FLOOR, REFERENCE
+from .engines import BUDGET_ENGINE, DEFAULT_ENGINE, FLOOR, REFERENCE
 
 SECTIONS = (
     "commands", "machine", "grads", "cost-model", "clip", "budget", "targets", "largest",
@@ -418,14 +418,15 @@ def targets(records: list[dict]) -> list[str]:
                 f"{lean['engine']}, {lean['peak_alloc_mib'] / floor['peak_alloc_mib']:.2f} × its "
                 "allocator peak)"
             )
+    # searches compare within one kind of limit: the allocator level, or a container's
     largest = {
-        (r["task"], r["case"], r["engine"]): r
+        (r["task"], r["case"], r["engine"], bool(r.get("container"))): r
         for r in largest_rows(records)
         if "largest" in r and _full_size(r)
     }
 
-    def size(key):
-        r = largest.get(key)
+    def size(key, container=False):
+        r = largest.get((*key, container))
         return None if r is None else (r["largest"], r.get("capped", False))
 
     def count(found):
@@ -453,6 +454,24 @@ def targets(records: list[dict]) -> list[str]:
                         f"{peer}'s: {engine} {count(ours)} vs {count(theirs)} = {q:.2f} × "
                         f"({_verdict(q >= 4)})"
                     )
+    # in a container, with default arguments
+    ours = size(("grads", "seed-112", DEFAULT_ENGINE), True)
+    theirs = size(("grads", "seed-112", "torch.func"), True)
+    if ours and theirs:
+        q = ours[0] / theirs[0]
+        out.append(
+            f"- seed CNN 1×112², task grads, in a container: largest batch with default "
+            f"arguments ≥ 4 × torch.func's: {count(ours)} vs {count(theirs)} = {q:.2f} × "
+            f"({_verdict(q >= 4)})"
+        )
+    ours = size(("clip", "resnet18-gn", DEFAULT_ENGINE), True)
+    theirs = size(("clip", "resnet18-gn", "non-private"), True)
+    if ours and theirs:
+        q = ours[0] / theirs[0]
+        out.append(
+            f"- ResNet-18-GN, task clip, in a container: largest batch with default arguments "
+            f"≥ non-private's: {count(ours)} vs {count(theirs)} = {q:.2f} × ({_verdict(q >= 1)})"
+        )
     for (task, case), (budget, peak_max, time_max) in BUDGET_TARGETS.items():
         row = _find(records, task, case, BUDGET_ENGINE)
         if row is None or row.get("peak_alloc_mib") is None or row["memory_budget_mib"] != budget:
