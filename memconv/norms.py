@@ -20,9 +20,8 @@ for convolutions). Two routes, chosen per layer by their cost models or forced:
   ~ one chunk's gradients; it wins when 2T² > C_out·C_in·K/G (early layers, large
   images).
 
-``Linear``: ``‖g‖·‖a‖`` without a sequence axis, else the ghost norm over the
-sequence (or the instantiated gradients when 2L² > in·out). Any other layer: its
-per-sample gradients (:func:`memconv.grad_sample.grad_sample`).
+Which layer uses which route is its rule's business (:mod:`memconv.layers`; the
+convolution rule calls :func:`conv_weight_sq_norms`).
 """
 
 from __future__ import annotations

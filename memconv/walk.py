@@ -35,16 +35,12 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .grad_sample import own_trainable
 from .layers import LayerRule, RuleSettings, find_rule, run_rule, using
 from .layers.generic import call_grad_sample, chunk_size
 
 #: Marks a tensor whose batch axis cannot be told (it grew other than 1 → 2).
 UNSPLIT = -1
-
-
-def own_trainable(module: nn.Module) -> dict[str, Tensor]:
-    """``{local name: parameter}`` of the module's own parameters that require grad."""
-    return {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
 
 
 def keep_rng():
