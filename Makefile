@@ -45,7 +45,7 @@ $(VENV)/.installed-%: $(VENV)/.python pyproject.toml constraints.txt
 comma := ,
 EXTRAS_COMPARE := bench
 EXTRAS_TEST := test+bench+backpack+opacus
-EXTRAS_DOCS := docs+bench+backpack
+EXTRAS_DOCS := docs+bench+backpack+opacus
 EXTRAS_LINT := dev
 EXTRAS_ALL := test+bench+backpack+opacus+docs+dev
 
