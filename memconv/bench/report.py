@@ -455,23 +455,20 @@ def targets(records: list[dict]) -> list[str]:
                         f"({_verdict(q >= 4)})"
                     )
     # in a container, with default arguments
-    ours = size(("grads", "seed-112", DEFAULT_ENGINE), True)
-    theirs = size(("grads", "seed-112", "torch.func"), True)
-    if ours and theirs:
-        q = ours[0] / theirs[0]
-        out.append(
-            f"- seed CNN 1×112², task grads, in a container: largest batch with default "
-            f"arguments ≥ 4 × torch.func's: {count(ours)} vs {count(theirs)} = {q:.2f} × "
-            f"({_verdict(q >= 4)})"
-        )
-    ours = size(("clip", "resnet18-gn", DEFAULT_ENGINE), True)
-    theirs = size(("clip", "resnet18-gn", "non-private"), True)
-    if ours and theirs:
-        q = ours[0] / theirs[0]
-        out.append(
-            f"- ResNet-18-GN, task clip, in a container: largest batch with default arguments "
-            f"≥ non-private's: {count(ours)} vs {count(theirs)} = {q:.2f} × ({_verdict(q >= 1)})"
-        )
+    for task, case, title, peer, factor in (
+        ("grads", "seed-112", "seed CNN 1×112²", "torch.func", 4),
+        ("clip", "resnet18-gn", "ResNet-18-GN", "non-private", 1),
+    ):
+        ours = size((task, case, DEFAULT_ENGINE), True)
+        theirs = size((task, case, peer), True)
+        if ours and theirs:
+            q = ours[0] / theirs[0]
+            wanted = f"≥ {factor} × {peer}'s" if factor != 1 else f"≥ {peer}'s"
+            out.append(
+                f"- {title}, task {task}, in a container: largest batch with default "
+                f"arguments {wanted}: {count(ours)} vs {count(theirs)} = {q:.2f} × "
+                f"({_verdict(q >= factor)})"
+            )
     for (task, case), (budget, peak_max, time_max) in BUDGET_TARGETS.items():
         row = _find(records, task, case, BUDGET_ENGINE)
         if row is None or row.get("peak_alloc_mib") is None or row["memory_budget_mib"] != budget:
