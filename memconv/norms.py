@@ -36,9 +36,8 @@ from ._geometry import Operands, conv_spec
 from .context import DEFAULT_SETTINGS, Settings
 from .grad_sample import weight_grad
 from .strategies import Problem, get_strategy
-from .strategies.base import fastest_that_fits, linear_time, numel, padded_size
-from .strategies.shift import TIME as SHIFT_TIME
-from .strategies.shift import _flat_ok, offset_operands
+from .strategies.base import cost_model, fastest_that_fits, linear_time, numel, padded_size
+from .strategies.shift import flat_ok, flat_rows, offset_operands
 
 ROUTES = ("ghost", "instantiate")
 #: Bytes a route may use for its temporaries when no budget is given.
@@ -95,23 +94,60 @@ def check_route(route, argument: str = "norm_route") -> None:
 # ----------------------------------------------------------------- ghost (conv)
 def _ghost_length(problem: Problem) -> int:
     """Positions per sample the Gram matrices span (the padded grid's rows at stride 1)."""
-    if _flat_ok(problem.geom):
+    if flat_ok(problem.geom):
         p = padded_size(problem.geom, problem.size)
         return problem.output_size[0] * numel(p[1:])
     return problem.positions
 
 
+def _ghost_halo(problem: Problem) -> int:
+    """At stride 1: how far past a block of positions the input Gram matrix reaches
+    (the largest kernel offset's shift in the flat padded plane); else 0."""
+    geom = problem.geom
+    if not flat_ok(geom):
+        return 0
+    p = padded_size(geom, problem.size)
+    return sum(
+        (k - 1) * d * numel(p[i + 1 :])
+        for i, (k, d) in enumerate(zip(geom.kernel_size, geom.dilation))
+    )
+
+
+def _ghost_operands(problem: Problem) -> int:
+    """Elements one sample's operands take: at stride 1 the flat padded input and the
+    output gradient on its grid; else the padded input and one offset's copied view."""
+    geom = problem.geom
+    padded = geom.in_channels * numel(padded_size(geom, problem.size))
+    if flat_ok(geom):
+        return padded + geom.out_channels * _ghost_length(problem)
+    return (padded if any(geom.padding) else 0) + geom.in_channels * problem.positions
+
+
+def _ghost_block(problem: Problem, block: int) -> int:
+    """Elements of one sample's temporaries for a pair of blocks: the output-gradient
+    Gram block and the input one (at stride 1: the input Gram over the block and its
+    halo, and the sum of its shifted windows; else the sum over offsets and one
+    offset's part)."""
+    halo = _ghost_halo(problem)
+    if flat_ok(problem.geom):
+        return problem.geom.groups * ((block + halo) ** 2 + 2 * block * block)
+    return problem.geom.groups * 3 * block * block
+
+
 def _ghost_plan(problem: Problem, budget: int) -> tuple[int, int]:
-    """``(samples per chunk, positions per block)`` within ``budget`` bytes."""
-    geom, itemsize = problem.geom, problem.itemsize
+    """``(samples per chunk, positions per block)`` within ``budget`` bytes: whole Gram
+    matrices for as many samples as fit, else one sample at a time in blocks."""
+    itemsize = problem.itemsize
     length = _ghost_length(problem)
-    operands = (geom.in_channels + geom.out_channels) * length + geom.in_channels * numel(
-        padded_size(geom, problem.size)
-    )  # the flat buffers of one sample (or its copied views)
-    chunk = max(1, min(problem.n, budget // 2 // max(operands * itemsize, 1)))
-    left = max(budget - chunk * operands * itemsize, 0)
-    block = int(math.sqrt(left / max(4 * chunk * geom.groups * itemsize, 1)))
-    return chunk, max(1, min(length, block))
+    operands = _ghost_operands(problem)
+    whole = (operands + _ghost_block(problem, length)) * itemsize
+    if whole <= budget:
+        return max(1, min(problem.n, budget // whole)), length
+    left = budget // itemsize - operands
+    block = length
+    while block > 1 and _ghost_block(problem, block) > left:
+        block = (block + 1) // 2
+    return 1, block
 
 
 def ghost_cost(problem: Problem, budget: int) -> RouteCost:
@@ -119,26 +155,41 @@ def ghost_cost(problem: Problem, budget: int) -> RouteCost:
     geom, n = problem.geom, problem.n
     chunk, block = _ghost_plan(problem, budget)
     length = _ghost_length(problem)
+    halo = _ghost_halo(problem)
     blocks = math.ceil(length / block)
-    operands = (geom.in_channels + geom.out_channels) * length
-    memory = chunk * (operands + geom.in_channels * numel(padded_size(geom, problem.size)))
-    memory += 4 * chunk * geom.groups * block * block  # two Gram blocks and their product
-    # half the blocks (the Gram matrices are symmetric), each reading its operands
-    flops = (
-        n
-        * geom.groups
-        * length
-        * length
-        * (geom.in_per_group * geom.kernel_numel + geom.out_per_group)
-        / 2
-    )
-    traffic = n * operands * geom.kernel_numel * (blocks + 1) / 2 + n * geom.groups * length**2
-    return RouteCost("ghost", memory * problem.itemsize, linear_time(SHIFT_TIME, flops, traffic, 0))
+    pairs = blocks * (blocks + 1) // 2  # the Gram matrices are symmetric
+    memory = chunk * (_ghost_operands(problem) + _ghost_block(problem, block))
+    chunks = math.ceil(n / chunk)
+    if flat_ok(geom):  # one input Gram block per pair, then K shifted windows summed
+        side = block + halo
+        flops = n * geom.groups * pairs * (geom.in_per_group * side * side)
+        flops += n * geom.groups * pairs * geom.out_per_group * block * block
+        traffic = n * geom.groups * pairs * (side * side + (geom.kernel_numel + 3) * block**2)
+        calls = chunks * pairs * (geom.kernel_numel + 6)
+    else:  # per pair, each offset's view copied and its Gram block added
+        flops = n * geom.groups * pairs * block * block * geom.in_per_group * geom.kernel_numel
+        flops += n * geom.groups * pairs * block * block * geom.out_per_group
+        traffic = n * pairs * geom.kernel_numel * geom.in_channels * block * 2
+        traffic += n * geom.groups * pairs * (2 * geom.kernel_numel + 3) * block**2
+        calls = chunks * pairs * (3 * geom.kernel_numel + 6)
+    time = linear_time(GHOST_TIME, flops, traffic, calls)
+    return RouteCost("ghost", memory * problem.itemsize, time)
+
+
+#: Seconds per multiply-add, per element moved and per tensor operation of the ghost
+#: route (fitted as :data:`memconv.strategies.loop.TIME` is, to 50 layer shapes).
+GHOST_TIME = (1.12e-11, 5.2e-11, 1.0e-5)
 
 
 def ghost_sq_norms(ops: Operands, budget: int) -> Tensor:
     """Squared per-sample norms ``[N]`` of a convolution's weight gradient, by Gram
     matrices per group, tiled (see the module docstring).
+
+    At stride 1 the input's Gram matrix over positions is formed once per block,
+    ``M = PᵀP`` on the flat padded plane P, and ``A_γᵀA_γ`` is the sum of its K
+    windows shifted along the diagonal by each kernel offset: K times fewer
+    multiply-adds than one product per offset (an output position of a window
+    always lies inside the plane, so the windows are cut at its end).
 
     Args:
         ops: the layer's strategy operands.
@@ -148,22 +199,58 @@ def ghost_sq_norms(ops: Operands, budget: int) -> Tensor:
     n = x.shape[0]
     problem = Problem(geom, n, tuple(x.shape[2:]), x.element_size(), True)
     chunk, block = _ghost_plan(problem, budget)
+    gram = _flat_gram if flat_ok(geom) else _offsets_gram
     out = x.new_zeros(n)
     for n0 in range(0, n, chunk):
-        gm, views = offset_operands(x[n0 : n0 + chunk], g[n0 : n0 + chunk], geom)
-        length = gm.shape[-1]  # gm [n, G, C_out/G, L]
-        for i0 in range(0, length, block):
-            rows = slice(i0, i0 + block)
-            for j0 in range(i0, length, block):
-                cols = slice(j0, j0 + block)
-                gb = gm[..., rows].transpose(-1, -2) @ gm[..., cols]  # [n, G, bi, bj]
-                ga = None
-                for view in views():  # view [n, G, C_in/G, L]
-                    part = view[..., rows].transpose(-1, -2) @ view[..., cols]
-                    ga = part if ga is None else ga.add_(part)
-                weight = 1.0 if i0 == j0 else 2.0  # the block below the diagonal
-                out[n0 : n0 + chunk] += weight * (ga * gb).sum((1, 2, 3))
-                del ga, gb
+        rows = slice(n0, n0 + chunk)
+        out[rows] = gram(x[rows], g[rows], geom, block)
+    return out
+
+
+def _flat_gram(x: Tensor, g: Tensor, geom, block: int) -> Tensor:
+    """Σ_γ ⟨A_γᵀA_γ, B_γᵀB_γ⟩ per sample at stride 1, by shifted windows of PᵀP."""
+    flat = flat_rows(x, g, geom)
+    gm, planes = flat.gm, flat.planes  # [n, G, C_out/G, L], [n, G, C_in/G, P]
+    length, plane = gm.shape[-1], planes.shape[-1]
+    halo = max(flat.bases)
+    out = x.new_zeros(x.shape[0])
+    for i0 in range(0, length, block):
+        i1 = min(length, i0 + block)
+        for j0 in range(i0, length, block):
+            j1 = min(length, j0 + block)
+            gb = gm[..., i0:i1].transpose(-1, -2) @ gm[..., j0:j1]  # [n, G, bi, bj]
+            r1, c1 = min(plane, i1 + halo), min(plane, j1 + halo)
+            m = planes[..., i0:r1].transpose(-1, -2) @ planes[..., j0:c1]
+            ga = torch.zeros_like(gb)
+            for base in flat.bases:
+                rows, cols = min(i1 - i0, r1 - i0 - base), min(j1 - j0, c1 - j0 - base)
+                if rows > 0 and cols > 0:
+                    ga[..., :rows, :cols] += m[..., base : base + rows, base : base + cols]
+            del m
+            weight = 1.0 if i0 == j0 else 2.0  # the block below the diagonal
+            out += weight * ga.mul_(gb).sum((1, 2, 3))
+            del ga, gb
+    return out
+
+
+def _offsets_gram(x: Tensor, g: Tensor, geom, block: int) -> Tensor:
+    """Σ_γ ⟨A_γᵀA_γ, B_γᵀB_γ⟩ per sample, one product per kernel offset (any stride)."""
+    gm, views = offset_operands(x, g, geom)
+    length = gm.shape[-1]  # gm [n, G, C_out/G, L]
+    out = x.new_zeros(x.shape[0])
+    for i0 in range(0, length, block):
+        rows = slice(i0, i0 + block)
+        for j0 in range(i0, length, block):
+            cols = slice(j0, j0 + block)
+            gb = gm[..., rows].transpose(-1, -2) @ gm[..., cols]  # [n, G, bi, bj]
+            ga = None
+            for view in views():  # view [n, G, C_in/G, L]
+                part = view[..., rows].transpose(-1, -2) @ view[..., cols]
+                ga = part if ga is None else ga.add_(part)
+                del part
+            weight = 1.0 if i0 == j0 else 2.0  # the block below the diagonal
+            out += weight * ga.mul_(gb).sum((1, 2, 3))
+            del ga, gb
     return out
 
 
@@ -186,7 +273,8 @@ def instantiate_cost(problem: Problem, budget: int, settings: Settings = DEFAULT
     sub = Problem(problem.geom, chunk, problem.size, problem.itemsize, True)
     run = _instantiate_settings(settings, chunk * per, budget)
     strategy = get_strategy(run.strategy)
-    memory = chunk * per + strategy.memory(sub, run.options)
+    squares = min(chunk * per, max(SQUARES_BYTES, per))  # sq_norms' slice of squares
+    memory = chunk * per + max(strategy.memory(sub, run.options), squares)
     time = strategy.time(problem, run.options) + 2e-10 * problem.per_sample_elements()
     return RouteCost("instantiate", memory, time)
 
@@ -214,10 +302,14 @@ def instantiate_sq_norms(ops: Operands, settings: Settings, budget: int) -> Tens
 
 def route_costs(
     problem: Problem, budget: int | None, settings: Settings = DEFAULT_SETTINGS
-) -> list[RouteCost]:
+) -> tuple[RouteCost, RouteCost]:
     """Both routes' costs for a convolution (``budget``: bytes, or the default)."""
-    budget = budget or DEFAULT_NORM_BUDGET
-    return [ghost_cost(problem, budget), instantiate_cost(problem, budget, settings)]
+    return _route_costs(problem, budget or DEFAULT_NORM_BUDGET, settings)
+
+
+@cost_model
+def _route_costs(problem: Problem, budget: int, settings: Settings):
+    return ghost_cost(problem, budget), instantiate_cost(problem, budget, settings)
 
 
 def choose_route(

@@ -393,7 +393,7 @@ def backward_walk(
     ours: set = set()
     unseen: dict = {}
     m = len(inputs)
-    active = [True]
+    visits = _Visits(visit)
     counter = [0]
 
     def pre_hook(module, args, kwargs):
@@ -432,7 +432,7 @@ def backward_walk(
             if t._is_view():  # an in-place op on a view would rebuild its graph
                 t = t.clone()
                 new_leaves[j] = t
-            t.register_hook(_on_grad(call, j, visit, active))
+            t.register_hook(visits.hook(call, j))
             call.edges.append((j, get_gradient_edge(t)))
         return tree_unflatten(new_leaves, out_spec)
 
@@ -464,7 +464,8 @@ def backward_walk(
     edges = [wanted[n] for n in deepest]
     if edges:
         torch.autograd.grad(losses.sum(), edges, allow_unused=True, retain_graph=keep_graph)
-    active[0] = False
+    visits.flush()
+    visits.active = False
     missed = [c for c in calls if not c.done]
     if missed:
         raise RuntimeError(
@@ -496,18 +497,36 @@ def _autocast_state(leaves) -> tuple:
     return (device, None)
 
 
-def _on_grad(call: LayerCall, j: int, visit, active):
-    def hook(grad):
-        if not active[0] or call.done:  # a second backward pass of a kept graph
-            return
-        call.grads[j] = grad
-        if all(call.grads[k] is not None for k in call.expected):
-            call.done = True
-            visit(call)
+class _Visits:
+    """Hands each call to ``visit`` once all its output gradients have arrived, one
+    call late: a call's route then runs after its own backward node, whose
+    temporaries (a convolution's input gradient and oneDNN's reorders) are gone by
+    then, rather than on top of them."""
+
+    def __init__(self, visit: Callable[[LayerCall], None]):
+        self.visit = visit
+        self.active = True
+        self.pending: LayerCall | None = None
+
+    def hook(self, call: LayerCall, j: int):
+        def on_grad(grad):
+            if not self.active or call.done:  # a second backward pass of a kept graph
+                return
+            call.grads[j] = grad
+            if all(call.grads[k] is not None for k in call.expected):
+                call.done = True
+                self.flush()
+                self.pending = call
+
+        return on_grad
+
+    def flush(self) -> None:
+        """Run the pending call's route (and release its tensors, unless kept)."""
+        call, self.pending = self.pending, None
+        if call is not None:
+            self.visit(call)
             if not call.kept:  # a visitor that keeps the call releases it itself
                 call.release()
-
-    return hook
 
 
 def _assign(calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, walk: Walk):

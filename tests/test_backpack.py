@@ -232,9 +232,9 @@ def test_backpack_wrong_for_groups_memconv_right():
 def test_batch_l2_by_ghost_norms_where_cheaper(strategy_calls):
     """A late layer (few positions, many channels): ghost norms, no per-sample gradients."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(32, 64, 3, groups=2), nn.Flatten(), nn.Linear(64 * 4, 3))
+    model = nn.Sequential(nn.Conv2d(128, 256, 3, groups=2), nn.Flatten(), nn.Linear(256 * 9, 3))
     model = extend(memconv.convert(model.double()))
-    x, y = torch.randn(4, 32, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    x, y = torch.randn(4, 128, 5, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
     right = expected(model, x, y, "BatchL2Grad")[0]
     with mb.installed(extensions.BatchL2Grad()) as ext, backpack.backpack(ext):
         with memconv.save_memory("unfold"):

@@ -298,7 +298,7 @@ def test_unused_parameter_gets_zeros_and_missing_gradient_raises(monkeypatch):
     # a gradient that should arrive but does not is an error, never zeros
     import memconv.walk as walk
 
-    monkeypatch.setattr(walk, "_on_grad", lambda call, j, visit, active: lambda grad: None)
+    monkeypatch.setattr(walk._Visits, "hook", lambda self, call, j: lambda grad: None)
     with pytest.raises(RuntimeError, match="'body'.*never arrived.*body.weight"):
         memconv.per_sample_grads(model, nn.MSELoss(), x, y)
 

@@ -20,6 +20,7 @@ from . import standard  # noqa: F401
 from . import rochette  # noqa: F401
 from . import unfold  # noqa: F401
 from . import shift  # noqa: F401
+from . import loop  # noqa: F401
 from . import streaming  # noqa: F401
 from . import auto  # noqa: F401
 

@@ -21,6 +21,7 @@ from .base import (
     NO_OPTIONS,
     Options,
     Problem,
+    cost_model,
     fastest_that_fits,
     get_strategy,
     register_strategy,
@@ -36,6 +37,7 @@ def _candidate_options(strategy, options: Options) -> Options:
     return NO_OPTIONS
 
 
+@cost_model
 def choose(problem: Problem, options: Options):
     """The strategy ``"auto"`` runs for this VJP.
 

@@ -13,6 +13,7 @@ new strategy is one new module.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import ClassVar, Protocol, runtime_checkable
@@ -191,6 +192,26 @@ def get_strategy(name: str) -> Strategy:
 def strategy_names() -> tuple[str, ...]:
     """Names of all registered strategies, in registration order."""
     return tuple(_REGISTRY)
+
+
+def cost_model(fn):
+    """Memoise a cost-model function of frozen values (:class:`Problem`,
+    :class:`Options`, budgets in bytes, settings).
+
+    The cost models are pure functions of their arguments and of the registered
+    strategies, whose names are part of the key; without the memo, the choices made
+    for every layer of every call (``"auto"``, ``"streaming"``'s tiles, the norm
+    routes, the whole-call planner's predictions) cost about as much Python time as a
+    small layer's backward pass.
+    """
+    cached = functools.lru_cache(maxsize=4096)(lambda names, *args: fn(*args))
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        return cached(strategy_names(), *args)
+
+    wrapper.cache_clear = cached.cache_clear
+    return wrapper
 
 
 def elementary() -> tuple[Strategy, ...]:

@@ -27,6 +27,7 @@ from .base import (
     NO_OPTIONS,
     Options,
     Problem,
+    cost_model,
     elementary,
     get_strategy,
     numel,
@@ -94,6 +95,7 @@ def _time(problem: Problem, tile, inner, options: Options) -> float:
     return count * (per_tile + TILE_COST)
 
 
+@cost_model
 def plan(problem: Problem, options: Options):
     """``(inner strategy, tile)`` for this VJP.
 

@@ -1,0 +1,123 @@
+"""``"loop"``: torch's own weight-gradient kernel, one sample at a time.
+
+The per-sample gradient of sample n is the summed weight gradient of a batch of one,
+so ATen's ``convolution_backward`` (oneDNN on the CPU, cuDNN on a GPU), asked for the
+weight gradient only, is called on ``x[n:n+1]`` and ``g[n:n+1]`` for each n and its
+result written into the per-sample tensor: the "naive" per-example loop that Rochette
+et al. (2019, section 4) compare against, here without a forward pass or a graph. It
+needs no im2col and no padded copy of its own (the kernel works on one sample at a
+time), and on the CPU the kernel is the fastest of the registered strategies where
+positions are many and channels few (early layers, large images); its cost is one
+kernel call per sample, which dominates for small layers.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import Tensor
+
+from .._geometry import ConvGeometry, convolution_backward
+from .base import Options, Problem, numel, register_strategy
+
+
+def native_path(geom: ConvGeometry, size: tuple[int, ...], itemsize: int) -> bool:
+    """Whether ATen computes one sample's weight gradient on the CPU with its native
+    im2col kernel rather than oneDNN's (``ConvParams::use_mkldnn`` in ATen's
+    ``Convolution.cpp``, torch 2.x: oneDNN takes float32 and bfloat16, and a batch of one
+    only if grouped, with kernels over 3×3, or with more than 20480 input elements in
+    its first four dimensions). A single-threaded process runs unstrided 1×1
+    convolutions natively too, which this ignores.
+
+    Args:
+        geom: the normal-form geometry.
+        size: the normal-form input's spatial size.
+        itemsize: bytes per element (8: float64, which oneDNN does not take).
+    """
+    if itemsize == 8:
+        return True
+    if geom.groups > 1:
+        return False
+    k = geom.kernel_size
+    if geom.dims >= 2 and k[-1] > 3 and k[-2] > 3:
+        return False
+    # the input as ATen sees it: [1, C, *S], a 1-d one viewed as [1, C, 1, L]
+    first = geom.in_channels * numel(size[:1] if geom.dims == 1 else size[:2])
+    return first <= 20480
+
+
+class Loop:
+    """Weight VJP by one call of torch's convolution backward kernel per sample; a
+    summed result adds the samples' gradients up as they come."""
+
+    name: ClassVar[str] = "loop"
+    options: ClassVar[frozenset[str]] = frozenset()
+    composite: ClassVar[bool] = False
+
+    def vjp(self, x, g, geom, *, per_sample, options, out=None) -> Tensor:
+        # the kernel reads only the weight's shape and dtype for a weight gradient
+        weight = x.new_zeros(geom.weight_shape)
+        n = x.shape[0]
+        if out is not None:
+            result = out
+        elif per_sample:
+            result = x.new_empty((n, *geom.weight_shape))
+        else:
+            result = x.new_zeros(geom.weight_shape)
+        for i in range(n):
+            grad = convolution_backward(x[i : i + 1], weight, g[i : i + 1], geom, weight_grad=True)[
+                1
+            ]
+            target = result[i] if per_sample else result
+            if per_sample and out is None:
+                target.copy_(grad)
+            else:
+                target.add_(grad)
+            del grad
+        return result
+
+    def memory(self, problem: Problem, options: Options) -> int:
+        geom, itemsize = problem.geom, problem.itemsize
+        # the zero weight and one sample's gradient, and the kernel's workspace for one
+        # sample: its im2col matrix on ATen's native path, else oneDNN's reorders
+        if native_path(geom, problem.size, itemsize):
+            workspace = geom.in_per_group * geom.kernel_numel * problem.positions
+        else:
+            workspace = (
+                geom.in_channels * numel(problem.size) + geom.out_channels * problem.positions
+            )
+        return (2 * numel(geom.weight_shape) + workspace) * itemsize  # adds into `out` in place
+
+    def time(self, problem: Problem, options: Options) -> float:
+        geom = problem.geom
+        native = native_path(geom, problem.size, problem.itemsize)
+        if native:
+            per_flop = TIME["native-3d" if geom.dims == 3 else "native"]
+        else:
+            per_flop = TIME["onednn"]
+        per_result = TIME["native-result" if native else "onednn-result"]
+        operands = problem.input_elements() + problem.grad_elements()
+        return (
+            per_flop * problem.flops()
+            + TIME["operand"] * operands
+            + per_result * problem.per_sample_elements()
+            + TIME["call"] * problem.n
+        )
+
+
+#: Seconds per multiply-add (on ATen's native path, 2-d or 3-d, or oneDNN's), per
+#: element of the operands, per element of the per-sample gradients (written, then
+#: copied or added) and per kernel call; fitted (non-negative least squares on
+#: relative error) to the measured times of 40 layer shapes of the benchmark models
+#: and the tests, N = 16 and 64, on a 2-core x86 CPU with torch 2.13.
+TIME = {
+    "native": 1.5e-11,
+    "native-3d": 2.9e-11,
+    "onednn": 5.1e-12,
+    "operand": 2.4e-10,
+    "native-result": 3.0e-10,
+    "onednn-result": 5.6e-10,
+    "call": 3.8e-5,
+}
+
+LOOP = register_strategy(Loop())
