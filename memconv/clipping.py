@@ -239,12 +239,13 @@ def per_sample_norms(
             ]
         parts = [(s, slice(i, i + 1)) for i, s in enumerate(sq)]
     else:
-        m, layer_budget, _, guard = _plan(
+        m, layer_budget, _, guard, axes = _plan(
             model, inputs, "norms", settings, memory_budget, None, norm_route
         )
         rs = RuleSettings(settings, norm_route, layer_budget)
         walks = _walks(
             model, loss_fn, inputs, targets, rs, m, None, "memconv.per_sample_norms", guard,
+            axes,
         )  # fmt: skip
         parts = [(sq, rows) for (sq, _, _), rows in zip(walks, _micro_batches(n, m))]
     total = torch.cat([_total(part, rows.stop - rows.start) for part, rows in parts]).sqrt()
@@ -263,9 +264,11 @@ def _micro_batches(n: int, m: int):
     return [slice(i0, min(n, i0 + m)) for i0 in range(0, n, m)]
 
 
-def _walks(model, loss_fn, inputs, targets, rs, m, clip_route, caller, guard=False):
-    """:func:`_walk_norms` over the micro-batches of ``m`` samples, one at a time."""
-    axes = probe_axes(model, inputs)
+def _walks(model, loss_fn, inputs, targets, rs, m, clip_route, caller, guard=False, axes=None):
+    """:func:`_walk_norms` over the micro-batches of ``m`` samples, one at a time
+    (``axes``: the batch axes, if the plan's profile found them already)."""
+    if axes is None:
+        axes = probe_axes(model, inputs)
     # a budget holds for the process too (glibc's heap), see memconv.resources
     with process_budget(inputs.device) if guard else nullcontext():
         for rows in _micro_batches(len(inputs), m):
@@ -276,16 +279,18 @@ def _walks(model, loss_fn, inputs, targets, rs, m, clip_route, caller, guard=Fal
 
 
 def _plan(model, inputs, task, settings, memory_budget, clip_route, norm_route):
-    """``(micro-batch, per-layer budget, clip route, whether to guard the process)`` for
-    a whole call."""
+    """``(micro-batch, per-layer budget, clip route, whether to guard the process, the
+    batch axes or None)`` for a whole call."""
     from .planning import make_plan, profile
 
     n = len(inputs)
     budget = resolve_budget(memory_budget, inputs.device)
     if budget is None:
-        return n, None, clip_route or "book-keeping", False
-    chosen = make_plan(profile(model, inputs), n, task, settings, budget, clip_route, norm_route)
-    return chosen.micro_batch, chosen.layer_budget, chosen.clip_route, guards(memory_budget, chosen)
+        return n, None, clip_route or "book-keeping", False, None
+    prof = profile(model, inputs)
+    chosen = make_plan(prof, n, task, settings, budget, clip_route, norm_route)
+    guard = guards(memory_budget, chosen)
+    return chosen.micro_batch, chosen.layer_budget, chosen.clip_route, guard, prof.axes()
 
 
 def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
@@ -360,7 +365,7 @@ def clip_and_accumulate(
         return _clip_sample_by_sample(
             model, loss_fn, inputs, targets, params, settings, max_norm, ddp
         )
-    m, layer_budget, route, guard = _plan(
+    m, layer_budget, route, guard, axes = _plan(
         model, inputs, "clip", settings, memory_budget, clip_route, norm_route
     )
     total: dict[str, Tensor] = {}
@@ -368,6 +373,7 @@ def clip_and_accumulate(
     rs = RuleSettings(settings, norm_route, layer_budget)
     walks = _walks(
         model, loss_fn, inputs, targets, rs, m, route, "memconv.clip_and_accumulate", guard,
+        axes,
     )  # fmt: skip
     for sq, losses, gathered in walks:
         norms = _total(sq, len(losses)).sqrt().detach()

@@ -179,11 +179,13 @@ def per_sample_grads(
     budget = resolve_budget(memory_budget, inputs.device)
     m, layer_budget, chosen = n, None, None
     if budget is not None:  # raises before any work if the result cannot fit
-        chosen = make_plan(profile(model, inputs), n, "grads", settings, budget)
-        m, layer_budget = chosen.micro_batch, chosen.layer_budget
+        prof = profile(model, inputs)
+        chosen = make_plan(prof, n, "grads", settings, budget)
+        m, layer_budget, axes = chosen.micro_batch, chosen.layer_budget, prof.axes()
+    else:
+        axes = probe_axes(model, inputs)
     out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
     rs = RuleSettings(settings, None, layer_budget)
-    axes = probe_axes(model, inputs)
     with process_budget(inputs.device) if guards(memory_budget, chosen) else nullcontext():
         _grads_walks(model, loss_fn, inputs, targets, names, axes, rs, m, out)
     return out

@@ -40,7 +40,7 @@ from .context import Settings, activate, use_block_settings
 from .grad_sample import own_trainable
 from .layers import RuleSettings, find_rule, using
 from .resources import AVAILABLE, resolve_budget
-from .walk import keep_rng
+from .walk import call_axes, keep_rng, recording_calls
 
 logger = logging.getLogger("memconv")
 
@@ -89,6 +89,9 @@ class Profile:
         layers: the leaf layers' calls, in forward order.
         params: trainable parameter elements (shared ones once).
         param_bytes: their bytes.
+        owner_calls: the calls of the parametrised modules in the passes of one and
+            of two samples (:func:`memconv.walk.recording_calls`), from which
+            :meth:`axes` reads their batch axes.
     """
 
     activations: tuple[float, float]
@@ -96,6 +99,15 @@ class Profile:
     layers: list[LayerProfile]
     params: int
     param_bytes: int
+    owner_calls: tuple = ((), ())
+
+    def axes(self) -> list:
+        """The batch axes of the parametrised calls (:func:`memconv.walk.probe_axes`).
+
+        Raises:
+            RuntimeError: the two probes called different layers.
+        """
+        return call_axes(*self.owner_calls)
 
 
 def _fit(one: float, two: float) -> tuple[float, float]:
@@ -114,11 +126,12 @@ def profile(model: nn.Module, example: Tensor) -> Profile:
     """
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     leaves = [mod for mod in model.modules() if not list(mod.children()) or own_trainable(mod)]
-    runs = []
+    runs, owner_calls = [], []
     for m in (1, 2):
-        runs.append(
-            _probe(model, example[:1].expand(m, *example.shape[1:]).clone(), leaves, param_storages)
-        )
+        with recording_calls(model) as calls:
+            x = example[:1].expand(m, *example.shape[1:]).clone()
+            runs.append(_probe(model, x, leaves, param_storages))
+        owner_calls.append(calls)
     (s1, out1, calls1), (s2, _, calls2) = runs
     names = {mod: n for n, mod in model.named_modules()}
     layers = [
@@ -141,6 +154,7 @@ def profile(model: nn.Module, example: Tensor) -> Profile:
         layers,
         sum(p.numel() for p in params.values()),
         sum(p.numel() * p.element_size() for p in params.values()),
+        tuple(owner_calls),
     )
 
 

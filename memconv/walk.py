@@ -26,6 +26,7 @@ none is missed. Autograd itself computes no parameter gradient in the walk.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,30 +82,37 @@ class CallAxes:
     outputs: tuple
 
 
-def probe_axes(model: nn.Module, inputs: Tensor) -> list[CallAxes]:
-    """The batch axes of every call of a parametrised module, in forward order, read
-    off forward passes of one and of two samples (the first sample, repeated).
+@contextlib.contextmanager
+def recording_calls(model: nn.Module):
+    """Record ``(module, argument shapes, output shapes)`` of every call of a module
+    owning trainable parameters during the forward passes run inside the block.
 
-    Returns:
-        One :class:`CallAxes` per call of a module owning trainable parameters.
+    Yields:
+        The list the calls are appended to, in forward order.
     """
-    owners = [m for m in model.modules() if own_trainable(m)]
-    runs = []
-    for m in (1, 2):
-        calls: list = []
+    calls: list = []
 
-        def hook(module, args, kwargs, output, calls=calls):
-            calls.append((module, _shapes((args, kwargs)), _shapes(output)))
+    def hook(module, args, kwargs, output):
+        calls.append((module, _shapes((args, kwargs)), _shapes(output)))
 
-        handles = [o.register_forward_hook(hook, with_kwargs=True) for o in owners]
-        try:
-            with torch.no_grad(), keep_rng():  # the pass then draws the same random numbers
-                model(inputs[:1].expand(m, *inputs.shape[1:]).clone())
-        finally:
-            for h in handles:
-                h.remove()
-        runs.append(calls)
-    one, two = runs
+    handles = [
+        o.register_forward_hook(hook, with_kwargs=True) for o in model.modules() if own_trainable(o)
+    ]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def call_axes(one: list, two: list) -> list[CallAxes]:
+    """The batch axes of every recorded call, from :func:`recording_calls` of forward
+    passes of one and of two samples.
+
+    Raises:
+        RuntimeError: if the two passes call different layers (data-dependent
+            control flow).
+    """
     if len(one) != len(two) or any(a[0] is not b[0] for a, b in zip(one, two)):
         raise RuntimeError(
             "the model calls its layers differently for one sample than for two (data-"
@@ -118,6 +126,23 @@ def probe_axes(model: nn.Module, inputs: Tensor) -> list[CallAxes]:
         )
         for (module, in1, out1), (_, in2, out2) in zip(one, two)
     ]
+
+
+def probe_axes(model: nn.Module, inputs: Tensor) -> list[CallAxes]:
+    """The batch axes of every call of a parametrised module, in forward order, read
+    off forward passes of one and of two samples (the first sample, repeated).
+    (:func:`memconv.planning.profile` reads them off its own probes.)
+
+    Returns:
+        One :class:`CallAxes` per call of a module owning trainable parameters.
+    """
+    runs = []
+    for m in (1, 2):
+        with recording_calls(model) as calls, torch.no_grad(), keep_rng():
+            # keep_rng: the pass then draws the same random numbers
+            model(inputs[:1].expand(m, *inputs.shape[1:]).clone())
+        runs.append(calls)
+    return call_axes(*runs)
 
 
 @dataclass(eq=False)

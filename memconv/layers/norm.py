@@ -9,6 +9,8 @@ statistics: both are rejected.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,25 +37,45 @@ class AffineNormRule(LayerRule):
         return tuple(range(2, g.dim()))  # per channel (axis 1)
 
     def grad_sample(self, module, inputs, grad_output):
-        g = grad_output
-        with rule_settings().autocast_context():
-            xhat = self.normalized(module, inputs[0])
-        xhat = xhat.to(g.dtype)
+        g, x = grad_output, inputs[0]
         axes = self.shared_axes(module, g)
         out = {}
         if _trainable(module, "weight"):
-            out["weight"] = (g * xhat).sum(axes) if axes else g * xhat
+            weight = None
+            step = _chunk(x)
+            with rule_settings().autocast_context():
+                for i in range(0, len(x), step):
+                    rows = slice(i, i + step)
+                    xhat = self.normalized(module, x[rows]).to(g.dtype)
+                    part = (g[rows] * xhat).sum(axes) if axes else g[rows] * xhat
+                    if weight is None:
+                        weight = part.new_empty((len(x), *part.shape[1:]))
+                    weight[rows] = part
+                    del xhat, part
+            out["weight"] = weight
         if _trainable(module, "bias"):
             out["bias"] = g.sum(axes) if axes else g
         return out
 
     def memory(self, module, input_shapes, itemsize, task):
-        n = input_shapes[0][0]
-        elements = 1
-        for s in input_shapes[0]:
-            elements *= s
+        shape = input_shapes[0]
+        n, one = shape[0], math.prod(shape[1:])
+        chunk = min(n, _samples_per_chunk(one * itemsize)) * one
         params = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
-        return (2 * elements + 2 * n * params) * itemsize  # x̂, g·x̂ and the gradients
+        return (2 * chunk + 2 * n * params) * itemsize  # x̂, g·x̂ of a chunk; the gradients
+
+
+#: Bytes of x̂ the normalisation rules hold at once (or one sample's, if larger): a
+#: chunk of samples at a time keeps the temporaries small and in cache.
+CHUNK_BYTES = 2 * 2**20
+
+
+def _samples_per_chunk(sample_bytes: int) -> int:
+    return max(1, CHUNK_BYTES // max(sample_bytes, 1))
+
+
+def _chunk(x) -> int:
+    return _samples_per_chunk(x[:1].numel() * x.element_size())
 
 
 @register(nn.GroupNorm, modules.GroupNorm)
