@@ -11,10 +11,10 @@ with T×T Gram matrices per sample and group — never across groups (Goodfellow
 "Efficient per-example gradient computations", and Li et al. 2022 / Bu et al. 2022
 for convolutions). Two routes, chosen per layer by their cost models or forced:
 
-- ``"ghost"``: the Gram matrices, tiled over blocks of positions so that their
-  memory is bounded (``A_γᵀA_γ = Σ_κ X_κᵀX_κ``, one product per kernel offset on the
-  shifted input of :func:`memconv.strategies.shift.offset_operands`: no im2col).
-  Time ~ N·G·T²·(C_in/G·K + C_out/G), memory ~ one block;
+- ``"ghost"``: the Gram matrices, tiled so that their memory is bounded, without
+  im2col (:mod:`memconv.ghost`: ``A_γᵀA_γ`` as K strided windows of the input's
+  Gram matrix over its positions, or as one product per kernel offset). Time ~
+  N·G·(C_in/G·S² + C_out/G·T²), memory ~ one block;
 - ``"instantiate"``: per-sample gradients of a chunk of samples by a memconv
   strategy, squared and summed. Time ~ the weight VJP's N·C_out·(C_in/G)·K·T, memory
   ~ one chunk's gradients; it wins when 2T² > C_out·C_in·K/G (early layers, large
@@ -26,18 +26,17 @@ convolution rule calls :func:`conv_weight_sq_norms`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from . import ghost
 from ._geometry import Operands, conv_spec
 from .context import DEFAULT_SETTINGS, Settings
 from .grad_sample import weight_grad
 from .strategies import Problem, get_strategy
-from .strategies.base import cost_model, fastest_that_fits, linear_time, numel, padded_size
-from .strategies.shift import flat_ok, flat_rows, offset_operands
+from .strategies.base import cost_model, fastest_that_fits, numel
 
 ROUTES = ("ghost", "instantiate")
 #: Bytes a route may use for its temporaries when no budget is given.
@@ -92,166 +91,23 @@ def check_route(route, argument: str = "norm_route") -> None:
 
 
 # ----------------------------------------------------------------- ghost (conv)
-def _ghost_length(problem: Problem) -> int:
-    """Positions per sample the Gram matrices span (the padded grid's rows at stride 1)."""
-    if flat_ok(problem.geom):
-        p = padded_size(problem.geom, problem.size)
-        return problem.output_size[0] * numel(p[1:])
-    return problem.positions
-
-
-def _ghost_halo(problem: Problem) -> int:
-    """At stride 1: how far past a block of positions the input Gram matrix reaches
-    (the largest kernel offset's shift in the flat padded plane); else 0."""
-    geom = problem.geom
-    if not flat_ok(geom):
-        return 0
-    p = padded_size(geom, problem.size)
-    return sum(
-        (k - 1) * d * numel(p[i + 1 :])
-        for i, (k, d) in enumerate(zip(geom.kernel_size, geom.dilation))
-    )
-
-
-def _ghost_operands(problem: Problem) -> int:
-    """Elements one sample's operands take: at stride 1 the flat padded input and the
-    output gradient on its grid; else the padded input and one offset's copied view."""
-    geom = problem.geom
-    padded = geom.in_channels * numel(padded_size(geom, problem.size))
-    if flat_ok(geom):
-        return padded + geom.out_channels * _ghost_length(problem)
-    return (padded if any(geom.padding) else 0) + geom.in_channels * problem.positions
-
-
-def _ghost_block(problem: Problem, block: int) -> int:
-    """Elements of one sample's temporaries for a pair of blocks: the output-gradient
-    Gram block and the input one (at stride 1: the input Gram over the block and its
-    halo, and the sum of its shifted windows; else the sum over offsets and one
-    offset's part)."""
-    halo = _ghost_halo(problem)
-    if flat_ok(problem.geom):
-        return problem.geom.groups * ((block + halo) ** 2 + 2 * block * block)
-    return problem.geom.groups * 3 * block * block
-
-
-def _ghost_plan(problem: Problem, budget: int) -> tuple[int, int]:
-    """``(samples per chunk, positions per block)`` within ``budget`` bytes: whole Gram
-    matrices for as many samples as fit, else one sample at a time in blocks."""
-    itemsize = problem.itemsize
-    length = _ghost_length(problem)
-    operands = _ghost_operands(problem)
-    whole = (operands + _ghost_block(problem, length)) * itemsize
-    if whole <= budget:
-        return max(1, min(problem.n, budget // whole)), length
-    left = budget // itemsize - operands
-    block = length
-    while block > 1 and _ghost_block(problem, block) > left:
-        block = (block + 1) // 2
-    return 1, block
-
-
 def ghost_cost(problem: Problem, budget: int) -> RouteCost:
-    """Cost of the ghost route for a convolution."""
-    geom, n = problem.geom, problem.n
-    chunk, block = _ghost_plan(problem, budget)
-    length = _ghost_length(problem)
-    halo = _ghost_halo(problem)
-    blocks = math.ceil(length / block)
-    pairs = blocks * (blocks + 1) // 2  # the Gram matrices are symmetric
-    memory = chunk * (_ghost_operands(problem) + _ghost_block(problem, block))
-    chunks = math.ceil(n / chunk)
-    if flat_ok(geom):  # one input Gram block per pair, then K shifted windows summed
-        side = block + halo
-        flops = n * geom.groups * pairs * (geom.in_per_group * side * side)
-        flops += n * geom.groups * pairs * geom.out_per_group * block * block
-        traffic = n * geom.groups * pairs * (side * side + (geom.kernel_numel + 3) * block**2)
-        calls = chunks * pairs * (geom.kernel_numel + 6)
-    else:  # per pair, each offset's view copied and its Gram block added
-        flops = n * geom.groups * pairs * block * block * geom.in_per_group * geom.kernel_numel
-        flops += n * geom.groups * pairs * block * block * geom.out_per_group
-        traffic = n * pairs * geom.kernel_numel * geom.in_channels * block * 2
-        traffic += n * geom.groups * pairs * (2 * geom.kernel_numel + 3) * block**2
-        calls = chunks * pairs * (3 * geom.kernel_numel + 6)
-    time = linear_time(GHOST_TIME, flops, traffic, calls)
-    return RouteCost("ghost", memory * problem.itemsize, time)
-
-
-#: Seconds per multiply-add, per element moved and per tensor operation of the ghost
-#: route (fitted as :data:`memconv.strategies.loop.TIME` is, to 50 layer shapes).
-GHOST_TIME = (1.12e-11, 5.2e-11, 1.0e-5)
+    """Cost of the ghost route for a convolution (:func:`memconv.ghost.plan`)."""
+    chosen = ghost.plan(problem, budget)
+    return RouteCost("ghost", chosen.memory, chosen.time)
 
 
 def ghost_sq_norms(ops: Operands, budget: int) -> Tensor:
     """Squared per-sample norms ``[N]`` of a convolution's weight gradient, by Gram
-    matrices per group, tiled (see the module docstring).
-
-    At stride 1 the input's Gram matrix over positions is formed once per block,
-    ``M = PᵀP`` on the flat padded plane P, and ``A_γᵀA_γ`` is the sum of its K
-    windows shifted along the diagonal by each kernel offset: K times fewer
-    multiply-adds than one product per offset (an output position of a window
-    always lies inside the plane, so the windows are cut at its end).
+    matrices per group, tiled (:mod:`memconv.ghost`).
 
     Args:
         ops: the layer's strategy operands.
         budget: bytes for the temporaries (chunk of samples × block of positions).
     """
-    x, g, geom = ops.x, ops.g, ops.geometry
-    n = x.shape[0]
-    problem = Problem(geom, n, tuple(x.shape[2:]), x.element_size(), True)
-    chunk, block = _ghost_plan(problem, budget)
-    gram = _flat_gram if flat_ok(geom) else _offsets_gram
-    out = x.new_zeros(n)
-    for n0 in range(0, n, chunk):
-        rows = slice(n0, n0 + chunk)
-        out[rows] = gram(x[rows], g[rows], geom, block)
-    return out
-
-
-def _flat_gram(x: Tensor, g: Tensor, geom, block: int) -> Tensor:
-    """Σ_γ ⟨A_γᵀA_γ, B_γᵀB_γ⟩ per sample at stride 1, by shifted windows of PᵀP."""
-    flat = flat_rows(x, g, geom)
-    gm, planes = flat.gm, flat.planes  # [n, G, C_out/G, L], [n, G, C_in/G, P]
-    length, plane = gm.shape[-1], planes.shape[-1]
-    halo = max(flat.bases)
-    out = x.new_zeros(x.shape[0])
-    for i0 in range(0, length, block):
-        i1 = min(length, i0 + block)
-        for j0 in range(i0, length, block):
-            j1 = min(length, j0 + block)
-            gb = gm[..., i0:i1].transpose(-1, -2) @ gm[..., j0:j1]  # [n, G, bi, bj]
-            r1, c1 = min(plane, i1 + halo), min(plane, j1 + halo)
-            m = planes[..., i0:r1].transpose(-1, -2) @ planes[..., j0:c1]
-            ga = torch.zeros_like(gb)
-            for base in flat.bases:
-                rows, cols = min(i1 - i0, r1 - i0 - base), min(j1 - j0, c1 - j0 - base)
-                if rows > 0 and cols > 0:
-                    ga[..., :rows, :cols] += m[..., base : base + rows, base : base + cols]
-            del m
-            weight = 1.0 if i0 == j0 else 2.0  # the block below the diagonal
-            out += weight * ga.mul_(gb).sum((1, 2, 3))
-            del ga, gb
-    return out
-
-
-def _offsets_gram(x: Tensor, g: Tensor, geom, block: int) -> Tensor:
-    """Σ_γ ⟨A_γᵀA_γ, B_γᵀB_γ⟩ per sample, one product per kernel offset (any stride)."""
-    gm, views = offset_operands(x, g, geom)
-    length = gm.shape[-1]  # gm [n, G, C_out/G, L]
-    out = x.new_zeros(x.shape[0])
-    for i0 in range(0, length, block):
-        rows = slice(i0, i0 + block)
-        for j0 in range(i0, length, block):
-            cols = slice(j0, j0 + block)
-            gb = gm[..., rows].transpose(-1, -2) @ gm[..., cols]  # [n, G, bi, bj]
-            ga = None
-            for view in views():  # view [n, G, C_in/G, L]
-                part = view[..., rows].transpose(-1, -2) @ view[..., cols]
-                ga = part if ga is None else ga.add_(part)
-                del part
-            weight = 1.0 if i0 == j0 else 2.0  # the block below the diagonal
-            out += weight * ga.mul_(gb).sum((1, 2, 3))
-            del ga, gb
-    return out
+    x = ops.x
+    problem = Problem(ops.geometry, x.shape[0], tuple(x.shape[2:]), x.element_size(), True)
+    return ghost.sq_norms(ops, ghost.plan(problem, budget))
 
 
 # ----------------------------------------------------------------- instantiate (conv)

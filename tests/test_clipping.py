@@ -141,6 +141,46 @@ def test_ghost_blocks_that_do_not_divide_t(budget):
     assert rel_err(got, ref.flatten(1).pow(2).sum(1)) < TOL
 
 
+GHOST_LAYERS = LAYERS + [
+    (2, 4, 6, 1, 9, dict(stride=2), False),  # a kernel of one skips positions
+    (2, 4, 6, 1, 8, dict(stride=3, padding=1), False),  # ... and reads padding
+    (1, 3, 5, (1,), 10, dict(stride=2, padding=2, groups=1), False),
+    (2, 3, 4, 2, 8, dict(stride=2), False),  # a patch embedding: stride = kernel
+    (3, 2, 4, (1, 3, 1), (4, 6, 5), dict(stride=(2, 1, 3), padding=(0, 1, 0)), False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["whole", "tiled"])
+@pytest.mark.parametrize("method", ["positions", "offsets"])
+@pytest.mark.parametrize("case", GHOST_LAYERS, ids=lambda c: str(c[:5]))
+def test_both_ghost_methods_against_autograd(case, method, tiled):
+    """Each way of forming the Gram matrices (memconv.ghost), whole and in bands or
+    blocks, against per-sample weight gradients from autograd."""
+    from memconv import ghost
+    from memconv.strategies import Problem
+
+    dims, c_in, c_out, k, size, kwargs, transposed = case
+    torch.manual_seed(0)
+    conv = (CONV_TRANSPOSES if transposed else CONVS)[dims](c_in, c_out, k, **kwargs).double()
+    sizes = size if isinstance(size, tuple) else (size,) * dims
+    x = torch.randn(3, c_in, *sizes, dtype=torch.float64)
+    with torch.no_grad():
+        g = torch.randn_like(conv(x))
+    ref = torch.stack(
+        [torch.autograd.grad(conv(x[i : i + 1]), conv.weight, g[i : i + 1])[0] for i in range(3)]
+    )
+    ops = conv_spec(conv).operands(x, g)
+    problem = Problem(ops.geometry, 3, tuple(ops.x.shape[2:]), 8, True)
+    make = {"positions": ghost._positions_plan, "offsets": ghost._offsets_plan}[method]
+    chosen = make(problem, 2**30)
+    if tiled:  # a third of what one sample's whole Gram matrices need: bands or blocks
+        chosen = make(problem, chosen.memory // chosen.chunk // 3)
+        whole = problem.output_size[0] if method == "positions" else ghost._offsets_length(problem)
+        assert chosen.chunk == 1 and chosen.block < whole
+    got = ghost.sq_norms(ops, chosen)
+    assert rel_err(got, ref.flatten(1).pow(2).sum(1)) < TOL
+
+
 def test_shared_parameters_and_a_layer_called_twice():
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 3, 3, padding=1)

@@ -14,7 +14,6 @@ view is copied (one input-sized buffer at a time, never K of them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -35,8 +34,7 @@ from .base import (
 DEFAULT_CHUNK_BUDGET = 16 * 2**20
 
 
-def flat_ok(geom: ConvGeometry) -> bool:
-    """Whether the operands are windows of one flat buffer (stride 1 on every axis)."""
+def _flat_ok(geom: ConvGeometry) -> bool:
     return all(s == 1 for s in geom.stride)
 
 
@@ -45,7 +43,7 @@ def _per_sample_temporaries(geom: ConvGeometry, size, per_sample: bool, out_give
     p = padded_size(geom, size)
     t = geom.output_size(size)
     part = geom.out_channels * geom.in_per_group if (out_given or not per_sample) else 0
-    if flat_ok(geom):
+    if _flat_ok(geom):
         return geom.in_channels * numel(p) + geom.out_channels * t[0] * numel(p[1:]) + part
     padded = geom.in_channels * numel(p) if any(geom.padding) else 0
     return padded + geom.in_channels * numel(t) + part
@@ -116,7 +114,7 @@ class Shift:
 
     def time(self, problem: Problem, options: Options) -> float:
         geom, n = problem.geom, problem.n
-        if flat_ok(geom):
+        if _flat_ok(geom):
             p = padded_size(geom, problem.size)
             length = problem.output_size[0] * numel(p[1:])  # a window of the flat row
             copies = 0
@@ -152,39 +150,11 @@ def offset_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
         grid with zeros where no output position is); otherwise each is a copy
         (L = T).
     """
-    return (_flat_operands if flat_ok(geom) else _copied_operands)(x, g, geom)
+    return (_flat_operands if _flat_ok(geom) else _copied_operands)(x, g, geom)
 
 
-@dataclass(frozen=True)
-class FlatRows:
-    """The stride-1 operands of :func:`offset_operands`: one flat padded buffer.
-
-    Attributes:
-        gm: the output gradient on the padded grid ``[n, G, C_out/G, L]`` (zeros
-            where no output position is), L = T_0 rows of that grid.
-        planes: each input channel's zero-padded plane as one flat row
-            ``[n, G, C_in/G, P]`` (P = padded positions), followed in memory by the
-            spill the largest kernel offset's window reads past the last plane.
-        bases: for each kernel offset, in the weight's order, where its window of
-            length L starts in a plane. An output position of the window always lies
-            inside the plane; the window's positions past it are zeros of ``gm``.
-    """
-
-    gm: Tensor
-    planes: Tensor
-    bases: tuple[int, ...]
-
-    def views(self):
-        """The K windows ``[n, G, C_in/G, L]``, one per kernel offset (views)."""
-        shape = (*self.planes.shape[:-1], self.gm.shape[-1])
-        start = self.planes.storage_offset()
-        for base in self.bases:
-            yield self.planes.as_strided(shape, self.planes.stride(), start + base)
-
-
-def flat_rows(x: Tensor, g: Tensor, geom: ConvGeometry) -> FlatRows:
-    """Stride-1 case: the input zero-padded into one flat buffer (one copy) and the
-    output gradient laid out on the padded grid."""
+def _flat_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
+    """Stride-1 case: views into one flat padded buffer, no copy per offset."""
     n, c = x.shape[:2]
     size, t = tuple(x.shape[2:]), tuple(g.shape[2:])
     p = padded_size(geom, size)
@@ -199,17 +169,16 @@ def flat_rows(x: Tensor, g: Tensor, geom: ConvGeometry) -> FlatRows:
     grid = g.new_zeros(n, geom.out_channels, t[0], *p[1:])
     grid[(slice(None), slice(None), slice(None), *(slice(0, s) for s in t[1:]))] = g
     gm = grid.reshape(n, geom.groups, geom.out_per_group, length)
-    planes = padded.view(n, geom.groups, geom.in_per_group, plane)
-    bases = tuple(
-        sum(o * d * r for o, d, r in zip(offset, geom.dilation, row)) for offset in _offsets(geom)
-    )
-    return FlatRows(gm, planes, bases)
+    cg = geom.in_per_group
 
+    def views():
+        for offset in _offsets(geom):
+            base = sum(o * d * r for o, d, r in zip(offset, geom.dilation, row))
+            yield buffer.as_strided(
+                (n, geom.groups, cg, length), (c * plane, cg * plane, plane, 1), base
+            )
 
-def _flat_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
-    """Stride-1 case: views into one flat padded buffer, no copy per offset."""
-    flat = flat_rows(x, g, geom)
-    return flat.gm, flat.views
+    return gm, views
 
 
 def _copied_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
