@@ -117,6 +117,11 @@ def _window(axis: _Axis, kappa: int, t0: int, t1: int, u0: int):
     return slice(lo - t0, hi - t0 + 1), slice(u_lo - u0, u_hi - u0 + 1, axis.stride)
 
 
+def _covers(index: tuple, shape: tuple) -> bool:
+    """Whether the slices of ``index`` span every axis of ``shape`` in full."""
+    return all(sl.indices(size) == (0, size, 1) for sl, size in zip(index, shape))
+
+
 def _band_in(axis: _Axis, rows: int) -> int:
     return min(axis.size, (rows - 1) * axis.stride + (axis.kernel - 1) * axis.dilation + 1)
 
@@ -243,23 +248,33 @@ def _positions_gram(x: Tensor, g: Tensor, geom: ConvGeometry, rows: int) -> Tens
             gi = gg.narrow(3, r0, r1 - r0).flatten(3)  # [n, G, C_out/G, bi]
             gj = gg.narrow(3, c0, c1 - c0).flatten(3)
             gb = gi.transpose(-1, -2) @ gj  # [n, G, bi, bj]
-            ga = torch.zeros_like(gb)
-            view = ga.view(n, grp, r1 - r0, *outs[1:], c1 - c0, *outs[1:])
+            shape = (n, grp, r1 - r0, *outs[1:], c1 - c0, *outs[1:])
+            windows = []  # (target, source) of every offset whose window is not empty
             for kappa in offsets:
                 left = [_window(axes[0], kappa[0], r0, r1, lo_i)]
                 right = [_window(axes[0], kappa[0], c0, c1, lo_j)]
                 for axis, k in zip(axes[1:], kappa[1:]):
                     left.append(_window(axis, k, 0, axis.out, 0))
                 right += left[1:]
-                if any(w is None for w in left + right):
-                    continue
-                target = every + tuple(w[0] for w in left) + tuple(w[0] for w in right)
-                source = every + tuple(w[1] for w in left) + tuple(w[1] for w in right)
-                view[target] += m[source]
+                if not any(w is None for w in left + right):
+                    target = every + tuple(w[0] for w in left) + tuple(w[0] for w in right)
+                    source = every + tuple(w[1] for w in left) + tuple(w[1] for w in right)
+                    windows.append((target, source))
+            # a window over the whole block (the centre offset of a "same" convolution)
+            # starts the sum as a copy, saving a pass of zeros and one addition
+            whole = next((w for w in windows if _covers(w[0], shape)), None)
+            if whole is None:
+                ga = gb.new_zeros(shape)
+            else:
+                windows.remove(whole)
+                ga = m[whole[1]].clone(memory_format=torch.contiguous_format)
+            for target, source in windows:
+                ga[target] += m[source]
+            ga = ga.view(gb.shape)
             del m
             weight = 1.0 if r0 == c0 else 2.0  # the band below the diagonal
             out += weight * ga.mul_(gb).sum((1, 2, 3))
-            del ga, gb, view
+            del ga, gb
     return out
 
 

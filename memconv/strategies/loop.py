@@ -1,14 +1,14 @@
 """``"loop"``: torch's own weight-gradient kernel, one sample at a time.
 
 The per-sample gradient of sample n is the summed weight gradient of a batch of one,
-so ATen's ``convolution_backward`` (oneDNN on the CPU, cuDNN on a GPU), asked for the
-weight gradient only, is called on ``x[n:n+1]`` and ``g[n:n+1]`` for each n and its
-result written into the per-sample tensor: the "naive" per-example loop that Rochette
-et al. (2019, section 4) compare against, here without a forward pass or a graph. It
-needs no im2col and no padded copy of its own (the kernel works on one sample at a
-time), and on the CPU the kernel is the fastest of the registered strategies where
-positions are many and channels few (early layers, large images); its cost is one
-kernel call per sample, which dominates for small layers.
+so ATen's ``convolution_backward`` (oneDNN's or ATen's native kernel on the CPU, cuDNN
+on a GPU), asked for the weight gradient only, is called on ``x[n:n+1]`` and
+``g[n:n+1]`` for each n and its result written into the per-sample tensor (or added
+into the summed one): the "naive" per-example loop that Rochette et al. (2019,
+arXiv:1912.06015) compare against, here without a forward pass or a graph. Its
+temporaries are one sample's; on the CPU the kernel is the fastest of the registered
+strategies where positions are many and channels few (early layers, large images),
+and its cost is one kernel call per sample, which dominates for small layers.
 """
 
 from __future__ import annotations
@@ -24,18 +24,19 @@ from .base import Options, Problem, numel, register_strategy
 def native_path(geom: ConvGeometry, size: tuple[int, ...], itemsize: int) -> bool:
     """Whether ATen computes one sample's weight gradient on the CPU with its native
     im2col kernel rather than oneDNN's (``ConvParams::use_mkldnn`` in ATen's
-    ``Convolution.cpp``, torch 2.x: oneDNN takes float32 and bfloat16, and a batch of one
-    only if grouped, with kernels over 3×3, or with more than 20480 input elements in
-    its first four dimensions). A single-threaded process runs unstrided 1×1
+    ``Convolution.cpp``, torch 2.x: oneDNN takes every half-precision batch on CPUs
+    that support it, taken for granted here, and a float32 batch of one only if
+    grouped, with kernels over 3×3, or with more than 20480 input elements in its first
+    four dimensions; float64 never). A single-threaded process runs unstrided 1×1
     convolutions natively too, which this ignores.
 
     Args:
         geom: the normal-form geometry.
         size: the normal-form input's spatial size.
-        itemsize: bytes per element (8: float64, which oneDNN does not take).
+        itemsize: bytes per element (2: half precision, 4: float32, 8: float64).
     """
-    if itemsize == 8:
-        return True
+    if itemsize != 4:
+        return itemsize > 4
     if geom.groups > 1:
         return False
     k = geom.kernel_size
