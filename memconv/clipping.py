@@ -78,9 +78,9 @@ class _Norms:
     A parameter that several calls' routes compute (shared between layers, or a layer
     called twice) has its per-sample gradients summed over them first, since the norm
     of a sum is not the sum of norms. With book-keeping a rule call keeps its
-    per-sample gradients where they are smaller than its input and output gradient,
-    else the latter (and its norms come from the rule's lean route); a generic call
-    keeps its per-sample gradients.
+    per-sample gradients where they are smaller than its input and output gradient
+    (:meth:`prepare`), else the latter (and its norms come from the rule's lean route);
+    a generic call keeps its per-sample gradients.
     """
 
     def __init__(self, n: int, rs: RuleSettings, keep: bool):
@@ -88,23 +88,66 @@ class _Norms:
         self.sq: dict[str, Tensor] = {}
         self.grads: dict[str, Tensor] = {}  # per-sample gradients kept (or shared)
         self.io: list[LayerCall] = []  # calls kept as inputs and output gradient
+        self.keep_grads: set = set()  # rule calls that keep per-sample gradients
 
-    def visit(self, call: LayerCall) -> None:
-        named = dict(call.module.named_parameters(remove_duplicate=False))
-        per_sample = self.n * sum(named[k].numel() for k in call.params)
-        io = sum(a.numel() for a in call.args) + sum(g.numel() for g in call.grads if g is not None)
-        instantiate = bool(call.shared) or call.rule is None or (self.keep and per_sample < io)
-        if instantiate:  # the route's temporaries within the layer's budget
-            budget = self.rs.budget or DEFAULT_NORM_BUDGET
-            grads = call.grad_sample(replace(self.rs, budget=budget))
-            for k, v in grads.items():
-                self.add_grads(call.params[k], v, keep=k in call.shared or self.keep)
+    def prepare(self, calls: list[LayerCall]) -> None:
+        """Book-keeping: decide, before the backward pass, which rule calls keep their
+        per-sample gradients rather than their input and output gradient — whichever
+        is smaller, an input that several calls read (a residual block's convolution
+        and its projection shortcut) counted once."""
+        if not self.keep:
             return
+        readers: dict = {}  # one input tensor (its storage view) -> the calls reading it
+        for call in calls:
+            if call.rule is None or call.shared:
+                continue
+            named = dict(call.module.named_parameters(remove_duplicate=False))
+            grads = self.n * sum(named[k].numel() for k in call.params)
+            if len(call.args) != 1:  # each call on its own
+                if grads < sum(a.numel() for a in call.args) + call.output_elements:
+                    self.keep_grads.add(call)
+                continue
+            x = call.args[0]
+            key = (x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride())
+            readers.setdefault(key, []).append((call, grads, x.numel()))
+        for group in readers.values():
+            # keeping per-sample gradients for all, or the input once plus the cheaper
+            # of output gradient and per-sample gradients for each (one keeping io)
+            size = group[0][2]
+            extra = [c.output_elements - grads for c, grads, _ in group]
+            all_grads = sum(grads for _, grads, _ in group)
+            with_io = size + sum(min(c.output_elements, g) for c, g, _ in group)
+            with_io += max(0, min(extra))
+            if all_grads <= with_io:
+                self.keep_grads.update(c for c, _, _ in group)
+                continue
+            forced = min(range(len(group)), key=lambda i: extra[i])
+            for i, (c, grads, _) in enumerate(group):
+                if extra[i] >= 0 and i != forced:
+                    self.keep_grads.add(c)
+
+    def visit(self, call: LayerCall):
+        """Take the call's norms; per-sample gradients to keep are returned as work
+        for after the call's backward node (see :func:`memconv.walk.backward_walk`)."""
+        instantiate = bool(call.shared) or call.rule is None or call in self.keep_grads
+        if instantiate:  # the route's temporaries within the layer's budget
+
+            def work():
+                budget = self.rs.budget or DEFAULT_NORM_BUDGET
+                grads = call.grad_sample(replace(self.rs, budget=budget))
+                for k, v in grads.items():
+                    self.add_grads(call.params[k], v, keep=k in call.shared or self.keep)
+
+            if self.keep or call.shared:
+                return work
+            work()
+            return None
         for k, v in call.sq_norms(self.rs).items():
             self.sq[call.params[k]] = v
         if self.keep:
             call.kept = True
             self.io.append(call)
+        return None
 
     def add_grads(self, name: str, grads: Tensor, keep: bool) -> None:
         """Per-sample gradients of a parameter: kept (summed over routes) or squared."""
@@ -155,7 +198,7 @@ def _walk_norms(model, loss_fn, inputs, targets, rs, axes, *, clip_route, caller
     with activate(None, False):  # the user's blocks do not reach the model's own layers
         walk = backward_walk(
             model, loss_fn, inputs, targets, names, axes, norms.visit, caller=caller,
-            keep_graph=clip_route == "two-pass",
+            keep_graph=clip_route == "two-pass", prepare=norms.prepare,
         )  # fmt: skip
     for name, grads in model_route(model, loss_fn, inputs, targets, walk, rs).items():
         norms.add_grads(name, grads, keep=keep)

@@ -293,28 +293,20 @@ def predict(
     two_pass = task == "clip" and clip_route == "two-pass"
     keeping = task == "clip" and clip_route == "book-keeping"
     backward, kept = 0.0, 0.0
-    # A layer's route runs when the next parametrised layer's output gradient arrives
-    # (memconv.walk): after its own backward node, with what is alive at that moment.
-    pending = None  # (temporaries, bytes it keeps) of the route that runs next
     for layer in reversed(prof.layers):
         c0, c1 = layer.saved
         alive = activations if two_pass else c0 + c1 * m  # freed as the pass goes back
-        if layer.params:
-            if pending is not None:
-                out_grad = m * layer.output_elements * layer.itemsize
-                backward = max(backward, alive + out_grad + pending[0] + kept)
-                kept += pending[1]
-            kept_grads = keeping and m * layer.params < layer.input_elements + layer.output_elements
-            kind = "grads" if kept_grads else task  # book-keeping instantiates these
-            temp = _layer_temporaries(layer, m, kind, settings, layer_budget, norm_route)
-            io = m * (layer.input_elements + layer.output_elements) * layer.itemsize
-            pending = (temp, min(m * layer.params * layer.itemsize, io) if keeping else 0)
         # the node: its gradients and the backend's copy of the weight (oneDNN reorders it)
         weight = layer.params * layer.itemsize
         backward = max(backward, alive + layer.grad_bytes(m) + kept + weight)
-    if pending is not None:  # the last route, once the pass has freed its graph
-        backward = max(backward, (activations if two_pass else 0) + pending[0] + kept)
-        kept += pending[1]
+        if layer.params:  # the route, before the node (after it, if it keeps a result)
+            kept_grads = keeping and m * layer.params < layer.input_elements + layer.output_elements
+            kind = "grads" if kept_grads else task  # book-keeping instantiates these
+            temp = _layer_temporaries(layer, m, kind, settings, layer_budget, norm_route)
+            backward = max(backward, alive + layer.grad_bytes(m) + temp + kept)
+            if keeping:
+                io = m * (layer.input_elements + layer.output_elements) * layer.itemsize
+                kept += min(m * layer.params * layer.itemsize, io)
     forward = activations + max(
         [m * prof.output]
         + [

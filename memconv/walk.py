@@ -158,6 +158,7 @@ class LayerCall:
         args, kwargs: the call's arguments (tensors detached).
         in_axes, out_axes: batch axes of their leaves and of the output's leaves.
         grads: the gradient of each output leaf as it arrives (None: not yet).
+        output_elements: elements of the call's output (its tensor leaves).
         expected: the output leaves whose gradient will arrive.
         window: ``(first, last)`` autograd sequence numbers of the call's nodes.
         autocast: ``(device type, dtype or None)`` of the forward pass.
@@ -179,6 +180,7 @@ class LayerCall:
     autocast: tuple
     params: dict = field(default_factory=dict)
     grads: list = field(default_factory=list)
+    output_elements: int = 0
     expected: set = field(default_factory=set)
     edges: list = field(default_factory=list)
     shared: set = field(default_factory=set)
@@ -383,6 +385,7 @@ def backward_walk(
     *,
     caller: str,
     keep_graph: bool = False,
+    prepare: Callable[[list[LayerCall]], None] | None = None,
 ) -> Walk:
     """One forward and one backward pass in which every layer call's output gradient
     reaches ``visit`` (once per call, then dropped); autograd computes no parameter
@@ -396,9 +399,13 @@ def backward_walk(
         names: ``{id(parameter): model name}`` of the trainable parameters.
         axes: :func:`probe_axes` of the model.
         visit: called with each :class:`LayerCall` whose route computes at least
-            one parameter, during the backward pass.
+            one parameter, during the backward pass, once the call's output
+            gradients have arrived; it may return work to run once the call's
+            backward node has run (see :class:`_Visits`).
         caller: the public function's name, for messages.
         keep_graph: keep the graph for a second backward pass of the losses.
+        prepare: called with the calls ``visit`` will get, in forward order, before
+            the backward pass.
 
     Returns:
         The :class:`Walk`.
@@ -449,6 +456,7 @@ def backward_walk(
             call_axes.outputs, (start, end), _autocast_state(out_leaves),
         )  # fmt: skip
         call.grads = [None] * len(out_leaves)
+        call.output_elements = sum(t.numel() for t in out_leaves if isinstance(t, Tensor))
         calls.append(call)
         new_leaves = list(out_leaves)
         for j, t in enumerate(out_leaves):
@@ -484,13 +492,14 @@ def backward_walk(
         if not call.params or not call.expected:
             call.release()
             call.done = True
+    if prepare is not None:
+        prepare([c for c in calls if not c.done])
     wanted = {e.node: e for c in calls if not c.done for _, e in c.edges}
     deepest = _deepest(set(wanted), reachable)
     edges = [wanted[n] for n in deepest]
     if edges:
         torch.autograd.grad(losses.sum(), edges, allow_unused=True, retain_graph=keep_graph)
-    visits.flush()
-    visits.active = False
+    visits.finish()
     missed = [c for c in calls if not c.done]
     if missed:
         raise RuntimeError(
@@ -523,35 +532,58 @@ def _autocast_state(leaves) -> tuple:
 
 
 class _Visits:
-    """Hands each call to ``visit`` once all its output gradients have arrived, one
-    call late: a call's route then runs after its own backward node, whose
-    temporaries (a convolution's input gradient and oneDNN's reorders) are gone by
-    then, rather than on top of them."""
+    """Hands each call to ``visit`` as soon as all its output gradients have arrived,
+    before its own backward node runs.
 
-    def __init__(self, visit: Callable[[LayerCall], None]):
+    A visitor that keeps a result it allocates (book-keeping's per-sample gradients)
+    returns that work instead of doing it, and the work runs once the node that
+    produced the call's output has run (a post hook on it), so that the kept result
+    never adds to the node's temporaries (a strided convolution's input gradient
+    takes three input-sized buffers). Work whose node does not run (the deepest
+    captured outputs, whose nodes autograd is not asked to run) runs in
+    :meth:`finish`.
+    """
+
+    def __init__(self, visit: Callable[[LayerCall], Callable[[], None] | None]):
         self.visit = visit
         self.active = True
-        self.pending: LayerCall | None = None
+        self.later: list = []  # [call, work or None once done, hook handle]
 
     def hook(self, call: LayerCall, j: int):
         def on_grad(grad):
             if not self.active or call.done:  # a second backward pass of a kept graph
                 return
             call.grads[j] = grad
-            if all(call.grads[k] is not None for k in call.expected):
-                call.done = True
-                self.flush()
-                self.pending = call
+            if not all(call.grads[k] is not None for k in call.expected):
+                return
+            call.done = True
+            work = self.visit(call)
+            if work is None:
+                if not call.kept:  # a visitor that keeps the call releases it itself
+                    call.release()
+                return
+            entry = [call, work, None]
+            node = dict(call.edges)[j].node  # the node that produced this output
+            entry[2] = node.register_hook(lambda grad_inputs, grad_outputs: self._run(entry))
+            self.later.append(entry)
 
         return on_grad
 
-    def flush(self) -> None:
-        """Run the pending call's route (and release its tensors, unless kept)."""
-        call, self.pending = self.pending, None
-        if call is not None:
-            self.visit(call)
-            if not call.kept:  # a visitor that keeps the call releases it itself
+    def _run(self, entry: list) -> None:
+        call, work, _ = entry
+        if work is not None:
+            entry[1] = None
+            work()
+            if not call.kept:
                 call.release()
+
+    def finish(self) -> None:
+        """Run the work still waiting, and remove the post hooks."""
+        self.active = False
+        for entry in self.later:
+            self._run(entry)
+            entry[2].remove()
+        self.later = []
 
 
 def _assign(calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, walk: Walk):

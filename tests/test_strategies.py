@@ -182,9 +182,14 @@ def test_registry_is_open(strategy_calls):
         def time(self, problem, options):
             return 0.0  # the fastest there is
 
+    m, x, g = conv_case(2, 2, 3, 4, 3, 8, padding=1)
+    ops = conv_spec(m).operands(x, g)
+    problem = Problem(ops.geometry, 4, tuple(ops.x.shape[2:]), 8, True)
+    before = choose(problem, Options())[0].name  # the choices are memoised ...
     base.register_strategy(Twice())
     try:
-        m, x, g = conv_case(2, 2, 3, 4, 3, 8, padding=1)
+        # ... by the registered names too: the new strategy is seen at once
+        assert before != "test-twice" and choose(problem, Options())[0].name == "test-twice"
         ref = reference_weight_grads(m, x, g)
         with warnings.catch_warnings():
             warnings.simplefilter("error")

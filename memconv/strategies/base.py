@@ -208,6 +208,10 @@ def cost_model(fn):
 
     @functools.wraps(fn)
     def wrapper(*args):
+        try:
+            hash(args)
+        except TypeError:  # an unhashable argument (a list where a tuple goes)
+            return fn(*args)
         return cached(strategy_names(), *args)
 
     wrapper.cache_clear = cached.cache_clear
