@@ -111,20 +111,15 @@ class _Norms:
             key = (x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride())
             readers.setdefault(key, []).append((call, grads, x.numel()))
         for group in readers.values():
-            # keeping per-sample gradients for all, or the input once plus the cheaper
-            # of output gradient and per-sample gradients for each (one keeping io)
+            # per-sample gradients for all, or the input once and, for each call, the
+            # smaller of its output gradient and its per-sample gradients (the input
+            # only pays off if some call prefers its output gradient)
             size = group[0][2]
-            extra = [c.output_elements - grads for c, grads, _ in group]
             all_grads = sum(grads for _, grads, _ in group)
-            with_io = size + sum(min(c.output_elements, g) for c, g, _ in group)
-            with_io += max(0, min(extra))
-            if all_grads <= with_io:
-                self.keep_grads.update(c for c, _, _ in group)
-                continue
-            forced = min(range(len(group)), key=lambda i: extra[i])
-            for i, (c, grads, _) in enumerate(group):
-                if extra[i] >= 0 and i != forced:
-                    self.keep_grads.add(c)
+            with_io = size + sum(min(c.output_elements, grads) for c, grads, _ in group)
+            self.keep_grads.update(
+                c for c, grads, _ in group if all_grads <= with_io or grads <= c.output_elements
+            )
 
     def visit(self, call: LayerCall):
         """Take the call's norms; per-sample gradients to keep are returned as work
