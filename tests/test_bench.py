@@ -171,8 +171,8 @@ def test_report_renders_tables_and_targets_from_records(tmp_path):
         "| memconv:auto | 440 | 420 | 4.000 | 1.10 | 1.11 | 2.00 | 0.44 | 1.0e-07 |"
         in (sections["clip"])
     )
-    assert "allocator 1.11 × (met), RSS 1.10 × (met)" in sections["targets"]
-    assert "time ≤ 1.6 × non-private: 2.00 × (**missed**)" in sections["targets"]
+    assert "allocator 1.11 × (**missed**), RSS 1.10 × (met)" in sections["targets"]
+    assert "time ≤ 1.25 × non-private: 2.00 × (**missed**)" in sections["targets"]
     assert "memconv bench --task clip    # 2025-01-01, 2.0 min" in sections["commands"]
     page = "intro\n<!-- bench:targets -->\nold\n<!-- /bench:targets -->\nend\n"
     filled = fill(page, sections)
