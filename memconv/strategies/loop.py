@@ -66,14 +66,13 @@ class Loop:
         else:
             result = x.new_zeros(geom.weight_shape)
         for i in range(n):
-            grad = convolution_backward(x[i : i + 1], weight, g[i : i + 1], geom, weight_grad=True)[
-                1
-            ]
-            target = result[i] if per_sample else result
+            _, grad = convolution_backward(
+                x[i : i + 1], weight, g[i : i + 1], geom, weight_grad=True
+            )
             if per_sample and out is None:
-                target.copy_(grad)
-            else:
-                target.add_(grad)
+                result[i].copy_(grad)
+            else:  # a summed result, or adding into `out`
+                (result[i] if per_sample else result).add_(grad)
             del grad
         return result
 
