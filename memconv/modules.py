@@ -49,6 +49,7 @@ from .grad_sample import (
     own_trainable,
     weight_grad,
 )
+from .layers import RuleSettings, check_layer, find_rule, register_like, run_rule, using
 from .vjp import check_settings
 
 
@@ -295,8 +296,6 @@ class _PerSampleMixin:
             return out
         if not record(per_sample_only=True).per_sample:
             return out
-        from .layers import RuleSettings, check_layer, find_rule, run_rule, using
-
         check_layer(self, _describe(self))
         rule = find_rule(self)
         x = input.detach()
@@ -386,6 +385,10 @@ if hasattr(nn, "RMSNorm"):
         """``torch.nn.RMSNorm`` that leaves ``grad_batch`` inside :class:`memconv.per_sample`."""
 
     CONVERSIONS[nn.RMSNorm] = RMSNorm
+
+# memconv's modules compute what torch's do: they take the rules of torch's types.
+for _torch_type, _own_type in CONVERSIONS.items():
+    register_like(_own_type, _torch_type)
 
 MEMCONV_CONV_TYPES = (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d)
 

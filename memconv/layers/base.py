@@ -195,6 +195,22 @@ def register(*types: type):
     return decorate
 
 
+def register_like(layer_type: type, like: type) -> None:
+    """Give ``layer_type`` the rule registered for ``like``: a subclass that computes
+    what ``like`` computes (memconv's own modules point at torch's types this way, so
+    that rules never import them).
+
+    Raises:
+        TypeError: if ``layer_type`` is not a subclass of ``like``.
+        KeyError: if no rule is registered for ``like``.
+    """
+    if not (
+        isinstance(layer_type, type) and isinstance(like, type) and issubclass(layer_type, like)
+    ):
+        raise TypeError(f"register_like() takes a subclass of {like!r}, got {layer_type!r}")
+    _RULES[layer_type] = _RULES[like]
+
+
 def unregister(*types: type) -> None:
     """Remove the rules registered for ``types`` (a missing one is ignored)."""
     for t in types:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import modules
 from .._geometry import conv_spec, layer_output_size
 from ..context import budgeted
 from ..grad_sample import bias_grad, conv_weight_grad, summed_weight_grad
@@ -29,12 +28,6 @@ TYPES = (
     nn.ConvTranspose1d,
     nn.ConvTranspose2d,
     nn.ConvTranspose3d,
-    modules.Conv1d,
-    modules.Conv2d,
-    modules.Conv3d,
-    modules.ConvTranspose1d,
-    modules.ConvTranspose2d,
-    modules.ConvTranspose3d,
 )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import modules
 from .base import LayerRule, register
 
 
@@ -26,7 +25,7 @@ def _rows(module, idx, g):
     return idx, g
 
 
-@register(nn.Embedding, modules.Embedding)
+@register(nn.Embedding)
 class EmbeddingRule(LayerRule):
     movable_batch_axis = True
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from .. import modules
 from ..norms import sq_norms
 from .base import LayerRule, register, rule_settings
 
@@ -26,7 +25,7 @@ def _trainable(module, name):
     return p is not None and p.requires_grad
 
 
-@register(nn.Linear, modules.Linear)
+@register(nn.Linear)
 class LinearRule(LayerRule):
     """``y = x Wᵀ + b`` over the last axis."""
 

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import modules
 from .base import LayerRule, register, rule_settings
 
 
@@ -78,13 +77,13 @@ def _chunk(x) -> int:
     return _samples_per_chunk(x[:1].numel() * x.element_size())
 
 
-@register(nn.GroupNorm, modules.GroupNorm)
+@register(nn.GroupNorm)
 class GroupNormRule(AffineNormRule):
     def normalized(self, module, x):
         return F.group_norm(x, module.num_groups, eps=module.eps)
 
 
-@register(nn.LayerNorm, modules.LayerNorm)
+@register(nn.LayerNorm)
 class LayerNormRule(AffineNormRule):
     movable_batch_axis = True
 
@@ -97,7 +96,7 @@ class LayerNormRule(AffineNormRule):
 
 if hasattr(nn, "RMSNorm"):
 
-    @register(nn.RMSNorm, modules.RMSNorm)
+    @register(nn.RMSNorm)
     class RMSNormRule(LayerNormRule):
         def normalized(self, module, x):
             return F.rms_norm(x, module.normalized_shape, eps=module.eps)
@@ -107,9 +106,6 @@ if hasattr(nn, "RMSNorm"):
     nn.InstanceNorm1d,
     nn.InstanceNorm2d,
     nn.InstanceNorm3d,
-    modules.InstanceNorm1d,
-    modules.InstanceNorm2d,
-    modules.InstanceNorm3d,
 )
 class InstanceNormRule(AffineNormRule):
     def normalized(self, module, x):
@@ -124,9 +120,6 @@ class InstanceNormRule(AffineNormRule):
     nn.BatchNorm1d,
     nn.BatchNorm2d,
     nn.BatchNorm3d,
-    modules.BatchNorm1d,
-    modules.BatchNorm2d,
-    modules.BatchNorm3d,
 )
 class BatchNormRule(AffineNormRule):
     def check(self, module, name):

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from .. import modules
 from .base import LayerRule, register
 
 
-@register(nn.PReLU, modules.PReLU)
+@register(nn.PReLU)
 class PReLURule(LayerRule):
     def grad_sample(self, module, inputs, grad_output):
         if not module.weight.requires_grad:
