@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from .context import activate, use_block_settings
 from .layers import RuleSettings, check_layer, find_rule
 from .layers.generic import chunk_size, model_grad_sample
+from .losses import per_sample_losses
 from .resources import AVAILABLE, guards, process_budget, resolve_budget
 from .walk import LayerCall, backward_walk, probe_axes
 
@@ -80,25 +81,6 @@ def check_batch(inputs, targets) -> int:
             f"inputs and targets must have the same length N, got {len(inputs)} and {len(targets)}"
         )
     return len(inputs)
-
-
-def per_sample_losses(loss_fn, output: Tensor, targets) -> list[Tensor]:
-    """``loss_fn(output[n:n+1], targets[n:n+1])`` for every sample n.
-
-    Raises:
-        ValueError: if ``loss_fn`` does not return a scalar tensor for one sample.
-    """
-    losses = []
-    for i in range(len(output)):
-        loss = loss_fn(output[i : i + 1], targets[i : i + 1])
-        if not isinstance(loss, Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-            raise ValueError(
-                "loss_fn must return a scalar tensor for one sample "
-                f"(loss_fn(output[n:n+1], targets[n:n+1])), got {shape}"
-            )
-        losses.append(loss)
-    return losses
 
 
 def per_sample_grads(
@@ -244,7 +226,9 @@ def sample_by_sample(model, loss_fn, inputs, targets, params: dict):
     """
     names = list(params)
     for i in range(len(inputs)):
-        loss = per_sample_losses(loss_fn, model(inputs[i : i + 1].detach()), targets[i : i + 1])[0]
+        loss = per_sample_losses(
+            loss_fn, model(inputs[i : i + 1].detach()), targets[i : i + 1], vectorise=False
+        )[0]
         grads = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
         yield (
             i,

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .grad_sample import own_trainable
 from .layers import LayerRule, RuleSettings, find_rule, run_rule, using
 from .layers.generic import call_grad_sample, chunk_size
+from .losses import PerSampleLoss
 
 #: Marks a tensor whose batch axis cannot be told (it grew other than 1 → 2).
 UNSPLIT = -1
@@ -393,7 +394,8 @@ def backward_walk(
 
     Args:
         model: the model.
-        loss_fn: the per-sample loss, see :func:`memconv.extraction.per_sample_losses`.
+        loss_fn: the loss (or a :class:`memconv.losses.PerSampleLoss` of it), see
+            :func:`memconv.losses.per_sample_losses`.
         inputs: ``[m, ...]`` (detached for the pass).
         targets: ``[m, ...]``.
         names: ``{id(parameter): model name}`` of the trainable parameters.
@@ -415,8 +417,7 @@ def backward_walk(
             whose output reaches the loss but has no batch axis.
         RuntimeError: an output gradient that should have arrived but did not.
     """
-    from .extraction import per_sample_losses
-
+    per_sample = loss_fn if isinstance(loss_fn, PerSampleLoss) else PerSampleLoss(loss_fn)
     calls: list[LayerCall] = []
     module_names = {m: name or type(m).__name__ for name, m in model.named_modules()}
     owners = [m for m in model.modules() if own_trainable(m)]
@@ -479,7 +480,7 @@ def backward_walk(
     finally:
         for h in handles:
             h.remove()
-    losses = torch.stack(per_sample_losses(loss_fn, output, targets))
+    losses = per_sample(output, targets)
     del output
     walk = Walk(losses if keep_graph else losses.detach(), calls, [], {})
     if losses.grad_fn is None:
