@@ -76,11 +76,33 @@ class CallAxes:
         inputs: the batch axis of each leaf of ``(args, kwargs)`` (None: shared by
             all samples; :data:`UNSPLIT`: cannot be told).
         outputs: the same for each leaf of the output.
+        shapes: the shapes of the leaves of ``(args, kwargs)`` and of the output in
+            the probe of one sample (None for a leaf that is not a tensor).
     """
 
     module: nn.Module
     inputs: tuple
     outputs: tuple
+    shapes: tuple = ((), ())
+
+    def expected(self, m: int) -> tuple[list, list]:
+        """The shapes of the call's leaves for ``m`` samples (None: not predicted)."""
+        return [_grown(s, ax, m) for s, ax in zip(self.shapes[0], self.inputs)], [
+            _grown(s, ax, m) for s, ax in zip(self.shapes[1], self.outputs)
+        ]
+
+
+def _grown(shape, ax, m: int):
+    if shape is None or ax is None:
+        return shape
+    if ax == UNSPLIT:
+        return None
+    return (*shape[:ax], m, *shape[ax + 1 :])
+
+
+class ProbeMismatch(RuntimeError):
+    """A layer call differs from the probe's (data-dependent control flow, or a model
+    changed since a probe was made)."""
 
 
 @contextlib.contextmanager
@@ -124,6 +146,7 @@ def call_axes(one: list, two: list) -> list[CallAxes]:
             module,
             tuple(_axis(u, v) if u is not None else None for u, v in zip(in1, in2)),
             tuple(_axis(u, v) if u is not None else None for u, v in zip(out1, out2)),
+            (tuple(in1), tuple(out1)),
         )
         for (module, in1, out1), (_, in2, out2) in zip(one, two)
     ]
@@ -361,14 +384,16 @@ class Walk:
 
 
 def _check_axes(call_axes: CallAxes, module, args_shapes, out_shapes, m: int, name: str):
-    ok = call_axes.module is module and len(call_axes.inputs) == len(args_shapes)
-    ok = ok and len(call_axes.outputs) == len(out_shapes)
-    for shapes, axes in ((args_shapes, call_axes.inputs), (out_shapes, call_axes.outputs)):
-        for s, ax in zip(shapes, axes):
-            if ok and s is not None and ax not in (None, UNSPLIT) and s[ax] != m:
-                ok = False
+    """Raise unless the call is the probe's: the same module, its leaves of the shapes
+    the probe predicts for ``m`` samples."""
+    ok = call_axes.module is module
+    if ok:
+        want_in, want_out = call_axes.expected(m)
+        for got, want in ((args_shapes, want_in), (out_shapes, want_out)):
+            ok = ok and len(got) == len(want)
+            ok = ok and all(w is None or g == w for g, w in zip(got, want))
     if not ok:
-        raise RuntimeError(
+        raise ProbeMismatch(
             f"layer {name!r} ({type(module).__name__}) was called differently in the probe of "
             "one and two samples than for the batch (data-dependent control flow); memconv "
             "cannot tell its batch axes"
@@ -444,7 +469,7 @@ def backward_walk(
             return None
         end = seq.now()
         if index >= len(axes):
-            raise RuntimeError(f"{caller}: the model calls more layers than in its probe")
+            raise ProbeMismatch(f"{caller}: the model calls more layers than in its probe")
         call_axes = axes[index]
         _check_axes(call_axes, module, _shapes((args, kwargs)), _shapes(output), m, name)
         detached_args, detached_kwargs = tree_unflatten(

@@ -34,7 +34,6 @@ import copy
 import warnings
 import weakref
 
-import torch
 from torch import nn
 
 from ... import context
