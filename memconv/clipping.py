@@ -32,12 +32,10 @@ from .context import activate, use_block_settings
 from .extraction import model_route, sample_by_sample, streams
 from .layers import RuleSettings
 from .norms import DEFAULT_NORM_BUDGET, check_route, sq_norms
-from .planning import check_budget
+from .planning import CLIP_ROUTES, check_budget, check_clip_route  # noqa: F401 (CLIP_ROUTES: re-exported)
 from .prepared import Prepared, check_batch
 from .resources import AVAILABLE, process_budget
 from .walk import LayerCall, backward_walk
-
-CLIP_ROUTES = ("book-keeping", "two-pass")
 
 
 def _unwrap(model):
@@ -443,18 +441,6 @@ def check_max_norm(max_norm) -> None:
         raise TypeError(f"max_norm must be a positive finite number, got {max_norm!r}")
     if not (math.isfinite(max_norm) and max_norm > 0):
         raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
-
-
-def check_clip_route(clip_route) -> None:
-    """Raise unless ``clip_route`` is one of :data:`CLIP_ROUTES` or None.
-
-    Raises:
-        ValueError: naming the accepted routes.
-    """
-    if clip_route is not None and clip_route not in CLIP_ROUTES:
-        raise ValueError(
-            f"unknown clip_route {clip_route!r}; accepted: {', '.join(CLIP_ROUTES)} or None"
-        )
 
 
 def _clip_sample_by_sample(model, loss_fn, inputs, targets, params, settings, max_norm, ddp):

@@ -176,14 +176,14 @@ class Prepared:
         self._profile: Profile | None = None
         self._axes: list | None = None
         self._names: dict = {}
-        self._plan_key = None
+        self._plans: dict = {}  # task -> (key, plan)
         self._plan: Plan | None = None
         self._loss: PerSampleLoss | None = None
 
     def forget(self) -> None:
         """Drop the probe and plan: the next call makes new ones."""
-        self._checked = self._probe_key = self._plan_key = None
-        self._profile = self._axes = self._plan = None
+        self._checked = self._probe_key = self._profile = self._axes = self._plan = None
+        self._plans = {}
 
     def run(self, call):
         """``call()``, run again from the start with a new probe if a reused probe no
@@ -230,17 +230,18 @@ class Prepared:
             self._names = parameter_names(model)
             self.probes += 1
             self._probe_key = probe_key
-            self._plan_key = None
+            self._plans = {}
         if self._loss is None or self._loss.loss_fn is not loss_fn:
             self._loss = PerSampleLoss(loss_fn)
         n = len(inputs)
         budget = resolve_budget(memory_budget, device)
         exact = budget if memory_budget != AVAILABLE else AVAILABLE
-        plan_key = (n, task, settings, clip_route, norm_route, exact, loss_fn)
-        if plan_key != self._plan_key or not self._still_fits(budget, memory_budget, clip_route):
+        plan_key = (n, settings, clip_route, norm_route, exact, loss_fn)
+        kept_key, self._plan = self._plans.get(task, (None, None))
+        if plan_key != kept_key or not self._still_fits(budget, memory_budget, clip_route):
             self._plan = make_plan(self._profile, n, task, settings, budget, clip_route, norm_route)
+            self._plans[task] = (plan_key, self._plan)
             self.plans += 1
-            self._plan_key = plan_key
         plan = self._plan if budget is None else replace(self._plan, memory_budget=budget)
         return CallPlan(
             plan, guards(memory_budget, plan if budget is not None else None), self._axes,
