@@ -14,6 +14,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from .layers.generic import quiet_fallbacks
+
 
 def _one_sample(loss_fn):
     def loss(o: Tensor, t: Tensor) -> Tensor:
@@ -42,7 +44,8 @@ def vectorised(loss_fn, output, targets) -> Tensor | None:
     if not (isinstance(output, Tensor) and isinstance(targets, Tensor)) or not len(output):
         return None
     try:
-        losses = torch.func.vmap(_one_sample(loss_fn))(output, targets)
+        with quiet_fallbacks():  # an operator vmap loops over gives the same numbers
+            losses = torch.func.vmap(_one_sample(loss_fn))(output, targets)
     except Exception as error:  # noqa: BLE001 — any failure means: loop instead
         name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
         warnings.warn(
