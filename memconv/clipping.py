@@ -92,7 +92,7 @@ class _Norms:
         for call in calls:
             if call.rule is None or call.shared:
                 continue
-            named = dict(call.module.named_parameters(remove_duplicate=False))
+            named = call._named()
             grads = self.n * sum(named[k].numel() for k in call.params)
             if len(call.args) != 1:  # each call on its own
                 if grads < sum(a.numel() for a in call.args) + call.output_elements:
@@ -183,12 +183,11 @@ def _walk_norms(model, loss_fn, inputs, targets, rs, cp, *, clip_route, caller):
     with activate(None, False):  # the user's blocks do not reach the model's own layers
         walk = backward_walk(
             model, cp.loss, inputs, targets, cp.names, cp.axes, norms.visit, caller=caller,
-            keep_graph=clip_route == "two-pass", prepare=norms.prepare,
+            keep_graph=clip_route == "two-pass", prepare=norms.prepare, owners=cp.owners,
         )  # fmt: skip
     for name, grads in model_route(model, loss_fn, inputs, targets, walk, rs).items():
         norms.add_grads(name, grads, keep=keep)
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    return norms.result(params), walk.losses, norms
+    return norms.result(cp.params), walk.losses, norms
 
 
 def check_finite(norms: Tensor, caller: str) -> None:

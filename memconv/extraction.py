@@ -138,7 +138,7 @@ def _grads_walks(model, loss_fn, inputs, targets, cp, rs, out) -> None:
         with activate(None, False):  # the user's blocks do not reach the model's own layers
             walk = backward_walk(
                 model, cp.loss, inputs[rows], targets[rows], cp.names, cp.axes, visit,
-                caller="memconv.per_sample_grads",
+                caller="memconv.per_sample_grads", owners=cp.owners,
             )  # fmt: skip
         for k, v in model_route(model, loss_fn, inputs[rows], targets[rows], walk, rs).items():
             out[k][rows] += v

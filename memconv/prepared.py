@@ -36,7 +36,7 @@ from .layers import check_layer, find_rule
 from .losses import PerSampleLoss
 from .planning import Plan, Profile, make_plan, profile
 from .resources import AVAILABLE, guards, resolve_budget
-from .walk import ProbeMismatch
+from .walk import ProbeMismatch, owner_names
 
 
 def unwrap_compiled(model):
@@ -147,6 +147,8 @@ class CallPlan:
         axes: the batch axes of the parametrised calls (:func:`memconv.walk.call_axes`).
         names: ``{id(parameter): name}`` of the trainable parameters.
         loss: the per-sample loss evaluation.
+        owners: :func:`memconv.walk.owner_names` of the model.
+        params: ``{name: parameter}`` of the trainable parameters.
     """
 
     plan: Plan
@@ -154,6 +156,8 @@ class CallPlan:
     axes: list
     names: dict
     loss: PerSampleLoss
+    owners: dict
+    params: dict
 
 
 class Prepared:
@@ -176,6 +180,8 @@ class Prepared:
         self._profile: Profile | None = None
         self._axes: list | None = None
         self._names: dict = {}
+        self._owners: dict = {}
+        self._params: dict = {}
         self._plans: dict = {}  # task -> (key, plan)
         self._plan: Plan | None = None
         self._loss: PerSampleLoss | None = None
@@ -228,6 +234,8 @@ class Prepared:
             self._profile = profile(model, inputs)
             self._axes = self._profile.axes()
             self._names = parameter_names(model)
+            self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+            self._owners = owner_names(model)
             self.probes += 1
             self._probe_key = probe_key
             self._plans = {}
@@ -245,7 +253,7 @@ class Prepared:
         plan = self._plan if budget is None else replace(self._plan, memory_budget=budget)
         return CallPlan(
             plan, guards(memory_budget, plan if budget is not None else None), self._axes,
-            self._names, self._loss,
+            self._names, self._loss, self._owners, self._params,
         )  # fmt: skip
 
     def _still_fits(self, budget, memory_budget, clip_route) -> bool:

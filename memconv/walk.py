@@ -64,7 +64,17 @@ def _axis(s1, s2) -> int | None:
 
 
 def _shapes(tree) -> list:
-    return [tuple(t.shape) if isinstance(t, Tensor) else None for t in tree_flatten(tree)[0]]
+    return _leaf_shapes(tree_flatten(tree)[0])
+
+
+def _leaf_shapes(leaves) -> list:
+    return [tuple(t.shape) if isinstance(t, Tensor) else None for t in leaves]
+
+
+def owner_names(model: nn.Module) -> dict:
+    """``{module: name}`` of the modules owning trainable parameters, in ``modules()``
+    order (the model itself under its type's name)."""
+    return {m: name or type(m).__name__ for name, m in model.named_modules() if own_trainable(m)}
 
 
 @dataclass(frozen=True)
@@ -210,6 +220,7 @@ class LayerCall:
     shared: set = field(default_factory=set)
     done: bool = False
     kept: bool = False
+    named: dict | None = None
 
     @property
     def what(self) -> str:
@@ -276,7 +287,10 @@ class LayerCall:
         return self._typed({k: v for k, v in out.items() if k in self.params})
 
     def _named(self) -> dict[str, Tensor]:
-        return dict(self.module.named_parameters(remove_duplicate=False))
+        """``{name in module: parameter}`` over the module's subtree (duplicates kept)."""
+        if self.named is None:
+            self.named = dict(self.module.named_parameters(remove_duplicate=False))
+        return self.named
 
     def _typed(self, out: dict) -> dict:
         named = self._named()
@@ -412,6 +426,7 @@ def backward_walk(
     caller: str,
     keep_graph: bool = False,
     prepare: Callable[[list[LayerCall]], None] | None = None,
+    owners: dict | None = None,
 ) -> Walk:
     """One forward and one backward pass in which every layer call's output gradient
     reaches ``visit`` (once per call, then dropped); autograd computes no parameter
@@ -433,6 +448,7 @@ def backward_walk(
         keep_graph: keep the graph for a second backward pass of the losses.
         prepare: called with the calls ``visit`` will get, in forward order, before
             the backward pass.
+        owners: :func:`owner_names` of the model, if known.
 
     Returns:
         The :class:`Walk`.
@@ -444,8 +460,8 @@ def backward_walk(
     """
     per_sample = loss_fn if isinstance(loss_fn, PerSampleLoss) else PerSampleLoss(loss_fn)
     calls: list[LayerCall] = []
-    module_names = {m: name or type(m).__name__ for name, m in model.named_modules()}
-    owners = [m for m in model.modules() if own_trainable(m)]
+    if owners is None:
+        owners = owner_names(model)
     seq = _Sequence()
     starts: dict = {}
     ours: set = set()
@@ -461,7 +477,7 @@ def backward_walk(
         start = starts[module].pop()
         index = counter[0]
         counter[0] += 1
-        name = module_names.get(module, type(module).__name__)
+        name = owners[module]
         out_leaves, out_spec = tree_flatten(output)
         if not any(isinstance(t, Tensor) and t.requires_grad for t in out_leaves):
             if not torch.is_grad_enabled():  # inside a no-grad region of the model
@@ -471,10 +487,10 @@ def backward_walk(
         if index >= len(axes):
             raise ProbeMismatch(f"{caller}: the model calls more layers than in its probe")
         call_axes = axes[index]
-        _check_axes(call_axes, module, _shapes((args, kwargs)), _shapes(output), m, name)
+        in_leaves, in_spec = tree_flatten((args, kwargs))
+        _check_axes(call_axes, module, _leaf_shapes(in_leaves), _leaf_shapes(out_leaves), m, name)
         detached_args, detached_kwargs = tree_unflatten(
-            [t.detach() if isinstance(t, Tensor) else t for t in tree_flatten((args, kwargs))[0]],
-            tree_flatten((args, kwargs))[1],
+            [t.detach() if isinstance(t, Tensor) else t for t in in_leaves], in_spec
         )
         rule = _rule_for(module, args, kwargs, call_axes.inputs, output, call_axes.outputs, ours)
         call = LayerCall(
@@ -496,7 +512,7 @@ def backward_walk(
         return tree_unflatten(new_leaves, out_spec)
 
     handles = []
-    for o in owners:
+    for o in owners:  # (dict order: the model's modules)
         handles.append(o.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(o.register_forward_hook(forward_hook, with_kwargs=True))
     ours.update(h.id for h in handles)
@@ -615,19 +631,18 @@ class _Visits:
 def _assign(calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, walk: Walk):
     """Give each parameter's uses to routes (see the module docstring)."""
     windows = sorted(calls, key=lambda c: c.window[0])
-    subtree = {}
-
-    def locals_of(call):  # {id(p): name in module} over its subtree
-        if call.module not in subtree:
-            subtree[call.module] = {
-                id(p): k for k, p in call.module.named_parameters(remove_duplicate=False)
-            }
-        return subtree[call.module]
-
-    def can_route(call, pid):
+    # {id(p): name in module} of the parameters each call's route can compute (a
+    # parameter under two names: the first)
+    routable: dict = {}
+    for call in calls:
         if call.rule is not None:
-            return any(id(p) == pid for p in own_trainable(call.module).values())
-        return pid in locals_of(call)
+            own = own_trainable(call.module).items()
+        else:
+            own = call.module.named_parameters(remove_duplicate=False)
+        local: dict = {}
+        for k, p in own:
+            local.setdefault(id(p), k)
+        routable[call] = local
 
     for pid, model_name in names.items():
         seqs = uses.get(pid, [])
@@ -639,7 +654,7 @@ def _assign(calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, w
             inner = None
             for call in windows:
                 lo, hi = call.window
-                if lo < s < hi and can_route(call, pid):
+                if lo < s < hi and pid in routable[call]:
                     if inner is None or call.window[0] >= inner.window[0]:
                         inner = call
             if inner is None:
@@ -662,13 +677,7 @@ def _assign(calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, w
             )
         ]
         for call in outer:
-            call.params[locals_of(call)[pid] if call.rule is None else _own_name(call, pid)] = (
-                model_name
-            )
+            call.params[routable[call][pid]] = model_name
         walk.routes[model_name] = len(outer)
     for call in calls:
         call.shared = {k for k, full in call.params.items() if walk.routes.get(full, 0) > 1}
-
-
-def _own_name(call: LayerCall, pid: int) -> str:
-    return next(k for k, p in own_trainable(call.module).items() if id(p) == pid)

@@ -58,15 +58,15 @@ def test_steady_state_runs_one_forward_and_reuses_probe_and_plan(budget):
     model, loss_fn = mlp(), nn.CrossEntropyLoss()
     count = forwards(model)
     step = memconv.PrivateStep(model, loss_fn, memory_budget=budget)
-    for seed in range(4):  # new data every step, same shapes
-        x, y = batch(seed=seed)
+    for seed in range(4):  # new data every step, same shapes (losses by vmap)
+        x, y = batch(20, seed=seed)
         check_grads(step, model, loss_fn, x, y)
         assert_grads_close(
             step.per_sample_grads(x, y), memconv.per_sample_grads(model, loss_fn, x, y), TOL
         )
     assert step.probes == 1 and step.plans == 1
     count[0] = 0
-    step.per_sample_grads(*batch(seed=9))
+    step.per_sample_grads(*batch(20, seed=9))
     assert count[0] == 1  # no probe: the walk's one forward pass
 
 
@@ -238,8 +238,8 @@ def test_a_shape_change_without_a_state_change_is_caught():
 
 
 def test_losses_in_one_vmap_evaluation_exactly():
-    out = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
-    y = torch.randint(0, 4, (6,))
+    out = torch.randn(20, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 4, (20,))
     calls = [0]
 
     def loss_fn(o, t):
@@ -266,7 +266,7 @@ def test_a_loss_vmap_cannot_take_falls_back_once_with_a_warning():
         return nn.functional.cross_entropy(o, t)
 
     step = memconv.PrivateStep(model, loss_fn)
-    x, y = batch()
+    x, y = batch(20)
     with pytest.warns(UserWarning, match="cannot be vectorised"):
         check_grads(step, model, loss_fn, x, y)
     with warnings.catch_warnings():
