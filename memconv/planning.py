@@ -105,7 +105,7 @@ class Profile:
     owner_calls: tuple = ((), ())
 
     def axes(self) -> list:
-        """The batch axes of the parametrised calls (:func:`memconv.walk.probe_axes`).
+        """The batch axes of the parametrised calls (:func:`memconv.walk.call_axes`).
 
         Raises:
             RuntimeError: the two probes called different layers.

@@ -4,7 +4,7 @@ route: the layer's rule, the generic route, or the model route.
 How each trainable parameter is covered is **checked, not assumed**. The forward pass
 records every call of a module that owns trainable parameters: its arguments, the
 batch axis of each argument and output (from a probe of one and two samples,
-:func:`probe_axes`), and the window of autograd nodes the call created (their
+:func:`memconv.planning.profile`), and the window of autograd nodes the call created (their
 sequence numbers). Before the backward pass, every use of a parameter in the graph
 of the loss (an edge into its ``AccumulateGrad`` node) is attributed to the innermost
 call that can differentiate it:
@@ -79,7 +79,7 @@ def owner_names(model: nn.Module) -> dict:
 
 @dataclass(frozen=True)
 class CallAxes:
-    """The batch axes of one layer call, found by :func:`probe_axes`.
+    """The batch axes of one layer call, found by :func:`call_axes`.
 
     Attributes:
         module: the layer.
@@ -160,23 +160,6 @@ def call_axes(one: list, two: list) -> list[CallAxes]:
         )
         for (module, in1, out1), (_, in2, out2) in zip(one, two)
     ]
-
-
-def probe_axes(model: nn.Module, inputs: Tensor) -> list[CallAxes]:
-    """The batch axes of every call of a parametrised module, in forward order, read
-    off forward passes of one and of two samples (the first sample, repeated).
-    (:func:`memconv.planning.profile` reads them off its own probes.)
-
-    Returns:
-        One :class:`CallAxes` per call of a module owning trainable parameters.
-    """
-    runs = []
-    for m in (1, 2):
-        with recording_calls(model) as calls, torch.no_grad(), keep_rng():
-            # keep_rng: the pass then draws the same random numbers
-            model(inputs[:1].expand(m, *inputs.shape[1:]).clone())
-        runs.append(calls)
-    return call_axes(*runs)
 
 
 @dataclass(eq=False)
@@ -439,7 +422,7 @@ def backward_walk(
         inputs: ``[m, ...]`` (detached for the pass).
         targets: ``[m, ...]``.
         names: ``{id(parameter): model name}`` of the trainable parameters.
-        axes: :func:`probe_axes` of the model.
+        axes: :func:`call_axes` of the model's probe (:meth:`memconv.planning.Profile.axes`).
         visit: called with each :class:`LayerCall` whose route computes at least
             one parameter, during the backward pass, once the call's output
             gradients have arrived; it may return work to run once the call's
