@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.modules import module as module_mod
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .grad_sample import own_trainable
@@ -64,7 +65,30 @@ def _axis(s1, s2) -> int | None:
 
 
 def _shapes(tree) -> list:
-    return _leaf_shapes(tree_flatten(tree)[0])
+    return _leaf_shapes(_flatten(tree)[0])
+
+
+def _flatten(tree) -> tuple[list, object]:
+    """``tree_flatten``, without its cost for the common calls: a tensor, or positional
+    tensors and no keyword arguments (``(leaves, None)`` then)."""
+    if isinstance(tree, Tensor):
+        return [tree], None
+    if (
+        type(tree) is tuple
+        and len(tree) == 2
+        and type(tree[0]) is tuple
+        and tree[1] == {}
+        and all(isinstance(a, Tensor) for a in tree[0])
+    ):
+        return list(tree[0]), None
+    return tree_flatten(tree)
+
+
+def _unflatten(leaves: list, spec, tensor: bool):
+    """The inverse of :func:`_flatten` (``tensor``: the tree was a tensor)."""
+    if spec is not None:
+        return tree_unflatten(leaves, spec)
+    return leaves[0] if tensor else (tuple(leaves), {})
 
 
 def _leaf_shapes(leaves) -> list:
@@ -286,8 +310,6 @@ class LayerCall:
 
 def _hooked(module: nn.Module, ours) -> bool:
     """Whether hooks other than memconv's own may change the module's call."""
-    from torch.nn.modules import module as module_mod
-
     others = [k for k in module._forward_hooks if k not in ours]
     others += [k for k in module._forward_pre_hooks if k not in ours]
     return bool(others or module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks)
@@ -461,7 +483,7 @@ def backward_walk(
         index = counter[0]
         counter[0] += 1
         name = owners[module]
-        out_leaves, out_spec = tree_flatten(output)
+        out_leaves, out_spec = _flatten(output)
         if not any(isinstance(t, Tensor) and t.requires_grad for t in out_leaves):
             if not torch.is_grad_enabled():  # inside a no-grad region of the model
                 unseen[module] = name
@@ -470,10 +492,10 @@ def backward_walk(
         if index >= len(axes):
             raise ProbeMismatch(f"{caller}: the model calls more layers than in its probe")
         call_axes = axes[index]
-        in_leaves, in_spec = tree_flatten((args, kwargs))
+        in_leaves, in_spec = _flatten((args, kwargs))
         _check_axes(call_axes, module, _leaf_shapes(in_leaves), _leaf_shapes(out_leaves), m, name)
-        detached_args, detached_kwargs = tree_unflatten(
-            [t.detach() if isinstance(t, Tensor) else t for t in in_leaves], in_spec
+        detached_args, detached_kwargs = _unflatten(
+            [t.detach() if isinstance(t, Tensor) else t for t in in_leaves], in_spec, False
         )
         rule = _rule_for(module, args, kwargs, call_axes.inputs, output, call_axes.outputs, ours)
         call = LayerCall(
@@ -492,7 +514,7 @@ def backward_walk(
                 new_leaves[j] = t
             t.register_hook(visits.hook(call, j))
             call.edges.append((j, get_gradient_edge(t)))
-        return tree_unflatten(new_leaves, out_spec)
+        return _unflatten(new_leaves, out_spec, isinstance(output, Tensor))
 
     handles = []
     for o in owners:  # (dict order: the model's modules)
