@@ -18,8 +18,8 @@ these and hands them to the next call while everything they depend on is the sam
 - the loss function (the same object).
 
 Any change makes a new probe or plan. The values of the parameters and inputs do not
-enter any of them. The walk checks every layer call of every pass against the
-probe (the same module, the shapes the probe predicts for the batch); a call that
+enter any of them. The walk checks every recorded layer call of every pass against
+the probe (the same module, the shapes the probe predicts for the batch); a call that
 differs from a reused probe probes the model again and runs again from the start, so
 a reused probe never gives a number a fresh one would not.
 """
