@@ -17,7 +17,7 @@ MIN_PYTHON := 3.10
 # the interpreter PYTHON resolves to, and its version ("" if there is none)
 PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>/dev/null)
 
-.PHONY: install compare test test-slow lint format docs docs-clean clean benchmarks benchmarks-report FORCE
+.PHONY: install compare test test-slow lint format docs docs-clean clean benchmarks benchmarks-report benchmarks-steps FORCE
 
 # Rebuilt (with the whole venv) only when the interpreter changed; FORCE makes make
 # look at it every time, but its timestamp moves only on a rebuild.
@@ -81,6 +81,12 @@ benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	$(BENCH) --sweep batch --range 8,32,128,512 --json $(BENCH_DIR)/sweep-batch.jsonl --plot $(BENCH_DIR)/sweep-batch.png
 	$(BENCH) --sweep side --range 28,56,112,224 --json $(BENCH_DIR)/sweep-side.jsonl --plot $(BENCH_DIR)/sweep-side.png
 	$(MAKE) benchmarks-report
+	$(MAKE) benchmarks-steps
+
+# "Small models, many steps" (docs/benchmarks.md): every engine set up once, one step
+# each in turn, median of 30 rounds; a few minutes on 2 CPU cores.
+benchmarks-steps: $(VENV)/.installed-bench+opacus
+	$(BIN)/python -m memconv.bench.steps --repeats 30 --json $(BENCH_DIR)/steps.json --markdown docs/benchmarks.md
 
 # Refill docs/benchmarks.md from the JSON Lines files (seconds; no measurement).
 benchmarks-report: $(VENV)/.installed-bench

@@ -40,6 +40,7 @@ from .modules import (
     convert,
 )
 from .planning import Plan, plan
+from .step import PrivateStep
 from .vjp import weight_vjp
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "Linear",
     "PReLU",
     "Plan",
+    "PrivateStep",
     "available_strategies",
     "bias_grad",
     "clip_and_accumulate",

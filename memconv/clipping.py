@@ -29,20 +29,13 @@ import torch
 from torch import Tensor, nn
 
 from .context import activate, use_block_settings
-from .extraction import (
-    check_batch,
-    check_per_sample_model,
-    model_route,
-    parameter_names,
-    sample_by_sample,
-    streams,
-)
+from .extraction import model_route, sample_by_sample, streams
 from .layers import RuleSettings
 from .norms import DEFAULT_NORM_BUDGET, check_route, sq_norms
-from .resources import AVAILABLE, guards, process_budget, resolve_budget
-from .walk import LayerCall, backward_walk, probe_axes
-
-CLIP_ROUTES = ("book-keeping", "two-pass")
+from .planning import CLIP_ROUTES, check_budget, check_clip_route  # noqa: F401 (CLIP_ROUTES: re-exported)
+from .prepared import Prepared, check_batch
+from .resources import AVAILABLE, process_budget
+from .walk import LayerCall, backward_walk
 
 
 def _unwrap(model):
@@ -61,10 +54,8 @@ def _unwrap(model):
     return (model.module, model) if isinstance(model, DistributedDataParallel) else (model, None)
 
 
-def _check_common(model, inputs, targets, memory_budget, norm_route, settings):
-    from .planning import check_budget
-
-    model = check_per_sample_model(model, settings=settings)
+def _check_common(prepared, model, inputs, targets, memory_budget, norm_route, settings):
+    model = prepared.check_model(model, settings)
     n = check_batch(inputs, targets)
     check_budget(memory_budget)
     check_route(norm_route)
@@ -101,7 +92,7 @@ class _Norms:
         for call in calls:
             if call.rule is None or call.shared:
                 continue
-            named = dict(call.module.named_parameters(remove_duplicate=False))
+            named = call._named()
             grads = self.n * sum(named[k].numel() for k in call.params)
             if len(call.args) != 1:  # each call on its own
                 if grads < sum(a.numel() for a in call.args) + call.output_elements:
@@ -184,21 +175,19 @@ def _squared(grads: Tensor) -> Tensor:
     return sq_norms(grads).to(torch.promote_types(grads.dtype, torch.float32))
 
 
-def _walk_norms(model, loss_fn, inputs, targets, rs, axes, *, clip_route, caller):
+def _walk_norms(model, loss_fn, inputs, targets, rs, cp, *, clip_route, caller):
     """The backward walk gathering norms (and, for book-keeping, what the clipped sum
     needs); returns ``(squared norms per parameter, losses, the gatherer)``."""
-    names = parameter_names(model)
     keep = clip_route == "book-keeping"
     norms = _Norms(len(inputs), rs, keep=keep)
     with activate(None, False):  # the user's blocks do not reach the model's own layers
         walk = backward_walk(
-            model, loss_fn, inputs, targets, names, axes, norms.visit, caller=caller,
-            keep_graph=clip_route == "two-pass", prepare=norms.prepare,
+            model, cp.loss, inputs, targets, cp.names, cp.axes, norms.visit, caller=caller,
+            keep_graph=clip_route == "two-pass", prepare=norms.prepare, owners=cp.owners,
         )  # fmt: skip
     for name, grads in model_route(model, loss_fn, inputs, targets, walk, rs).items():
         norms.add_grads(name, grads, keep=keep)
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    return norms.result(params), walk.losses, norms
+    return norms.result(cp.params), walk.losses, norms
 
 
 def check_finite(norms: Tensor, caller: str) -> None:
@@ -259,9 +248,20 @@ def per_sample_norms(
             ``norm_route``; a non-positive or non-integer ``memory_budget``, or one below
             the smallest feasible budget (named). Before any work.
     """
+    return norms_with(
+        Prepared(), model, loss_fn, inputs, targets, strategy=strategy,
+        memory_budget=memory_budget, per_parameter=per_parameter, norm_route=norm_route,
+    )  # fmt: skip
+
+
+def norms_with(
+    prepared: Prepared, model, loss_fn, inputs, targets, *, strategy, memory_budget,
+    per_parameter, norm_route,
+):  # fmt: skip
+    """:func:`per_sample_norms`, reusing what ``prepared`` kept from the last call."""
     settings = use_block_settings(strategy)
     model, _ = _unwrap(model)
-    model, n = _check_common(model, inputs, targets, memory_budget, norm_route, settings)
+    model, n = _check_common(prepared, model, inputs, targets, memory_budget, norm_route, settings)
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if n == 0:
         empty = {
@@ -277,15 +277,21 @@ def per_sample_norms(
             ]
         parts = [(s, slice(i, i + 1)) for i, s in enumerate(sq)]
     else:
-        m, layer_budget, _, guard, axes = _plan(
-            model, inputs, "norms", settings, memory_budget, None, norm_route
-        )
-        rs = RuleSettings(settings, norm_route, layer_budget)
-        walks = _walks(
-            model, loss_fn, inputs, targets, rs, m, None, "memconv.per_sample_norms", guard,
-            axes,
-        )  # fmt: skip
-        parts = [(sq, rows) for (sq, _, _), rows in zip(walks, _micro_batches(n, m))]
+
+        def run():
+            cp = prepared.call_plan(
+                model, loss_fn, inputs, "norms", settings, memory_budget, None, norm_route
+            )
+            rs = RuleSettings(settings, norm_route, cp.plan.layer_budget)
+            walks = _walks(
+                model, loss_fn, inputs, targets, rs, cp, None, "memconv.per_sample_norms"
+            )
+            return [
+                (sq, rows)
+                for (sq, _, _), rows in zip(walks, _micro_batches(n, cp.plan.micro_batch))
+            ]
+
+        parts = prepared.run(run)
     total = torch.cat([_total(part, rows.stop - rows.start) for part, rows in parts]).sqrt()
     check_finite(total, "memconv.per_sample_norms")
     if per_parameter:
@@ -302,33 +308,16 @@ def _micro_batches(n: int, m: int):
     return [slice(i0, min(n, i0 + m)) for i0 in range(0, n, m)]
 
 
-def _walks(model, loss_fn, inputs, targets, rs, m, clip_route, caller, guard=False, axes=None):
-    """:func:`_walk_norms` over the micro-batches of ``m`` samples, one at a time
-    (``axes``: the batch axes, if the plan's profile found them already)."""
-    if axes is None:
-        axes = probe_axes(model, inputs)
+def _walks(model, loss_fn, inputs, targets, rs, cp, clip_route, caller):
+    """:func:`_walk_norms` over the micro-batches of the plan ``cp``
+    (:class:`memconv.prepared.CallPlan`), one at a time."""
     # a budget holds for the process too (glibc's heap), see memconv.resources
-    with process_budget(inputs.device) if guard else nullcontext():
-        for rows in _micro_batches(len(inputs), m):
+    with process_budget(inputs.device) if cp.guard else nullcontext():
+        for rows in _micro_batches(len(inputs), cp.plan.micro_batch):
             yield _walk_norms(
-                model, loss_fn, inputs[rows], targets[rows], rs, axes,
+                model, loss_fn, inputs[rows], targets[rows], rs, cp,
                 clip_route=clip_route, caller=caller,
             )  # fmt: skip
-
-
-def _plan(model, inputs, task, settings, memory_budget, clip_route, norm_route):
-    """``(micro-batch, per-layer budget, clip route, whether to guard the process, the
-    batch axes or None)`` for a whole call."""
-    from .planning import make_plan, profile
-
-    n = len(inputs)
-    budget = resolve_budget(memory_budget, inputs.device)
-    if budget is None:
-        return n, None, clip_route or "book-keeping", False, None
-    prof = profile(model, inputs)
-    chosen = make_plan(prof, n, task, settings, budget, clip_route, norm_route)
-    guard = guards(memory_budget, chosen)
-    return chosen.micro_batch, chosen.layer_budget, chosen.clip_route, guard, prof.axes()
 
 
 def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
@@ -384,17 +373,22 @@ def clip_and_accumulate(
             finite number; an unknown ``clip_route``. Before any work, every ``.grad``
             unchanged.
     """
+    return clip_with(
+        Prepared(), model, loss_fn, inputs, targets, max_norm=max_norm, strategy=strategy,
+        memory_budget=memory_budget, norm_route=norm_route, clip_route=clip_route,
+    )  # fmt: skip
+
+
+def clip_with(
+    prepared: Prepared, model, loss_fn, inputs, targets, *, max_norm, strategy, memory_budget,
+    norm_route, clip_route,
+) -> Tensor:  # fmt: skip
+    """:func:`clip_and_accumulate`, reusing what ``prepared`` kept from the last call."""
     settings = use_block_settings(strategy)
     model, ddp = _unwrap(model)
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
-        raise TypeError(f"max_norm must be a positive finite number, got {max_norm!r}")
-    if not (math.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
-    if clip_route is not None and clip_route not in CLIP_ROUTES:
-        raise ValueError(
-            f"unknown clip_route {clip_route!r}; accepted: {', '.join(CLIP_ROUTES)} or None"
-        )
-    model, n = _check_common(model, inputs, targets, memory_budget, norm_route, settings)
+    check_max_norm(max_norm)
+    check_clip_route(clip_route)
+    model, n = _check_common(prepared, model, inputs, targets, memory_budget, norm_route, settings)
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if n == 0:
         _accumulate(params, {}, ddp)
@@ -403,31 +397,49 @@ def clip_and_accumulate(
         return _clip_sample_by_sample(
             model, loss_fn, inputs, targets, params, settings, max_norm, ddp
         )
-    m, layer_budget, route, guard, axes = _plan(
-        model, inputs, "clip", settings, memory_budget, clip_route, norm_route
-    )
-    total: dict[str, Tensor] = {}
-    all_norms = []
-    rs = RuleSettings(settings, norm_route, layer_budget)
-    walks = _walks(
-        model, loss_fn, inputs, targets, rs, m, route, "memconv.clip_and_accumulate", guard,
-        axes,
-    )  # fmt: skip
-    for sq, losses, gathered in walks:
-        norms = _total(sq, len(losses)).sqrt().detach()
-        check_finite(norms, "memconv.clip_and_accumulate")
-        c = clip_factors(norms, float(max_norm))
-        # clip factors are per sample: the micro-batches' clipped sums add up
-        if route == "book-keeping":
-            gathered.add_clipped_sums(c, total)
-        else:
-            del gathered
-            for name, v in _second_pass(losses, c, params).items():
-                _add(total, name, v)
-        del losses
-        all_norms.append(norms)
+
+    def run():
+        cp = prepared.call_plan(
+            model, loss_fn, inputs, "clip", settings, memory_budget, clip_route, norm_route
+        )
+        route = cp.plan.clip_route
+        total: dict[str, Tensor] = {}
+        all_norms = []
+        rs = RuleSettings(settings, norm_route, cp.plan.layer_budget)
+        walks = _walks(
+            model, loss_fn, inputs, targets, rs, cp, route, "memconv.clip_and_accumulate"
+        )
+        for sq, losses, gathered in walks:
+            norms = _total(sq, len(losses)).sqrt().detach()
+            check_finite(norms, "memconv.clip_and_accumulate")
+            c = clip_factors(norms, float(max_norm))
+            # clip factors are per sample: the micro-batches' clipped sums add up
+            if route == "book-keeping":
+                gathered.add_clipped_sums(c, total)
+            else:
+                del gathered
+                for name, v in _second_pass(losses, c, params).items():
+                    _add(total, name, v)
+            del losses
+            all_norms.append(norms)
+        return total, torch.cat(all_norms)
+
+    total, norms = prepared.run(run)
     _accumulate(params, total, ddp)
-    return torch.cat(all_norms)
+    return norms
+
+
+def check_max_norm(max_norm) -> None:
+    """Raise unless ``max_norm`` is a positive finite number.
+
+    Raises:
+        TypeError: not a real number.
+        ValueError: not positive and finite.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+        raise TypeError(f"max_norm must be a positive finite number, got {max_norm!r}")
+    if not (math.isfinite(max_norm) and max_norm > 0):
+        raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
 
 
 def _clip_sample_by_sample(model, loss_fn, inputs, targets, params, settings, max_norm, ddp):

@@ -18,87 +18,19 @@ import torch
 from torch import Tensor, nn
 
 from .context import activate, use_block_settings
-from .layers import RuleSettings, check_layer, find_rule
+from .layers import RuleSettings
 from .layers.generic import chunk_size, model_grad_sample
-from .resources import AVAILABLE, guards, process_budget, resolve_budget
-from .walk import LayerCall, backward_walk, probe_axes
-
-
-def unwrap_compiled(model):
-    """The eager module a ``torch.compile``'d model (``OptimizedModule``) wraps: memconv
-    runs its own forward and backward passes eagerly, with the same parameters."""
-    inner = getattr(model, "_orig_mod", None)
-    if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
-        return inner
-    return model
-
-
-def check_per_sample_model(model: nn.Module, argument: str = "model", settings=None) -> nn.Module:
-    """Check a model for per-sample quantities; returns the module to run (a
-    ``torch.compile``'d model's eager module).
-
-    Raises:
-        TypeError: if ``model`` is not an ``nn.Module``.
-        ValueError: naming the first layer that mixes samples (BatchNorm in training
-            mode, or in eval mode without running statistics), or whose settings do
-            not fit it.
-        RuntimeError: under ``torch.no_grad()`` or ``torch.inference_mode()``.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{argument} must be a torch.nn.Module, got {type(model).__name__}")
-    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
-        raise RuntimeError(
-            "memconv runs its own forward and backward passes, which need gradients: it "
-            "cannot run under torch.no_grad() or torch.inference_mode(); call it outside them"
-        )
-    model = unwrap_compiled(model)
-    for name, module in model.named_modules():
-        check_layer(module, name or type(module).__name__)
-        rule = find_rule(module)
-        if settings is not None and rule is not None:
-            rule.check_settings(module, settings)
-    return model
-
-
-def parameter_names(model: nn.Module) -> dict[int, str]:
-    """``{id(parameter): name}`` for trainable parameters, each under its first name
-    (``named_parameters`` lists a parameter shared by two layers once)."""
-    return {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-
-
-def check_batch(inputs, targets) -> int:
-    """Raise unless ``inputs`` is a tensor and ``targets`` has its length; returns N.
-
-    Raises:
-        TypeError: if ``inputs`` is not a tensor.
-        ValueError: if the lengths differ.
-    """
-    if not isinstance(inputs, Tensor):
-        raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
-    if len(inputs) != len(targets):
-        raise ValueError(
-            f"inputs and targets must have the same length N, got {len(inputs)} and {len(targets)}"
-        )
-    return len(inputs)
-
-
-def per_sample_losses(loss_fn, output: Tensor, targets) -> list[Tensor]:
-    """``loss_fn(output[n:n+1], targets[n:n+1])`` for every sample n.
-
-    Raises:
-        ValueError: if ``loss_fn`` does not return a scalar tensor for one sample.
-    """
-    losses = []
-    for i in range(len(output)):
-        loss = loss_fn(output[i : i + 1], targets[i : i + 1])
-        if not isinstance(loss, Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-            raise ValueError(
-                "loss_fn must return a scalar tensor for one sample "
-                f"(loss_fn(output[n:n+1], targets[n:n+1])), got {shape}"
-            )
-        losses.append(loss)
-    return losses
+from .losses import per_sample_losses
+from .planning import check_budget
+from .prepared import (  # noqa: F401 (check_per_sample_model, unwrap_compiled: re-exported)
+    Prepared,
+    check_batch,
+    check_per_sample_model,
+    parameter_names,
+    unwrap_compiled,
+)
+from .resources import AVAILABLE, process_budget
+from .walk import LayerCall, backward_walk
 
 
 def per_sample_grads(
@@ -160,13 +92,17 @@ def per_sample_grads(
             gradient of a parameter that influences the loss was not reached
             (naming it).
     """
-    from .planning import check_budget, make_plan, profile
+    return grads_with(
+        Prepared(), model, loss_fn, inputs, targets, strategy=strategy, memory_budget=memory_budget
+    )
 
+
+def grads_with(prepared: Prepared, model, loss_fn, inputs, targets, *, strategy, memory_budget):
+    """:func:`per_sample_grads`, reusing what ``prepared`` kept from the last call."""
     settings = use_block_settings(strategy)
-    model = check_per_sample_model(model, settings=settings)
+    model = prepared.check_model(model, settings)
     n = check_batch(inputs, targets)
     check_budget(memory_budget)
-    names = parameter_names(model)
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if n == 0 or streams(model):
         out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
@@ -176,24 +112,22 @@ def per_sample_grads(
                 for name, g in grads.items():
                     out[name][i] = g
         return out
-    budget = resolve_budget(memory_budget, inputs.device)
-    m, layer_budget, chosen = n, None, None
-    if budget is not None:  # raises before any work if the result cannot fit
-        prof = profile(model, inputs)
-        chosen = make_plan(prof, n, "grads", settings, budget)
-        m, layer_budget, axes = chosen.micro_batch, chosen.layer_budget, prof.axes()
-    else:
-        axes = probe_axes(model, inputs)
-    out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
-    rs = RuleSettings(settings, None, layer_budget)
-    with process_budget(inputs.device) if guards(memory_budget, chosen) else nullcontext():
-        _grads_walks(model, loss_fn, inputs, targets, names, axes, rs, m, out)
-    return out
+
+    def run():  # raises before any work if the result cannot fit
+        cp = prepared.call_plan(model, loss_fn, inputs, "grads", settings, memory_budget)
+        out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
+        rs = RuleSettings(settings, None, cp.plan.layer_budget)
+        with process_budget(inputs.device) if cp.guard else nullcontext():
+            _grads_walks(model, loss_fn, inputs, targets, cp, rs, out)
+        return out
+
+    return prepared.run(run)
 
 
-def _grads_walks(model, loss_fn, inputs, targets, names, axes, rs, m, out) -> None:
-    """Per-sample gradients into ``out``, micro-batch by micro-batch."""
-    n = len(inputs)
+def _grads_walks(model, loss_fn, inputs, targets, cp, rs, out) -> None:
+    """Per-sample gradients into ``out``, micro-batch by micro-batch (``cp``: the
+    :class:`memconv.prepared.CallPlan`)."""
+    n, m = len(inputs), cp.plan.micro_batch
     for i0 in range(0, n, m):
         rows = slice(i0, min(n, i0 + m))
 
@@ -203,8 +137,8 @@ def _grads_walks(model, loss_fn, inputs, targets, names, axes, rs, m, out) -> No
 
         with activate(None, False):  # the user's blocks do not reach the model's own layers
             walk = backward_walk(
-                model, loss_fn, inputs[rows], targets[rows], names, axes, visit,
-                caller="memconv.per_sample_grads",
+                model, cp.loss, inputs[rows], targets[rows], cp.names, cp.axes, visit,
+                caller="memconv.per_sample_grads", owners=cp.owners,
             )  # fmt: skip
         for k, v in model_route(model, loss_fn, inputs[rows], targets[rows], walk, rs).items():
             out[k][rows] += v
@@ -244,7 +178,9 @@ def sample_by_sample(model, loss_fn, inputs, targets, params: dict):
     """
     names = list(params)
     for i in range(len(inputs)):
-        loss = per_sample_losses(loss_fn, model(inputs[i : i + 1].detach()), targets[i : i + 1])[0]
+        loss = per_sample_losses(
+            loss_fn, model(inputs[i : i + 1].detach()), targets[i : i + 1], vectorise=False
+        )[0]
         grads = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
         yield (
             i,

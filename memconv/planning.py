@@ -39,12 +39,15 @@ from torch.utils._pytree import tree_flatten
 from .context import Settings, activate, use_block_settings
 from .grad_sample import own_trainable
 from .layers import RuleSettings, find_rule, using
+from .norms import check_route
 from .resources import AVAILABLE, resolve_budget
 from .walk import call_axes, keep_rng, recording_calls
 
 logger = logging.getLogger("memconv")
 
 TASKS = ("grads", "norms", "clip")
+#: The clipping routes of :func:`memconv.clip_and_accumulate`.
+CLIP_ROUTES = ("book-keeping", "two-pass")
 #: The smallest per-layer budget a plan gives a layer's temporaries (bytes).
 MIN_LAYER_BUDGET = 64 * 1024
 
@@ -102,7 +105,7 @@ class Profile:
     owner_calls: tuple = ((), ())
 
     def axes(self) -> list:
-        """The batch axes of the parametrised calls (:func:`memconv.walk.probe_axes`).
+        """The batch axes of the parametrised calls (:func:`memconv.walk.call_axes`).
 
         Raises:
             RuntimeError: the two probes called different layers.
@@ -342,6 +345,18 @@ def check_budget(memory_budget, argument: str = "memory_budget") -> None:
         raise ValueError(f"{argument} must be {accepted}, got {memory_budget}")
 
 
+def check_clip_route(clip_route) -> None:
+    """Raise unless ``clip_route`` is one of :data:`CLIP_ROUTES` or None.
+
+    Raises:
+        ValueError: naming the accepted routes.
+    """
+    if clip_route is not None and clip_route not in CLIP_ROUTES:
+        raise ValueError(
+            f"unknown clip_route {clip_route!r}; accepted: {', '.join(CLIP_ROUTES)} or None"
+        )
+
+
 def make_plan(
     prof: Profile,
     n: int,
@@ -493,17 +508,11 @@ def plan(
         TypeError, ValueError: a bad ``task``, ``memory_budget`` or ``inputs``; a budget
             below the smallest feasible one (named in the message).
     """
-    from .clipping import CLIP_ROUTES
-    from .norms import check_route
-
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; accepted: {', '.join(TASKS)}")
     check_budget(memory_budget)
     check_route(norm_route)
-    if clip_route is not None and clip_route not in CLIP_ROUTES:
-        raise ValueError(
-            f"unknown clip_route {clip_route!r}; accepted: {', '.join(CLIP_ROUTES)} or None"
-        )
+    check_clip_route(clip_route)
     if not isinstance(inputs, Tensor):
         raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
     settings = use_block_settings(strategy)

@@ -4,7 +4,7 @@ route: the layer's rule, the generic route, or the model route.
 How each trainable parameter is covered is **checked, not assumed**. The forward pass
 records every call of a module that owns trainable parameters: its arguments, the
 batch axis of each argument and output (from a probe of one and two samples,
-:func:`probe_axes`), and the window of autograd nodes the call created (their
+:func:`memconv.planning.profile`), and the window of autograd nodes the call created (their
 sequence numbers). Before the backward pass, every use of a parameter in the graph
 of the loss (an edge into its ``AccumulateGrad`` node) is attributed to the innermost
 call that can differentiate it:
@@ -34,11 +34,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.modules import module as module_mod
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .grad_sample import own_trainable
 from .layers import LayerRule, RuleSettings, find_rule, run_rule, using
 from .layers.generic import call_grad_sample, chunk_size
+from .losses import PerSampleLoss
 
 #: Marks a tensor whose batch axis cannot be told (it grew other than 1 → 2).
 UNSPLIT = -1
@@ -63,23 +65,78 @@ def _axis(s1, s2) -> int | None:
 
 
 def _shapes(tree) -> list:
-    return [tuple(t.shape) if isinstance(t, Tensor) else None for t in tree_flatten(tree)[0]]
+    return _leaf_shapes(_flatten(tree)[0])
+
+
+def _flatten(tree) -> tuple[list, object]:
+    """``tree_flatten``, without its cost for the common calls: a tensor, or positional
+    tensors and no keyword arguments (``(leaves, None)`` then)."""
+    if isinstance(tree, Tensor):
+        return [tree], None
+    if (
+        type(tree) is tuple
+        and len(tree) == 2
+        and type(tree[0]) is tuple
+        and tree[1] == {}
+        and all(isinstance(a, Tensor) for a in tree[0])
+    ):
+        return list(tree[0]), None
+    return tree_flatten(tree)
+
+
+def _unflatten(leaves: list, spec, tensor: bool):
+    """The inverse of :func:`_flatten` (``tensor``: the tree was a tensor)."""
+    if spec is not None:
+        return tree_unflatten(leaves, spec)
+    return leaves[0] if tensor else (tuple(leaves), {})
+
+
+def _leaf_shapes(leaves) -> list:
+    return [tuple(t.shape) if isinstance(t, Tensor) else None for t in leaves]
+
+
+def owner_names(model: nn.Module) -> dict:
+    """``{module: name}`` of the modules owning trainable parameters, in ``modules()``
+    order (the model itself under its type's name)."""
+    return {m: name or type(m).__name__ for name, m in model.named_modules() if own_trainable(m)}
 
 
 @dataclass(frozen=True)
 class CallAxes:
-    """The batch axes of one layer call, found by :func:`probe_axes`.
+    """The batch axes of one layer call, found by :func:`call_axes`.
 
     Attributes:
         module: the layer.
         inputs: the batch axis of each leaf of ``(args, kwargs)`` (None: shared by
             all samples; :data:`UNSPLIT`: cannot be told).
         outputs: the same for each leaf of the output.
+        shapes: the shapes of the leaves of ``(args, kwargs)`` and of the output in
+            the probe of one sample (None for a leaf that is not a tensor).
     """
 
     module: nn.Module
     inputs: tuple
     outputs: tuple
+    shapes: tuple = ((), ())
+
+    def expected(self, m: int) -> tuple[list, list]:
+        """The shapes of the call's leaves for ``m`` samples (None: not predicted)."""
+        return [_grown(s, ax, m) for s, ax in zip(self.shapes[0], self.inputs)], [
+            _grown(s, ax, m) for s, ax in zip(self.shapes[1], self.outputs)
+        ]
+
+
+def _grown(shape, ax, m: int):
+    if shape is None or ax is None:
+        return shape
+    if ax == UNSPLIT:
+        return None
+    return (*shape[:ax], m, *shape[ax + 1 :])
+
+
+class ProbeMismatch(RuntimeError):
+    """A layer call differs from the probe's (data-dependent control flow, or a model
+    changed since a probe was made)."""
 
 
 @contextlib.contextmanager
@@ -123,26 +180,10 @@ def call_axes(one: list, two: list) -> list[CallAxes]:
             module,
             tuple(_axis(u, v) if u is not None else None for u, v in zip(in1, in2)),
             tuple(_axis(u, v) if u is not None else None for u, v in zip(out1, out2)),
+            (tuple(in1), tuple(out1)),
         )
         for (module, in1, out1), (_, in2, out2) in zip(one, two)
     ]
-
-
-def probe_axes(model: nn.Module, inputs: Tensor) -> list[CallAxes]:
-    """The batch axes of every call of a parametrised module, in forward order, read
-    off forward passes of one and of two samples (the first sample, repeated).
-    (:func:`memconv.planning.profile` reads them off its own probes.)
-
-    Returns:
-        One :class:`CallAxes` per call of a module owning trainable parameters.
-    """
-    runs = []
-    for m in (1, 2):
-        with recording_calls(model) as calls, torch.no_grad(), keep_rng():
-            # keep_rng: the pass then draws the same random numbers
-            model(inputs[:1].expand(m, *inputs.shape[1:]).clone())
-        runs.append(calls)
-    return call_axes(*runs)
 
 
 @dataclass(eq=False)
@@ -186,6 +227,7 @@ class LayerCall:
     shared: set = field(default_factory=set)
     done: bool = False
     kept: bool = False
+    named: dict | None = None
 
     @property
     def what(self) -> str:
@@ -252,7 +294,10 @@ class LayerCall:
         return self._typed({k: v for k, v in out.items() if k in self.params})
 
     def _named(self) -> dict[str, Tensor]:
-        return dict(self.module.named_parameters(remove_duplicate=False))
+        """``{name in module: parameter}`` over the module's subtree (duplicates kept)."""
+        if self.named is None:
+            self.named = dict(self.module.named_parameters(remove_duplicate=False))
+        return self.named
 
     def _typed(self, out: dict) -> dict:
         named = self._named()
@@ -265,8 +310,6 @@ class LayerCall:
 
 def _hooked(module: nn.Module, ours) -> bool:
     """Whether hooks other than memconv's own may change the module's call."""
-    from torch.nn.modules import module as module_mod
-
     others = [k for k in module._forward_hooks if k not in ours]
     others += [k for k in module._forward_pre_hooks if k not in ours]
     return bool(others or module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks)
@@ -360,14 +403,16 @@ class Walk:
 
 
 def _check_axes(call_axes: CallAxes, module, args_shapes, out_shapes, m: int, name: str):
-    ok = call_axes.module is module and len(call_axes.inputs) == len(args_shapes)
-    ok = ok and len(call_axes.outputs) == len(out_shapes)
-    for shapes, axes in ((args_shapes, call_axes.inputs), (out_shapes, call_axes.outputs)):
-        for s, ax in zip(shapes, axes):
-            if ok and s is not None and ax not in (None, UNSPLIT) and s[ax] != m:
-                ok = False
+    """Raise unless the call is the probe's: the same module, its leaves of the shapes
+    the probe predicts for ``m`` samples."""
+    ok = call_axes.module is module
+    if ok:
+        want_in, want_out = call_axes.expected(m)
+        for got, want in ((args_shapes, want_in), (out_shapes, want_out)):
+            ok = ok and len(got) == len(want)
+            ok = ok and all(w is None or g == w for g, w in zip(got, want))
     if not ok:
-        raise RuntimeError(
+        raise ProbeMismatch(
             f"layer {name!r} ({type(module).__name__}) was called differently in the probe of "
             "one and two samples than for the batch (data-dependent control flow); memconv "
             "cannot tell its batch axes"
@@ -386,6 +431,7 @@ def backward_walk(
     caller: str,
     keep_graph: bool = False,
     prepare: Callable[[list[LayerCall]], None] | None = None,
+    owners: dict | None = None,
 ) -> Walk:
     """One forward and one backward pass in which every layer call's output gradient
     reaches ``visit`` (once per call, then dropped); autograd computes no parameter
@@ -393,11 +439,12 @@ def backward_walk(
 
     Args:
         model: the model.
-        loss_fn: the per-sample loss, see :func:`memconv.extraction.per_sample_losses`.
+        loss_fn: the loss (or a :class:`memconv.losses.PerSampleLoss` of it), see
+            :func:`memconv.losses.per_sample_losses`.
         inputs: ``[m, ...]`` (detached for the pass).
         targets: ``[m, ...]``.
         names: ``{id(parameter): model name}`` of the trainable parameters.
-        axes: :func:`probe_axes` of the model.
+        axes: :func:`call_axes` of the model's probe (:meth:`memconv.planning.Profile.axes`).
         visit: called with each :class:`LayerCall` whose route computes at least
             one parameter, during the backward pass, once the call's output
             gradients have arrived; it may return work to run once the call's
@@ -406,6 +453,7 @@ def backward_walk(
         keep_graph: keep the graph for a second backward pass of the losses.
         prepare: called with the calls ``visit`` will get, in forward order, before
             the backward pass.
+        owners: :func:`owner_names` of the model, if known.
 
     Returns:
         The :class:`Walk`.
@@ -415,11 +463,10 @@ def backward_walk(
             whose output reaches the loss but has no batch axis.
         RuntimeError: an output gradient that should have arrived but did not.
     """
-    from .extraction import per_sample_losses
-
+    per_sample = loss_fn if isinstance(loss_fn, PerSampleLoss) else PerSampleLoss(loss_fn)
     calls: list[LayerCall] = []
-    module_names = {m: name or type(m).__name__ for name, m in model.named_modules()}
-    owners = [m for m in model.modules() if own_trainable(m)]
+    if owners is None:
+        owners = owner_names(model)
     seq = _Sequence()
     starts: dict = {}
     ours: set = set()
@@ -435,20 +482,20 @@ def backward_walk(
         start = starts[module].pop()
         index = counter[0]
         counter[0] += 1
-        name = module_names.get(module, type(module).__name__)
-        out_leaves, out_spec = tree_flatten(output)
+        name = owners[module]
+        out_leaves, out_spec = _flatten(output)
         if not any(isinstance(t, Tensor) and t.requires_grad for t in out_leaves):
             if not torch.is_grad_enabled():  # inside a no-grad region of the model
                 unseen[module] = name
             return None
         end = seq.now()
         if index >= len(axes):
-            raise RuntimeError(f"{caller}: the model calls more layers than in its probe")
+            raise ProbeMismatch(f"{caller}: the model calls more layers than in its probe")
         call_axes = axes[index]
-        _check_axes(call_axes, module, _shapes((args, kwargs)), _shapes(output), m, name)
-        detached_args, detached_kwargs = tree_unflatten(
-            [t.detach() if isinstance(t, Tensor) else t for t in tree_flatten((args, kwargs))[0]],
-            tree_flatten((args, kwargs))[1],
+        in_leaves, in_spec = _flatten((args, kwargs))
+        _check_axes(call_axes, module, _leaf_shapes(in_leaves), _leaf_shapes(out_leaves), m, name)
+        detached_args, detached_kwargs = _unflatten(
+            [t.detach() if isinstance(t, Tensor) else t for t in in_leaves], in_spec, False
         )
         rule = _rule_for(module, args, kwargs, call_axes.inputs, output, call_axes.outputs, ours)
         call = LayerCall(
@@ -467,10 +514,10 @@ def backward_walk(
                 new_leaves[j] = t
             t.register_hook(visits.hook(call, j))
             call.edges.append((j, get_gradient_edge(t)))
-        return tree_unflatten(new_leaves, out_spec)
+        return _unflatten(new_leaves, out_spec, isinstance(output, Tensor))
 
     handles = []
-    for o in owners:
+    for o in owners:  # (dict order: the model's modules)
         handles.append(o.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(o.register_forward_hook(forward_hook, with_kwargs=True))
     ours.update(h.id for h in handles)
@@ -479,7 +526,7 @@ def backward_walk(
     finally:
         for h in handles:
             h.remove()
-    losses = torch.stack(per_sample_losses(loss_fn, output, targets))
+    losses = per_sample(output, targets)
     del output
     walk = Walk(losses if keep_graph else losses.detach(), calls, [], {})
     if losses.grad_fn is None:
@@ -589,19 +636,18 @@ class _Visits:
 def _assign(calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, walk: Walk):
     """Give each parameter's uses to routes (see the module docstring)."""
     windows = sorted(calls, key=lambda c: c.window[0])
-    subtree = {}
-
-    def locals_of(call):  # {id(p): name in module} over its subtree
-        if call.module not in subtree:
-            subtree[call.module] = {
-                id(p): k for k, p in call.module.named_parameters(remove_duplicate=False)
-            }
-        return subtree[call.module]
-
-    def can_route(call, pid):
+    # {id(p): name in module} of the parameters each call's route can compute (a
+    # parameter under two names: the first)
+    routable: dict = {}
+    for call in calls:
         if call.rule is not None:
-            return any(id(p) == pid for p in own_trainable(call.module).values())
-        return pid in locals_of(call)
+            own = own_trainable(call.module).items()
+        else:
+            own = call.module.named_parameters(remove_duplicate=False)
+        local: dict = {}
+        for k, p in own:
+            local.setdefault(id(p), k)
+        routable[call] = local
 
     for pid, model_name in names.items():
         seqs = uses.get(pid, [])
@@ -613,7 +659,7 @@ def _assign(calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, w
             inner = None
             for call in windows:
                 lo, hi = call.window
-                if lo < s < hi and can_route(call, pid):
+                if lo < s < hi and pid in routable[call]:
                     if inner is None or call.window[0] >= inner.window[0]:
                         inner = call
             if inner is None:
@@ -636,13 +682,7 @@ def _assign(calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, w
             )
         ]
         for call in outer:
-            call.params[locals_of(call)[pid] if call.rule is None else _own_name(call, pid)] = (
-                model_name
-            )
+            call.params[routable[call][pid]] = model_name
         walk.routes[model_name] = len(outer)
     for call in calls:
         call.shared = {k for k, full in call.params.items() if walk.routes.get(full, 0) > 1}
-
-
-def _own_name(call: LayerCall, pid: int) -> str:
-    return next(k for k, p in own_trainable(call.module).items() if id(p) == pid)

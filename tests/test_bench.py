@@ -266,3 +266,21 @@ def test_largest_batch_search_survives_a_flat_memory_curve():
     through two probes is flat, and the search must go on to the cap, not fail."""
     result = search(lambda n: {"peak_alloc_mib": 100.0 + (n < 8)}, 4096.0, 4, 512)
     assert result["largest"] == 512 and result["capped"]
+
+
+def test_steps_table_runs_at_tiny_repeats(tmp_path):
+    """`python -m memconv.bench.steps` end to end on one row, one round (no timing
+    asserted): every engine runs and the page's block is refilled."""
+    pytest.importorskip("opacus")
+    from memconv.bench import steps
+
+    page = tmp_path / "page.md"
+    page.write_text("before\n<!-- steps:table -->\nold\n<!-- /steps:table -->\nafter\n")
+    assert (
+        steps.main(["--repeats", "1", "--warmup", "0", "--rows", "1", "--markdown", str(page)]) == 0
+    )
+    text = page.read_text()
+    assert "old" not in text and "PrivateStep.clip_and_accumulate" in text
+    assert text.startswith("before") and text.endswith("after\n")
+    with pytest.raises(ValueError, match="steps:table"):
+        steps.fill("no block", "x")

@@ -60,7 +60,7 @@ def _same_states(a, b) -> bool:
 
 
 @contextlib.contextmanager
-def _quiet_fallbacks():
+def quiet_fallbacks():
     """Silence torch's note that an operator has no batching rule (vmap then loops over
     it internally: the numbers are the same, only slower)."""
     with warnings.catch_warnings():
@@ -162,7 +162,7 @@ def call_grad_sample(
     xs = [leaves[i] for i in batched]
     gs = [grad_outputs[j] for j in used]
     try:
-        with _quiet_fallbacks():
+        with quiet_fallbacks():
             return torch.func.vmap(
                 single,
                 in_dims=([in_axes[i] for i in batched], [out_axes[j] for j in used]),
@@ -226,7 +226,7 @@ def model_grad_sample(
         return loss_fn(out, t.unsqueeze(0))
 
     try:
-        with _quiet_fallbacks():
+        with quiet_fallbacks():
             return torch.func.vmap(
                 torch.func.grad(loss), in_dims=(None, 0, 0), randomness="error", chunk_size=chunk
             )(params, inputs.detach(), targets)

@@ -34,12 +34,12 @@ import copy
 import warnings
 import weakref
 
-import torch
 from torch import nn
 
 from ... import context
 from ..._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES
-from ...extraction import check_batch, check_per_sample_model, parameter_names, per_sample_losses
+from ...extraction import check_batch, check_per_sample_model, parameter_names
+from ...losses import per_sample_losses
 from ...modules import CONVERSIONS, convert
 from ...vjp import check_settings
 
@@ -201,7 +201,7 @@ def per_sample_grads(model, loss_fn, inputs, targets, *, strategy=None):
     work = extend(convert(copy.deepcopy(model)))
     with installed(BatchGrad()) as ext, context.activate(settings), backpack(ext):
         output = work(inputs.detach())
-        torch.stack(per_sample_losses(loss_fn, output, targets)).sum().backward()
+        per_sample_losses(loss_fn, output, targets).sum().backward()
     out = {}
     for name, p in work.named_parameters():
         if not p.requires_grad:

@@ -1,0 +1,271 @@
+"""What a call of the public functions works out before its passes, and reuses on the
+next call while nothing it depends on has changed.
+
+Before its forward and backward passes a call checks the model, probes it (forward
+passes of one and two samples: the batch axis of every layer call and the sizes the
+memory plan needs, :func:`memconv.planning.profile`), and plans micro-batches and
+per-layer budgets (:func:`memconv.planning.make_plan`). A :class:`Prepared` keeps
+these and hands them to the next call while everything they depend on is the same:
+
+- the model: its modules (the same objects, under the same names), each one's
+  training mode and hooks, its parameters (the same objects, their ``requires_grad``,
+  shape, dtype and device), and the global module hooks;
+- the inputs' shape, dtype and device, and the autocast state;
+- the task, the strategy's settings (the open :class:`memconv.save_memory` block's
+  included), ``clip_route``, ``norm_route``, and the budget (a ``"available"``
+  budget is read again on every call: the plan is kept while its one pass over the
+  whole batch still fits, and made again otherwise);
+- the loss function (the same object).
+
+Any change makes a new probe or plan. The values of the parameters and inputs do not
+enter any of them. The walk checks every recorded layer call of every pass against
+the probe (the same module, the shapes the probe predicts for the batch); a call that
+differs from a reused probe probes the model again and runs again from the start, so
+a reused probe never gives a number a fresh one would not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as module_mod
+
+from .layers import check_layer, find_rule
+from .losses import PerSampleLoss
+from .planning import Plan, Profile, make_plan, profile
+from .resources import AVAILABLE, guards, resolve_budget
+from .walk import ProbeMismatch, owner_names
+
+
+def unwrap_compiled(model):
+    """The eager module a ``torch.compile``'d model (``OptimizedModule``) wraps: memconv
+    runs its own forward and backward passes eagerly, with the same parameters."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
+        return inner
+    return model
+
+
+def check_grad_mode() -> None:
+    """Raise under ``torch.no_grad()`` or ``torch.inference_mode()``.
+
+    Raises:
+        RuntimeError: there.
+    """
+    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+        raise RuntimeError(
+            "memconv runs its own forward and backward passes, which need gradients: it "
+            "cannot run under torch.no_grad() or torch.inference_mode(); call it outside them"
+        )
+
+
+def check_per_sample_model(model: nn.Module, argument: str = "model", settings=None) -> nn.Module:
+    """Check a model for per-sample quantities; returns the module to run (a
+    ``torch.compile``'d model's eager module).
+
+    Raises:
+        TypeError: if ``model`` is not an ``nn.Module``.
+        ValueError: naming the first layer that mixes samples (BatchNorm in training
+            mode, or in eval mode without running statistics), or whose settings do
+            not fit it.
+        RuntimeError: under ``torch.no_grad()`` or ``torch.inference_mode()``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{argument} must be a torch.nn.Module, got {type(model).__name__}")
+    check_grad_mode()
+    model = unwrap_compiled(model)
+    for name, module in model.named_modules():
+        check_layer(module, name or type(module).__name__)
+        rule = find_rule(module)
+        if settings is not None and rule is not None:
+            rule.check_settings(module, settings)
+    return model
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """``{id(parameter): name}`` for trainable parameters, each under its first name
+    (``named_parameters`` lists a parameter shared by two layers once)."""
+    return {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def check_batch(inputs, targets) -> int:
+    """Raise unless ``inputs`` is a tensor and ``targets`` has its length; returns N.
+
+    Raises:
+        TypeError: if ``inputs`` is not a tensor.
+        ValueError: if the lengths differ.
+    """
+    if not isinstance(inputs, Tensor):
+        raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
+    if len(inputs) != len(targets):
+        raise ValueError(
+            f"inputs and targets must have the same length N, got {len(inputs)} and {len(targets)}"
+        )
+    return len(inputs)
+
+
+class _ModelState:
+    """What of a model the probe and the plan depend on (see the module docstring);
+    two states are equal when their modules and parameters are the same objects with
+    the same attributes."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = tuple(
+            (name, m, m.training, tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
+            for name, m in model.named_modules()
+        )
+        named = list(model.named_parameters())
+        self.params = tuple(p for _, p in named)
+        self.attributes = tuple(
+            (name, p.requires_grad, p.shape, p.dtype, p.device) for name, p in named
+        )
+        self.hooks = (
+            tuple(module_mod._global_forward_hooks),
+            tuple(module_mod._global_forward_pre_hooks),
+        )
+
+    def __eq__(self, other) -> bool:
+        return (
+            isinstance(other, _ModelState)
+            and self.modules == other.modules
+            and self.attributes == other.attributes
+            and self.hooks == other.hooks
+            and len(self.params) == len(other.params)
+            and all(a is b for a, b in zip(self.params, other.params))
+        )
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """How one call runs.
+
+    Attributes:
+        plan: the :class:`memconv.Plan` (micro-batch, per-layer budget, clip route).
+        guard: whether :func:`memconv.resources.process_budget` guards the call.
+        axes: the batch axes of the parametrised calls (:func:`memconv.walk.call_axes`).
+        names: ``{id(parameter): name}`` of the trainable parameters.
+        loss: the per-sample loss evaluation.
+        owners: :func:`memconv.walk.owner_names` of the model.
+        params: ``{name: parameter}`` of the trainable parameters.
+    """
+
+    plan: Plan
+    guard: bool
+    axes: list
+    names: dict
+    loss: PerSampleLoss
+    owners: dict
+    params: dict
+
+
+class Prepared:
+    """The checks, probe and plan of the last call, reused while their inputs are the
+    same (see the module docstring).
+
+    Attributes:
+        probes: probes run so far (each two forward passes).
+        plans: plans made so far.
+        reused: whether the last call reused a probe.
+    """
+
+    def __init__(self):
+        self.probes = 0
+        self.plans = 0
+        self.reused = False
+        self._checked = None  # (model state, settings)
+        self._model_key = None
+        self._probe_key = None
+        self._profile: Profile | None = None
+        self._axes: list | None = None
+        self._names: dict = {}
+        self._owners: dict = {}
+        self._params: dict = {}
+        self._plans: dict = {}  # task -> (key, plan)
+        self._plan: Plan | None = None
+        self._loss: PerSampleLoss | None = None
+
+    def forget(self) -> None:
+        """Drop the probe and plan: the next call makes new ones."""
+        self._checked = self._probe_key = self._profile = self._axes = self._plan = None
+        self._plans = {}
+
+    def run(self, call):
+        """``call()``, run again from the start with a new probe if a reused probe no
+        longer describes the model's layer calls (:class:`memconv.walk.ProbeMismatch`)."""
+        try:
+            return call()
+        except ProbeMismatch:
+            if not self.reused:
+                raise
+            self.forget()
+            return call()
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the last call (None before the first)."""
+        return self._plan
+
+    def check_model(self, model: nn.Module, settings) -> nn.Module:
+        """:func:`check_per_sample_model`, its layer checks run again only when the
+        model or the settings changed; returns the module to run."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_grad_mode()
+        model = unwrap_compiled(model)
+        state = _ModelState(model)
+        if self._checked != (state, settings):
+            check_per_sample_model(model, settings=settings)
+            self._checked = (state, settings)
+        self._model_key = state
+        return model
+
+    def call_plan(
+        self, model, loss_fn, inputs: Tensor, task, settings, memory_budget, clip_route=None,
+        norm_route=None,
+    ) -> CallPlan:  # fmt: skip
+        """The plan of a call on ``inputs`` (after :meth:`check_model` of ``model``)."""
+        device = inputs.device
+        autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
+        probe_key = (self._model_key, tuple(inputs.shape[1:]), inputs.dtype, device, autocast)
+        self.reused = probe_key == self._probe_key
+        if not self.reused:
+            self._profile = profile(model, inputs)
+            self._axes = self._profile.axes()
+            self._names = parameter_names(model)
+            self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+            self._owners = owner_names(model)
+            self.probes += 1
+            self._probe_key = probe_key
+            self._plans = {}
+        if self._loss is None or self._loss.loss_fn is not loss_fn:
+            self._loss = PerSampleLoss(loss_fn)
+        n = len(inputs)
+        budget = resolve_budget(memory_budget, device)
+        exact = budget if memory_budget != AVAILABLE else AVAILABLE
+        plan_key = (n, settings, clip_route, norm_route, exact, loss_fn)
+        kept_key, self._plan = self._plans.get(task, (None, None))
+        if plan_key != kept_key or not self._still_fits(budget, memory_budget, clip_route):
+            self._plan = make_plan(self._profile, n, task, settings, budget, clip_route, norm_route)
+            self._plans[task] = (plan_key, self._plan)
+            self.plans += 1
+        plan = self._plan if budget is None else replace(self._plan, memory_budget=budget)
+        return CallPlan(
+            plan, guards(memory_budget, plan if budget is not None else None), self._axes,
+            self._names, self._loss, self._owners, self._params,
+        )  # fmt: skip
+
+    def _still_fits(self, budget, memory_budget, clip_route) -> bool:
+        """Whether the plan a fresh one would be is the kept one (an ``"available"``
+        budget, read again: the kept plan, one pass with the layers' defaults, fits)."""
+        if memory_budget != AVAILABLE:
+            return True
+        p = self._plan
+        return (
+            p is not None
+            and p.micro_batch == p.batch
+            and p.layer_budget is None
+            and p.predicted_peak <= budget
+            and (p.task != "clip" or clip_route is not None or p.clip_route == "book-keeping")
+        )

@@ -1,0 +1,159 @@
+"""A training step's per-sample computations, made once per model and called every step.
+
+:class:`PrivateStep` holds a model, its loss and the settings, and runs
+:func:`memconv.per_sample_grads`, :func:`memconv.per_sample_norms` and
+:func:`memconv.clip_and_accumulate` on each batch. Between calls it keeps what the
+public functions work out before their passes — the model's checks, the probe of
+its layer calls and the memory plan — and makes them again only when something they
+depend on changed (:mod:`memconv.prepared` lists what). The numbers are those of
+the plain functions, which make all of it afresh on every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+from .clipping import check_max_norm, clip_with, norms_with
+from .context import use_block_settings
+from .extraction import grads_with
+from .norms import check_route
+from .planning import Plan, check_budget, check_clip_route
+from .prepared import Prepared
+from .resources import AVAILABLE
+
+
+class PrivateStep:
+    """Per-sample gradients, norms and clipped sums of one model, step after step.
+
+    Example:
+        >>> step = memconv.PrivateStep(model, nn.CrossEntropyLoss(), memory_budget=None)
+        >>> for x, y in loader:
+        ...     optimizer.zero_grad()
+        ...     norms = step.clip_and_accumulate(x, y, max_norm=1.0)
+        ...     optimizer.step()
+
+    Args:
+        model: as :func:`memconv.per_sample_grads` (a ``DistributedDataParallel``
+            wrapper, for the norms and clipped sums).
+        loss_fn: called as ``loss_fn(output[n:n+1], targets[n:n+1])``; must return a
+            scalar tensor.
+        strategy: as :func:`memconv.per_sample_grads` (None: the
+            :class:`memconv.save_memory` block open at each call, or ``"auto"``).
+        memory_budget: as :func:`memconv.per_sample_grads`.
+        norm_route: as :func:`memconv.per_sample_norms`.
+        clip_route: as :func:`memconv.clip_and_accumulate`.
+
+    Attributes:
+        model, loss_fn, strategy, memory_budget, norm_route, clip_route: as given;
+            assigning one makes the next call plan afresh.
+
+    Raises:
+        TypeError: ``model`` not a module, ``loss_fn`` not callable, a bad
+            ``memory_budget``.
+        ValueError: an unknown ``strategy``, ``norm_route`` or ``clip_route``; a bad
+            ``memory_budget``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        *,
+        strategy: str | bool | None = None,
+        memory_budget: int | str | None = AVAILABLE,
+        norm_route: str | None = None,
+        clip_route: str | None = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        use_block_settings(strategy)
+        check_budget(memory_budget)
+        check_route(norm_route)
+        check_clip_route(clip_route)
+        self.model = model
+        self.loss_fn = loss_fn
+        self.strategy = strategy
+        self.memory_budget = memory_budget
+        self.norm_route = norm_route
+        self.clip_route = clip_route
+        self._prepared = Prepared()
+
+    @property
+    def plan(self) -> Plan | None:
+        """The :class:`memconv.Plan` the last call ran by (None before the first call, or
+        after one that needed none: an empty batch, a model that streams)."""
+        return self._prepared.plan
+
+    @property
+    def probes(self) -> int:
+        """How many times the model was probed so far (two forward passes each)."""
+        return self._prepared.probes
+
+    @property
+    def plans(self) -> int:
+        """How many plans were made so far."""
+        return self._prepared.plans
+
+    def per_sample_grads(self, inputs: Tensor, targets: Tensor) -> dict[str, Tensor]:
+        """:func:`memconv.per_sample_grads` of the step's model and loss.
+
+        Args:
+            inputs: ``[N, ...]``.
+            targets: ``[N, ...]``.
+
+        Returns:
+            ``{name: Tensor [N, *param.shape]}``, as :func:`memconv.per_sample_grads`.
+
+        Raises:
+            As :func:`memconv.per_sample_grads`.
+        """
+        return grads_with(
+            self._prepared, self.model, self.loss_fn, inputs, targets,
+            strategy=self.strategy, memory_budget=self.memory_budget,
+        )  # fmt: skip
+
+    def per_sample_norms(self, inputs: Tensor, targets: Tensor, *, per_parameter: bool = False):
+        """:func:`memconv.per_sample_norms` of the step's model and loss.
+
+        Args:
+            inputs: ``[N, ...]``.
+            targets: ``[N, ...]``.
+            per_parameter: return ``{name: [N]}`` instead of the total norms.
+
+        Returns:
+            ``[N]`` norms, or ``{name: [N]}``.
+
+        Raises:
+            As :func:`memconv.per_sample_norms`.
+        """
+        return norms_with(
+            self._prepared, self.model, self.loss_fn, inputs, targets, strategy=self.strategy,
+            memory_budget=self.memory_budget, per_parameter=per_parameter,
+            norm_route=self.norm_route,
+        )  # fmt: skip
+
+    def clip_and_accumulate(self, inputs: Tensor, targets: Tensor, *, max_norm: float) -> Tensor:
+        """:func:`memconv.clip_and_accumulate` of the step's model and loss: adds the
+        clipped sum to every trainable parameter's ``.grad``.
+
+        Args:
+            inputs: ``[N, ...]``.
+            targets: ``[N, ...]``.
+            max_norm: the clipping threshold C (positive, finite).
+
+        Returns:
+            The per-sample norms ``[N]`` before clipping.
+
+        Raises:
+            As :func:`memconv.clip_and_accumulate`.
+        """
+        check_max_norm(max_norm)
+        return clip_with(
+            self._prepared, self.model, self.loss_fn, inputs, targets, max_norm=max_norm,
+            strategy=self.strategy, memory_budget=self.memory_budget,
+            norm_route=self.norm_route, clip_route=self.clip_route,
+        )  # fmt: skip
