@@ -227,9 +227,25 @@ class NoRule(nn.Module):
         return torch.tanh(y) * self.gain
 
 
+class SelfAttention(nn.Module):
+    """``MultiheadAttention`` (no rule) over ``[N, L, E]``, batch first."""
+
+    def __init__(self, embed_dim: int, heads: int, bias: bool):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(embed_dim, heads, bias=bias, batch_first=True)
+
+    def forward(self, x):
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
 @st.composite
 def generic_shapes(draw, cls, n):
     _seeded(draw)
+    if cls is SelfAttention:
+        heads = draw(st.integers(1, 2))
+        layer = _perturb(cls(heads * draw(st.integers(1, 2)), heads, draw(st.booleans())))
+        x = torch.randn(n, draw(SIZES), layer.attention.embed_dim, dtype=DTYPE)
+        return Case(layer, x)
     layer = cls(draw(SIZES), draw(st.booleans())).to(DTYPE)
     extra = draw(st.lists(SIZES, max_size=2))
     return Case(layer, torch.randn(n, *extra, layer.scale.shape[0], dtype=DTYPE))
@@ -256,7 +272,7 @@ def _rule_classes() -> list:
 
 def _layer_types(rule_class) -> list[type]:
     if rule_class is None:
-        return [NoRule]
+        return [NoRule, SelfAttention]
     return sorted(
         (t for t, r in registered().items() if type(r) is rule_class),
         key=lambda t: (t.__module__, t.__name__),
@@ -267,6 +283,23 @@ def test_every_registered_rule_has_shapes():
     missing = [c.__name__ for c in _rule_classes() if c not in SHAPES]
     assert not missing, f"no shape strategy in tests/test_sweep.py SHAPES for {missing}"
     assert memconv.layers.find_rule(NoRule(1, True)) is None
+    assert memconv.layers.find_rule(nn.MultiheadAttention(2, 1)) is None
+
+
+def test_a_rule_without_shapes_fails_the_sweep():
+    class Odd(nn.Module):
+        pass
+
+    @memconv.layers.register(Odd)
+    class OddRule(memconv.layers.LayerRule):
+        pass
+
+    try:
+        with pytest.raises(AssertionError, match="OddRule"):
+            test_every_registered_rule_has_shapes()
+    finally:
+        memconv.layers.unregister(Odd)
+    assert Odd not in registered()
 
 
 # ------------------------------------------------------------------ references
@@ -279,6 +312,12 @@ def trainable(model) -> dict[str, torch.Tensor]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
+def _record_empty(empty: set, module, out) -> None:
+    outs = out if isinstance(out, tuple) else (out,)
+    if all(isinstance(o, torch.Tensor) and o.numel() == 0 for o in outs if o is not None):
+        empty.add(module)
+
+
 def loop_grads(model, x, t, axis=0) -> dict[str, torch.Tensor]:
     """Per-sample gradients by one autograd call per sample (batch on ``axis``).
 
@@ -287,8 +326,7 @@ def loop_grads(model, x, t, axis=0) -> dict[str, torch.Tensor]:
     params = trainable(model)
     empty = set()
     hooks = [
-        m.register_forward_hook(lambda m, i, o: empty.add(m) if o.numel() == 0 else None)
-        for m in model.modules()
+        m.register_forward_hook(lambda m, i, o: _record_empty(empty, m, o)) for m in model.modules()
     ]
     per = []
     try:
