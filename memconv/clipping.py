@@ -418,7 +418,9 @@ def clip_with(
                 gathered.add_clipped_sums(c, total)
             else:
                 del gathered
-                for name, v in _second_pass(losses, c, params).items():
+                sums = _second_pass(losses, c, params)
+                check_second_pass(sums, "memconv.clip_and_accumulate")
+                for name, v in sums.items():
                     _add(total, name, v)
             del losses
             all_norms.append(norms)
@@ -457,6 +459,25 @@ def _clip_sample_by_sample(model, loss_fn, inputs, targets, params, settings, ma
             norms.append(norm)
     _accumulate(params, total, ddp)
     return torch.cat(norms)
+
+
+def check_second_pass(sums: dict[str, Tensor], caller: str) -> None:
+    """Raise if the second pass gave a non-finite clipped sum (the norms being finite,
+    torch's own backward of a layer is not finite there).
+
+    Raises:
+        RuntimeError: naming the parameters and the remedy.
+    """
+    bad = [name for name, v in sums.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise RuntimeError(
+            f"{caller}: the two-pass route's second backward pass (torch's autograd) gave a "
+            f"non-finite clipped sum for {', '.join(map(repr, bad))} although every "
+            "per-sample norm is finite: torch's backward of that layer is not finite on "
+            "this input (GroupNorm over zero positions gives NaN for its weight); nothing "
+            'was added to .grad. Use clip_route="book-keeping", whose layer rules are exact '
+            "there."
+        )
 
 
 def _second_pass(losses: Tensor, c: Tensor, params: dict) -> dict[str, Tensor]:

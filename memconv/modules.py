@@ -142,8 +142,12 @@ class _ConvFunction(torch.autograd.Function):
         if need_w:
             if recorded.per_sample or recorded.settings is not None:
                 # the one weight VJP: per sample (stored; its sum is .grad) or summed
-                ops = spec.operands(x, g, normalized=True)
-                grad_w = weight_grad(ops, recorded.strategy_settings, recorded.per_sample)
+                if x.numel() == 0 or g.numel() == 0:  # no samples, or no positions
+                    grad_w = weight.new_zeros(len(x), *weight.shape)
+                    grad_w = grad_w if recorded.per_sample else grad_w.sum(0)
+                else:
+                    ops = spec.operands(x, g, normalized=True)
+                    grad_w = weight_grad(ops, recorded.strategy_settings, recorded.per_sample)
                 if recorded.per_sample:
                     store_grad_batch(layer.weight, grad_w)
                     grad_w = grad_w.sum(0)

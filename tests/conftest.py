@@ -1,7 +1,15 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run where the CI environment variable
+# is set (.ci/run sets it), whatever hypothesis' own detection of CI does.
+settings.register_profile("memconv-ci", derandomize=True, database=None, deadline=None)
+if os.environ.get("CI"):
+    settings.load_profile("memconv-ci")
 
 # the helpers module sits beside the tests
 sys.path.insert(0, str(Path(__file__).parent))

@@ -9,6 +9,8 @@ as in torch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -18,8 +20,8 @@ from .base import LayerRule, register
 def _rows(module, idx, g):
     """``(idx [N, L], g [N, L, D])`` with the padding positions' gradients zeroed."""
     n = idx.shape[0]
-    idx = idx.reshape(n, -1)
-    g = g.reshape(n, idx.shape[1], -1)
+    idx = idx.reshape(n, math.prod(idx.shape[1:]))  # explicit: L may be 0
+    g = g.reshape(n, idx.shape[1], module.embedding_dim)
     if module.padding_idx is not None:
         g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
     return idx, g
@@ -44,8 +46,8 @@ class EmbeddingRule(LayerRule):
         n, vocab = idx.shape[0], module.num_embeddings
         out = g.new_zeros(n * vocab, g.shape[-1])
         offsets = (torch.arange(n, device=idx.device) * vocab).unsqueeze(1)
-        out.index_add_(0, (idx + offsets).reshape(-1), g.reshape(-1, g.shape[-1]))
-        return {"weight": out.reshape(n, vocab, -1)}
+        out.index_add_(0, (idx + offsets).reshape(-1), g.flatten(0, 1))
+        return {"weight": out.reshape(n, vocab, g.shape[-1])}
 
     def sq_norms(self, module, inputs, grad_output):
         if not module.weight.requires_grad:
@@ -59,7 +61,7 @@ class EmbeddingRule(LayerRule):
             return {}
         idx, g = _rows(module, inputs[0], grad_output)
         out = g.new_zeros(module.num_embeddings, g.shape[-1])
-        out.index_add_(0, idx.reshape(-1), g.reshape(-1, g.shape[-1]))
+        out.index_add_(0, idx.reshape(-1), g.flatten(0, 1))
         return {"weight": out}
 
     def memory(self, module, input_shapes, itemsize, task):

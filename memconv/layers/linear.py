@@ -7,6 +7,8 @@ Goodfellow 2015; Li et al. 2022) or the instantiated gradients when 2L² > in·o
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
 from ..norms import sq_norms
@@ -16,8 +18,8 @@ from .base import LayerRule, register, rule_settings
 def _flat(x, g):
     if x.dtype != g.dtype:
         x = x.to(g.dtype)
-    n = x.shape[0]
-    return x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])  # [N, L, in/out]
+    n, length = x.shape[0], math.prod(x.shape[1:-1])  # explicit: L or the features may be 0
+    return x.reshape(n, length, x.shape[-1]), g.reshape(n, length, g.shape[-1])  # [N, L, in/out]
 
 
 def _trainable(module, name):
@@ -60,8 +62,7 @@ class LinearRule(LayerRule):
 
     def summed_grad(self, module, inputs, grad_output):
         x = inputs[0].to(grad_output.dtype)
-        x2 = x.reshape(-1, x.shape[-1])
-        g2 = grad_output.reshape(-1, grad_output.shape[-1])
+        x2, g2 = x.flatten(0, -2), grad_output.flatten(0, -2)  # [N·L, in/out]
         out = {}
         if _trainable(module, "weight"):
             out["weight"] = g2.transpose(0, 1) @ x2

@@ -16,6 +16,6 @@ class PReLURule(LayerRule):
         g = grad_output
         part = g * inputs[0].to(g.dtype).clamp(max=0)
         if module.num_parameters == 1:
-            return {"weight": part.reshape(part.shape[0], -1).sum(1, keepdim=True)}
+            return {"weight": part.flatten(1).sum(1, keepdim=True)}
         axes = tuple(range(2, part.dim()))
         return {"weight": part.sum(axes) if axes else part}
