@@ -192,11 +192,19 @@ def _offsets_plan(problem: Problem, budget: int) -> GhostPlan:
     return GhostPlan("offsets", chunk, block, memory, time)
 
 
+def method_plans(problem: Problem, budget: int) -> dict[str, GhostPlan]:
+    """Each method's chunk, tiling and predicted cost within ``budget`` bytes,
+    ``{"positions": ..., "offsets": ...}``."""
+    return {
+        "positions": _positions_plan(problem, budget),
+        "offsets": _offsets_plan(problem, budget),
+    }
+
+
 def plan(problem: Problem, budget: int) -> GhostPlan:
     """The method, chunk and tiling of the ghost norms within ``budget`` bytes: the
     faster method whose temporaries fit, else the leaner."""
-    methods = [_positions_plan(problem, budget), _offsets_plan(problem, budget)]
-    return fastest_that_fits(methods, budget)[0]
+    return fastest_that_fits(list(method_plans(problem, budget).values()), budget)[0]
 
 
 def sq_norms(ops: Operands, chosen: GhostPlan) -> Tensor:
