@@ -267,3 +267,80 @@ def test_a_calibration_missing_a_coefficient_is_rejected():
     data["memory"]["loop"]["scale"] = -1.0
     with pytest.raises(ValueError, match="finite numbers >= 0"):
         costs.check(data, "test")
+
+
+# ----------------------------------------------------------------- memconv calibrate
+def test_features_are_read_off_the_model():
+    from memconv.bench import calibrate
+
+    layer = calibrate.QUICK_GRID[0]
+    (job,) = calibrate.jobs(layer, torch.device("cpu"), models=("shift",))
+    offset, feats = calibrate.features(job, "cpu", costs.calibration("cpu"))
+    per_flop, per_element, per_call = costs.time_coefficients("shift")
+    assert offset == 0.0 and feats[0] == layer.problem(torch.device("cpu")).flops()
+    assert job.predict_time() == pytest.approx(per_flop * feats[0] + per_element * feats[1])
+
+
+def test_fit_recovers_known_coefficients_and_scale():
+    from memconv.bench import calibrate
+
+    truth = [3e-11, 2e-10, 4e-6]
+    gen = torch.Generator().manual_seed(0)
+    feats = torch.rand(12, 3, generator=gen, dtype=torch.float64) * torch.tensor([1e9, 1e7, 1e2])
+    offsets = [1e-4] * 12
+    times = [o + sum(c * f for c, f in zip(truth, row)) for o, row in zip(offsets, feats.tolist())]
+    got, errors = calibrate.fit_linear(offsets, feats.tolist(), times, [1.0, 1.0, 1.0])
+    assert got == pytest.approx(truth, rel=1e-2) and max(map(abs, errors)) < 1e-2
+    # a coefficient no row exercises keeps its current value
+    feats[:, 2] = 0
+    times = [o + sum(c * f for c, f in zip(truth, row)) for o, row in zip(offsets, feats.tolist())]
+    got, _ = calibrate.fit_linear(offsets, feats.tolist(), times, [1.0, 1.0, 7e-6])
+    assert got[2] == 7e-6
+    measured = [MiB, 4 * MiB, 9 * MiB, 100]
+    assert calibrate.fit_scale([m / 1.25 for m in measured], measured) == 1.25
+
+
+def test_calibrate_command_fits_and_checks_on_the_cpu(tmp_path, monkeypatch, capsys):
+    from memconv.bench import calibrate
+    from memconv.cli import main
+
+    monkeypatch.setattr(calibrate, "QUICK_GRID", calibrate.QUICK_GRID[:1])
+    out = tmp_path / "cpu.json"
+    args = ["-q", "calibrate", "--device", "cpu", "--quick", "--repeats", "1"]
+    assert main([*args, "--out", str(out), "--json", str(tmp_path / "m.jsonl")]) == 0
+    data = costs.check(json.loads(out.read_text()), str(out))
+    assert data["device"] == "cpu" and set(data["fitted"]["residuals"]) >= {"time/shift"}
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert {r["model"] for r in records[1:]} == set(costs.TIME_MODELS)
+    with costs.using("cpu", data):  # the file prices problems
+        auto.choose(_problem("rn-3x3-64"), Options())
+    # the memory models against the CPU allocator, the fitted file's scales included
+    check = ["-q", "calibrate", "--device", "cpu", "--quick", "--check"]
+    assert main([*check, "--calibration", str(out)]) == 0
+    assert "within 25%" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device", "cpu"], "--out"),
+        (["--device", "cpu", "--check", "--out", "x.json"], "--out applies only"),
+        (["--device", "cpu", "--check", "--calibration", "missing.json"], "--calibration"),
+        (["--device", "nonsense", "--out", "x.json"], "--device"),
+    ],
+)
+def test_calibrate_rejects_bad_options_before_any_work(argv, message, capsys):
+    from memconv.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["calibrate", *argv])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_calibrate_on_cuda_without_cuda_says_so(capsys):
+    from memconv.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--device", "cuda", "--out", "cuda.json"])
+    assert "no CUDA device is available" in capsys.readouterr().err
