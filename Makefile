@@ -17,7 +17,8 @@ MIN_PYTHON := 3.10
 # the interpreter PYTHON resolves to, and its version ("" if there is none)
 PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>/dev/null)
 
-.PHONY: install compare test test-slow lint format docs docs-clean clean benchmarks benchmarks-report benchmarks-steps FORCE
+.PHONY: install compare test test-slow lint format docs docs-clean clean benchmarks benchmarks-report \
+	benchmarks-steps benchmarks-gpu calibrate-gpu FORCE
 
 # Rebuilt (with the whole venv) only when the interpreter changed; FORCE makes make
 # look at it every time, but its timestamp moves only on a rebuild.
@@ -91,6 +92,18 @@ benchmarks-steps: $(VENV)/.installed-bench+opacus
 # Refill docs/benchmarks.md from the JSON Lines files (seconds; no measurement).
 benchmarks-report: $(VENV)/.installed-bench
 	$(BENCH) --report $(addprefix $(BENCH_DIR)/,$(BENCH_FILES)) --markdown docs/benchmarks.md
+
+# The same on a machine with a CUDA GPU, one command: the cost models fitted on the GPU
+# (memconv/calibration/cuda.json, read for CUDA tensors) and checked against its allocator,
+# then every table a GPU changes (memconv suite: JSON Lines under docs/bench/cuda/, the
+# page docs/benchmarks-cuda.md refilled). The check and the suite exit 1 on a memory model
+# past 25 % or a flagged float32 deviation; what follows still runs.
+benchmarks-gpu: calibrate-gpu
+	-$(BIN)/memconv suite --device cuda --out $(BENCH_DIR)/cuda --markdown docs/benchmarks-cuda.md
+
+calibrate-gpu: $(VENV)/.installed-bench+backpack+opacus
+	$(BIN)/memconv calibrate --device cuda --out memconv/calibration/cuda.json --json $(BENCH_DIR)/cuda/calibration.jsonl
+	-$(BIN)/memconv calibrate --device cuda --check --json $(BENCH_DIR)/cuda/calibration-check.jsonl
 
 test-slow: $(VENV)/.installed-$(EXTRAS_TEST)
 	$(BIN)/python -m pytest -q -m slow

@@ -105,6 +105,8 @@ def _write_cli_help() -> None:
         "memconv": ["--help"],
         "compare": ["compare", "--help"],
         "bench": ["bench", "--help"],
+        "suite": ["suite", "--help"],
+        "calibrate": ["calibrate", "--help"],
         "list": ["list", "--help"],
     }.items():
         buf = io.StringIO()

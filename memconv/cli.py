@@ -10,8 +10,10 @@ DESCRIPTION = (
     "memconv: exact, memory-lean per-sample gradients, DP-SGD clipping and whole-call "
     "memory budgets for CNNs. Commands: compare (every memconv strategy on the seed CNN, "
     "validated against torch.func), bench (engines of memconv and its peers on benchmark "
-    "cases: matrix, sweeps, largest batch within a memory limit, reports), list (the "
-    "accepted names of tasks, engines, cases, strategies and data)."
+    "cases: matrix, sweeps, largest batch within a memory limit, reports), suite (every "
+    "benchmark table a GPU changes, on one device), calibrate (fit the cost models on a "
+    "device, or check them against its allocator), list (the accepted names of tasks, "
+    "engines, cases, strategies and data)."
 )
 
 
@@ -19,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``memconv`` argument parser with its sub-commands."""
     import memconv
 
-    from .bench import bench, compare
+    from .bench import bench, calibrate, compare, suite
 
     parser = argparse.ArgumentParser(
         prog="memconv",
@@ -34,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = (
         ("compare", compare, "every memconv strategy on the seed CNN, validated (the main job)"),
         ("bench", bench, "engines of memconv and its peers on benchmark cases"),
+        ("suite", suite, "every benchmark table a GPU changes, on one device"),
+        ("calibrate", calibrate, "fit the cost models on a device; --check: against its allocator"),
     )
     for name, module, summary in commands:
         p = sub.add_parser(name, help=summary, description=module.DESCRIPTION)

@@ -33,15 +33,8 @@ from torch import Tensor
 from ._geometry import ConvGeometry, Operands
 from .strategies import Problem
 from .strategies.base import fastest_that_fits, linear_time, numel, padded_size
+from .strategies.costs import scale_memory, time_coefficients
 from .strategies.shift import _flat_ok, offset_operands
-
-#: Seconds per multiply-add, per element moved and per tensor operation of each
-#: method, and per element of the positions method's input Gram matrix (written, then
-#: read through strided windows); fitted as :data:`memconv.strategies.loop.TIME` is,
-#: to 70 layer shapes (N = 4, 16, 64).
-POSITIONS_TIME = (9.8e-12, 7.5e-11, 1.1e-5)
-POSITIONS_GRAM = 3.2e-10
-OFFSETS_TIME = (1.0e-11, 5.4e-11, 4.9e-6)
 
 
 @dataclass(frozen=True)
@@ -154,7 +147,11 @@ def _positions_plan(problem: Problem, budget: int) -> GhostPlan:
     traffic = n * geom.groups * pairs * (geom.kernel_numel + 3) * bi * bi + n * operands
     calls = math.ceil(n / chunk) * pairs * (geom.kernel_numel + 6)
     memory = chunk * (operands + per_sample(rows)) * itemsize
-    time = linear_time(POSITIONS_TIME, flops, traffic, calls) + POSITIONS_GRAM * gram
+    # seconds per multiply-add, per element moved, per tensor operation, and per
+    # element of the input Gram matrix (written, then read through strided windows)
+    *coefficients, per_gram = time_coefficients("ghost-positions", problem.device)
+    time = linear_time(coefficients, flops, traffic, calls) + per_gram * gram
+    memory = scale_memory("ghost-positions", problem.device, memory)
     return GhostPlan("positions", chunk, rows, memory, time)
 
 
@@ -190,15 +187,24 @@ def _offsets_plan(problem: Problem, budget: int) -> GhostPlan:
     traffic += n * geom.groups * pairs * (2 * geom.kernel_numel + 3) * block * block
     calls = math.ceil(n / chunk) * pairs * (3 * geom.kernel_numel + 6)
     memory = chunk * (operands + 3 * geom.groups * block * block) * itemsize
-    time = linear_time(OFFSETS_TIME, flops, traffic, calls)
+    time = linear_time(time_coefficients("ghost-offsets", problem.device), flops, traffic, calls)
+    memory = scale_memory("ghost-offsets", problem.device, memory)
     return GhostPlan("offsets", chunk, block, memory, time)
+
+
+def method_plans(problem: Problem, budget: int) -> dict[str, GhostPlan]:
+    """Each method's chunk, tiling and predicted cost within ``budget`` bytes,
+    ``{"positions": ..., "offsets": ...}``."""
+    return {
+        "positions": _positions_plan(problem, budget),
+        "offsets": _offsets_plan(problem, budget),
+    }
 
 
 def plan(problem: Problem, budget: int) -> GhostPlan:
     """The method, chunk and tiling of the ghost norms within ``budget`` bytes: the
     faster method whose temporaries fit, else the leaner."""
-    methods = [_positions_plan(problem, budget), _offsets_plan(problem, budget)]
-    return fastest_that_fits(methods, budget)[0]
+    return fastest_that_fits(list(method_plans(problem, budget).values()), budget)[0]
 
 
 def sq_norms(ops: Operands, chosen: GhostPlan) -> Tensor:

@@ -37,6 +37,7 @@ from .context import DEFAULT_SETTINGS, Settings
 from .grad_sample import weight_grad
 from .strategies import Problem, get_strategy
 from .strategies.base import cost_model, fastest_that_fits, numel
+from .strategies.costs import time_coefficients
 
 ROUTES = ("ghost", "instantiate")
 #: Bytes a route may use for its temporaries when no budget is given.
@@ -106,7 +107,9 @@ def ghost_sq_norms(ops: Operands, budget: int) -> Tensor:
         budget: bytes for the temporaries (chunk of samples × block of positions).
     """
     x = ops.x
-    problem = Problem(ops.geometry, x.shape[0], tuple(x.shape[2:]), x.element_size(), True)
+    problem = Problem(
+        ops.geometry, x.shape[0], tuple(x.shape[2:]), x.element_size(), True, device=x.device.type
+    )
     return ghost.sq_norms(ops, ghost.plan(problem, budget))
 
 
@@ -126,12 +129,14 @@ def instantiate_cost(problem: Problem, budget: int, settings: Settings = DEFAULT
     of ``settings`` (the one :func:`instantiate_sq_norms` runs)."""
     per = numel(problem.geom.weight_shape) * problem.itemsize
     chunk = max(1, min(problem.n, budget // 2 // max(per, 1)))
-    sub = Problem(problem.geom, chunk, problem.size, problem.itemsize, True)
+    sub = replace(problem, n=chunk, per_sample=True, into=False)
     run = _instantiate_settings(settings, chunk * per, budget)
     strategy = get_strategy(run.strategy)
     squares = min(chunk * per, max(SQUARES_BYTES, per))  # sq_norms' slice of squares
     memory = chunk * per + max(strategy.memory(sub, run.options), squares)
-    time = strategy.time(problem, run.options) + 2e-10 * problem.per_sample_elements()
+    # the squares of the per-sample gradients: seconds per element
+    (per_square,) = time_coefficients("instantiate", problem.device)
+    time = strategy.time(problem, run.options) + per_square * problem.per_sample_elements()
     return RouteCost("instantiate", memory, time)
 
 
@@ -209,7 +214,14 @@ def conv_weight_sq_norms(
     if x.dtype != g.dtype:
         x = x.to(g.dtype)
     ops = conv_spec(module).operands(x, g)
-    problem = Problem(ops.geometry, x.shape[0], tuple(ops.x.shape[2:]), x.element_size(), True)
+    problem = Problem(
+        ops.geometry,
+        x.shape[0],
+        tuple(ops.x.shape[2:]),
+        x.element_size(),
+        True,
+        device=x.device.type,
+    )
     # a budget covers the copy that brought the input to normal form; the route gets
     # what is left of it
     room = None if budget is None else max(budget - ops.copied * x.element_size(), 1)

@@ -198,4 +198,6 @@ def test_package_files():
     assert (ROOT / "memconv" / "py.typed").exists()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert pyproject["project"]["dependencies"] == ["torch>=2.2", "tqdm", "numpy"]
-    assert pyproject["tool"]["setuptools"]["package-data"]["memconv"] == ["py.typed"]
+    data = pyproject["tool"]["setuptools"]["package-data"]["memconv"]
+    assert data == ["py.typed", "calibration/*.json"]
+    assert (ROOT / "memconv" / "calibration" / "cpu.json").exists()  # read per device type

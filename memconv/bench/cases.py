@@ -86,6 +86,9 @@ CASES: dict[str, Case] = {
              summary="a small 1-D CNN on rows of photos"),
         Case("conv3d", "conv3d", 8, 24, depth=16, quick=(2, 8, 4),
              summary="a small 3-D CNN on stacks of shifted photo crops"),
+        Case("streaming-4096", "streaming-net", 1, 4096, quick=(1, 128, None),
+             summary="StreamingCNN's example network on one 4096x4096 mosaic of the retina "
+                     "photograph (the memconv-streaming engine against autograd)"),
     )
 }  # fmt: skip
 

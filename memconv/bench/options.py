@@ -187,7 +187,9 @@ def machine() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
     except (OSError, StopIteration):
         pass
+    gpu = {"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}
     return {
+        **gpu,
         "cpu": cpu,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

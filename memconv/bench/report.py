@@ -516,7 +516,8 @@ def format_machine(records: list[dict]) -> str:
         if r.get("record") == "run" and r["machine"] not in seen:
             seen.append(r["machine"])
     return "\n".join(
-        f"- {m['cpu']}, {m['threads']} threads; torch {m['torch']}, memconv {m['memconv']}, "
+        ("- " + (f"{m['gpu']} (GPU); " if m.get("gpu") else ""))
+        + f"{m['cpu']}, {m['threads']} threads; torch {m['torch']}, memconv {m['memconv']}, "
         f"Python {m['python']}"
         for m in seen
     )

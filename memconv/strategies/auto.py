@@ -72,7 +72,9 @@ class Auto:
     composite: ClassVar[bool] = True
 
     def vjp(self, x, g, geom, *, per_sample, options, out=None) -> Tensor:
-        problem = Problem(geom, x.shape[0], tuple(x.shape[2:]), x.element_size(), per_sample)
+        problem = Problem(
+            geom, x.shape[0], tuple(x.shape[2:]), x.element_size(), per_sample, x.device.type
+        )
         strategy, sub, memory, fits = choose(problem, options)
         if not fits:
             warnings.warn(

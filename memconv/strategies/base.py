@@ -63,6 +63,8 @@ class Problem:
         into: the VJP adds into a given ``out`` (as ``"streaming"`` runs its inner
             strategy); a strategy that first computes its whole result then holds
             it as extra memory.
+        device: the device type of the tensors (``"cpu"``, ``"cuda"``, ...): which
+            calibration prices the problem (:mod:`memconv.strategies.costs`).
     """
 
     geom: ConvGeometry
@@ -71,6 +73,7 @@ class Problem:
     itemsize: int
     per_sample: bool
     into: bool = False
+    device: str = "cpu"
 
     @property
     def output_size(self) -> tuple[int, ...]:
@@ -205,6 +208,7 @@ def cost_model(fn):
     small layer's backward pass.
     """
     cached = functools.lru_cache(maxsize=4096)(lambda names, *args: fn(*args))
+    _MEMOS.append(cached)
 
     @functools.wraps(fn)
     def wrapper(*args):
@@ -216,6 +220,16 @@ def cost_model(fn):
 
     wrapper.cache_clear = cached.cache_clear
     return wrapper
+
+
+#: The memos of every :func:`cost_model` function.
+_MEMOS: list = []
+
+
+def clear_cost_memos() -> None:
+    """Forget every memoised cost-model result (the calibration changed)."""
+    for memo in _MEMOS:
+        memo.cache_clear()
 
 
 def elementary() -> tuple[Strategy, ...]:
@@ -247,9 +261,9 @@ def fastest_that_fits(candidates, budget, *, memory=lambda c: c.memory, time=lam
 def linear_time(coefficients: tuple[float, float, float], flops, traffic, calls) -> float:
     """A time model: seconds per multiply-add, per element moved, per kernel call.
 
-    The strategies' coefficients were fitted (non-negative least squares on relative
-    error) to the measured times of 14 layer shapes from the benchmark models, on a
-    2-core x86 CPU with torch 2.13; only their ratios matter to ``"auto"``.
+    The coefficients are fitted per device type (non-negative least squares on
+    relative error of measured times, :mod:`memconv.bench.calibrate`) and read from
+    :mod:`memconv.strategies.costs`; only their ratios matter to ``"auto"``.
     """
     per_flop, per_element, per_call = coefficients
     return per_flop * flops + per_element * traffic + per_call * calls

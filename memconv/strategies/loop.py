@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .._geometry import ConvGeometry, convolution_backward
 from .base import Options, Problem, numel, register_strategy
+from .costs import scale_memory, time_coefficients
 
 
 def native_path(geom: ConvGeometry, size: tuple[int, ...], itemsize: int) -> bool:
@@ -86,38 +87,30 @@ class Loop:
             workspace = (
                 geom.in_channels * numel(problem.size) + geom.out_channels * problem.positions
             )
-        return (2 * numel(geom.weight_shape) + workspace) * itemsize  # adds into `out` in place
+        nbytes = (2 * numel(geom.weight_shape) + workspace) * itemsize  # adds into `out` in place
+        return scale_memory("loop", problem.device, nbytes)
 
     def time(self, problem: Problem, options: Options) -> float:
+        # seconds per multiply-add (on ATen's native path, 2-d or 3-d, or oneDNN's), per
+        # element of the operands, per element of the per-sample gradients (written,
+        # then copied or added) and per kernel call
+        flop_native, flop_3d, flop_onednn, per_operand, result_native, result_onednn, call = (
+            time_coefficients("loop", problem.device)
+        )
         geom = problem.geom
         native = native_path(geom, problem.size, problem.itemsize)
         if native:
-            per_flop = TIME["native-3d" if geom.dims == 3 else "native"]
+            per_flop = flop_3d if geom.dims == 3 else flop_native
         else:
-            per_flop = TIME["onednn"]
-        per_result = TIME["native-result" if native else "onednn-result"]
+            per_flop = flop_onednn
+        per_result = result_native if native else result_onednn
         operands = problem.input_elements() + problem.grad_elements()
         return (
             per_flop * problem.flops()
-            + TIME["operand"] * operands
+            + per_operand * operands
             + per_result * problem.per_sample_elements()
-            + TIME["call"] * problem.n
+            + call * problem.n
         )
 
-
-#: Seconds per multiply-add (on ATen's native path, 2-d or 3-d, or oneDNN's), per
-#: element of the operands, per element of the per-sample gradients (written, then
-#: copied or added) and per kernel call; fitted (non-negative least squares on
-#: relative error) to the measured times of 40 layer shapes of the benchmark models
-#: and the tests, N = 16 and 64, on a 2-core x86 CPU with torch 2.13.
-TIME = {
-    "native": 1.5e-11,
-    "native-3d": 2.9e-11,
-    "onednn": 5.1e-12,
-    "operand": 2.4e-10,
-    "native-result": 3.0e-10,
-    "onednn-result": 5.6e-10,
-    "call": 3.8e-5,
-}
 
 LOOP = register_strategy(Loop())

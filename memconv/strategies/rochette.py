@@ -29,6 +29,7 @@ from .base import (
     numel,
     register_strategy,
 )
+from .costs import scale_memory, time_coefficients
 from .standard import depthwise_copies, raw_kernel
 
 
@@ -65,7 +66,8 @@ class Rochette:
             # the backend writes the convolution's output twice (a temporary and the
             # returned buffer, of which the result is a crop)
             extra = 2 * raw * numel(raw_kernel(geom, size)) - problem.result_elements
-            return (extra + depthwise_copies(problem)) * problem.itemsize + problem.held()
+            nbytes = (extra + depthwise_copies(problem)) * problem.itemsize + problem.held()
+            return scale_memory("rochette", problem.device, nbytes)
         t = problem.output_size
         # per first-kernel offset: the input slice, copied twice (re-laid out, then by
         # the backend), the output-gradient slice and the uncropped part
@@ -74,7 +76,7 @@ class Rochette:
         part = raw * numel(raw_kernel(geom, size)[1:])
         summed = 0 if problem.per_sample else n * numel(geom.weight_shape)
         extra = 2 * x_slice + g_slice + part + summed
-        return extra * problem.itemsize + problem.held()
+        return scale_memory("rochette", problem.device, extra * problem.itemsize + problem.held())
 
     def time(self, problem: Problem, options: Options) -> float:
         geom, n = problem.geom, problem.n
@@ -85,11 +87,8 @@ class Rochette:
                 2 * problem.input_elements() + problem.grad_elements()
             )
         # one convolution group per sample and group
-        return linear_time(TIME, problem.flops(), traffic, n * geom.groups)
-
-
-#: Seconds per multiply-add, per element moved, per convolution group.
-TIME = (2.6e-11, 9.3e-11, 1.7e-6)
+        coefficients = time_coefficients("rochette", problem.device)
+        return linear_time(coefficients, problem.flops(), traffic, n * geom.groups)
 
 
 def _rochette_3d(x: Tensor, g: Tensor, geom: ConvGeometry, per_sample: bool, out):

@@ -29,6 +29,7 @@ from .base import (
     padded_size,
     register_strategy,
 )
+from .costs import scale_memory, time_coefficients
 
 #: Bytes of per-chunk temporaries when no ``memory_budget`` is set.
 DEFAULT_CHUNK_BUDGET = 16 * 2**20
@@ -84,7 +85,9 @@ class Shift:
             store = x.new_zeros(((n,) if per_sample else ()) + (grp, og, cg, kk))
         else:
             store = out.view(((n,) if per_sample else ()) + (grp, og, cg, kk))
-        problem = Problem(geom, n, tuple(x.shape[2:]), x.element_size(), per_sample)
+        problem = Problem(
+            geom, n, tuple(x.shape[2:]), x.element_size(), per_sample, device=x.device.type
+        )
         chunk = chunk_size(problem, options, out is not None)
         for n0 in range(0, n, chunk):
             n1 = min(n, n0 + chunk)
@@ -110,7 +113,7 @@ class Shift:
     def memory(self, problem: Problem, options: Options) -> int:
         chunk = chunk_size(problem, options, problem.into)
         per = _per_sample_temporaries(problem.geom, problem.size, problem.per_sample, problem.into)
-        return chunk * per * problem.itemsize
+        return scale_memory("shift", problem.device, chunk * per * problem.itemsize)
 
     def time(self, problem: Problem, options: Options) -> float:
         geom, n = problem.geom, problem.n
@@ -123,11 +126,8 @@ class Shift:
             copies = 2 * n * geom.in_channels * length  # each offset's view copied
         operands = n * (geom.in_channels + geom.out_channels) * length + copies
         traffic = geom.kernel_numel * operands + problem.per_sample_elements()
-        return linear_time(TIME, problem.flops(), traffic, 0)
-
-
-#: Seconds per multiply-add, per element moved, per call.
-TIME = (2.2e-11, 8.6e-11, 0.0)
+        coefficients = time_coefficients("shift", problem.device)
+        return linear_time(coefficients, problem.flops(), traffic, 0)
 
 
 def _offsets(geom: ConvGeometry):

@@ -23,6 +23,7 @@ from .base import (
     numel,
     register_strategy,
 )
+from .costs import scale_memory, time_coefficients
 
 
 def raw_kernel(geom: ConvGeometry, size: tuple[int, ...]) -> tuple[int, ...]:
@@ -82,7 +83,8 @@ class Standard:
         # the backend writes the convolution's output twice (a temporary and the
         # returned buffer, of which the result is a crop)
         extra = repeated + 2 * raw - problem.result_elements
-        return (extra + depthwise_copies(problem)) * problem.itemsize + problem.held()
+        nbytes = (extra + depthwise_copies(problem)) * problem.itemsize + problem.held()
+        return scale_memory("standard", problem.device, nbytes)
 
     def time(self, problem: Problem, options: Options) -> float:
         geom, n = problem.geom, problem.n
@@ -97,10 +99,8 @@ class Standard:
             + problem.per_sample_elements()
         )
         # one convolution group per sample and input channel
-        return linear_time(TIME, problem.flops(), traffic, n * geom.in_channels)
+        coefficients = time_coefficients("standard", problem.device)
+        return linear_time(coefficients, problem.flops(), traffic, n * geom.in_channels)
 
-
-#: Seconds per multiply-add, per element moved, per convolution group.
-TIME = (5e-12, 3.7e-10, 2.8e-7)
 
 STANDARD = register_strategy(Standard())

@@ -33,11 +33,10 @@ from .base import (
     numel,
     register_strategy,
 )
+from .costs import time_coefficients
 
 #: Extra bytes a tile may use when neither ``tile_size`` nor ``memory_budget`` is set.
 DEFAULT_TILE_BUDGET = 32 * 2**20
-#: Seconds of one tile's slicing and dispatch, and per element copied.
-TILE_COST, COPY_COST = 2e-5, 8.6e-11
 
 
 def tile_input_size(geom: ConvGeometry, tile: tuple[int, ...]) -> tuple[int, ...]:
@@ -91,8 +90,10 @@ def _time(problem: Problem, tile, inner, options: Options) -> float:
     sub = _tile_problem(problem, tile)
     count = _tile_count(problem, tile)
     copy = problem.n * problem.geom.in_channels * numel(sub.size)
-    per_tile = inner.time(sub, _inner_options(inner, options)) + COPY_COST * 2 * copy
-    return count * (per_tile + TILE_COST)
+    # seconds of one tile's slicing and dispatch, and per element copied
+    tile_cost, copy_cost = time_coefficients("streaming", problem.device)
+    per_tile = inner.time(sub, _inner_options(inner, options)) + copy_cost * 2 * copy
+    return count * (per_tile + tile_cost)
 
 
 @cost_model
@@ -158,7 +159,7 @@ class Streaming:
 
     def vjp(self, x, g, geom, *, per_sample, options, out=None) -> Tensor:
         n, size = x.shape[0], tuple(x.shape[2:])
-        problem = Problem(geom, n, size, x.element_size(), per_sample)
+        problem = Problem(geom, n, size, x.element_size(), per_sample, device=x.device.type)
         inner, tile = plan(problem, options)
         inner_options = _inner_options(inner, options)
         geom0 = geom.with_padding((0,) * geom.dims)

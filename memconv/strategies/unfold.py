@@ -24,6 +24,7 @@ from .base import (
     padded_size,
     register_strategy,
 )
+from .costs import scale_memory, time_coefficients
 
 
 def unfold_input(x: Tensor, geom: ConvGeometry, t: tuple[int, ...]) -> Tensor:
@@ -82,10 +83,11 @@ class Unfold:
         if problem.per_sample:
             # the padded copy is gone by the time the result is allocated
             result = n * numel(geom.weight_shape)
-            return (cols + max(padded - result, 0)) * problem.itemsize + problem.held()
+            nbytes = (cols + max(padded - result, 0)) * problem.itemsize + problem.held()
+            return scale_memory("unfold", problem.device, nbytes)
         # einsum over (n, t) permutes both operands into contiguous copies
         extra = padded + 2 * cols + n * geom.out_channels * problem.positions
-        return extra * problem.itemsize + problem.held()
+        return scale_memory("unfold", problem.device, extra * problem.itemsize + problem.held())
 
     def time(self, problem: Problem, options: Options) -> float:
         geom, n = problem.geom, problem.n
@@ -93,10 +95,8 @@ class Unfold:
         # writing the unfolded input costs about twice reading it (fresh pages)
         traffic = 3 * cols + problem.grad_elements() + problem.per_sample_elements()
         # one small matrix product per sample and group
-        return linear_time(TIME, problem.flops(), traffic, n * geom.groups)
+        coefficients = time_coefficients("unfold", problem.device)
+        return linear_time(coefficients, problem.flops(), traffic, n * geom.groups)
 
-
-#: Seconds per multiply-add, per element moved, per matrix product.
-TIME = (1.5e-11, 2.2e-10, 5.2e-6)
 
 UNFOLD = register_strategy(Unfold())

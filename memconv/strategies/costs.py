@@ -1,0 +1,147 @@
+"""The cost models' fitted coefficients, read per device type from packaged data files.
+
+Every time model of memconv (the strategies', the ghost norms' methods, the
+instantiating norm route's, ``"streaming"``'s tiles) is linear in a few coefficients
+(seconds per multiply-add, per element moved, per kernel call, ...), and every memory
+model (bytes, derived from the algorithm) is multiplied by a fitted scale. The
+coefficients live in ``memconv/calibration/<device type>.json``, written by
+:mod:`memconv.bench.calibrate` (``memconv calibrate``) from measurements on that kind
+of device: a :class:`~memconv.strategies.base.Problem` whose ``device`` is ``"cuda"``
+is priced with ``cuda.json``, a CPU one with ``cpu.json``. A device type without a
+file is priced with the CPU file, and a warning on the ``memconv`` logger says so
+once. Tensors on the ``"meta"`` device (shape-only predictions) use the CPU file
+without a warning.
+
+The file's layout: ``{"device": ..., "fitted": {...}, "time": {model: {coefficient:
+seconds}}, "memory": {model: {"scale": factor}}}``; :data:`TIME_MODELS` lists each
+time model's coefficients in the order the model multiplies them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+from importlib import resources
+
+from .base import clear_cost_memos
+
+logger = logging.getLogger("memconv")
+
+#: Each time model and its coefficients (seconds per unit of the named quantity).
+TIME_MODELS: dict[str, tuple[str, ...]] = {
+    "standard": ("per_flop", "per_element", "per_call"),
+    "rochette": ("per_flop", "per_element", "per_call"),
+    "unfold": ("per_flop", "per_element", "per_call"),
+    "shift": ("per_flop", "per_element", "per_call"),
+    "loop": (
+        "per_flop_native", "per_flop_native_3d", "per_flop_onednn", "per_operand",
+        "per_result_native", "per_result_onednn", "per_call",
+    ),
+    "ghost-positions": ("per_flop", "per_element", "per_call", "per_gram"),
+    "ghost-offsets": ("per_flop", "per_element", "per_call"),
+    "instantiate": ("per_square",),
+    "streaming": ("per_tile", "per_copy"),
+}  # fmt: skip
+#: The memory models that carry a fitted scale (the elementary strategies' and the
+#: ghost norms' methods; the composite ones add up theirs).
+MEMORY_MODELS: tuple[str, ...] = (
+    "standard", "rochette", "unfold", "shift", "loop", "ghost-positions", "ghost-offsets",
+)  # fmt: skip
+#: The device type whose file prices every device type without one.
+FALLBACK = "cpu"
+
+_OVERRIDES: dict[str, dict] = {}
+_WARNED: set[str] = set()
+
+
+def check(data: dict, source: str) -> dict:
+    """Raise unless ``data`` holds every coefficient and scale, each a finite number >= 0.
+
+    Args:
+        data: a calibration, as read from its JSON file.
+        source: where it came from (for the message).
+
+    Returns:
+        ``data``.
+
+    Raises:
+        ValueError: naming the missing or bad entry and ``source``.
+    """
+    for model, names in TIME_MODELS.items():
+        got = data.get("time", {}).get(model)
+        if not isinstance(got, dict) or set(got) != set(names):
+            raise ValueError(f"{source}: time model {model!r} needs coefficients {names}")
+    for model in MEMORY_MODELS:
+        got = data.get("memory", {}).get(model)
+        if not isinstance(got, dict) or set(got) != {"scale"}:
+            raise ValueError(f"{source}: memory model {model!r} needs a 'scale'")
+    values = [v for m in data["time"].values() for v in m.values()]
+    values += [m["scale"] for m in data["memory"].values()]
+    for v in values:
+        if not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
+            raise ValueError(f"{source}: coefficients are finite numbers >= 0, got {v!r}")
+    return data
+
+
+@functools.cache
+def _packaged(device_type: str) -> dict | None:
+    path = resources.files("memconv") / "calibration" / f"{device_type}.json"
+    if not path.is_file():
+        return None
+    return check(json.loads(path.read_text()), f"memconv/calibration/{device_type}.json")
+
+
+def calibration(device_type: str = FALLBACK) -> dict:
+    """The calibration that prices problems on ``device_type`` (``"cpu"``, ``"cuda"``, ...).
+
+    Returns:
+        The parsed data file of that device type, or the CPU one when there is none
+        (logged once per device type as a warning).
+    """
+    if device_type in _OVERRIDES:
+        return _OVERRIDES[device_type]
+    data = _packaged(device_type)
+    if data is not None:
+        return data
+    if device_type != "meta" and device_type not in _WARNED:
+        _WARNED.add(device_type)
+        logger.warning(
+            "memconv: no cost-model calibration for device type %r; using the %s one "
+            "(run 'memconv calibrate --device %s' to fit one)",
+            device_type,
+            FALLBACK,
+            device_type,
+        )
+    return _packaged(FALLBACK)
+
+
+def time_coefficients(model: str, device_type: str = FALLBACK) -> tuple[float, ...]:
+    """A time model's coefficients (seconds per unit), in :data:`TIME_MODELS` order."""
+    got = calibration(device_type)["time"][model]
+    return tuple(got[name] for name in TIME_MODELS[model])
+
+
+def scale_memory(model: str, device_type: str, nbytes: int) -> int:
+    """``nbytes`` predicted by a memory model, times its fitted scale (an int)."""
+    scale = calibration(device_type)["memory"][model]["scale"]
+    return nbytes if scale == 1 else int(round(nbytes * scale))
+
+
+@contextlib.contextmanager
+def using(device_type: str, data: dict):
+    """Price ``device_type`` with ``data`` inside the block (for fitting and tests);
+    the memoised choices are forgotten on entry and exit."""
+    check(data, "using()")
+    previous = _OVERRIDES.get(device_type)
+    _OVERRIDES[device_type] = data
+    clear_cost_memos()
+    try:
+        yield data
+    finally:
+        if previous is None:
+            _OVERRIDES.pop(device_type, None)
+        else:
+            _OVERRIDES[device_type] = previous
+        clear_cost_memos()

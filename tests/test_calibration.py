@@ -1,0 +1,346 @@
+"""Cost-model calibration: the packaged CPU file reproduces the choices made with the
+constants it replaced (``"auto"``, the norm routes, ``"streaming"``, the planner, on a
+fixed set of layer shapes and models); a problem's device type picks its file, a
+device type without one falls back to the CPU file with a warning; the fit recovers
+known coefficients; the calibration command runs on the CPU."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+import memconv
+from memconv import ghost, norms
+from memconv._geometry import ConvGeometry
+from memconv.bench.cases import build_case
+from memconv.strategies import Options, Problem, auto, costs, streaming
+
+MiB = 2**20
+BUDGETS = (None, MiB, 16 * MiB, 256 * MiB)
+
+
+def _geom(dims, cin, cout, k, s=1, p=0, d=1, g=1):
+    return ConvGeometry(dims, cin, cout, (k,) * dims, (s,) * dims, (p,) * dims, (d,) * dims, g)
+
+
+#: (geometry, N, input size) of layers of the benchmark models and a few odd ones.
+SHAPES = {
+    "seed-conv1": (_geom(2, 1, 32, 3, p=1), 32, (112, 112)),
+    "seed-conv2": (_geom(2, 32, 64, 3, p=1), 32, (56, 56)),
+    "seed-28-conv2": (_geom(2, 32, 64, 3, p=1), 64, (14, 14)),
+    "rn-stem": (_geom(2, 3, 64, 3, p=1), 64, (32, 32)),
+    "rn-3x3-64": (_geom(2, 64, 64, 3, p=1), 64, (32, 32)),
+    "rn-3x3-s2": (_geom(2, 128, 256, 3, s=2, p=1), 64, (16, 16)),
+    "rn-1x1-s2": (_geom(2, 256, 512, 1, s=2), 64, (8, 8)),
+    "rn-3x3-512": (_geom(2, 512, 512, 3, p=1), 64, (4, 4)),
+    "wrn-3x3-256": (_geom(2, 256, 256, 3, p=1), 64, (8, 8)),
+    "depthwise": (_geom(2, 64, 64, 3, p=1, g=64), 16, (28, 28)),
+    "grouped-dilated": (_geom(2, 32, 64, 3, p=2, d=2, g=4), 8, (20, 20)),
+    "conv1d": (_geom(1, 16, 32, 7, p=3), 32, (2048,)),
+    "conv1d-strided": (_geom(1, 32, 64, 5, s=2, p=2), 32, (512,)),
+    "conv3d": (_geom(3, 8, 16, 3, p=1), 8, (16, 24, 24)),
+    "small-n1": (_geom(2, 16, 16, 3, p=1), 1, (8, 8)),
+    "large-image": (_geom(2, 3, 16, 3, p=1), 2, (512, 512)),
+}
+
+# The expected choices below were recorded with the hand-typed constants the CPU file
+# replaced (memconv 0.1.0, before the file existed).
+#: ``"auto"``'s choice per shape (per-sample, summed) under each of BUDGETS.
+AUTO = {
+    "seed-conv1": ("rochette", "rochette", "rochette", "rochette"),
+    "seed-conv2": ("loop", "streaming", "loop", "loop"),
+    "seed-28-conv2": ("shift", "shift", "shift", "shift"),
+    "rn-stem": ("rochette", "rochette", "rochette", "rochette"),
+    "rn-3x3-64": ("loop", "loop", "loop", "loop"),
+    "rn-3x3-s2": ("loop", "shift", "loop", "loop"),
+    "rn-1x1-s2": ("shift", "shift", "shift", "shift"),
+    "rn-3x3-512": ("shift", "shift", "shift", "shift"),
+    "wrn-3x3-256": ("streaming", "shift", "streaming", "streaming"),
+    "depthwise": ("standard", "loop", "standard", "standard"),
+    "grouped-dilated": ("rochette", "rochette", "rochette", "rochette"),
+    "conv1d": ("loop", "loop", "loop", "loop"),
+    "conv1d-strided": ("rochette", "shift", "rochette", "rochette"),
+    "conv3d": ("rochette", "streaming", "rochette", "rochette"),
+    "small-n1": ("shift", "shift", "shift", "shift"),
+    "large-image": ("loop", "rochette", "streaming", "loop"),
+}
+#: The norm route and the ghost norms' method per shape under each of BUDGETS.
+ROUTES = {
+    "seed-conv1": (
+        "instantiate/offsets",
+        "instantiate/positions",
+        "instantiate/offsets",
+        "instantiate/positions",
+    ),
+    "seed-conv2": (
+        "instantiate/positions",
+        "instantiate/positions",
+        "instantiate/positions",
+        "instantiate/positions",
+    ),
+    "seed-28-conv2": (
+        "ghost/positions",
+        "instantiate/positions",
+        "ghost/positions",
+        "ghost/positions",
+    ),
+    "rn-stem": (
+        "instantiate/positions",
+        "instantiate/positions",
+        "instantiate/positions",
+        "instantiate/positions",
+    ),
+    "rn-3x3-64": (
+        "instantiate/positions",
+        "instantiate/positions",
+        "instantiate/positions",
+        "instantiate/positions",
+    ),
+    "rn-3x3-s2": ("ghost/offsets", "ghost/offsets", "ghost/offsets", "ghost/offsets"),
+    "rn-1x1-s2": ("ghost/offsets", "ghost/offsets", "ghost/offsets", "ghost/offsets"),
+    "rn-3x3-512": ("ghost/positions", "ghost/positions", "ghost/positions", "ghost/positions"),
+    "wrn-3x3-256": ("ghost/positions", "ghost/positions", "ghost/positions", "ghost/positions"),
+    "depthwise": (
+        "instantiate/offsets",
+        "instantiate/offsets",
+        "instantiate/offsets",
+        "instantiate/positions",
+    ),
+    "grouped-dilated": (
+        "instantiate/positions",
+        "instantiate/positions",
+        "instantiate/positions",
+        "instantiate/positions",
+    ),
+    "conv1d": (
+        "instantiate/positions",
+        "instantiate/positions",
+        "instantiate/positions",
+        "instantiate/positions",
+    ),
+    "conv1d-strided": (
+        "instantiate/offsets",
+        "instantiate/offsets",
+        "instantiate/offsets",
+        "instantiate/offsets",
+    ),
+    "conv3d": (
+        "instantiate/positions",
+        "instantiate/offsets",
+        "instantiate/positions",
+        "instantiate/positions",
+    ),
+    "small-n1": (
+        "instantiate/positions",
+        "instantiate/positions",
+        "instantiate/positions",
+        "instantiate/positions",
+    ),
+    "large-image": (
+        "instantiate/offsets",
+        "instantiate/positions",
+        "instantiate/positions",
+        "instantiate/offsets",
+    ),
+}
+#: ``"streaming"``'s inner strategy and tile per shape (default options).
+STREAMING = {
+    "seed-conv1": ("rochette", (112, 112)),
+    "seed-conv2": ("loop", (56, 56)),
+    "seed-28-conv2": ("shift", (14, 14)),
+    "rn-stem": ("rochette", (32, 32)),
+    "rn-3x3-64": ("loop", (32, 32)),
+    "rn-3x3-s2": ("loop", (8, 8)),
+    "rn-1x1-s2": ("shift", (4, 4)),
+    "rn-3x3-512": ("shift", (4, 4)),
+    "wrn-3x3-256": ("loop", (8, 8)),
+    "depthwise": ("standard", (28, 28)),
+    "grouped-dilated": ("rochette", (20, 20)),
+    "conv1d": ("loop", (2048,)),
+    "conv1d-strided": ("rochette", (256,)),
+    "conv3d": ("rochette", (16, 24, 24)),
+    "small-n1": ("shift", (8, 8)),
+    "large-image": ("loop", (512, 512)),
+}
+#: The planner per model and task: (clip route, peak) without a budget; (micro-batch,
+#: layer budget, clip route, peak) within a budget halfway to the smallest.
+PLANS = {
+    ("seed", "grads"): (None, 122101376, 8, 78938624, None, 75892352),
+    ("seed", "norms"): (None, 92423232, 8, 49260480, None, 46214208),
+    ("seed", "clip"): ("book-keeping", 101285928, 8, 54677628, "book-keeping", 51570408),
+    ("resnet18-gn", "grads"): (None, 943342208, 8, 836369408, None, 829237888),
+    ("resnet18-gn", "norms"): (None, 85246016, 8, 49710656, None, 47341632),
+    ("resnet18-gn", "clip"): ("book-keeping", 136709032, 10, 106290940, "book-keeping", 102204088),
+}
+
+
+def _problem(name, per_sample=True, device="cpu"):
+    geom, n, size = SHAPES[name]
+    return Problem(geom, n, size, 4, per_sample, device=device)
+
+
+@pytest.mark.parametrize("per_sample", [True, False], ids=["per-sample", "summed"])
+@pytest.mark.parametrize("name", list(AUTO))
+def test_auto_chooses_as_before(name, per_sample):
+    problem = _problem(name, per_sample)
+    got = tuple(auto.choose(problem, Options(memory_budget=b))[0].name for b in BUDGETS)
+    assert got == AUTO[name]
+
+
+@pytest.mark.parametrize("name", list(ROUTES))
+def test_norm_routes_and_ghost_methods_as_before(name):
+    problem = _problem(name)
+    got = tuple(
+        f"{norms.choose_route(problem, b).route}/"
+        f"{ghost.plan(problem, b or norms.DEFAULT_NORM_BUDGET).method}"
+        for b in BUDGETS
+    )
+    assert got == ROUTES[name]
+
+
+@pytest.mark.parametrize("name", list(STREAMING))
+def test_streaming_inner_and_tile_as_before(name):
+    inner, tile = streaming.plan(_problem(name), Options())
+    assert (inner.name, tuple(tile)) == STREAMING[name]
+
+
+@pytest.mark.parametrize("model", ["seed", "resnet18-gn"])
+def test_planner_as_before(model):
+    torch.manual_seed(0)
+    side = 56 if model == "seed" else 32
+    net, x, _ = build_case({"model": model, "batch": 16, "side": side, "data": "random"}, "cpu")
+    for task in ("grads", "norms", "clip"):
+        route, free_peak, micro, layer, route_b, peak = PLANS[(model, task)]
+        free = memconv.plan(net, x, task=task, memory_budget=None)
+        assert (free.clip_route, free.predicted_peak) == (route, free_peak)
+        budget = (free.smallest_budget + free.predicted_peak) // 2
+        plan = memconv.plan(net, x, task=task, memory_budget=budget)
+        got = (plan.micro_batch, plan.layer_budget, plan.clip_route, plan.predicted_peak)
+        assert got == (micro, layer, route_b, peak)
+
+
+def _scaled(data, model, coefficient, factor):
+    out = json.loads(json.dumps(data))
+    out["time"][model][coefficient] *= factor
+    return out
+
+
+def test_device_type_picks_its_calibration():
+    cpu = costs.calibration("cpu")
+    # kernel calls a thousand times dearer: "loop" (one call per sample) loses
+    slow_calls = _scaled(cpu, "loop", "per_call", 1000.0)
+    with costs.using("calibration-test", slow_calls):
+        there = auto.choose(_problem("rn-3x3-64", device="calibration-test"), Options())[0]
+        here = auto.choose(_problem("rn-3x3-64"), Options())[0]
+    assert here.name == "loop" and there.name != "loop"
+    assert auto.choose(_problem("rn-3x3-64", device="calibration-test"), Options())[0] is here
+
+
+def test_memory_scale_applies_per_device():
+    problem = _problem("rn-3x3-s2")
+    shift = memconv.strategies.get_strategy("shift")
+    data = json.loads(json.dumps(costs.calibration("cpu")))
+    data["memory"]["shift"]["scale"] = 1.5
+    with costs.using("calibration-test", data):
+        scaled = shift.memory(_problem("rn-3x3-s2", device="calibration-test"), Options())
+    assert scaled == round(1.5 * shift.memory(problem, Options()))
+
+
+def test_device_without_a_file_falls_back_to_cpu_with_a_warning(caplog):
+    costs._WARNED.discard("calibration-missing")
+    with caplog.at_level(logging.WARNING, logger="memconv"):
+        got = auto.choose(_problem("seed-conv2", device="calibration-missing"), Options())[0]
+        auto.choose(_problem("seed-28-conv2", device="calibration-missing"), Options())
+    assert got.name == AUTO["seed-conv2"][0]
+    warnings = [r for r in caplog.records if "calibration-missing" in r.getMessage()]
+    assert len(warnings) == 1 and "cpu" in warnings[0].getMessage()
+
+
+def test_a_calibration_missing_a_coefficient_is_rejected():
+    data = json.loads(json.dumps(costs.calibration("cpu")))
+    del data["time"]["shift"]["per_call"]
+    with pytest.raises(ValueError, match="shift"):
+        with costs.using("calibration-test", data):
+            pass
+    data = json.loads(json.dumps(costs.calibration("cpu")))
+    data["memory"]["loop"]["scale"] = -1.0
+    with pytest.raises(ValueError, match="finite numbers >= 0"):
+        costs.check(data, "test")
+
+
+# ----------------------------------------------------------------- memconv calibrate
+def test_features_are_read_off_the_model():
+    from memconv.bench import calibrate
+
+    layer = calibrate.QUICK_GRID[0]
+    (job,) = calibrate.jobs(layer, torch.device("cpu"), models=("shift",))
+    offset, feats = calibrate.features(job, "cpu", costs.calibration("cpu"))
+    per_flop, per_element, per_call = costs.time_coefficients("shift")
+    assert offset == 0.0 and feats[0] == layer.problem(torch.device("cpu")).flops()
+    assert job.predict_time() == pytest.approx(per_flop * feats[0] + per_element * feats[1])
+
+
+def test_fit_recovers_known_coefficients_and_scale():
+    from memconv.bench import calibrate
+
+    truth = [3e-11, 2e-10, 4e-6]
+    gen = torch.Generator().manual_seed(0)
+    feats = torch.rand(12, 3, generator=gen, dtype=torch.float64) * torch.tensor([1e9, 1e7, 1e2])
+    offsets = [1e-4] * 12
+    times = [o + sum(c * f for c, f in zip(truth, row)) for o, row in zip(offsets, feats.tolist())]
+    got, errors = calibrate.fit_linear(offsets, feats.tolist(), times, [1.0, 1.0, 1.0])
+    assert got == pytest.approx(truth, rel=1e-2) and max(map(abs, errors)) < 1e-2
+    # a coefficient no row exercises keeps its current value
+    feats[:, 2] = 0
+    times = [o + sum(c * f for c, f in zip(truth, row)) for o, row in zip(offsets, feats.tolist())]
+    got, _ = calibrate.fit_linear(offsets, feats.tolist(), times, [1.0, 1.0, 7e-6])
+    assert got[2] == 7e-6
+    measured = [MiB, 4 * MiB, 9 * MiB, 100]
+    assert calibrate.fit_scale([m / 1.25 for m in measured], measured) == 1.25
+
+
+def test_calibrate_command_fits_and_checks_on_the_cpu(tmp_path, monkeypatch, capsys):
+    from memconv.bench import calibrate
+    from memconv.cli import main
+
+    monkeypatch.setattr(calibrate, "QUICK_GRID", calibrate.QUICK_GRID[:1])
+    out = tmp_path / "cpu.json"
+    args = ["-q", "calibrate", "--device", "cpu", "--quick", "--repeats", "1"]
+    assert main([*args, "--out", str(out), "--json", str(tmp_path / "m.jsonl")]) == 0
+    data = costs.check(json.loads(out.read_text()), str(out))
+    assert data["device"] == "cpu" and set(data["fitted"]["residuals"]) >= {"time/shift"}
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert {r["model"] for r in records[1:]} == set(costs.TIME_MODELS)
+    with costs.using("cpu", data):  # the file prices problems
+        auto.choose(_problem("rn-3x3-64"), Options())
+    # the memory models against the CPU allocator, the fitted file's scales included
+    check = ["-q", "calibrate", "--device", "cpu", "--quick", "--check"]
+    assert main([*check, "--calibration", str(out)]) == 0
+    assert "within 25%" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device", "cpu"], "--out"),
+        (["--device", "cpu", "--check", "--out", "x.json"], "--out applies only"),
+        (["--device", "cpu", "--check", "--calibration", "missing.json"], "--calibration"),
+        (["--device", "nonsense", "--out", "x.json"], "--device"),
+    ],
+)
+def test_calibrate_rejects_bad_options_before_any_work(argv, message, capsys):
+    from memconv.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["calibrate", *argv])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_calibrate_on_cuda_without_cuda_says_so(capsys):
+    from memconv.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--device", "cuda", "--out", "cuda.json"])
+    assert "no CUDA device is available" in capsys.readouterr().err

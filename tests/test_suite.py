@@ -1,0 +1,82 @@
+"""``memconv suite``: its steps are valid ``memconv bench`` commands on the device
+asked for and cover the tables a GPU changes; it refuses CUDA where there is none,
+before any work; it runs on the CPU and fills its own page from its JSON Lines."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from memconv.bench import bench, suite
+from memconv.cli import main
+
+
+def _args(**kw):
+    base = {"device": "cpu", "out": None, "markdown": None, "steps": None, "quick": False}
+    return argparse.Namespace(**{**base, "repeats": None, **kw})
+
+
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+def test_every_step_is_a_valid_bench_command_on_the_device(quick, tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    for step in suite.check_arguments(_args(quick=quick)):
+        argv = suite.bench_argv(step, _args(quick=quick, repeats=1), tmp_path)
+        args = parser.parse_args(argv)
+        assert args.device == "cpu" and args.json == str(tmp_path / f"{step.name}.jsonl")
+        bench.check_arguments(args)  # names, sizes and modes, before any work
+
+
+def test_the_steps_cover_the_tables_a_gpu_changes():
+    full = {s.name: " ".join(s.args) for s in suite.STEPS}
+    assert "resnet18-gn" in full["clip"] and "wrn16-4-gn" in full["clip-more"]
+    assert "seed-112,seed-28" in full["grads"]
+    assert "--largest-batch" in full["largest-grads"] and "--largest-batch" in full["largest-clip"]
+    assert "streaming-4096" in full["streaming"] and "memconv-streaming" in full["streaming"]
+    peers = " ".join(full.values())
+    for peer in ("torch.func", "opacus-hooks", "opacus-ghost", "backpack-save-memory"):
+        assert peer in peers or peer == "opacus-ghost" and "--task clip" in full["clip"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_suite_on_cuda_without_cuda_says_so_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["suite", "--device", "cuda", "--out", str(tmp_path / "cuda")])
+    assert "no CUDA device is available" in capsys.readouterr().err
+    assert not (tmp_path / "cuda").exists()
+
+
+def test_suite_rejects_an_unknown_step(capsys):
+    with pytest.raises(SystemExit):
+        main(["suite", "--device", "cpu", "--steps", "grads,nope"])
+    assert "--steps" in capsys.readouterr().err
+
+
+def _run(tmp_path, steps):
+    page = tmp_path / "page.md"
+    argv = ["-q", "suite", "--device", "cpu", "--quick", "--repeats", "1", "--steps", steps]
+    status = main([*argv, "--out", str(tmp_path / "cpu"), "--markdown", str(page)])
+    return status, page.read_text()
+
+
+def test_suite_measures_on_the_cpu_and_fills_its_page(tmp_path):
+    status, page = _run(tmp_path, "streaming")
+    assert status == 0
+    lines = (tmp_path / "cpu" / "streaming.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert records[0]["record"] == "run" and "--device cpu" in records[0]["command"]
+    rows = {r["engine"]: r for r in records if r.get("record") == "row"}
+    assert set(rows) == {"autograd", "memconv-streaming"}
+    assert all(r["peak_alloc_mib"] > 0 and r["time_s"] > 0 for r in rows.values())
+    assert "<!-- bench:grads -->" in page and "StreamingCNN" in page
+
+
+@pytest.mark.slow
+def test_every_step_of_the_suite_runs_on_the_cpu(tmp_path):
+    status, page = _run(tmp_path, "all")
+    assert status == 0
+    assert {p.name for p in (tmp_path / "cpu").glob("*.jsonl")} == {
+        f"{s.name}.jsonl" for s in suite.STEPS
+    }
+    assert "not measured yet" not in page
