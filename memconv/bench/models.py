@@ -290,7 +290,7 @@ class VisionTransformer(nn.Module):
         return self.head(x[:, 0])
 
 
-def vit_tiny(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
-    """ViT-Tiny (embed 192, depth 12, 3 heads; 5.4 M parameters) on 32×32 images with
-    4×4 patches (64 tokens and a class token)."""
-    return VisionTransformer(32, 4, in_channels, num_classes, 192, 12, 3)
+def vit_tiny(in_channels: int = 3, num_classes: int = 10, img_size: int = 32) -> nn.Module:
+    """ViT-Tiny (embed 192, depth 12, 3 heads; 5.4 M parameters) with 4×4 patches
+    (on 32×32 images: 64 tokens and a class token)."""
+    return VisionTransformer(img_size, 4, in_channels, num_classes, 192, 12, 3)
