@@ -30,8 +30,12 @@ UNSUPPORTED = {
     ("vit-tiny", "memconv-streaming"),  # not an nn.Sequential
     # the class token and position embedding belong to no layer: no grad_batch
     *(("vit-tiny", e) for e in ENGINES["grads"] if e.startswith("memconv-modules")),
-    *((m, e) for m in ("resnet18-gn", "wrn16-4-gn", "vit-tiny") for e in ENGINES["grads"]
-      if "backpack" in e),
+    *(
+        (m, e)
+        for m in ("resnet18-gn", "wrn16-4-gn", "vit-tiny")
+        for e in ENGINES["grads"]
+        if "backpack" in e
+    ),
 }
 CASES = [
     {"model": "seed", "batch": 2, "side": 28},

@@ -174,7 +174,7 @@ def test_one_step_equals_the_hand_built_step(name, clip_route):
 def test_sum_reduction_and_a_fixed_norm_act_layer():
     torch.manual_seed(0)
     model = mo.fix(bn_act()).double()
-    assert not any(isinstance(l, nn.BatchNorm2d) for l in model.modules())
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
     assert isinstance(model[1], nn.Sequential) and isinstance(model[1][0], nn.GroupNorm)
     assert isinstance(model[1][-1], nn.ReLU) and model[1][-1].inplace
     ref = copy.deepcopy(model)

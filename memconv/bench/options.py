@@ -167,7 +167,7 @@ def check_dependencies(
     if table:
         needs["tabulate"] = "pip install 'memconv[bench]'"
     if data in DATA_PACKAGES:
-        needs[DATA_PACKAGES[data]] = f"pip install 'memconv[bench]' (or --data random)"
+        needs[DATA_PACKAGES[data]] = "pip install 'memconv[bench]' (or --data random)"
     if plot:
         needs["matplotlib"] = "pip install 'memconv[bench]' (or drop --plot)"
     for engine in engines:

@@ -1,4 +1,14 @@
-"""Opacus integration: memconv's per-sample gradients and norms for convolutions.
+"""Opacus integration: private training with memconv's clipped sum, and memconv's
+per-sample samplers in Opacus' registries.
+
+Two paths. :func:`make_private` (and :func:`make_private_with_epsilon`) returns what
+Opacus' ``PrivacyEngine.make_private`` returns, keeping Opacus' accountant, noise,
+Poisson sampling, DP optimizer and ``DPDDP``, with the clipped sum computed by
+:func:`memconv.clip_and_accumulate` rather than by module hooks: any model memconv's
+functions handle trains (in-place activations and adds, norm + activation layers,
+subclasses with their own forward, attention); :func:`fix` turns BatchNorm layers,
+subclasses included, into GroupNorm and the same activation. :func:`install` keeps
+Opacus' own hooks (and its per-layer and adaptive clipping), with memconv's samplers:
 
 memconv plugs in where Opacus itself looks up how to treat a layer: its registries of
 *grad samplers* (``GRAD_SAMPLERS``, the dictionary Opacus' ``register_grad_sampler``
@@ -433,7 +443,9 @@ def _check_private_args(privacy_engine, module, optimizer, max_grad_norm, clippi
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     if isinstance(module, PrivateModule):
         raise ValueError("module is already a memconv PrivateModule; pass the plain model")
     if clipping not in CLIPPINGS:
