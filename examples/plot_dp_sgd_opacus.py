@@ -22,7 +22,7 @@ The three lines::
 
 Here: a small ResNet (GroupNorm) on scikit-learn's handwritten digits, resized to
 16×16, trained to ε = 3 at δ = 1e-5, with ε from Opacus' accountant on the progress
-bar. The gallery runs 6 epochs; ``MEMCONV_FULL=1`` runs 15.
+bar. The gallery runs 4 epochs; ``MEMCONV_FULL=1`` runs 15.
 """
 
 import os
@@ -42,7 +42,7 @@ from tqdm import tqdm
 import memconv
 from memconv.integrations import opacus as mo
 
-EPOCHS = int(os.environ.get("EPOCHS", 15 if os.environ.get("MEMCONV_FULL") else 6))
+EPOCHS = int(os.environ.get("EPOCHS", 15 if os.environ.get("MEMCONV_FULL") else 4))
 EPSILON, DELTA = 3.0, 1e-5
 torch.manual_seed(0)
 warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")  # a demo, not production

@@ -278,6 +278,7 @@ def test_accumulating_two_batches_raises():
         (dict(loss_reduction="none"), ValueError, "loss_reduction"),
         (dict(clip_route="three-pass"), ValueError, "clip_route"),
         (dict(module="model"), TypeError, "module"),
+        (dict(grad_sample_mode="ghost"), ValueError, "grad_sample_mode"),
     ],
 )
 def test_bad_arguments_raise_before_any_work(kwargs, error, match):

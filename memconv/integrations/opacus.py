@@ -502,6 +502,7 @@ def make_private(
     memory_budget: int | str | None = "available",
     norm_route: str | None = None,
     clip_route: str | None = None,
+    criterion=None,
     **kwargs,
 ):
     """Opacus' ``PrivacyEngine.make_private`` with memconv's clipped sum in place of
@@ -548,6 +549,8 @@ def make_private(
         rand_on_empty: as Opacus'.
         strategy, memory_budget, norm_route, clip_route: passed to
             :func:`memconv.clip_and_accumulate`.
+        criterion: accepted for Opacus' signature and not used (the returned model
+            works with the criterion of the loop).
         **kwargs: passed to Opacus' optimizer.
 
     Returns:
@@ -559,13 +562,20 @@ def make_private(
     Raises:
         ImportError: if Opacus is missing (naming the extra).
         TypeError: ``privacy_engine``, ``module`` or ``optimizer`` of the wrong type.
-        ValueError: an unsupported ``clipping``; a non-positive ``max_grad_norm``; a
+        ValueError: an unsupported ``clipping``; ``grad_sample_mode`` or
+            ``wrap_model`` given; a non-positive ``max_grad_norm``; a
             ``loss_reduction`` other than mean/sum; optimizer parameters not the
             module's; a layer memconv cannot treat per sample (named, e.g. BatchNorm
             in training mode: convert with :func:`fix`); a dropout layer with p > 0.
             All before any work.
     """
     _require()
+    if "grad_sample_mode" in kwargs or "wrap_model" in kwargs:
+        name = "grad_sample_mode" if "grad_sample_mode" in kwargs else "wrap_model"
+        raise ValueError(
+            f"{name} is an option of Opacus' hooks; memconv's private path has none. For "
+            "Opacus' own modes use mo.install() and PrivacyEngine.make_private"
+        )
     if noise_generator is not None and getattr(privacy_engine, "secure_mode", False):
         raise ValueError("noise_generator cannot be passed in secure mode")
     _check_private_args(
