@@ -42,7 +42,7 @@ from tqdm import tqdm
 import memconv
 from memconv.integrations import opacus as mo
 
-EPOCHS = int(os.environ.get("EPOCHS", 15 if os.environ.get("MEMCONV_FULL") else 4))
+EPOCHS = int(os.environ.get("MEMCONV_EPOCHS", 15 if os.environ.get("MEMCONV_FULL") else 4))
 EPSILON, DELTA = 3.0, 1e-5
 torch.manual_seed(0)
 warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")  # a demo, not production

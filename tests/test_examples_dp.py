@@ -57,7 +57,7 @@ def test_gallery_dp_example_trains_through_make_private():
     import sys
 
     script = EXAMPLE.parent / "plot_dp_sgd_opacus.py"
-    env = {**os.environ, "MEMCONV_GALLERY": "1", "EPOCHS": "1"}
+    env = {**os.environ, "MEMCONV_GALLERY": "1", "MEMCONV_EPOCHS": "1"}
     env["PYTHONPATH"] = str(EXAMPLE.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
