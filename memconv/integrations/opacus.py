@@ -363,7 +363,10 @@ class PrivateModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["_module"], name)
+            wrapped = self.__dict__.get("_modules", {}).get("_module")
+            if wrapped is None or name.startswith("__"):
+                raise
+            return getattr(wrapped, name)
 
     def forward(self, x, *args, **kwargs):
         if not (self.training and torch.is_grad_enabled()):
@@ -395,14 +398,14 @@ class PrivateModule(nn.Module):
 
         model = _inner(self._module)
         params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is not None and bool(p.grad.ne(0).any()):
-                raise RuntimeError(
-                    "memconv.integrations.opacus: .grad already holds a gradient before this "
-                    "backward pass; call optimizer.zero_grad() after each optimizer.step() "
-                    "(gradient accumulation over batches is not supported: each batch would "
-                    "be clipped on its own)"
-                )
+        held = [p.grad.ne(0).any() for p in params if p.grad is not None]
+        if held and bool(torch.stack(held).any()):  # one device synchronisation
+            raise RuntimeError(
+                "memconv.integrations.opacus: .grad already holds a gradient before this "
+                "backward pass; call optimizer.zero_grad() after each optimizer.step() "
+                "(gradient accumulation over batches is not supported: each batch would "
+                "be clipped on its own)"
+            )
         n = len(inputs)
         if n == 0:  # an empty Poisson batch: a zero clipped sum
             for p in params:
