@@ -18,7 +18,7 @@ MIN_PYTHON := 3.10
 PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>/dev/null)
 
 .PHONY: install compare test test-slow lint format docs docs-clean clean benchmarks benchmarks-report \
-	benchmarks-steps benchmarks-gpu calibrate-gpu FORCE
+	benchmarks-steps benchmarks-private benchmarks-gpu calibrate-gpu FORCE
 
 # Rebuilt (with the whole venv) only when the interpreter changed; FORCE makes make
 # look at it every time, but its timestamp moves only on a rebuild.
@@ -65,7 +65,7 @@ BENCH := $(BIN)/memconv bench
 BENCH_DIR := docs/bench
 BENCH_FILES := clip.jsonl clip-more.jsonl grads.jsonl grads-more.jsonl largest-grads.jsonl \
 	largest-clip.jsonl largest-container-grads.jsonl largest-container-clip.jsonl \
-	sweep-batch.jsonl sweep-side.jsonl
+	sweep-batch.jsonl sweep-side.jsonl private.jsonl
 GRADS_ENGINES := autograd,torch.func,expanded-weights,opacus-hooks,backpack-save-memory,memconv:standard,memconv:rochette,memconv:unfold,memconv:shift,memconv:auto,memconv:budget,memconv:default,memconv-modules:auto,memconv-backpack:auto
 benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	$(BENCH) --task clip --cases resnet18-gn,seed-112 --json $(BENCH_DIR)/clip.jsonl --plot $(BENCH_DIR)/clip.png
@@ -81,6 +81,7 @@ benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	-$(BENCH) --task grads --cases resnet18-gn,conv1d,conv3d --json $(BENCH_DIR)/grads-more.jsonl
 	$(BENCH) --sweep batch --range 8,32,128,512 --json $(BENCH_DIR)/sweep-batch.jsonl --plot $(BENCH_DIR)/sweep-batch.png
 	$(BENCH) --sweep side --range 28,56,112,224 --json $(BENCH_DIR)/sweep-side.jsonl --plot $(BENCH_DIR)/sweep-side.png
+	$(MAKE) benchmarks-private
 	$(MAKE) benchmarks-report
 	$(MAKE) benchmarks-steps
 
@@ -88,6 +89,12 @@ benchmarks: $(VENV)/.installed-bench+backpack+opacus
 # each in turn, median of 30 rounds; a few minutes on 2 CPU cores.
 benchmarks-steps: $(VENV)/.installed-bench+opacus
 	$(BIN)/python -m memconv.bench.steps --repeats 30 --json $(BENCH_DIR)/steps.json --markdown docs/benchmarks.md
+
+# The private-training path (memconv.integrations.opacus.make_private's model) against
+# Opacus' hooks and ghost modes, clip_and_accumulate and non-private training.
+PRIVATE_ENGINES := non-private,opacus-hooks,opacus-ghost,memconv:default,memconv-private
+benchmarks-private: $(VENV)/.installed-bench+backpack+opacus
+	-$(BENCH) --task clip --cases resnet18-gn,vit-tiny --engines $(PRIVATE_ENGINES) --json $(BENCH_DIR)/private.jsonl
 
 # Refill docs/benchmarks.md from the JSON Lines files (seconds; no measurement).
 benchmarks-report: $(VENV)/.installed-bench

@@ -142,19 +142,26 @@ class ProbeMismatch(RuntimeError):
 @contextlib.contextmanager
 def recording_calls(model: nn.Module):
     """Record ``(module, argument shapes, output shapes)`` of every call of a module
-    owning trainable parameters during the forward passes run inside the block.
+    owning trainable parameters during the forward passes run inside the block (the
+    arguments as the caller gave them, before the module's forward pre-hooks).
 
     Yields:
         The list the calls are appended to, in forward order.
     """
     calls: list = []
+    given: dict = {}  # module -> the arguments of its open calls, before any pre-hook
+
+    def pre_hook(module, args, kwargs):
+        given.setdefault(module, []).append(_shapes((args, kwargs)))
 
     def hook(module, args, kwargs, output):
-        calls.append((module, _shapes((args, kwargs)), _shapes(output)))
+        calls.append((module, given[module].pop(), _shapes(output)))
 
-    handles = [
-        o.register_forward_hook(hook, with_kwargs=True) for o in model.modules() if own_trainable(o)
-    ]
+    handles = []
+    for o in model.modules():
+        if own_trainable(o):
+            handles.append(o.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
+            handles.append(o.register_forward_hook(hook, with_kwargs=True))
     try:
         yield calls
     finally:
@@ -476,10 +483,14 @@ def backward_walk(
     counter = [0]
 
     def pre_hook(module, args, kwargs):
-        starts.setdefault(module, []).append(seq.now())
+        # first of the module's pre-hooks: the call's arguments as the caller gave them,
+        # which the generic route replays through the whole call, hooks included
+        starts.setdefault(module, []).append((seq.now(), args, kwargs))
 
     def forward_hook(module, args, kwargs, output):
-        start = starts[module].pop()
+        start, given_args, given_kwargs = starts[module].pop()
+        if _hooked(module, ours):  # a pre-hook may have replaced the arguments
+            args, kwargs = given_args, given_kwargs
         index = counter[0]
         counter[0] += 1
         name = owners[module]
@@ -518,7 +529,7 @@ def backward_walk(
 
     handles = []
     for o in owners:  # (dict order: the model's modules)
-        handles.append(o.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(o.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
         handles.append(o.register_forward_hook(forward_hook, with_kwargs=True))
     ours.update(h.id for h in handles)
     try:

@@ -57,6 +57,37 @@ def stream_head():
     return nn.Sequential(nn.Flatten(), nn.Linear(4 * 7 * 7, 3)).double()
 
 
+#: noise multiplier, learning rate and noise seed of the private step
+PRIVATE = dict(sigma=0.7, lr=0.5, seed=3)
+
+
+def _private_step(rank, x, y):
+    """One step of memconv's private path on a ``DPDDP`` model (rank r: half the
+    batch); the parameters after it, or None without Opacus."""
+    try:
+        from opacus import PrivacyEngine
+        from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+    except ImportError:
+        return None
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from memconv.integrations import opacus as mo
+
+    model = DPDDP(clip_model())
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)  # sample rate 1/2: 4 per step
+    m, opt, _ = mo.make_private(
+        PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=PRIVATE["lr"]),
+        data_loader=loader, noise_multiplier=PRIVATE["sigma"], max_grad_norm=MAX_NORM,
+        poisson_sampling=False, noise_generator=torch.Generator().manual_seed(PRIVATE["seed"]),
+    )  # fmt: skip
+    r = SPLITS["halves"][rank]
+    opt.zero_grad()
+    nn.CrossEntropyLoss()(m(x[r]), y[r]).backward()
+    opt.step()
+    return {"optimizer": type(opt).__name__, "params": {
+        n: p.detach().clone() for n, p in model.module.named_parameters()}}  # fmt: skip
+
+
 def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -154,6 +185,7 @@ def run(rank: int, out: str) -> None:
         model = DDP(nn.Sequential(StreamingCNN(stream_layers(), 8), *stream_head()))
         nn.CrossEntropyLoss()(model(xs[r]), ys[r]).backward()
         result["streaming"] = _grads(model.module)
+        result["private"] = _private_step(rank, x, y)
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -316,3 +316,47 @@ def test_nothing_left_behind():
     assert len(mb._previous) == 0
     assert not torch.nn.modules.module._global_forward_hooks
     assert not any(k.startswith("_memconv") for m in model.modules() for k in vars(m))
+
+
+class _TiedConvs(nn.Module):
+    """Two plain Conv2d sharing one weight (their biases their own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 2, 3, padding=1)
+        self.c2 = nn.Conv2d(2, 2, 3, padding=1)
+        self.c2.weight = self.c1.weight
+        self.act, self.flat, self.fc = nn.Tanh(), nn.Flatten(), nn.Linear(2 * 5 * 5, 3)
+
+    def forward(self, x):
+        return self.fc(self.flat(self.c2(self.act(self.c1(x)))))
+
+
+def _tied_case():
+    from helpers import loop_reference
+
+    torch.manual_seed(0)
+    model = _TiedConvs().double()
+    x, y = torch.randn(4, 2, 5, 5, dtype=torch.float64), torch.randint(0, 3, (4,))
+    ref = loop_reference(model, nn.CrossEntropyLoss(reduction="sum"), x, y)
+    for m in (model.c1, model.c2, model.act, model.flat, model.fc):
+        extend(m)
+    return model, x, y, ref, extend(nn.CrossEntropyLoss(reduction="sum"))
+
+
+def test_batch_grad_of_a_weight_tied_across_two_convolutions_sums_the_uses():
+    model, x, y, ref, loss_fn = _tied_case()
+    for _ in range(2):  # the second pass starts afresh
+        model.zero_grad()
+        with mb.installed(extensions.BatchGrad()) as ext, backpack.backpack(ext):
+            loss_fn(model(x), y).backward()
+        assert rel_err(model.c1.weight.grad_batch, ref["c1.weight"]) < 1e-10
+        assert rel_err(model.c2.bias.grad_batch, ref["c2.bias"]) < 1e-10
+
+
+@pytest.mark.parametrize("ext", [extensions.BatchL2Grad, extensions.SumGradSquared])
+def test_other_extensions_of_a_tied_weight_raise(ext):
+    model, x, y, _, loss_fn = _tied_case()
+    with mb.installed(ext()) as e, backpack.backpack(e):
+        with pytest.raises(ValueError, match="'weight' of Conv2d is used by several calls"):
+            loss_fn(model(x), y).backward()

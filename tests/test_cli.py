@@ -201,3 +201,24 @@ def test_package_files():
     data = pyproject["tool"]["setuptools"]["package-data"]["memconv"]
     assert data == ["py.typed", "calibration/*.json"]
     assert (ROOT / "memconv" / "calibration" / "cpu.json").exists()  # read per device type
+
+
+@pytest.mark.parametrize("missing", ["tabulate", "sklearn"])
+def test_bench_without_a_needed_package_stops_before_measuring(monkeypatch, capsys, missing):
+    """The printed tables need tabulate, --data digits scikit-learn: both are checked
+    with the arguments, and the message names the install command."""
+    import importlib.util
+
+    import memconv.bench.bench as bench_mod
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == missing else find_spec(name)
+    )
+    measured = []
+    monkeypatch.setattr(bench_mod, "matrix", lambda *a: measured.append(a) or 0)
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--task", "grads", "--cases", "seed-28", "--engines", "autograd",
+                  "--data", "digits"])  # fmt: skip
+    assert f"{missing}: pip install 'memconv[bench]'" in capsys.readouterr().err
+    assert not measured

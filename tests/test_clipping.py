@@ -372,3 +372,38 @@ def test_reentrant_checkpointing_warns():
     x, y = torch.randn(3, 4, 11, dtype=torch.float64), torch.tensor([0, 1, 2])
     with pytest.warns(UserWarning, match=r"\['inner'\] ran their forward pass with gradients"):
         memconv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+
+
+def _pre_hooked_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 4), nn.Tanh(),
+        nn.Linear(4, 3),
+    ).double()  # fmt: skip
+    model[5].register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))  # scales the input
+    model[0].register_forward_pre_hook(lambda m, args, kw: ((args[0] + 1,), kw), with_kwargs=True)
+    model[0].register_forward_hook(lambda m, args, out: out * 2)  # and the output
+    return model
+
+
+def test_forward_pre_hooks_that_change_inputs_are_replayed_once():
+    """A pre-hook's change of a layer's input enters the per-sample gradients once (not
+    once by the forward pass and again by the route's replay of the call)."""
+    model = _pre_hooked_model()
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.randn(6, 2, 6, 6, dtype=torch.float64), torch.randint(0, 3, (6,))
+    ref = loop_reference(model, loss_fn, x, y)
+    got = memconv.per_sample_grads(model, loss_fn, x, y)
+    for name in ref:
+        assert rel_err(got[name], ref[name]) < TOL, name
+    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in ref.values()]).sum(0).sqrt()
+    max_norm = norms.median().item()
+    c = torch.clamp(max_norm / norms, max=1.0)
+    for route in ("book-keeping", "two-pass"):
+        model.zero_grad()
+        got_norms = memconv.clip_and_accumulate(
+            model, loss_fn, x, y, max_norm=max_norm, clip_route=route
+        )
+        assert rel_err(got_norms, norms) < TOL
+        for name, p in model.named_parameters():
+            assert rel_err(p.grad, torch.einsum("n,n...->...", c, ref[name])) < TOL, (route, name)

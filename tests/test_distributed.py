@@ -10,7 +10,10 @@ whole batch, float64 to 1e-10:
 - ``DistributedDataParallel(memconv.convert(model))`` inside ``save_memory("shift")``
   and ``per_sample()``: DDP's averaged ``.grad`` on every rank, ``grad_batch`` of the
   local samples;
-- ``DistributedDataParallel`` around a ``StreamingCNN``: DDP's averaged gradient.
+- ``DistributedDataParallel`` around a ``StreamingCNN``: DDP's averaged gradient;
+- one step of memconv's private path (``memconv.integrations.opacus.make_private``)
+  on Opacus' ``DPDDP``: every rank's parameters after the step equal a step built by
+  hand (global clipped sum, rank 0's seeded noise, divided by the expected batch size).
 """
 
 import pytest
@@ -20,6 +23,7 @@ import torch.multiprocessing as mp
 from ddp_worker import (
     CLIP_ROUTES,
     MAX_NORM,
+    PRIVATE,
     SPLITS,
     WORLD,
     batch,
@@ -134,3 +138,20 @@ def test_streaming_cnn_under_ddp(ranks):
         assert len(grads) == len(expected)
         for a, b in zip(grads, expected):
             assert rel_err(a, b) < TOL
+
+
+def test_private_path_step_under_dpddp(ranks):
+    if ranks[0]["private"] is None:
+        pytest.skip("needs opacus")
+    per, norms = per_sample_reference(clip_model(), nn.CrossEntropyLoss())
+    assert (norms > MAX_NORM).any() and (norms < MAX_NORM).any()
+    c = torch.clamp(MAX_NORM / norms, max=1.0)
+    gen = torch.Generator().manual_seed(PRIVATE["seed"])
+    expected = {}
+    for name, p in clip_model().named_parameters():
+        s = torch.einsum("n,n...->...", c, per[name])
+        noise = torch.normal(0, PRIVATE["sigma"] * MAX_NORM, s.shape, generator=gen, dtype=s.dtype)
+        expected[name] = p.detach() - PRIVATE["lr"] * (s + noise) / 4  # expected batch: 4
+    for got in ranks:
+        assert got["private"]["optimizer"] == "DistributedDPOptimizerFastGradientClipping"
+        assert_close(got["private"]["params"], expected)

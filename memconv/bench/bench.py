@@ -244,8 +244,7 @@ def check_arguments(args) -> dict:
         for path in args.report:
             if not os.path.isfile(path):
                 raise ValueError(f"--report: no such file {path!r}")
-        if args.plot:
-            check_dependencies(plot=True, measure=False)
+        check_dependencies(plot=bool(args.plot), measure=False)
         return plan
     check_device(args.device)
     task = args.task
@@ -279,7 +278,9 @@ def check_arguments(args) -> dict:
     plan["cases"] = cases
     plan["engines"] = engines
     # engines asked for by name need their peers now; default ones are skipped with a reason
-    check_dependencies([get_engine(e, task) for e in engines or []], plot=bool(args.plot))
+    check_dependencies(
+        [get_engine(e, task) for e in engines or []], plot=bool(args.plot), data=args.data
+    )
     chosen = engines or [e for c in cases for e in default_engines(mode, task, c)]
     for e in dict.fromkeys(chosen):
         reason = available(get_engine(e, task))

@@ -14,11 +14,12 @@ import torch
 
 MODELS = (
     "seed", "resnet18", "resnet18-gn", "wrn16-4-gn", "conv1d", "conv3d", "streaming-net",
+    "vit-tiny",
 )  # fmt: skip
 #: Smallest side each model accepts (the seed CNN's four poolings need 27 pixels).
 MIN_SIDE = {
     "seed": 27, "resnet18": 8, "resnet18-gn": 8, "wrn16-4-gn": 8, "conv1d": 8, "conv3d": 4,
-    "streaming-net": 64,
+    "streaming-net": 64, "vit-tiny": 8,
 }  # fmt: skip
 #: The real data each model gets unless told otherwise.
 NATURAL_DATA = {
@@ -29,6 +30,7 @@ NATURAL_DATA = {
     "conv1d": "photos",
     "conv3d": "photos",
     "streaming-net": "photos",
+    "vit-tiny": "photos",
 }
 MiB = 2**20
 
@@ -80,6 +82,9 @@ CASES: dict[str, Case] = {
         Case("wrn16-4-gn", "wrn16-4-gn", 64, 32, quick=(2, 16, None),
              summary="WideResNet-16-4 with GroupNorm, 2.75 M parameters (De et al. 2022's DP "
                      "benchmark), on photo crops"),
+        Case("vit-tiny", "vit-tiny", 64, 32, quick=(2, 16, None),
+             summary="ViT-Tiny as timm writes it (patch 4, class token, position embedding), "
+                     "5.4 M parameters, on photo crops"),
         Case("resnet18-bn", "resnet18", 8, 64, quick=(2, 32, None),
              summary="ImageNet-layout ResNet-18 with BatchNorm in eval mode, on photo crops"),
         Case("conv1d", "conv1d", 32, 2048, quick=(4, 128, None),
@@ -108,6 +113,7 @@ def build_model(name: str) -> torch.nn.Module:
         "conv1d": models.conv1d_net,
         "conv3d": models.conv3d_net,
         "streaming-net": models.streaming_net,
+        "vit-tiny": models.vit_tiny,
     }
     if name not in builders:
         raise ValueError(f"unknown model {name!r}; accepted: {', '.join(MODELS)}")
@@ -158,6 +164,11 @@ def build_case(config: dict, device: torch.device):
         else:
             x = load_mosaic("retina", side).expand(n, 3, side, side).contiguous()
         y = torch.zeros(n, dtype=torch.long)
+    elif name == "vit-tiny":  # its position embedding is made for the image side
+        from .models import vit_tiny
+
+        model = vit_tiny(img_size=side)
+        x, y = load_batch(n, side, channels=3, source=data)
     else:
         model = build_model(name)
         x, y = load_batch(n, side, channels=3, source=data)
@@ -172,6 +183,7 @@ LABELS = {
     "conv1d": "Conv1d CNN",
     "conv3d": "Conv3d CNN",
     "streaming-net": "StreamingCNN's example network",
+    "vit-tiny": "ViT-Tiny",
 }
 
 

@@ -75,7 +75,7 @@ def check_arguments(args) -> list[str]:
     check_device(args.device)
     names = parse_names(args.strategies, memconv.available_strategies(), "--strategies")
     engines = ["autograd", "torch.func"] + [f"memconv:{s}" for s in names]
-    check_dependencies([get_engine(e) for e in engines], plot=bool(args.plot))
+    check_dependencies([get_engine(e) for e in engines], plot=bool(args.plot), data=args.data)
     return engines
 
 

@@ -323,6 +323,22 @@ def memconv_clip(**kwargs):
     return run
 
 
+def memconv_private_clip(model, x, y, max_norm, **_):
+    """memconv's private-training path (``memconv.integrations.opacus.make_private``)
+    as a training loop runs it, noise and step left out: ``criterion(model(x),
+    y).backward()`` on its ``PrivateModule`` (a forward pass without graph, then
+    ``memconv.clip_and_accumulate`` with default arguments from the output gradient)."""
+    from memconv.integrations.opacus import PrivateModule
+
+    model.zero_grad(set_to_none=True)
+    private = PrivateModule(model, max_grad_norm=max_norm, loss_reduction="sum", clip_options={})
+    _loss()(private(x), y).backward()
+    out = {n: p.grad for n, p in model.named_parameters()}
+    out[NORMS] = private.last_norms
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def _streamable_prefix(model: nn.Sequential) -> int:
     """Length of the longest leading run of ``model``'s layers StreamingCNN accepts."""
     from memconv.streaming import NotStreamableError, analyse
@@ -430,6 +446,9 @@ def _clip_registry() -> list[Engine]:
         Engine(DEFAULT_ENGINE, "clip", memconv_default_clip,
                "memconv.clip_and_accumulate with default arguments (budget: the memory "
                "available)"),
+        Engine("memconv-private", "clip", memconv_private_clip,
+               "memconv's private-training path on Opacus (make_private's model): forward "
+               "without graph, then clip_and_accumulate from the output gradient"),
     ]  # fmt: skip
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -211,3 +212,87 @@ def streaming_net(in_channels: int = 3, num_classes: int = 2) -> nn.Sequential:
         layers += [nn.Conv2d(c, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3), nn.ReLU(), nn.MaxPool2d(2)]
         c = 16
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes))
+
+
+class PatchEmbed(nn.Module):
+    """timm's patch embedding: a strided convolution, flattened to tokens ``[N, P, D]``."""
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int):
+        super().__init__()
+        self.num_patches = (img_size // patch_size) ** 2
+        self.proj = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """timm's multi-head self-attention: one ``qkv`` Linear, scaled dot-product
+    attention, an output projection."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        qkv = self.qkv(x).reshape(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        x = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.proj(x.transpose(1, 2).reshape(b, t, c))
+
+
+class ViTBlock(nn.Module):
+    """timm's pre-norm transformer block: ``x + attn(norm1(x))``, ``x + mlp(norm2(x))``."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        hidden = int(dim * mlp_ratio)
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class VisionTransformer(nn.Module):
+    """A ViT written as timm writes it (not imported): patch embedding, a class
+    token and a learned position embedding (``nn.Parameter`` s of the model itself),
+    pre-norm blocks, a final LayerNorm and a Linear head on the class token.
+
+    Args:
+        img_size: image side (pixels).
+        patch_size: patch side (pixels).
+        in_chans: input channels.
+        num_classes: outputs.
+        embed_dim, depth, num_heads: width, blocks and attention heads.
+    """
+
+    def __init__(self, img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=192,
+                 depth=12, num_heads=3):  # fmt: skip
+        super().__init__()
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(
+            torch.randn(1, self.patch_embed.num_patches + 1, embed_dim) * 0.02
+        )
+        self.blocks = nn.Sequential(*[ViTBlock(embed_dim, num_heads) for _ in range(depth)])
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.head = nn.Linear(embed_dim, num_classes)
+
+    def forward(self, x):
+        x = self.patch_embed(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        x = self.norm(self.blocks(x))
+        return self.head(x[:, 0])
+
+
+def vit_tiny(in_channels: int = 3, num_classes: int = 10, img_size: int = 32) -> nn.Module:
+    """ViT-Tiny (embed 192, depth 12, 3 heads; 5.4 M parameters) with 4×4 patches
+    (on 32×32 images: 64 tokens and a class token)."""
+    return VisionTransformer(img_size, 4, in_channels, num_classes, 192, 12, 3)

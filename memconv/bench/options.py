@@ -141,13 +141,22 @@ def check_device(device: str) -> None:
         raise ValueError("--device cuda: no CUDA device is available here")
 
 
-def check_dependencies(engines=(), *, plot: bool = False, measure: bool = True) -> None:
+#: The package each data source reads (``--data``).
+DATA_PACKAGES = {"digits": "sklearn", "photos": "skimage"}
+
+
+def check_dependencies(
+    engines=(), *, plot: bool = False, measure: bool = True, table: bool = True,
+    data: str | None = None,
+) -> None:  # fmt: skip
     """Raise before a long run if a needed optional package is missing.
 
     Args:
         engines: the :class:`~memconv.bench.engines.Engine` objects asked for by name.
         plot: matplotlib is needed.
         measure: memory_profiler is needed.
+        table: tabulate is needed (the tables printed at the end).
+        data: the ``--data`` source (scikit-learn for digits, scikit-image for photos).
 
     Raises:
         ImportError: naming each missing package and how to install it.
@@ -155,6 +164,10 @@ def check_dependencies(engines=(), *, plot: bool = False, measure: bool = True) 
     needs = {}
     if measure:
         needs["memory_profiler"] = "pip install 'memconv[bench]'"
+    if table:
+        needs["tabulate"] = "pip install 'memconv[bench]'"
+    if data in DATA_PACKAGES:
+        needs[DATA_PACKAGES[data]] = "pip install 'memconv[bench]' (or --data random)"
     if plot:
         needs["matplotlib"] = "pip install 'memconv[bench]' (or drop --plot)"
     for engine in engines:

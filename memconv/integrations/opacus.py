@@ -1,4 +1,14 @@
-"""Opacus integration: memconv's per-sample gradients and norms for convolutions.
+"""Opacus integration: private training with memconv's clipped sum, and memconv's
+per-sample samplers in Opacus' registries.
+
+Two paths. :func:`make_private` (and :func:`make_private_with_epsilon`) returns what
+Opacus' ``PrivacyEngine.make_private`` returns, keeping Opacus' accountant, noise,
+Poisson sampling, DP optimizer and ``DPDDP``, with the clipped sum computed by
+:func:`memconv.clip_and_accumulate` rather than by module hooks: any model memconv's
+functions handle trains (in-place activations and adds, norm + activation layers,
+subclasses with their own forward, attention); :func:`fix` turns BatchNorm layers,
+subclasses included, into GroupNorm and the same activation. :func:`install` keeps
+Opacus' own hooks (and its per-layer and adaptive clipping), with memconv's samplers:
 
 memconv plugs in where Opacus itself looks up how to treat a layer: its registries of
 *grad samplers* (``GRAD_SAMPLERS``, the dictionary Opacus' ``register_grad_sampler``
@@ -275,3 +285,450 @@ def installed():
     finally:
         if not was:
             uninstall()
+
+
+# ---------------------------------------------------------------------------------
+# The private-training path: Opacus' engine, memconv's clipped sum
+# ---------------------------------------------------------------------------------
+
+#: Clipping modes :func:`make_private` accepts.
+CLIPPINGS = ("flat",)
+_REDUCTIONS = ("mean", "sum")
+
+
+def _inner(module: nn.Module) -> nn.Module:
+    """The module a ``DPDDP`` or ``DistributedDataParallel`` wraps (else itself)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(module, DistributedDataParallel) or type(module).__name__ in (
+        "DPDDP",
+        "DifferentiallyPrivateDistributedDataParallel",
+    ):
+        module = module.module
+    return module
+
+
+def _linear_loss(output: Tensor, target: Tensor) -> Tensor:
+    """``⟨output, target⟩``: with ``target`` sample n's output gradient, its gradient
+    with respect to the parameters is sample n's loss gradient (exactly)."""
+    return (output * target).sum()
+
+
+class _ClipOnBackward(torch.autograd.Function):
+    """Identity on the model's output; its backward hands the output gradient to
+    :meth:`PrivateModule.clip`, which adds the clipped sum to ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, wrapper, inputs, anchor, output):
+        ctx.wrapper, ctx.inputs = wrapper, inputs
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ctx.wrapper.clip(ctx.inputs, grad_output)
+        return None, None, None, None
+
+
+class PrivateModule(nn.Module):
+    """The model :func:`make_private` returns: its forward runs the model, its
+    backward adds the **clipped sum** Σₙ min(1, C/‖gₙ‖)·gₙ to every trainable
+    parameter's ``.grad`` by :func:`memconv.clip_and_accumulate` (no module hook).
+
+    In training mode with gradients enabled, ``forward(x)`` runs the model without
+    keeping its graph and returns its output attached to a node whose backward
+    receives ``∂L/∂output``; it then runs memconv's own pass on ``x`` with the
+    per-sample loss ``⟨outputₙ, s·∂L/∂outputₙ⟩`` (``s`` = the batch size for
+    ``loss_reduction="mean"``, 1 for ``"sum"``), whose parameter gradient is sample
+    n's loss gradient exactly. Any criterion whose per-sample loss depends on that
+    sample's output only works unchanged. In eval mode or without gradients the
+    model runs as it is.
+
+    Attributes not found on the wrapper are looked up on the wrapped model (as on
+    Opacus' ``GradSampleModule``); ``_module`` is the wrapped model.
+    """
+
+    def __init__(self, module: nn.Module, *, max_grad_norm: float, loss_reduction: str,
+                 clip_options: dict):  # fmt: skip
+        super().__init__()
+        self._module = module
+        self.max_grad_norm = float(max_grad_norm)
+        self.loss_reduction = loss_reduction
+        self.batch_first = True
+        self.clip_options = dict(clip_options)
+        self._anchor = torch.empty(0, requires_grad=True)
+        #: per-sample norms before clipping of the last backward pass ``[N]``
+        self.last_norms: Tensor | None = None
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            wrapped = self.__dict__.get("_modules", {}).get("_module")
+            if wrapped is None or name.startswith("__"):
+                raise
+            return getattr(wrapped, name)
+
+    def forward(self, x, *args, **kwargs):
+        if not (self.training and torch.is_grad_enabled()):
+            return self._module(x, *args, **kwargs)
+        if args or kwargs or not isinstance(x, Tensor):
+            raise TypeError(
+                "memconv's private path runs the model on one input tensor [N, ...]: "
+                f"got {1 + len(args)} positional and {len(kwargs)} keyword arguments"
+            )
+        with torch.no_grad():
+            out = self._module(x)
+        if not isinstance(out, Tensor):
+            raise TypeError(
+                "memconv's private path needs the model to return one tensor [N, ...], "
+                f"got {type(out).__name__}"
+            )
+        return _ClipOnBackward.apply(self, x.detach(), self._anchor, out)
+
+    def clip(self, inputs: Tensor, grad_output: Tensor) -> None:
+        """Add the clipped sum of the samples of ``inputs`` to ``.grad``, the
+        per-sample loss gradients given by the output gradient ``grad_output``.
+
+        Raises:
+            RuntimeError: if a trainable parameter's ``.grad`` holds a previous
+                backward pass's gradient (accumulating batches would clip each batch
+                on its own: call ``optimizer.zero_grad()`` between steps).
+        """
+        from ..clipping import clip_and_accumulate
+
+        model = _inner(self._module)
+        params = [p for p in model.parameters() if p.requires_grad]
+        held = [p.grad.ne(0).any() for p in params if p.grad is not None]
+        if held and bool(torch.stack(held).any()):  # one device synchronisation
+            raise RuntimeError(
+                "memconv.integrations.opacus: .grad already holds a gradient before this "
+                "backward pass; call optimizer.zero_grad() after each optimizer.step() "
+                "(gradient accumulation over batches is not supported: each batch would "
+                "be clipped on its own)"
+            )
+        n = len(inputs)
+        if n == 0:  # an empty Poisson batch: a zero clipped sum
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.last_norms = inputs.new_zeros(0)
+            return
+        scale = n if self.loss_reduction == "mean" else 1
+        targets = grad_output.detach() * scale
+        with torch.enable_grad():
+            self.last_norms = clip_and_accumulate(
+                model, _linear_loss, inputs, targets, max_norm=self.max_grad_norm,
+                **self.clip_options,
+            )  # fmt: skip
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    # Opacus' GradSampleModule API used around a training loop
+    def forbid_grad_accumulation(self):
+        """Accumulation is always refused (see :meth:`clip`)."""
+
+    def cleanup(self):
+        """Nothing to remove: the path registers no hooks."""
+
+
+def _check_private_args(privacy_engine, module, optimizer, max_grad_norm, clipping,
+                        loss_reduction, batch_first):  # fmt: skip
+    import math
+    import numbers
+
+    from opacus import PrivacyEngine
+
+    if not isinstance(privacy_engine, PrivacyEngine):
+        raise TypeError(
+            f"privacy_engine must be an opacus.PrivacyEngine, got {type(privacy_engine).__name__}"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if isinstance(module, PrivateModule):
+        raise ValueError("module is already a memconv PrivateModule; pass the plain model")
+    if clipping not in CLIPPINGS:
+        raise ValueError(
+            f"clipping={clipping!r} is not supported by memconv's private path yet; accepted: "
+            f"{', '.join(map(repr, CLIPPINGS))}. For Opacus' per-layer or adaptive clipping use "
+            "mo.install() and PrivacyEngine.make_private (grad_sample_mode='hooks')"
+        )
+    if (
+        isinstance(max_grad_norm, bool)
+        or not isinstance(max_grad_norm, numbers.Real)
+        or not (math.isfinite(max_grad_norm) and max_grad_norm > 0)
+    ):
+        raise ValueError(f"max_grad_norm must be a positive finite number, got {max_grad_norm!r}")
+    if loss_reduction not in _REDUCTIONS:
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if batch_first is not True:
+        raise ValueError("batch_first must be True: memconv takes the batch axis first")
+    params = set(module.parameters())
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p not in params:
+                raise ValueError("optimizer holds parameters that are not module's")
+    inner = _inner(module)
+    from ..extraction import check_per_sample_model
+
+    check_per_sample_model(inner, argument="module")
+    for name, layer in inner.named_modules():
+        if isinstance(layer, nn.modules.dropout._DropoutNd) and layer.p > 0:
+            raise ValueError(
+                f"module's layer {name!r} ({type(layer).__name__}, p={layer.p}) draws random "
+                "numbers, and memconv's private path runs the forward pass again for its "
+                "clipped sum, so the two draws would differ: set p=0, or use mo.install() "
+                "with PrivacyEngine.make_private (Opacus' hooks)"
+            )
+    return inner
+
+
+def make_private(
+    privacy_engine,
+    *,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data_loader,
+    noise_multiplier: float,
+    max_grad_norm: float,
+    batch_first: bool = True,
+    loss_reduction: str = "mean",
+    poisson_sampling: bool = True,
+    clipping: str = "flat",
+    noise_generator=None,
+    rand_on_empty: bool = False,
+    strategy: str | bool | None = None,
+    memory_budget: int | str | None = "available",
+    norm_route: str | None = None,
+    clip_route: str | None = None,
+    criterion=None,
+    **kwargs,
+):
+    """Opacus' ``PrivacyEngine.make_private`` with memconv's clipped sum in place of
+    Opacus' per-sample hooks.
+
+    Everything DP-SGD keeps from Opacus is Opacus': the accountant of
+    ``privacy_engine`` (a step hook on the optimizer, sampling rate
+    ``1/len(data_loader)``), Poisson sampling (``DPDataLoader``), the noise
+    (``noise_multiplier · max_grad_norm``, from ``noise_generator`` or the engine's
+    secure RNG) and the scaling (its fast-gradient-clipping optimizer, distributed
+    when ``module`` is a ``DPDDP`` or ``DistributedDataParallel``). The clipped sum
+    comes from :func:`memconv.clip_and_accumulate` — book-keeping or two passes, no
+    module hook — so in-place activations and adds, norm + activation layers,
+    subclasses with their own forward and attention train as memconv handles them.
+    The loop stays::
+
+        model, optimizer, loader = mo.make_private(
+            PrivacyEngine(), module=model, optimizer=optimizer, data_loader=loader,
+            noise_multiplier=1.0, max_grad_norm=1.0)
+        for x, y in loader:
+            optimizer.zero_grad()
+            criterion(model(x), y).backward()
+            optimizer.step()
+
+    The criterion must reduce per-sample losses by ``loss_reduction`` over the
+    batch axis, each depending on its sample's output only (``CrossEntropyLoss``,
+    ``MSELoss``, ...). Cost: one forward pass without graph (the user's), then
+    memconv's forward and backward pass.
+
+    Args:
+        privacy_engine: an ``opacus.PrivacyEngine`` (its accountant is used).
+        module: the model; or a ``DPDDP`` / ``DistributedDataParallel`` wrapping it.
+            It takes one tensor ``[N, ...]`` and returns one tensor ``[N, ...]``.
+        optimizer: an optimizer over ``module``'s parameters.
+        data_loader: the training ``DataLoader``.
+        noise_multiplier: the noise's standard deviation over ``max_grad_norm``.
+        max_grad_norm: the clipping threshold C (positive, finite).
+        batch_first: must be True.
+        loss_reduction: ``"mean"`` or ``"sum"``, the criterion's reduction.
+        poisson_sampling: as Opacus' (True: ``DPDataLoader``).
+        clipping: ``"flat"`` (all parameters' norm). Other modes raise for now; the
+            argument is where per-group clipping will be passed through.
+        noise_generator: ``torch.Generator`` of the noise (not in secure mode).
+        rand_on_empty: as Opacus'.
+        strategy, memory_budget, norm_route, clip_route: passed to
+            :func:`memconv.clip_and_accumulate`.
+        criterion: accepted for Opacus' signature and not used (the returned model
+            works with the criterion of the loop).
+        **kwargs: passed to Opacus' optimizer.
+
+    Returns:
+        ``(model, optimizer, data_loader)`` as ``make_private`` with
+        ``grad_sample_mode="hooks"`` returns them: the model is a
+        :class:`PrivateModule`, the optimizer Opacus'
+        ``DPOptimizerFastGradientClipping`` (or its distributed version).
+
+    Raises:
+        ImportError: if Opacus is missing (naming the extra).
+        TypeError: ``privacy_engine``, ``module`` or ``optimizer`` of the wrong type.
+        ValueError: an unsupported ``clipping``; ``grad_sample_mode`` or
+            ``wrap_model`` given; a non-positive ``max_grad_norm``; a
+            ``loss_reduction`` other than mean/sum; optimizer parameters not the
+            module's; a layer memconv cannot treat per sample (named, e.g. BatchNorm
+            in training mode: convert with :func:`fix`); a dropout layer with p > 0.
+            All before any work.
+    """
+    _require()
+    if "grad_sample_mode" in kwargs or "wrap_model" in kwargs:
+        name = "grad_sample_mode" if "grad_sample_mode" in kwargs else "wrap_model"
+        raise ValueError(
+            f"{name} is an option of Opacus' hooks; memconv's private path has none. For "
+            "Opacus' own modes use mo.install() and PrivacyEngine.make_private"
+        )
+    if noise_generator is not None and getattr(privacy_engine, "secure_mode", False):
+        raise ValueError("noise_generator cannot be passed in secure mode")
+    _check_private_args(
+        privacy_engine, module, optimizer, max_grad_norm, clipping, loss_reduction, batch_first
+    )
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..clipping import CLIP_ROUTES
+    from ..norms import check_route
+    from ..planning import check_budget
+
+    check_budget(memory_budget)
+    check_route(norm_route)
+    if clip_route is not None and clip_route not in CLIP_ROUTES:
+        raise ValueError(f"unknown clip_route {clip_route!r}; accepted: {', '.join(CLIP_ROUTES)}")
+    distributed = isinstance(module, (DPDDP, DistributedDataParallel))
+    options = dict(
+        strategy=strategy, memory_budget=memory_budget, norm_route=norm_route,
+        clip_route=clip_route,
+    )  # fmt: skip
+    wrapped = PrivateModule(
+        module, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction, clip_options=options
+    )
+    data_loader = privacy_engine._prepare_data_loader(
+        data_loader, distributed=distributed, poisson_sampling=poisson_sampling,
+        batch_first=batch_first, rand_on_empty=rand_on_empty,
+    )  # fmt: skip
+    sample_rate = 1 / len(data_loader)
+    expected_batch_size = int(len(data_loader.dataset) * sample_rate)
+    if distributed:
+        expected_batch_size /= torch.distributed.get_world_size()
+    dp_optimizer = privacy_engine._prepare_optimizer(
+        optimizer=optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+        expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
+        noise_generator=noise_generator, distributed=distributed, clipping=clipping,
+        grad_sample_mode="ghost", **kwargs,
+    )  # fmt: skip
+    dp_optimizer.attach_step_hook(
+        privacy_engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate)
+    )
+    return wrapped, dp_optimizer, data_loader
+
+
+def make_private_with_epsilon(
+    privacy_engine,
+    *,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data_loader,
+    target_epsilon: float,
+    target_delta: float,
+    epochs: int,
+    max_grad_norm: float,
+    **kwargs,
+):
+    """:func:`make_private` with the noise multiplier Opacus'
+    ``make_private_with_epsilon`` picks: the smallest reaching ``(target_epsilon,
+    target_delta)`` after ``epochs`` epochs at sampling rate ``1/len(data_loader)``
+    for the engine's accountant (``opacus.accountants.utils.get_noise_multiplier``).
+
+    Args:
+        privacy_engine, module, optimizer, data_loader, max_grad_norm: as
+            :func:`make_private`.
+        target_epsilon: ε to reach after ``epochs`` epochs (positive).
+        target_delta: δ (in (0, 1)).
+        epochs: the number of epochs planned (positive integer).
+        **kwargs: the other arguments of :func:`make_private`.
+
+    Returns:
+        As :func:`make_private`.
+
+    Raises:
+        ValueError: as :func:`make_private`; a non-positive ``target_epsilon`` or
+            ``epochs``, a ``target_delta`` outside (0, 1).
+    """
+    _require()
+    import warnings
+
+    from opacus.accountants.utils import get_noise_multiplier
+
+    if not (isinstance(target_epsilon, (int, float)) and target_epsilon > 0):
+        raise ValueError(f"target_epsilon must be positive, got {target_epsilon!r}")
+    if not (isinstance(target_delta, (int, float)) and 0 < target_delta < 1):
+        raise ValueError(f"target_delta must be in (0, 1), got {target_delta!r}")
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
+        raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+    if len(privacy_engine.accountant) > 0:
+        warnings.warn(
+            "make_private_with_epsilon: privacy budget already spent on this engine; the "
+            "noise multiplier assumes zero starting point",
+            stacklevel=2,
+        )
+    sigma = get_noise_multiplier(
+        target_epsilon=target_epsilon, target_delta=target_delta,
+        sample_rate=1 / len(data_loader), epochs=epochs,
+        accountant=privacy_engine.accountant.mechanism(),
+    )  # fmt: skip
+    return make_private(
+        privacy_engine, module=module, optimizer=optimizer, data_loader=data_loader,
+        noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs,
+    )  # fmt: skip
+
+
+def fix(module: nn.Module, *, num_groups: int = 32) -> nn.Module:
+    """A copy of ``module`` with every BatchNorm layer replaced by GroupNorm —
+    including BatchNorm subclasses with their own forward (a norm + activation layer
+    such as timm's ``BatchNormAct2d``), whose child modules (activation, dropout)
+    follow the GroupNorm in their registration order.
+
+    Opacus' ``ModuleValidator.fix`` finds fixers by exact type, so it leaves such
+    subclasses in place (and ``make_private`` then refuses the model).
+
+    Args:
+        module: the model (not changed).
+        num_groups: the GroupNorm's groups: ``gcd(num_groups, channels)`` (as Opacus).
+
+    Returns:
+        The converted copy; a layer with ``affine=False`` gets a GroupNorm without
+        affine parameters.
+
+    Raises:
+        TypeError: if ``module`` is not an ``nn.Module``.
+        ValueError: if ``num_groups`` is not a positive integer.
+    """
+    import copy
+    import math
+
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0:
+        raise ValueError(f"num_groups must be a positive integer, got {num_groups!r}")
+
+    def convert(bn):
+        c = bn.num_features
+        gn = nn.GroupNorm(math.gcd(num_groups, c), c, eps=bn.eps, affine=bn.affine)
+        gn = gn.to(device=bn.weight.device if bn.affine else None,
+                   dtype=bn.weight.dtype if bn.affine else None)  # fmt: skip
+        rest = list(bn.children())
+        return nn.Sequential(gn, *rest) if rest else gn
+
+    def walk(parent):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.modules.batchnorm._BatchNorm):
+                setattr(parent, name, convert(child))
+            else:
+                walk(child)
+
+    copied = copy.deepcopy(module)
+    if isinstance(copied, nn.modules.batchnorm._BatchNorm):
+        return convert(copied)
+    walk(copied)
+    return copied

@@ -8,11 +8,16 @@ per-sample norms by memconv's norm routes (:mod:`memconv.norms`: ghost norms per
 group where they are cheaper, no per-sample gradients), which, unlike BackPACK's
 convolution shortcut, is correct for ``groups > 1``.
 
+A weight shared by several convolutions (tied) gets the sum over its uses for
+``BatchGrad`` (BackPACK itself keeps the last use's only); for the other extensions,
+whose quantities of a sum are not sums, the backward pass raises naming the parameter.
+
 Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
 """
 
 from __future__ import annotations
 
+import torch
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from backpack.extensions.firstorder.batch_grad.batch_grad_base import BatchGradBase
 from backpack.extensions.firstorder.batch_l2_grad.batch_l2_base import BatchL2Base
@@ -55,6 +60,57 @@ class BatchL2(BatchL2Base):
         )
 
 
+class _Tied:
+    """Mixin of the module extensions: the quantity of a parameter that several
+    modules use in one backward pass is summed over the uses (``BatchGrad``) or
+    refused.
+
+    Each parameter records the backward pass (autograd's graph task) and the module
+    that wrote its quantity last; another write in the same pass is another use.
+    """
+
+    def __call__(self, extension, module, g_inp, g_out):
+        field = extension.savefield
+        task = _graph_task()
+        earlier = {}
+        for name in PARAMS:
+            p = getattr(module, name, None)
+            if p is None or not p.requires_grad:
+                continue
+            mark = getattr(p, "_memconv_backpack_use", None)
+            if mark is None or mark[:2] != (field, task) or task is None:
+                continue  # left by an earlier pass
+            if not isinstance(extension, BatchGrad):
+                raise ValueError(
+                    f"BackPACK's {type(extension).__name__} with memconv: the parameter "
+                    f"{name!r} of {type(module).__name__} is used by several calls in one "
+                    "forward pass (tied, or a layer called twice), and its quantity of the "
+                    "sum of the uses is not the sum of theirs: untie it, or use "
+                    "memconv.per_sample_grads / memconv.per_sample_norms, which sum "
+                    "per-sample gradients over the uses"
+                )
+            earlier[name] = getattr(p, field)
+        super().__call__(extension, module, g_inp, g_out)
+        for name in PARAMS:
+            p = getattr(module, name, None)
+            if p is None or not p.requires_grad:
+                continue
+            if name in earlier:
+                setattr(p, field, earlier[name] + getattr(p, field))
+            p._memconv_backpack_use = (field, task)
+
+
+def _graph_task():
+    """The id of the backward pass running (autograd's graph task), or None."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    task = current() if current is not None else -1
+    return None if task == -1 else task
+
+
+def _tied(cls):
+    return type(cls.__name__, (_Tied, cls), {"__module__": __name__})
+
+
 def module_extension(ext, conv_cls):
     """memconv's module extension of a covered BackPACK extension for ``conv_cls``.
 
@@ -64,13 +120,13 @@ def module_extension(ext, conv_cls):
     """
     d = DERIVATIVES[conv_cls]()
     if isinstance(ext, BatchGrad):
-        return BatchGradBase(derivatives=d, params=PARAMS)
+        return _tied(BatchGradBase)(derivatives=d, params=PARAMS)
     if isinstance(ext, SumGradSquared):
-        return SGSBase(derivatives=d, params=PARAMS)
+        return _tied(SGSBase)(derivatives=d, params=PARAMS)
     if isinstance(ext, Variance):
-        return VarianceBaseModule(
+        return _tied(VarianceBaseModule)(
             params=PARAMS,
             grad_extension=GradBaseModule(derivatives=d, params=PARAMS),
             sgs_extension=SGSBase(derivatives=d, params=PARAMS),
         )
-    return BatchL2(d)
+    return _tied(BatchL2)(d)
