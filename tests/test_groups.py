@@ -313,3 +313,32 @@ def test_non_finite_norm_raises_in_the_pass():
     with pytest.raises(RuntimeError, match=r"sample\(s\) 2 is not finite"):
         memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=1.0, groups="layer")
     assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())
+
+
+def test_per_parameter_thresholds_step_as_opacus_per_layer():
+    """``groups="parameter"`` with a threshold per parameter and noise of std
+    σ·√(Σ C_g²) is Opacus' ``DPPerLayerOptimizer`` step (same generator)."""
+    opacus = pytest.importorskip("opacus.optimizers")
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    loss_fn = nn.CrossEntropyLoss()
+    names = [n for n, _ in model.named_parameters()]
+    thresholds = dict(zip(names, [0.3, 0.1, 0.5, 0.2]))
+    opt = opacus.DPPerLayerOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.7,
+        max_grad_norm=list(thresholds.values()), expected_batch_size=6, loss_reduction="sum",
+        generator=torch.Generator().manual_seed(9),
+    )  # fmt: skip
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    per = loop_reference(model, loss_fn, x, y)
+    for n, p in model.named_parameters():
+        p.grad_sample, p.grad = per[n], torch.zeros_like(p)
+    opt.step()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=thresholds, groups="parameter")
+    std = 0.7 * resolve_groups(model, "parameter", thresholds).sensitivity()
+    gen = torch.Generator().manual_seed(9)
+    for n, p in model.named_parameters():
+        p.grad = p.grad + torch.normal(0, std, p.shape, generator=gen)
+        assert torch.allclose(p.grad, expected[n], rtol=0, atol=1e-5), n
