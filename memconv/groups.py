@@ -185,6 +185,15 @@ def resolve_groups(model: nn.Module, groups, max_norm=None) -> Grouping:
     return Grouping(kind, of, members, thresholds)
 
 
+def _small_grads(call) -> bool:
+    """Whether the call's per-sample gradients hold fewer elements than its inputs and
+    output gradient (early convolutions): then they give its norms and its clipped sum
+    (one weight VJP fewer), as book-keeping keeps them (Bu et al., ICML 2023)."""
+    named = dict(call.module.named_parameters(remove_duplicate=False))
+    grads = call.n() * sum(named[k].numel() for k in call.params)
+    return grads < sum(a.numel() for a in call.args) + call.output_elements
+
+
 def _promoted(t: Tensor) -> Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
@@ -196,10 +205,11 @@ class OnePass:
     parameters and no other call computes any of them (a shared parameter's
     per-sample gradients must be summed over its calls first). For such a call, once
     its output gradient has arrived: its squared norms per parameter (the rule's
-    ``sq_norms``, ghost where cheaper; a generic call's per-sample gradients), the
+    ``sq_norms``, ghost where cheaper; its per-sample gradients where they are smaller
+    than its input and output gradient, or a generic call's), the
     groups' clip factors, and the clipped sum — a rule's summed weight VJP with the
     output gradient scaled by the factors (Bu et al., ICML 2023, book-keeping without
-    the keeping), a generic call's weighted per-sample gradients — added into
+    the keeping), or the weighted per-sample gradients — added into
     ``total``. The other calls are left to the clipping route.
 
     Attributes:
@@ -239,7 +249,7 @@ class OnePass:
         Raises:
             RuntimeError: a group's norm is not finite (nothing added to ``.grad``).
         """
-        if call.rule is not None:
+        if call.rule is not None and not _small_grads(call):
             grads = None
             sq = call.sq_norms(self.rs)
         else:
