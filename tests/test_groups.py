@@ -205,7 +205,27 @@ def test_groups_spanning_layers_with_a_hidden_layer():
                 assert rel_err(p.grad, sums[name]) < TOL, (spec, clip_route, name)
 
 
-def test_frozen_parameters_and_streaming_models():
+def test_streaming_model_by_group():
+    """A model that streams: each sample's gradient, its norms per group, clipped."""
+    from test_clipping import streamed_model
+
+    streamed, plain = streamed_model()
+    x, y = torch.randn(3, 3, 40, 36, dtype=torch.float64), torch.tensor([0, 2, 1])
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    per = loop_reference(plain, loss_fn, x, y)
+    rename = {n.replace("0.", "0.stream_layers.", 1) if n.startswith("0.") else n: n for n in per}
+    grouping = resolve_groups(streamed, "layer")
+    of = {rename[n]: g for n, g in grouping.of.items()}
+    norms, sums, max_norm = reference(plain, loss_fn, x, y, of)
+    got = memconv.clip_and_accumulate(streamed, loss_fn, x, y, max_norm=max_norm, groups="layer")
+    got_norms = memconv.per_sample_norms(streamed, loss_fn, x, y, groups="layer")
+    for g in norms:
+        assert rel_err(got[g], norms[g]) < TOL and rel_err(got_norms[g], norms[g]) < TOL
+    for name, p in streamed.named_parameters():
+        assert rel_err(p.grad, sums[rename[name]]) < TOL, name
+
+
+def test_frozen_parameters():
     model, x, y, loss_fn = rule_model()
     model[1].weight.requires_grad_(False)
     grouping = resolve_groups(model, "layer")
