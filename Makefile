@@ -65,7 +65,7 @@ BENCH := $(BIN)/memconv bench
 BENCH_DIR := docs/bench
 BENCH_FILES := clip.jsonl clip-more.jsonl grads.jsonl grads-more.jsonl largest-grads.jsonl \
 	largest-clip.jsonl largest-container-grads.jsonl largest-container-clip.jsonl \
-	sweep-batch.jsonl sweep-side.jsonl private.jsonl
+	sweep-batch.jsonl sweep-side.jsonl private.jsonl clip-layer.jsonl
 GRADS_ENGINES := autograd,torch.func,expanded-weights,opacus-hooks,backpack-save-memory,memconv:standard,memconv:rochette,memconv:unfold,memconv:shift,memconv:auto,memconv:budget,memconv:default,memconv-modules:auto,memconv-backpack:auto
 benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	$(BENCH) --task clip --cases resnet18-gn,seed-112 --json $(BENCH_DIR)/clip.jsonl --plot $(BENCH_DIR)/clip.png
@@ -79,6 +79,7 @@ benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	@# the command flags it and exits 1, and the measurements that follow still run.
 	-$(BENCH) --task clip --cases wrn16-4-gn,conv1d,conv3d --json $(BENCH_DIR)/clip-more.jsonl
 	-$(BENCH) --task grads --cases resnet18-gn,conv1d,conv3d --json $(BENCH_DIR)/grads-more.jsonl
+	$(BENCH) --task clip-layer --cases resnet18-gn,wrn16-4-gn,vit-tiny --batch-size 64 --json $(BENCH_DIR)/clip-layer.jsonl
 	$(BENCH) --sweep batch --range 8,32,128,512 --json $(BENCH_DIR)/sweep-batch.jsonl --plot $(BENCH_DIR)/sweep-batch.png
 	$(BENCH) --sweep side --range 28,56,112,224 --json $(BENCH_DIR)/sweep-side.jsonl --plot $(BENCH_DIR)/sweep-side.png
 	$(MAKE) benchmarks-private

@@ -14,6 +14,7 @@ Example:
 
 from . import layers, modules, strategies
 from ._version import __version__ as __version__
+from .adaptive import AdaptiveClipping
 from .clipping import clip_and_accumulate, per_sample_norms
 from .context import available_strategies, current_strategy, per_sample, save_memory
 from .extraction import per_sample_grads
@@ -44,6 +45,7 @@ from .step import PrivateStep
 from .vjp import weight_vjp
 
 __all__ = [
+    "AdaptiveClipping",
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",

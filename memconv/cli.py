@@ -62,8 +62,9 @@ def list_names(args) -> int:
     from .bench.engines import ENGINES, available
 
     print("tasks (memconv bench --task):")
-    print("  grads  per-sample gradients")
-    print("  clip   DP-SGD clipped sums of per-sample gradients")
+    print("  grads       per-sample gradients")
+    print("  clip        DP-SGD clipped sums of per-sample gradients")
+    print("  clip-layer  per-layer clipping (a threshold per parameter) against flat")
     for task, engines in ENGINES.items():
         print(f"\nengines of task {task} (memconv bench --engines):")
         width = max(len(n) for n in engines)

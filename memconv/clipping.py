@@ -20,8 +20,7 @@ Noise and privacy accounting stay with the DP optimizer (Opacus').
 
 from __future__ import annotations
 
-import math
-import numbers
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import replace
 
@@ -30,6 +29,15 @@ from torch import Tensor, nn
 
 from .context import activate, use_block_settings
 from .extraction import model_route, sample_by_sample, streams
+from .groups import (
+    ALL,
+    Grouping,
+    OnePass,
+    check_finite,
+    check_threshold,
+    clip_factors,
+    resolve_groups,
+)
 from .layers import RuleSettings
 from .norms import DEFAULT_NORM_BUDGET, check_route, sq_norms
 from .planning import CLIP_ROUTES, check_budget, check_clip_route  # noqa: F401 (CLIP_ROUTES: re-exported)
@@ -74,8 +82,8 @@ class _Norms:
     a generic call keeps its per-sample gradients.
     """
 
-    def __init__(self, n: int, rs: RuleSettings, keep: bool):
-        self.n, self.rs, self.keep = n, rs, keep
+    def __init__(self, n: int, rs: RuleSettings, keep: bool, onepass: OnePass | None = None):
+        self.n, self.rs, self.keep, self.onepass = n, rs, keep, onepass
         self.sq: dict[str, Tensor] = {}
         self.grads: dict[str, Tensor] = {}  # per-sample gradients kept (or shared)
         self.io: list[LayerCall] = []  # calls kept as inputs and output gradient
@@ -85,7 +93,11 @@ class _Norms:
         """Book-keeping: decide, before the backward pass, which rule calls keep their
         per-sample gradients rather than their input and output gradient — whichever
         is smaller, an input that several calls read (a residual block's convolution
-        and its projection shortcut) counted once."""
+        and its projection shortcut) counted once. Calls clipped in the pass
+        (:class:`memconv.groups.OnePass`) keep nothing."""
+        if self.onepass is not None:
+            self.onepass.prepare(calls)
+            calls = [c for c in calls if c not in self.onepass.calls]
         if not self.keep:
             return
         readers: dict = {}  # one input tensor (its storage view) -> the calls reading it
@@ -115,6 +127,9 @@ class _Norms:
     def visit(self, call: LayerCall):
         """Take the call's norms; per-sample gradients to keep are returned as work
         for after the call's backward node (see :func:`memconv.walk.backward_walk`)."""
+        if self.onepass is not None and call in self.onepass.calls:
+            self.sq.update(self.onepass.visit(call))
+            return None
         instantiate = bool(call.shared) or call.rule is None or call in self.keep_grads
         if instantiate:  # the route's temporaries within the layer's budget
 
@@ -153,17 +168,21 @@ class _Norms:
                 out[name] = p.new_zeros(self.n, dtype=torch.promote_types(p.dtype, torch.float32))
         return out
 
-    def add_clipped_sums(self, c: Tensor, total: dict) -> None:
-        """Add Σₙ cₙ·gₙ per parameter into ``total``: kept per-sample gradients weighted,
-        and one summed VJP per call kept as inputs and output gradient (each call's
-        share added, and released, as it goes)."""
+    def add_clipped_sums(self, c: dict, total: dict) -> None:
+        """Add Σₙ cₙ·gₙ per parameter into ``total`` (``c``: the clip factors ``[n]``
+        of each parameter's group, by model name): kept per-sample gradients weighted,
+        and one summed VJP per call and factor kept as inputs and output gradient
+        (each call's share added, and released, as it goes)."""
         for full in list(self.grads):
             grads = self.grads.pop(full)
-            _add(total, full, torch.einsum("n,n...->...", c.to(grads.dtype), grads))
+            _add(total, full, torch.einsum("n,n...->...", c[full].to(grads.dtype), grads))
         while self.io:
             call = self.io.pop(0)
-            for k, v in call.summed_grad(self.rs, c).items():
-                _add(total, call.params[k], v)
+            factors = {id(c[full]): c[full] for full in call.params.values()}
+            for factor in factors.values():  # one VJP per group of the call
+                for k, v in call.summed_grad(self.rs, factor).items():
+                    if c[call.params[k]] is factor:
+                        _add(total, call.params[k], v)
             call.release()
 
 
@@ -175,11 +194,12 @@ def _squared(grads: Tensor) -> Tensor:
     return sq_norms(grads).to(torch.promote_types(grads.dtype, torch.float32))
 
 
-def _walk_norms(model, loss_fn, inputs, targets, rs, cp, *, clip_route, caller):
+def _walk_norms(model, loss_fn, inputs, targets, rs, cp, *, clip_route, caller, onepass=None):
     """The backward walk gathering norms (and, for book-keeping, what the clipped sum
-    needs); returns ``(squared norms per parameter, losses, the gatherer)``."""
+    needs; with ``onepass``, the clipped sums of the calls it clips, added into its
+    total); returns ``(squared norms per parameter, losses, the gatherer)``."""
     keep = clip_route == "book-keeping"
-    norms = _Norms(len(inputs), rs, keep=keep)
+    norms = _Norms(len(inputs), rs, keep=keep, onepass=onepass)
     with activate(None, False):  # the user's blocks do not reach the model's own layers
         walk = backward_walk(
             model, cp.loss, inputs, targets, cp.names, cp.axes, norms.visit, caller=caller,
@@ -188,22 +208,6 @@ def _walk_norms(model, loss_fn, inputs, targets, rs, cp, *, clip_route, caller):
     for name, grads in model_route(model, loss_fn, inputs, targets, walk, rs).items():
         norms.add_grads(name, grads, keep=keep)
     return norms.result(cp.params), walk.losses, norms
-
-
-def check_finite(norms: Tensor, caller: str) -> None:
-    """Raise if a per-sample norm is NaN or infinite, naming the samples.
-
-    Raises:
-        RuntimeError: naming the first samples (their indices in the batch).
-    """
-    bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
-    if bad:
-        shown = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
-        raise RuntimeError(
-            f"{caller}: the per-sample gradient norm of sample(s) {shown} is not finite "
-            "(NaN or inf), so their clip factors are undefined; nothing was added to .grad. "
-            "Check those inputs and the loss (overflow in float16/bfloat16, log of 0)."
-        )
 
 
 def per_sample_norms(
@@ -216,6 +220,7 @@ def per_sample_norms(
     memory_budget: int | str | None = AVAILABLE,
     per_parameter: bool = False,
     norm_route: str | None = None,
+    groups: str | dict = "all",
 ):
     """L2 norms of each sample's gradient, without holding per-sample gradients.
 
@@ -239,31 +244,45 @@ def per_sample_norms(
             the norm over all trainable parameters.
         norm_route: ``"ghost"`` or ``"instantiate"`` for every convolution and Linear
             layer, or None to choose per layer by the cost models.
+        groups: ``"all"`` (the norm over all trainable parameters), ``"layer"`` (over
+            the parameters each module owns directly, keyed by the module's name, ``""``
+            for the model's own), ``"parameter"``, or a mapping ``{parameter name: group
+            name}`` covering every trainable parameter: the norms of each group, as
+            :func:`clip_and_accumulate` clips them (:mod:`memconv.groups`).
 
     Returns:
-        ``[N]`` norms (float32 or wider), or ``{name: [N]}``.
+        ``[N]`` norms (float32 or wider); ``{name: [N]}`` with ``per_parameter``;
+        ``{group: [N]}`` with ``groups`` other than ``"all"``.
 
     Raises:
         TypeError, ValueError: as :func:`memconv.per_sample_grads`; an unknown
             ``norm_route``; a non-positive or non-integer ``memory_budget``, or one below
-            the smallest feasible budget (named). Before any work.
+            the smallest feasible budget (named); bad ``groups`` (see
+            :func:`memconv.groups.resolve_groups`), or ``groups`` with
+            ``per_parameter``. Before any work.
     """
     return norms_with(
         Prepared(), model, loss_fn, inputs, targets, strategy=strategy,
         memory_budget=memory_budget, per_parameter=per_parameter, norm_route=norm_route,
+        groups=groups,
     )  # fmt: skip
 
 
 def norms_with(
     prepared: Prepared, model, loss_fn, inputs, targets, *, strategy, memory_budget,
-    per_parameter, norm_route,
+    per_parameter, norm_route, groups="all",
 ):  # fmt: skip
     """:func:`per_sample_norms`, reusing what ``prepared`` kept from the last call."""
     settings = use_block_settings(strategy)
     model, _ = _unwrap(model)
     model, n = _check_common(prepared, model, inputs, targets, memory_budget, norm_route, settings)
+    grouping = resolve_groups(model, groups)
+    if per_parameter and grouping.kind != "all":
+        raise ValueError("per_parameter=True is groups='parameter'; pass one of them")
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if n == 0:
+        if grouping.kind != "all":
+            return {g: inputs.new_zeros(0, dtype=torch.float32) for g in grouping.members}
         empty = {
             name: p.new_zeros(0, dtype=torch.promote_types(p.dtype, torch.float32))
             for name, p in params.items()
@@ -292,6 +311,14 @@ def norms_with(
             ]
 
         parts = prepared.run(run)
+    if grouping.kind != "all":
+        out = {
+            g: torch.cat([grouping.norm(g, part, rows.stop - rows.start) for part, rows in parts])
+            for g in grouping.members
+        }
+        for norms in out.values():
+            check_finite(norms, "memconv.per_sample_norms")
+        return out
     total = torch.cat([_total(part, rows.stop - rows.start) for part, rows in parts]).sqrt()
     check_finite(total, "memconv.per_sample_norms")
     if per_parameter:
@@ -308,22 +335,17 @@ def _micro_batches(n: int, m: int):
     return [slice(i0, min(n, i0 + m)) for i0 in range(0, n, m)]
 
 
-def _walks(model, loss_fn, inputs, targets, rs, cp, clip_route, caller):
+def _walks(model, loss_fn, inputs, targets, rs, cp, clip_route, caller, onepass=None):
     """:func:`_walk_norms` over the micro-batches of the plan ``cp``
-    (:class:`memconv.prepared.CallPlan`), one at a time."""
+    (:class:`memconv.prepared.CallPlan`), one at a time (``onepass``: makes each walk's
+    :class:`memconv.groups.OnePass`, or None)."""
     # a budget holds for the process too (glibc's heap), see memconv.resources
     with process_budget(inputs.device) if cp.guard else nullcontext():
         for rows in _micro_batches(len(inputs), cp.plan.micro_batch):
             yield _walk_norms(
                 model, loss_fn, inputs[rows], targets[rows], rs, cp,
-                clip_route=clip_route, caller=caller,
+                clip_route=clip_route, caller=caller, onepass=onepass and onepass(),
             )  # fmt: skip
-
-
-def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
-    """``min(1, max_norm / ‖gₙ‖)`` per sample (1 for a zero gradient)."""
-    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-    return torch.where(norms > max_norm, max_norm / safe, torch.ones_like(norms))
 
 
 def clip_and_accumulate(
@@ -332,12 +354,13 @@ def clip_and_accumulate(
     inputs: Tensor,
     targets: Tensor,
     *,
-    max_norm: float,
+    max_norm: float | dict,
     strategy: str | bool | None = None,
     memory_budget: int | str | None = AVAILABLE,
     norm_route: str | None = None,
     clip_route: str | None = None,
-) -> Tensor:
+    groups: str | dict = "all",
+) -> Tensor | dict[str, Tensor]:
     """Add Σₙ min(1, max_norm/‖gₙ‖)·gₙ to every trainable parameter's ``.grad``.
 
     ``gₙ`` is the gradient of sample n's loss (as :func:`memconv.per_sample_grads`
@@ -345,6 +368,18 @@ def clip_and_accumulate(
     ``backward`` adds (``.grad`` is created where it is None). No per-sample gradients
     of more than one layer exist at once. DP-SGD's noise, the division by the
     expected batch size and the privacy accounting stay with the optimizer.
+
+    With ``groups``, each group g of parameters is clipped on its own to its
+    threshold C_g: the sum added is Σ_g Σₙ min(1, C_g/‖gₙ,g‖)·gₙ,g (McMahan et al.,
+    ICLR 2018; He et al., ICLR 2023), and one sample moves it by at most
+    ``√(Σ_g C_g²)`` (:meth:`memconv.groups.Grouping.sensitivity`): the noise must
+    scale with that, as Opacus' ``DPPerLayerOptimizer`` takes the L2 norm of its
+    per-parameter thresholds. Where every parameter of a group lies in one layer call
+    (``"layer"``, ``"parameter"``, no shared parameter), the call's clipped sum is
+    added during the backward pass, as soon as its norms are known — one weight VJP
+    with the output gradient scaled by the factors, nothing kept for later, no second
+    pass (:class:`memconv.groups.OnePass`); the other groups take ``clip_route``
+    (``"two-pass"``: one more backward pass per such group).
 
     With a ``DistributedDataParallel`` model, each rank clips its own samples and
     every rank gets the clipped **sum** over the whole (global) batch: the ranks'
@@ -355,7 +390,8 @@ def clip_and_accumulate(
         loss_fn: returns a scalar for one sample.
         inputs: ``[N, ...]``.
         targets: ``[N, ...]``.
-        max_norm: the clipping threshold C (positive, finite).
+        max_norm: the clipping threshold C (positive, finite) of every group, or a
+            mapping ``{group: C_g}`` naming every group.
         strategy: weight-VJP strategy (name or bool); None: the open block's or
             ``"auto"``.
         memory_budget: bytes the whole call's peak memory increase may reach (see
@@ -364,38 +400,47 @@ def clip_and_accumulate(
         norm_route: ``"ghost"``, ``"instantiate"`` or None (per layer).
         clip_route: ``"book-keeping"``, ``"two-pass"`` or None (book-keeping, or the
             one that fits the budget with the larger micro-batch).
+        groups: ``"all"`` (one group: the default), ``"layer"`` (the parameters each
+            module owns directly, named by the module, ``""`` for the model's own),
+            ``"parameter"``, or a mapping ``{parameter name: group name}`` covering
+            every trainable parameter.
 
     Returns:
-        The per-sample norms ``[N]`` before clipping (of the local samples).
+        The per-sample norms ``[N]`` before clipping (of the local samples); with
+        ``groups`` other than ``"all"``, ``{group: [N]}``.
 
     Raises:
-        TypeError, ValueError: as :func:`per_sample_norms`; ``max_norm`` not a positive
-            finite number; an unknown ``clip_route``. Before any work, every ``.grad``
-            unchanged.
+        TypeError, ValueError: as :func:`per_sample_norms`; a threshold not a positive
+            finite number; bad ``groups`` or a group without a threshold (see
+            :func:`memconv.groups.resolve_groups`); an unknown ``clip_route``. Before
+            any work, every ``.grad`` unchanged.
     """
     return clip_with(
         Prepared(), model, loss_fn, inputs, targets, max_norm=max_norm, strategy=strategy,
         memory_budget=memory_budget, norm_route=norm_route, clip_route=clip_route,
+        groups=groups,
     )  # fmt: skip
 
 
 def clip_with(
     prepared: Prepared, model, loss_fn, inputs, targets, *, max_norm, strategy, memory_budget,
-    norm_route, clip_route,
-) -> Tensor:  # fmt: skip
+    norm_route, clip_route, groups="all",
+) -> Tensor | dict[str, Tensor]:  # fmt: skip
     """:func:`clip_and_accumulate`, reusing what ``prepared`` kept from the last call."""
     settings = use_block_settings(strategy)
     model, ddp = _unwrap(model)
     check_max_norm(max_norm)
     check_clip_route(clip_route)
     model, n = _check_common(prepared, model, inputs, targets, memory_budget, norm_route, settings)
+    grouping = resolve_groups(model, groups, max_norm)
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if n == 0:
         _accumulate(params, {}, ddp)
-        return inputs.new_zeros(0, dtype=torch.float32)
+        zero = inputs.new_zeros(0, dtype=torch.float32)
+        return _returned(grouping, [{g: zero for g in grouping.members}])
     if streams(model):  # one sample at a time: its norm from its gradient, gathered
         return _clip_sample_by_sample(
-            model, loss_fn, inputs, targets, params, settings, max_norm, ddp
+            model, loss_fn, inputs, targets, params, settings, grouping, ddp
         )
 
     def run():
@@ -406,59 +451,90 @@ def clip_with(
         total: dict[str, Tensor] = {}
         all_norms = []
         rs = RuleSettings(settings, norm_route, cp.plan.layer_budget)
-        walks = _walks(
-            model, loss_fn, inputs, targets, rs, cp, route, "memconv.clip_and_accumulate"
-        )
+        caller = "memconv.clip_and_accumulate"
+        onepass = None
+        if grouping.kind != "all":  # groups within one layer call: clipped in the pass
+
+            def onepass():
+                return OnePass(grouping, rs, total, caller)
+
+        walks = _walks(model, loss_fn, inputs, targets, rs, cp, route, caller, onepass)
         for sq, losses, gathered in walks:
-            norms = _total(sq, len(losses)).sqrt().detach()
-            check_finite(norms, "memconv.clip_and_accumulate")
-            c = clip_factors(norms, float(max_norm))
+            norms = _group_norms(grouping, sq, len(losses))
+            done = gathered.onepass.groups if gathered.onepass is not None else set()
+            factors = {
+                g: clip_factors(v, grouping.max_norm[g]) for g, v in norms.items() if g not in done
+            }
             # clip factors are per sample: the micro-batches' clipped sums add up
             if route == "book-keeping":
+                c = {k: factors[g] for k, g in grouping.of.items() if g in factors}
                 gathered.add_clipped_sums(c, total)
             else:
                 del gathered
-                sums = _second_pass(losses, c, params)
-                check_second_pass(sums, "memconv.clip_and_accumulate")
-                for name, v in sums.items():
-                    _add(total, name, v)
+                for i, (g, c) in enumerate(factors.items()):
+                    group = {k: params[k] for k in grouping.members[g]}
+                    retain = i + 1 < len(factors)
+                    sums = _second_pass(losses, c, group, retain)
+                    check_second_pass(sums, caller)
+                    for name, v in sums.items():
+                        _add(total, name, v)
             del losses
             all_norms.append(norms)
-        return total, torch.cat(all_norms)
+        return total, _returned(grouping, all_norms)
 
     total, norms = prepared.run(run)
     _accumulate(params, total, ddp)
     return norms
 
 
+def _group_norms(grouping: Grouping, sq: dict, n: int) -> dict[str, Tensor]:
+    """``{group: norms [n]}`` (detached, checked finite) from squared norms per
+    parameter."""
+    if grouping.kind == "all":
+        norms = {ALL: _total(sq, n).sqrt().detach()}
+    else:
+        norms = {g: v.detach() for g, v in grouping.norms(sq, n).items()}
+    for v in norms.values():
+        check_finite(v, "memconv.clip_and_accumulate")
+    return norms
+
+
+def _returned(grouping: Grouping, parts: list[dict]):
+    """The norms of the micro-batches joined: ``[N]`` for ``"all"``, else by group."""
+    out = {g: torch.cat([p[g] for p in parts]) for g in parts[0]}
+    if grouping.kind != "all":
+        return out
+    return out[ALL]
+
+
 def check_max_norm(max_norm) -> None:
-    """Raise unless ``max_norm`` is a positive finite number.
+    """Raise unless ``max_norm`` is a positive finite number or a mapping (whose
+    thresholds :func:`memconv.groups.resolve_groups` checks against the groups).
 
     Raises:
-        TypeError: not a real number.
+        TypeError: not a real number or a mapping.
         ValueError: not positive and finite.
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
-        raise TypeError(f"max_norm must be a positive finite number, got {max_norm!r}")
-    if not (math.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
+    if not isinstance(max_norm, Mapping):
+        check_threshold(max_norm, "max_norm")
 
 
-def _clip_sample_by_sample(model, loss_fn, inputs, targets, params, settings, max_norm, ddp):
+def _clip_sample_by_sample(model, loss_fn, inputs, targets, params, settings, grouping, ddp):
     """Clip and sum for models that stream: each sample's gradient (gathered tile by
-    tile), its norm, its clipped share added to a running total."""
+    tile), its norms, its clipped share added to a running total."""
     total: dict[str, Tensor] = {}
     norms = []
     with activate(settings):
         for _, grads in sample_by_sample(model, loss_fn, inputs, targets, params):
-            norm = _total({k: _squared(g.unsqueeze(0)) for k, g in grads.items()}, 1).sqrt()
-            check_finite(norm, "memconv.clip_and_accumulate")
-            c = clip_factors(norm, float(max_norm))
+            norm = _group_norms(
+                grouping, {k: _squared(g.unsqueeze(0)) for k, g in grads.items()}, 1
+            )
+            c = {g: clip_factors(v, grouping.max_norm[g]) for g, v in norm.items()}
             for name, g in grads.items():
-                _add(total, name, g * c.to(g.dtype))
+                _add(total, name, g * c[grouping.of[name]].to(g.dtype))
             norms.append(norm)
     _accumulate(params, total, ddp)
-    return torch.cat(norms)
+    return _returned(grouping, norms)
 
 
 def check_second_pass(sums: dict[str, Tensor], caller: str) -> None:
@@ -480,11 +556,14 @@ def check_second_pass(sums: dict[str, Tensor], caller: str) -> None:
         )
 
 
-def _second_pass(losses: Tensor, c: Tensor, params: dict) -> dict[str, Tensor]:
-    """Σₙ cₙ·∇ℓₙ by a second backward pass of the kept graph."""
+def _second_pass(losses: Tensor, c: Tensor, params: dict, retain: bool = False) -> dict:
+    """Σₙ cₙ·∇ℓₙ of ``params`` by a second backward pass of the kept graph."""
     names = list(params)
     grads = torch.autograd.grad(
-        (losses * c.to(losses.dtype)).sum(), [params[k] for k in names], allow_unused=True
+        (losses * c.to(losses.dtype)).sum(),
+        [params[k] for k in names],
+        allow_unused=True,
+        retain_graph=retain,
     )
     return {k: g for k, g in zip(names, grads) if g is not None}
 

@@ -12,7 +12,7 @@ import torch
 
 import memconv
 from memconv.bench.cases import build_case
-from memconv.bench.engines import ENGINES, NORMS, available, clip_sum
+from memconv.bench.engines import ENGINES, NORMS, available, clip_sum, clip_sum_per_parameter
 from memconv.bench.largest import search
 from memconv.bench.runner import max_rel_deviation, read_records
 
@@ -294,3 +294,25 @@ def test_steps_table_runs_at_tiny_repeats(tmp_path):
     assert text.startswith("before") and text.endswith("after\n")
     with pytest.raises(ValueError, match="steps:table"):
         steps.fill("no block", "x")
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", CASES[1:3], ids=IDS[1:3])
+def test_every_per_layer_engine_agrees_with_torch_func_per_layer_clipping(case):
+    grads = _run(case, "grads", "torch.func")
+    norms = clip_sum_per_parameter(grads, 1.0)[NORMS]
+    max_norm = norms.median().item()  # some parameters' samples clipped, some not
+    reference = clip_sum_per_parameter(grads, max_norm)
+    assert (
+        max_rel_deviation(_run(case, "clip-layer", "torch.func", max_norm=max_norm), reference) == 0
+    )
+    for name, engine in ENGINES["clip-layer"].items():
+        if available(engine):
+            continue
+        result = _run(case, "clip-layer", name, max_norm=max_norm)
+        if engine.compared:
+            assert set(result) == set(reference), name
+            assert max_rel_deviation(result, reference) < 1e-10, name
+        else:  # the floor, and flat clipping: another sum
+            result.pop(NORMS, None)
+            assert max_rel_deviation(result, reference) > 1e-6, name

@@ -60,6 +60,8 @@ DESCRIPTION = (
 DEFAULT_CASES = {
     "grads": ("seed-112", "seed-28", "resnet18-gn", "conv1d", "conv3d"),
     "clip": ("resnet18-gn", "wrn16-4-gn", "seed-112", "conv1d", "conv3d"),
+    # the ViT-tiny (image 32, patch 4) joins these once memconv.bench.cases has it
+    "clip-layer": ("resnet18-gn", "wrn16-4-gn"),
 }
 #: Engines the matrix runs on cases other than the seed CNN's (task grads).
 CORE_GRADS = (
@@ -72,19 +74,25 @@ SWEEP_ENGINES = {
               "memconv:auto", "memconv-modules:auto"),
     "clip": ("non-private", "torch.func", "opacus-hooks", "opacus-ghost", "memconv:auto",
              "memconv:two-pass"),
+    "clip-layer": ("non-private", "torch.func", "opacus-per-layer", "memconv:per-layer",
+                   "memconv:flat"),
 }  # fmt: skip
 LARGEST_ENGINES = {
     "grads": ("autograd", "torch.func", "opacus-hooks", "backpack-save-memory",
               "memconv:auto", BUDGET_ENGINE, DEFAULT_ENGINE),
     "clip": ("non-private", "torch.func", "opacus-hooks", "opacus-ghost", "memconv:auto",
              "memconv:two-pass", BUDGET_ENGINE, DEFAULT_ENGINE),
+    "clip-layer": ("non-private", "opacus-per-layer", "memconv:per-layer", "memconv:flat"),
 }  # fmt: skip
-LARGEST_CASES = {"grads": ("seed-112",), "clip": ("resnet18-gn", "seed-112")}
+LARGEST_CASES = {
+    "grads": ("seed-112",), "clip": ("resnet18-gn", "seed-112"), "clip-layer": ("resnet18-gn",),
+}  # fmt: skip
 #: ``--quick``: one small case and a few engines per task (a smoke test of about a minute).
-QUICK_CASES = {"grads": ("seed-28",), "clip": ("resnet18-gn",)}
+QUICK_CASES = {"grads": ("seed-28",), "clip": ("resnet18-gn",), "clip-layer": ("resnet18-gn",)}
 QUICK_ENGINES = {
     "grads": ("autograd", "torch.func", "memconv:auto", BUDGET_ENGINE),
     "clip": ("non-private", "memconv:auto", "memconv:two-pass"),
+    "clip-layer": ("non-private", "torch.func", "memconv:per-layer", "memconv:flat"),
 }
 SWEEPS = ("batch", "side")
 DEFAULT_RANGE = {"batch": "8,16,32,64,128,256,512", "side": "28,56,112,168,224"}
@@ -101,7 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--task",
         choices=TASKS,
         default="grads",
-        help="grads: per-sample gradients; clip: DP-SGD clipped sums (default: grads)",
+        help="grads: per-sample gradients; clip: DP-SGD clipped sums; clip-layer: "
+        "per-layer clipping (a threshold per parameter) against flat (default: grads)",
     )
     what.add_argument(
         "--cases",
@@ -120,7 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the seed CNN's cases, a core set on the others). Accepted for task grads: "
         + ", ".join(ENGINES["grads"])
         + ". Accepted for task clip: "
-        + ", ".join(ENGINES["clip"]),
+        + ", ".join(ENGINES["clip"])
+        + ". Accepted for task clip-layer: "
+        + ", ".join(ENGINES["clip-layer"]),
     )
     what.add_argument(
         "--quick",
@@ -295,7 +306,7 @@ def default_engines(mode: str, task: str, case: str) -> list[str]:
         return list(SWEEP_ENGINES[task])
     if mode == "largest":
         return list(LARGEST_ENGINES[task])
-    if task == "clip" or CASES[case].model == "seed":
+    if task != "grads" or CASES[case].model == "seed":
         return list(ENGINES[task])
     return list(CORE_GRADS)
 

@@ -12,6 +12,12 @@ reduction), or, for the ``"autograd"`` floor, the summed gradient ``{name: Tenso
 floor returns the plain summed gradient. Every engine uses the same clip factor
 (:func:`memconv.clipping.clip_factors`), so that results agree to round-off (Opacus'
 own factor, ``C/(‖gₙ‖ + 1e-6)``, differs by about 1e-6 relative and costs the same).
+
+``"clip-layer"``: per-layer clipping, Σ_p Σₙ min(1, C/‖gₙ,p‖)·gₙ,p with the threshold C
+for each parameter p on its own (Opacus' ``clipping="per_layer"``,
+``DPPerLayerOptimizer``; memconv's ``groups="parameter"``); under :data:`NORMS`, the
+per-parameter norms ``[N, P]``. Its table holds flat clipping too (not compared: its
+result is another sum) and the non-private floor.
 """
 
 from __future__ import annotations
@@ -28,13 +34,13 @@ from torch import nn
 import memconv
 from memconv.clipping import clip_factors
 
-TASKS = ("grads", "clip")
+TASKS = ("grads", "clip", "clip-layer")
 #: Key of the per-sample norms in a clipping engine's result.
 NORMS = "<norms>"
 #: The reference every result is compared with, per task.
-REFERENCE = {"grads": "torch.func", "clip": "torch.func"}
+REFERENCE = {"grads": "torch.func", "clip": "torch.func", "clip-layer": "torch.func"}
 #: The floor (no per-sample work), per task.
-FLOOR = {"grads": "autograd", "clip": "non-private"}
+FLOOR = {"grads": "autograd", "clip": "non-private", "clip-layer": "non-private"}
 #: Engines that take a ``memory_budget`` from the case (or ``--budget-mib``).
 BUDGET_ENGINE = "memconv:budget"
 #: memconv's whole-call functions with default arguments.
@@ -50,13 +56,15 @@ class Engine:
 
     Attributes:
         name: the engine's label in tables and on the command line.
-        task: ``"grads"`` or ``"clip"``.
+        task: one of :data:`TASKS`.
         run: ``run(model, inputs, labels, **options) -> dict`` (options:
             ``max_norm`` for clipping engines, ``memory_budget`` for budget engines).
         summary: what it runs, in plain words (command-line help, docs).
         per_sample: False for the floors (plain autograd: summed gradient only).
         requires: importable module the engine needs (reported as skipped if absent).
         budget: True when the engine takes ``memory_budget``.
+        compared: False when its result is not the reference's computation (the
+            clipping floors; flat clipping in the per-layer table).
     """
 
     name: str
@@ -66,6 +74,7 @@ class Engine:
     per_sample: bool = True
     requires: str | None = None
     budget: bool = False
+    compared: bool = True
 
 
 def _loss():
@@ -291,6 +300,49 @@ def opacus_ghost_clip(model, x, y, max_norm, **_):
     return out
 
 
+# ---------------------------------------------------------------- per-layer clipping
+def clip_sum_per_parameter(grads: dict, max_norm: float) -> dict:
+    """Each parameter's per-sample gradients clipped to ``max_norm`` on their own and
+    summed (Opacus' ``DPPerLayerOptimizer.clip_and_accumulate``, memconv's factor)."""
+    out, norms = {}, []
+    for k, g in grads.items():
+        norm = g.flatten(1).pow(2).sum(1).sqrt()
+        c = clip_factors(norm, float(max_norm))
+        out[k] = torch.einsum("n,n...->...", c.to(g.dtype), g)
+        norms.append(norm)
+    out[NORMS] = torch.stack(norms, 1)
+    return out
+
+
+def torch_func_clip_layer(model, x, y, max_norm, **_):
+    """``vmap(grad)`` per-sample gradients, then per-parameter norms, factors, sums."""
+    return clip_sum_per_parameter(torch_func(model, x, y), max_norm)
+
+
+def opacus_per_layer_clip(model, x, y, max_norm, **_):
+    """Opacus' ``GradSampleModule`` per-sample gradients (hooks), then each parameter
+    clipped on its own and summed (what Opacus' ``clipping="per_layer"`` does)."""
+    return clip_sum_per_parameter(_opacus_grad_samples(model, x, y, False), max_norm)
+
+
+def memconv_clip_layer(**kwargs):
+    """``memconv.clip_and_accumulate(groups="parameter")``: per-layer clipping in one
+    backward pass."""
+
+    def run(model, x, y, max_norm, memory_budget=None, **_):
+        model.zero_grad(set_to_none=True)
+        norms = memconv.clip_and_accumulate(
+            model, _loss(), x, y, max_norm=max_norm, groups="parameter",
+            memory_budget=memory_budget, **kwargs,
+        )  # fmt: skip
+        out = {n: p.grad for n, p in model.named_parameters()}
+        out[NORMS] = torch.stack([norms[n] for n in out], 1)
+        model.zero_grad(set_to_none=True)
+        return out
+
+    return run
+
+
 def memconv_default_grads(model, x, y, **_):
     """``memconv.per_sample_grads`` with default arguments (the budget: the memory the
     process can use)."""
@@ -452,9 +504,28 @@ def _clip_registry() -> list[Engine]:
     ]  # fmt: skip
 
 
+def _clip_layer_registry() -> list[Engine]:
+    return [
+        Engine("non-private", "clip-layer", non_private,
+               "plain loss.backward(), no clipping (the floor)", per_sample=False,
+               compared=False),
+        Engine("torch.func", "clip-layer", torch_func_clip_layer,
+               "torch.func vmap(grad) per-sample gradients, then each parameter clipped "
+               "and summed (the reference)"),
+        Engine("opacus-per-layer", "clip-layer", opacus_per_layer_clip,
+               "Opacus GradSampleModule per-sample gradients, each parameter clipped and "
+               "summed (clipping='per_layer')", requires="opacus"),
+        Engine("memconv:per-layer", "clip-layer", memconv_clip_layer(),
+               "memconv.clip_and_accumulate(groups='parameter'): one backward pass"),
+        Engine("memconv:flat", "clip-layer", memconv_clip(),
+               "memconv.clip_and_accumulate, flat clipping (not compared)", compared=False),
+    ]  # fmt: skip
+
+
 ENGINES: dict[str, dict[str, Engine]] = {
     "grads": {e.name: e for e in _grads_registry()},
     "clip": {e.name: e for e in _clip_registry()},
+    "clip-layer": {e.name: e for e in _clip_layer_registry()},
 }
 
 

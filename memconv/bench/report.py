@@ -19,9 +19,14 @@ from .cases import CASES, LABELS, describe
 from .engines import BUDGET_ENGINE, DEFAULT_ENGINE, FLOOR, REFERENCE
 
 SECTIONS = (
-    "commands", "machine", "grads", "cost-model", "clip", "budget", "targets", "largest",
-    "sweeps",
+    "commands", "machine", "grads", "cost-model", "clip", "clip-layer", "budget", "targets",
+    "largest", "sweeps",
 )  # fmt: skip
+#: Per-layer clipping in one backward pass against the non-private step: the cases
+#: (the ViT-tiny's once :mod:`memconv.bench.cases` has it), and the largest ratios of
+#: peak memory and time.
+PER_LAYER_CASES = ("resnet18-gn", "wrn16-4-gn", "vit-tiny")
+PER_LAYER_TARGETS = (1.05, 1.15)
 #: The documented targets of the budget rows: (task, case) → (budget MiB, max peak /
 #: budget, max time / the unbudgeted call or None).
 BUDGET_TARGETS = {
@@ -379,6 +384,29 @@ def _find(records, task, case, engine, kind="row"):
     return None
 
 
+def _per_layer_targets(records: list[dict]) -> list[str]:
+    """Per-layer clipping's peak memory and time against the non-private step's."""
+    out = []
+    peak, time = PER_LAYER_TARGETS
+    for case in PER_LAYER_CASES:
+        floor = _find(records, "clip-layer", case, "non-private")
+        ours = _find(records, "clip-layer", case, "memconv:per-layer")
+        if not (floor and ours and floor.get("peak_alloc_mib") and case in CASES):
+            continue
+        a = ours["peak_alloc_mib"] / floor["peak_alloc_mib"]
+        r = ours["peak_rss_mib"] / floor["peak_rss_mib"]
+        line = (
+            f"- {LABELS[CASES[case].model]}, batch {ours['config']['batch']}, per-layer "
+            f"clipping in one pass, peak ≤ {peak:.2f} × non-private: allocator {a:.2f} × "
+            f"({_verdict(a <= peak)}), RSS {r:.2f} × ({_verdict(r <= peak)})"
+        )
+        if ours.get("time_s") and floor.get("time_s"):
+            t = ours["time_s"] / floor["time_s"]
+            line += f"; time ≤ {time:.2f} × non-private: {t:.2f} × ({_verdict(t <= time)})"
+        out.append(line)
+    return out
+
+
 def targets(records: list[dict]) -> list[str]:
     """The targets as measured ratios (each line says met or missed); targets whose
     measurements are not in ``records`` are left out."""
@@ -401,6 +429,7 @@ def targets(records: list[dict]) -> list[str]:
                 t = ours["time_s"] / floor["time_s"]
                 line += f"; time ≤ {time:.2f} × non-private: {t:.2f} × ({_verdict(t <= time)})"
             out.append(line)
+    out += _per_layer_targets(records)
     floor = _find(records, "clip", "resnet18-gn", "non-private")
     if floor and floor.get("time_s"):
         variants = [
@@ -532,7 +561,7 @@ def render(records: list[dict], page_dir: str | None = None) -> dict[str, str]:
             if t == task
         )
         or "(no measurements of this task in these files)"
-        for task in ("grads", "clip")
+        for task in ("grads", "clip", "clip-layer")
     }
     cost = [r for r in records if r.get("record") == "cost"]
     return {
@@ -541,6 +570,7 @@ def render(records: list[dict], page_dir: str | None = None) -> dict[str, str]:
         "grads": cases["grads"],
         "cost-model": format_cost_model(cost) if cost else "(no cost-model rows in these files)",
         "clip": cases["clip"],
+        "clip-layer": cases["clip-layer"],
         "budget": format_budget(records),
         "targets": "\n".join(targets(records)) or "(no target measurements in these files)",
         "largest": format_largest(records),

@@ -215,8 +215,10 @@ def measure_engines(
                     os.remove(path)
                     if name == reference_name:
                         reference_result = result
-                    if reference_result is not None and not (
-                        task == "clip" and not engines[name].per_sample
+                    if (
+                        reference_result is not None
+                        and engines[name].compared
+                        and not (task == "clip" and not engines[name].per_sample)
                     ):
                         row["deviation"] = max_rel_deviation(result, reference_result)
                     del result

@@ -56,7 +56,7 @@ def engine_options(engine, config: dict) -> dict:
         ValueError: a budget engine without ``memory_budget``.
     """
     options = {}
-    if engine.task == "clip":
+    if engine.task != "grads":
         options["max_norm"] = float(config.get("max_norm", 1.0))
     if engine.budget:
         if not config.get("memory_budget"):

@@ -1,0 +1,281 @@
+"""Groups of parameters clipped together, their thresholds, and per-layer clipping in
+one backward pass.
+
+DP-SGD clips each sample's gradient ``gₙ`` to a threshold C (Abadi et al., CCS 2016).
+Group-wise clipping splits the trainable parameters into groups ``g`` with a threshold
+``C_g`` each and adds
+
+    Σ_g Σₙ min(1, C_g/‖gₙ,g‖)·gₙ,g
+
+(McMahan et al., ICLR 2018, "per-layer clipping"; He et al., ICLR 2023, "Exploring the
+limits of differentially private deep learning with group-wise clipping"). One sample
+then moves the sum by at most ``√(Σ_g C_g²)`` in L2 (:meth:`Grouping.sensitivity`),
+the threshold the noise scales with — as Opacus' ``DPPerLayerOptimizer`` takes the L2
+norm of its per-parameter thresholds.
+
+When each group lies within one layer call, the group's clip factors are known as soon
+as that call's output gradient has arrived: :class:`OnePass` takes the call's norms
+(the rule's ghost norms where it has them) and adds the call's clipped sum at once —
+one weight VJP with the output gradient scaled by the factors — so nothing is kept for
+after the backward pass and no second pass runs.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor, nn
+
+from .norms import DEFAULT_NORM_BUDGET, sq_norms
+
+#: The named groupings ``groups=`` takes (besides a mapping).
+GROUPINGS = ("all", "layer", "parameter")
+#: The group's name with ``groups="all"``.
+ALL = "all"
+
+
+def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
+    """``min(1, max_norm / ‖gₙ‖)`` per sample (1 for a zero gradient)."""
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    return torch.where(norms > max_norm, max_norm / safe, torch.ones_like(norms))
+
+
+def check_finite(norms: Tensor, caller: str) -> None:
+    """Raise if a per-sample norm is NaN or infinite, naming the samples.
+
+    Raises:
+        RuntimeError: naming the first samples (their indices in the batch).
+    """
+    bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
+        raise RuntimeError(
+            f"{caller}: the per-sample gradient norm of sample(s) {shown} is not finite "
+            "(NaN or inf), so their clip factors are undefined; nothing was added to .grad. "
+            "Check those inputs and the loss (overflow in float16/bfloat16, log of 0)."
+        )
+
+
+def check_threshold(value, what: str) -> float:
+    """``value`` as a float if it is a positive finite number.
+
+    Raises:
+        TypeError: not a real number (a bool included).
+        ValueError: not positive and finite.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a positive finite number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """Trainable parameters split into groups, each with its clipping threshold.
+
+    Attributes:
+        kind: ``"all"``, ``"layer"``, ``"parameter"`` or ``"mapping"``.
+        of: ``{parameter name: group name}`` for every trainable parameter.
+        members: ``{group name: parameter names}``, in ``named_parameters`` order.
+        max_norm: ``{group name: threshold}`` (None for norms only).
+    """
+
+    kind: str
+    of: dict
+    members: dict
+    max_norm: dict | None = None
+
+    def sensitivity(self) -> float:
+        """``√(Σ_g C_g²)``: how far one sample moves the clipped sum, in L2."""
+        return math.sqrt(sum(c * c for c in self.max_norm.values()))
+
+    def norm(self, group: str, sq: dict, n: int) -> Tensor:
+        """The group's per-sample norms ``[n]`` from squared norms per parameter (a
+        parameter missing from ``sq`` adds nothing)."""
+        parts = [sq[name] for name in self.members[group] if name in sq]
+        return torch.stack(parts).sum(0).sqrt() if parts else torch.zeros(n)
+
+    def norms(self, sq: dict, n: int) -> dict[str, Tensor]:
+        """``{group: [n]}`` from ``{parameter name: squared norms [n]}``."""
+        return {g: self.norm(g, sq, n) for g in self.members}
+
+
+def resolve_groups(model: nn.Module, groups, max_norm=None) -> Grouping:
+    """Check ``groups=`` (and ``max_norm=``) against the model's trainable parameters.
+
+    Args:
+        model: the (unwrapped) model.
+        groups: ``"all"``, ``"layer"`` (the parameters a module owns directly, named
+            by the module; ``""`` for the model's own), ``"parameter"`` (named by the
+            parameter) or a mapping ``{parameter name: group name}`` covering every
+            trainable parameter (names as ``model.named_parameters()`` gives them).
+        max_norm: None (norms only), one threshold for every group, or a mapping
+            ``{group name: threshold}`` with exactly the groups' names.
+
+    Returns:
+        The :class:`Grouping`.
+
+    Raises:
+        TypeError: ``groups`` neither a known name nor a mapping of strings;
+            ``max_norm`` neither a number nor a mapping; a threshold not a number.
+        ValueError: an unknown grouping; a mapping naming no trainable parameter or
+            leaving one out; a threshold ≤ 0 or not finite; a group without a
+            threshold or a threshold for no group.
+    """
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if isinstance(groups, str):
+        if groups not in GROUPINGS:
+            raise ValueError(
+                f"unknown groups {groups!r}; accepted: {', '.join(GROUPINGS)} or a mapping "
+                "from parameter name to group name"
+            )
+        kind = groups
+        if groups == "all":
+            of = {n: ALL for n in names}
+        elif groups == "layer":
+            of = {n: n.rpartition(".")[0] for n in names}
+        else:
+            of = {n: n for n in names}
+    elif isinstance(groups, Mapping):
+        kind = "mapping"
+        bad = [k for k, v in groups.items() if not (isinstance(k, str) and isinstance(v, str))]
+        if bad:
+            raise TypeError(
+                f"groups must map parameter names to group names (strings), got {bad[0]!r}"
+            )
+        unknown = [k for k in groups if k not in names]
+        if unknown:
+            raise ValueError(f"groups names {unknown[0]!r}, which is no trainable parameter")
+        missing = [n for n in names if n not in groups]
+        if missing:
+            raise ValueError(
+                f"groups leaves the trainable parameter(s) {missing[:5]} out; every trainable "
+                "parameter needs a group"
+            )
+        of = {n: groups[n] for n in names}
+    else:
+        raise TypeError(
+            f"groups must be one of {', '.join(GROUPINGS)} or a mapping from parameter name "
+            f"to group name, got {type(groups).__name__}"
+        )
+    members: dict = {}
+    for n in names:
+        members.setdefault(of[n], []).append(n)
+    members = {g: tuple(v) for g, v in members.items()}
+    if kind == "all" and not members:
+        members = {ALL: ()}
+    if max_norm is None:
+        return Grouping(kind, of, members)
+    if isinstance(max_norm, Mapping):
+        thresholds = {g: check_threshold(c, f"max_norm[{g!r}]") for g, c in max_norm.items()}
+        missing = [g for g in members if g not in thresholds]
+        if missing:
+            raise ValueError(f"max_norm has no threshold for the group(s) {missing[:5]}")
+        extra = [g for g in thresholds if g not in members]
+        if extra:
+            raise ValueError(f"max_norm names {extra[0]!r}, which is no group")
+    else:
+        c = check_threshold(max_norm, "max_norm")
+        thresholds = {g: c for g in members}
+    return Grouping(kind, of, members, thresholds)
+
+
+def _small_grads(call) -> bool:
+    """Whether the call's per-sample gradients hold fewer elements than its inputs and
+    output gradient (early convolutions): then they give its norms and its clipped sum
+    (one weight VJP fewer), as book-keeping keeps them (Bu et al., ICML 2023)."""
+    named = dict(call.module.named_parameters(remove_duplicate=False))
+    grads = call.n() * sum(named[k].numel() for k in call.params)
+    return grads < sum(a.numel() for a in call.args) + call.output_elements
+
+
+def _promoted(t: Tensor) -> Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+class OnePass:
+    """Clips, during the backward pass, every layer call whose groups lie within it.
+
+    A group lies within a call when the call's route computes all the group's
+    parameters and no other call computes any of them (a shared parameter's
+    per-sample gradients must be summed over its calls first). For such a call, once
+    its output gradient has arrived: its squared norms per parameter (the rule's
+    ``sq_norms``, ghost where cheaper; its per-sample gradients where they are smaller
+    than its input and output gradient, or a generic call's), the
+    groups' clip factors, and the clipped sum — a rule's summed weight VJP with the
+    output gradient scaled by the factors (Bu et al., ICML 2023, book-keeping without
+    the keeping), or the weighted per-sample gradients — added into
+    ``total``. The other calls are left to the clipping route.
+
+    Attributes:
+        grouping: the groups and thresholds.
+        calls: the calls clipped in the pass (set by :meth:`prepare`).
+        groups: their groups.
+    """
+
+    def __init__(self, grouping: Grouping, rs, total: dict, caller: str):
+        self.grouping, self.rs, self.total, self.caller = grouping, rs, total, caller
+        self.calls: set = set()
+        self.groups: set = set()
+
+    def prepare(self, calls: list) -> None:
+        """Pick the calls whose groups all lie within them (before the pass)."""
+        of = self.grouping.of
+        owners: dict = {}
+        for call in calls:
+            for full in call.params.values():
+                owners.setdefault(of[full], set()).add(call)
+        within = set()
+        for g, owner in owners.items():
+            if len(owner) != 1:
+                continue
+            (call,) = owner
+            if not call.shared and set(self.grouping.members[g]) <= set(call.params.values()):
+                within.add(g)
+        self.calls = {
+            c for c in calls if c.params and all(of[f] in within for f in c.params.values())
+        }
+        self.groups = {of[f] for c in self.calls for f in c.params.values()}
+
+    def visit(self, call) -> dict[str, Tensor]:
+        """Clip the call: its clipped sums added into ``total``; returns its squared
+        norms ``{model name: [N]}``.
+
+        Raises:
+            RuntimeError: a group's norm is not finite (nothing added to ``.grad``).
+        """
+        if call.rule is not None and not _small_grads(call):
+            grads = None
+            sq = call.sq_norms(self.rs)
+        else:
+            budget = self.rs.budget or DEFAULT_NORM_BUDGET
+            grads = call.grad_sample(replace(self.rs, budget=budget))
+            sq = {k: _promoted(sq_norms(v)) for k, v in grads.items()}
+        full = {call.params[k]: v for k, v in sq.items()}
+        local: dict = {}
+        for k, name in call.params.items():
+            local.setdefault(self.grouping.of[name], []).append(k)
+        n = next(iter(sq.values())).shape[0] if sq else 0
+        for g, keys in local.items():
+            norm = self.grouping.norm(g, full, n).detach()
+            check_finite(norm, self.caller)
+            c = clip_factors(norm, self.grouping.max_norm[g])
+            if grads is None:
+                sums = call.summed_grad(self.rs, c)
+            else:
+                sums = {
+                    k: torch.einsum("n,n...->...", c.to(grads[k].dtype), grads[k]) for k in keys
+                }
+            for k in keys:
+                if k in sums:
+                    name = call.params[k]
+                    value = sums[k]
+                    self.total[name] = (
+                        value if name not in self.total else self.total[name].add_(value)
+                    )
+        return full
