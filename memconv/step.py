@@ -116,16 +116,20 @@ class PrivateStep:
             strategy=self.strategy, memory_budget=self.memory_budget,
         )  # fmt: skip
 
-    def per_sample_norms(self, inputs: Tensor, targets: Tensor, *, per_parameter: bool = False):
+    def per_sample_norms(
+        self, inputs: Tensor, targets: Tensor, *, per_parameter: bool = False, groups="all"
+    ):
         """:func:`memconv.per_sample_norms` of the step's model and loss.
 
         Args:
             inputs: ``[N, ...]``.
             targets: ``[N, ...]``.
             per_parameter: return ``{name: [N]}`` instead of the total norms.
+            groups: as :func:`memconv.per_sample_norms` (``"all"``, ``"layer"``,
+                ``"parameter"`` or ``{parameter name: group}``).
 
         Returns:
-            ``[N]`` norms, or ``{name: [N]}``.
+            ``[N]`` norms, or ``{name: [N]}``, or ``{group: [N]}``.
 
         Raises:
             As :func:`memconv.per_sample_norms`.
@@ -133,20 +137,23 @@ class PrivateStep:
         return norms_with(
             self._prepared, self.model, self.loss_fn, inputs, targets, strategy=self.strategy,
             memory_budget=self.memory_budget, per_parameter=per_parameter,
-            norm_route=self.norm_route,
+            norm_route=self.norm_route, groups=groups,
         )  # fmt: skip
 
-    def clip_and_accumulate(self, inputs: Tensor, targets: Tensor, *, max_norm: float) -> Tensor:
+    def clip_and_accumulate(
+        self, inputs: Tensor, targets: Tensor, *, max_norm: float | dict, groups="all"
+    ):
         """:func:`memconv.clip_and_accumulate` of the step's model and loss: adds the
         clipped sum to every trainable parameter's ``.grad``.
 
         Args:
             inputs: ``[N, ...]``.
             targets: ``[N, ...]``.
-            max_norm: the clipping threshold C (positive, finite).
+            max_norm: the clipping threshold C (positive, finite), or ``{group: C_g}``.
+            groups: as :func:`memconv.clip_and_accumulate`.
 
         Returns:
-            The per-sample norms ``[N]`` before clipping.
+            The per-sample norms ``[N]`` before clipping, or ``{group: [N]}``.
 
         Raises:
             As :func:`memconv.clip_and_accumulate`.
@@ -155,5 +162,5 @@ class PrivateStep:
         return clip_with(
             self._prepared, self.model, self.loss_fn, inputs, targets, max_norm=max_norm,
             strategy=self.strategy, memory_budget=self.memory_budget,
-            norm_route=self.norm_route, clip_route=self.clip_route,
+            norm_route=self.norm_route, clip_route=self.clip_route, groups=groups,
         )  # fmt: skip
