@@ -17,6 +17,7 @@ from torch import nn
 import memconv
 from memconv import clipping
 from memconv.groups import resolve_groups
+from memconv.prepared import Prepared
 
 TOL = 1e-10
 
@@ -292,7 +293,7 @@ def test_bad_groups_leave_grad_unchanged(kwargs, exc, match, monkeypatch):
     def no_work(*args, **kwargs):
         raise AssertionError("work began")
 
-    monkeypatch.setattr(clipping, "_plan", no_work)
+    monkeypatch.setattr(Prepared, "call_plan", no_work)
     with pytest.raises(exc, match=match):
         memconv.clip_and_accumulate(model, loss_fn, x, y, **kwargs)
     assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())
@@ -309,7 +310,7 @@ def test_bad_groups_leave_grad_unchanged(kwargs, exc, match, monkeypatch):
 )
 def test_bad_groups_for_norms(groups, exc, match, monkeypatch):
     model, x, y, loss_fn = rule_model()
-    monkeypatch.setattr(clipping, "_plan", lambda *a, **k: pytest.fail("work began"))
+    monkeypatch.setattr(Prepared, "call_plan", lambda *a, **k: pytest.fail("work began"))
     with pytest.raises(exc, match=match):
         memconv.per_sample_norms(model, loss_fn, x, y, groups=groups)
 
