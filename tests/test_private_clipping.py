@@ -235,6 +235,26 @@ def test_per_layer_accounting_is_opacus_own():
     assert engine_a.accountant.history == engine_b.accountant.history == [(1.1, 0.25, 2)]
 
 
+def test_make_private_with_epsilon_takes_per_layer_thresholds():
+    model = resnet().double()
+    thresholds = per_layer_thresholds(model)
+    common = dict(data_loader=DataLoader(TensorDataset(*data()), batch_size=4),
+                  target_epsilon=3.0, target_delta=1e-5, epochs=2, max_grad_norm=thresholds,
+                  clipping="per_layer")  # fmt: skip
+    _, opt, _ = mo.make_private_with_epsilon(
+        PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        **common,
+    )  # fmt: skip
+    plain = small().double()
+    plain_thresholds = thresholds[: len(list(plain.parameters()))]
+    _, popt, _ = PrivacyEngine().make_private_with_epsilon(
+        module=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
+        **{**common, "max_grad_norm": plain_thresholds},
+    )  # fmt: skip
+    assert opt.noise_multiplier == popt.noise_multiplier > 0
+    assert opt.max_grad_norms == thresholds
+
+
 BAD = [
     (dict(clipping="per_layer", max_grad_norm=1.0), TypeError, "list of thresholds"),
     (dict(clipping="per_layer", max_grad_norm=[1.0] * 3), ValueError, "3 thresholds"),

@@ -3,7 +3,8 @@ per-sample samplers in Opacus' registries.
 
 Two paths. :func:`make_private` (and :func:`make_private_with_epsilon`) returns what
 Opacus' ``PrivacyEngine.make_private`` returns, keeping Opacus' accountant, noise,
-Poisson sampling, DP optimizer and ``DPDDP``, with the clipped sum computed by
+Poisson sampling, DP optimizer and ``DPDDP``, with the clipped sum (flat, per-layer or
+adaptive clipping) computed by
 :func:`memconv.clip_and_accumulate` rather than by module hooks: any model memconv's
 functions handle trains (in-place activations and adds, norm + activation layers,
 subclasses with their own forward, attention); :func:`fix` turns BatchNorm layers,
@@ -462,9 +463,9 @@ def _check_private_args(privacy_engine, module, optimizer, max_grad_norm, clippi
     import math
     import numbers
 
-    from ..groups import check_threshold
-
     from opacus import PrivacyEngine
+
+    from ..groups import check_threshold
 
     if not isinstance(privacy_engine, PrivacyEngine):
         raise TypeError(
@@ -493,9 +494,7 @@ def _check_private_args(privacy_engine, module, optimizer, max_grad_norm, clippi
         if missing:
             raise ValueError(f"clipping='adaptive' needs {', '.join(missing)}")
     if clipping == "per_layer":
-        if isinstance(max_grad_norm, (str, bytes)) or not isinstance(
-            max_grad_norm, (list, tuple)
-        ):
+        if isinstance(max_grad_norm, (str, bytes)) or not isinstance(max_grad_norm, (list, tuple)):
             raise TypeError(
                 "max_grad_norm must be a list of thresholds, one per trainable parameter of "
                 f"optimizer in its order, with clipping='per_layer'; got {max_grad_norm!r}"
@@ -690,42 +689,72 @@ def make_private(
     ``MSELoss``, ...). Cost: one forward pass without graph (the user's), then
     memconv's forward and backward pass.
 
+    ``clipping`` takes Opacus' modes with its argument names. ``"per_layer"``: a
+    threshold per trainable parameter of the optimizer, in its order (as Opacus'
+    ``DPPerLayerOptimizer`` pairs them), each parameter's per-sample gradient clipped
+    to its own (``groups="parameter"``, during the one backward pass); the noise is σ
+    times the thresholds' L2 norm as Opacus computes it (float32). ``"adaptive"``
+    (Andrew et al., NeurIPS 2021): the threshold follows the target quantile of the
+    norms from a noisy count of unclipped samples, in a
+    :class:`memconv.AdaptiveClipping` state shared by the model (which clips with it
+    and counts) and the optimizer (which draws each parameter's noise, then the
+    count's, as ``AdaClipDPOptimizer`` does, and updates it after the step); the
+    accountant uses ``noise_multiplier``. Both equal Opacus' own optimizers step for
+    step with the same generator, up to Opacus' clip factor C/(‖g‖ + 10⁻⁶) against
+    memconv's C/‖g‖ (about 10⁻⁶/‖g‖ relative on a clipped sample's contribution).
+
     Args:
         privacy_engine: an ``opacus.PrivacyEngine`` (its accountant is used).
         module: the model; or a ``DPDDP`` / ``DistributedDataParallel`` wrapping it.
             It takes one tensor ``[N, ...]`` and returns one tensor ``[N, ...]``.
         optimizer: an optimizer over ``module``'s parameters.
         data_loader: the training ``DataLoader``.
-        noise_multiplier: the noise's standard deviation over ``max_grad_norm``.
-        max_grad_norm: the clipping threshold C (positive, finite).
+        noise_multiplier: the noise's standard deviation over ``max_grad_norm`` (over
+            the thresholds' L2 norm with ``"per_layer"``).
+        max_grad_norm: the clipping threshold C (positive, finite); the first one with
+            ``"adaptive"``; with ``"per_layer"`` a list of thresholds, one per trainable
+            parameter of ``optimizer`` in its order.
         batch_first: must be True.
         loss_reduction: ``"mean"`` or ``"sum"``, the criterion's reduction.
         poisson_sampling: as Opacus' (True: ``DPDataLoader``).
-        clipping: ``"flat"`` (all parameters' norm). Other modes raise for now; the
-            argument is where per-group clipping will be passed through.
+        clipping: ``"flat"`` (all parameters' norm), ``"per_layer"`` (each
+            parameter's norm) or ``"adaptive"`` (all parameters' norm, an adaptive
+            threshold).
         noise_generator: ``torch.Generator`` of the noise (not in secure mode).
         rand_on_empty: as Opacus'.
         strategy, memory_budget, norm_route, clip_route: passed to
             :func:`memconv.clip_and_accumulate`.
         criterion: accepted for Opacus' signature and not used (the returned model
             works with the criterion of the loop).
+        target_unclipped_quantile, clipbound_learning_rate, max_clipbound,
+            min_clipbound, unclipped_num_std: adaptive clipping's arguments, as Opacus'
+            ``AdaClipDPOptimizer`` takes them; required with ``"adaptive"``, refused
+            otherwise.
         **kwargs: passed to Opacus' optimizer.
 
     Returns:
         ``(model, optimizer, data_loader)`` as ``make_private`` with
         ``grad_sample_mode="hooks"`` returns them: the model is a
         :class:`PrivateModule`, the optimizer Opacus'
-        ``DPOptimizerFastGradientClipping`` (or its distributed version).
+        ``DPOptimizerFastGradientClipping`` (or its distributed version; with
+        ``"per_layer"`` its ``max_grad_norms`` holds the thresholds), or with
+        ``"adaptive"`` ``AdaClipDPOptimizerFastGradientClipping``, its subclass.
 
     Raises:
         ImportError: if Opacus is missing (naming the extra).
-        TypeError: ``privacy_engine``, ``module`` or ``optimizer`` of the wrong type.
-        ValueError: an unsupported ``clipping``; ``grad_sample_mode`` or
-            ``wrap_model`` given; a non-positive ``max_grad_norm``; a
-            ``loss_reduction`` other than mean/sum; optimizer parameters not the
-            module's; a layer memconv cannot treat per sample (named, e.g. BatchNorm
-            in training mode: convert with :func:`fix`); a dropout layer with p > 0.
-            All before any work.
+        TypeError: ``privacy_engine``, ``module`` or ``optimizer`` of the wrong type;
+            with ``"per_layer"``, ``max_grad_norm`` not a list or a threshold not a
+            number; an adaptive argument not a number.
+        ValueError: an unknown ``clipping``; ``grad_sample_mode`` or ``wrap_model``
+            given; a ``max_grad_norm`` (or, with ``"per_layer"``, a threshold) not
+            positive and finite; not as many thresholds as trainable optimizer
+            parameters, or a trainable parameter of the model missing from the
+            optimizer, with ``"per_layer"``; an adaptive argument missing, given
+            without ``"adaptive"`` or out of range (Opacus' checks), or ``"adaptive"``
+            with ``DPDDP``; a ``loss_reduction`` other than mean/sum; optimizer
+            parameters not the module's; a layer memconv cannot treat per sample
+            (named, e.g. BatchNorm in training mode: convert with :func:`fix`); a
+            dropout layer with p > 0. All before any work.
     """
     _require()
     if "grad_sample_mode" in kwargs or "wrap_model" in kwargs:
