@@ -53,18 +53,23 @@ def loader():
     return DataLoader(TensorDataset(*data()), batch_size=N)
 
 
-def ours(model, clipping, max_grad_norm, **kwargs):
+def sgd(model, reverse=False):
+    params = list(model.parameters())
+    return torch.optim.SGD(params[::-1] if reverse else params, lr=LR)
+
+
+def ours(model, clipping, max_grad_norm, reverse=False, **kwargs):
     return mo.make_private(
-        PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        PrivacyEngine(), module=model, optimizer=sgd(model, reverse),
         data_loader=loader(), noise_multiplier=SIGMA, max_grad_norm=max_grad_norm,
         poisson_sampling=False, clipping=clipping,
         noise_generator=torch.Generator().manual_seed(SEED), **kwargs,
     )  # fmt: skip
 
 
-def theirs(model, clipping, max_grad_norm, **kwargs):
+def theirs(model, clipping, max_grad_norm, reverse=False, **kwargs):
     return PrivacyEngine().make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        module=model, optimizer=sgd(model, reverse),
         data_loader=loader(), noise_multiplier=SIGMA, max_grad_norm=max_grad_norm,
         poisson_sampling=False, clipping=clipping, grad_sample_mode="hooks",
         noise_generator=torch.Generator().manual_seed(SEED), **kwargs,
@@ -87,13 +92,14 @@ def per_layer_thresholds(model, scale=0.3):
     return [scale * (1 + i % 3) / 3 for i, _ in enumerate(model.parameters())]
 
 
-def test_per_layer_equals_opacus_per_layer_optimizer():
+@pytest.mark.parametrize("reverse", [False, True], ids=["model-order", "reversed-optimizer"])
+def test_per_layer_equals_opacus_per_layer_optimizer(reverse):
     torch.manual_seed(0)
     a = small().double()
     b = copy.deepcopy(a)
-    thresholds = per_layer_thresholds(a)
-    ma, oa, _ = ours(a, "per_layer", thresholds)
-    mb, ob, _ = theirs(b, "per_layer", thresholds)
+    thresholds = per_layer_thresholds(a)  # paired with the optimizer's order, as Opacus
+    ma, oa, _ = ours(a, "per_layer", thresholds, reverse=reverse)
+    mb, ob, _ = theirs(b, "per_layer", thresholds, reverse=reverse)
     assert type(ob).__name__ == "DPPerLayerOptimizer"
     assert oa.max_grad_norm == ob.max_grad_norm  # ‖thresholds‖₂ as Opacus computes it
     assert oa.max_grad_norms == ob.max_grad_norms == thresholds
@@ -103,7 +109,9 @@ def test_per_layer_equals_opacus_per_layer_optimizer():
         train_step(ma, oa, x, y)
         train_step(mb, ob, x, y)
         assert list(ma.last_norms) == [n for n, _ in a.named_parameters()]
-        for c, v in zip(thresholds, ma.last_norms.values()):
+        names = [n for n, _ in a.named_parameters()]
+        for c, name in zip(thresholds, names[::-1] if reverse else names):
+            v = ma.last_norms[name]
             clipped |= bool((v > c).any())
             unclipped |= bool((v < c).any())
         for (k, p), q in zip(a.named_parameters(), b.parameters()):
