@@ -272,8 +272,9 @@ def test_accumulating_two_batches_raises():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(clipping="per_layer"), ValueError, "clipping='per_layer'"),
-        (dict(clipping="adaptive"), ValueError, "clipping='adaptive'"),
+        (dict(clipping="group"), ValueError, "clipping='group'"),
+        (dict(clipping="per_layer"), TypeError, "list of thresholds"),
+        (dict(clipping="adaptive"), ValueError, "clipping='adaptive' needs"),
         (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"),
         (dict(loss_reduction="none"), ValueError, "loss_reduction"),
         (dict(clip_route="three-pass"), ValueError, "clip_route"),

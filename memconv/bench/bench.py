@@ -60,8 +60,7 @@ DESCRIPTION = (
 DEFAULT_CASES = {
     "grads": ("seed-112", "seed-28", "resnet18-gn", "conv1d", "conv3d"),
     "clip": ("resnet18-gn", "wrn16-4-gn", "seed-112", "conv1d", "conv3d"),
-    # the ViT-tiny (image 32, patch 4) joins these once memconv.bench.cases has it
-    "clip-layer": ("resnet18-gn", "wrn16-4-gn"),
+    "clip-layer": ("resnet18-gn", "wrn16-4-gn", "vit-tiny"),
 }
 #: Engines the matrix runs on cases other than the seed CNN's (task grads).
 CORE_GRADS = (

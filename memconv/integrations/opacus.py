@@ -3,7 +3,8 @@ per-sample samplers in Opacus' registries.
 
 Two paths. :func:`make_private` (and :func:`make_private_with_epsilon`) returns what
 Opacus' ``PrivacyEngine.make_private`` returns, keeping Opacus' accountant, noise,
-Poisson sampling, DP optimizer and ``DPDDP``, with the clipped sum computed by
+Poisson sampling, DP optimizer and ``DPDDP``, with the clipped sum (flat, per-layer or
+adaptive clipping) computed by
 :func:`memconv.clip_and_accumulate` rather than by module hooks: any model memconv's
 functions handle trains (in-place activations and adds, norm + activation layers,
 subclasses with their own forward, attention); :func:`fix` turns BatchNorm layers,
@@ -291,9 +292,14 @@ def installed():
 # The private-training path: Opacus' engine, memconv's clipped sum
 # ---------------------------------------------------------------------------------
 
-#: Clipping modes :func:`make_private` accepts.
-CLIPPINGS = ("flat",)
+#: Clipping modes :func:`make_private` accepts (Opacus' names).
+CLIPPINGS = ("flat", "per_layer", "adaptive")
 _REDUCTIONS = ("mean", "sum")
+#: The arguments of ``clipping="adaptive"`` (Opacus' ``AdaClipDPOptimizer``'s names).
+ADAPTIVE_ARGS = (
+    "target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound", "min_clipbound",
+    "unclipped_num_std",
+)  # fmt: skip
 
 
 def _inner(module: nn.Module) -> nn.Module:
@@ -347,17 +353,23 @@ class PrivateModule(nn.Module):
     Opacus' ``GradSampleModule``); ``_module`` is the wrapped model.
     """
 
-    def __init__(self, module: nn.Module, *, max_grad_norm: float, loss_reduction: str,
-                 clip_options: dict):  # fmt: skip
+    def __init__(self, module: nn.Module, *, max_grad_norm, loss_reduction: str,
+                 clip_options: dict, groups="all", adaptive=None):  # fmt: skip
         super().__init__()
         self._module = module
-        self.max_grad_norm = float(max_grad_norm)
+        self.max_grad_norm = (
+            dict(max_grad_norm) if isinstance(max_grad_norm, dict) else float(max_grad_norm)
+        )
         self.loss_reduction = loss_reduction
         self.batch_first = True
         self.clip_options = dict(clip_options)
+        self.groups = groups
+        #: the :class:`memconv.AdaptiveClipping` state shared with the optimizer, or None
+        self.adaptive = adaptive
         self._anchor = torch.empty(0, requires_grad=True)
-        #: per-sample norms before clipping of the last backward pass ``[N]``
-        self.last_norms: Tensor | None = None
+        #: per-sample norms before clipping of the last backward pass: ``[N]``, or
+        #: ``{parameter name: [N]}`` with per-layer clipping
+        self.last_norms: Tensor | dict | None = None
 
     def __getattr__(self, name):
         try:
@@ -411,15 +423,23 @@ class PrivateModule(nn.Module):
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            self.last_norms = inputs.new_zeros(0)
+            empty = inputs.new_zeros(0)
+            self.last_norms = (
+                {k: empty for k in self.max_grad_norm}
+                if isinstance(self.max_grad_norm, dict)
+                else empty
+            )
             return
         scale = n if self.loss_reduction == "mean" else 1
         targets = grad_output.detach() * scale
+        max_norm = self.adaptive.max_norm if self.adaptive is not None else self.max_grad_norm
         with torch.enable_grad():
             self.last_norms = clip_and_accumulate(
-                model, _linear_loss, inputs, targets, max_norm=self.max_grad_norm,
+                model, _linear_loss, inputs, targets, max_norm=max_norm, groups=self.groups,
                 **self.clip_options,
             )  # fmt: skip
+        if self.adaptive is not None:
+            self.adaptive.count(self.last_norms)
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -433,11 +453,19 @@ class PrivateModule(nn.Module):
 
 
 def _check_private_args(privacy_engine, module, optimizer, max_grad_norm, clipping,
-                        loss_reduction, batch_first):  # fmt: skip
+                        loss_reduction, batch_first, adaptive_args=None):  # fmt: skip
+    """Check :func:`make_private`'s arguments before any work.
+
+    Returns:
+        ``(inner, thresholds)``: the model a ``DPDDP`` wraps (or ``module``) and, with
+        ``clipping="per_layer"``, ``{parameter name: threshold}`` (else None).
+    """
     import math
     import numbers
 
     from opacus import PrivacyEngine
+
+    from ..groups import check_threshold
 
     if not isinstance(privacy_engine, PrivacyEngine):
         raise TypeError(
@@ -451,13 +479,28 @@ def _check_private_args(privacy_engine, module, optimizer, max_grad_norm, clippi
         )
     if isinstance(module, PrivateModule):
         raise ValueError("module is already a memconv PrivateModule; pass the plain model")
-    if clipping not in CLIPPINGS:
+    if not isinstance(clipping, str) or clipping not in CLIPPINGS:
         raise ValueError(
-            f"clipping={clipping!r} is not supported by memconv's private path yet; accepted: "
-            f"{', '.join(map(repr, CLIPPINGS))}. For Opacus' per-layer or adaptive clipping use "
-            "mo.install() and PrivacyEngine.make_private (grad_sample_mode='hooks')"
+            f"unknown clipping={clipping!r}; accepted: {', '.join(map(repr, CLIPPINGS))}"
         )
-    if (
+    adaptive_args = adaptive_args or {}
+    given = [k for k, v in adaptive_args.items() if v is not None]
+    if clipping != "adaptive" and given:
+        raise ValueError(
+            f"{given[0]} is an argument of clipping='adaptive', not of clipping={clipping!r}"
+        )
+    if clipping == "adaptive":
+        missing = [k for k in ADAPTIVE_ARGS if adaptive_args.get(k) is None]
+        if missing:
+            raise ValueError(f"clipping='adaptive' needs {', '.join(missing)}")
+    if clipping == "per_layer":
+        if isinstance(max_grad_norm, (str, bytes)) or not isinstance(max_grad_norm, (list, tuple)):
+            raise TypeError(
+                "max_grad_norm must be a list of thresholds, one per trainable parameter of "
+                f"optimizer in its order, with clipping='per_layer'; got {max_grad_norm!r}"
+            )
+        norms = [check_threshold(c, f"max_grad_norm[{i}]") for i, c in enumerate(max_grad_norm)]
+    elif (
         isinstance(max_grad_norm, bool)
         or not isinstance(max_grad_norm, numbers.Real)
         or not (math.isfinite(max_grad_norm) and max_grad_norm > 0)
@@ -484,7 +527,113 @@ def _check_private_args(privacy_engine, module, optimizer, max_grad_norm, clippi
                 "clipped sum, so the two draws would differ: set p=0, or use mo.install() "
                 "with PrivacyEngine.make_private (Opacus' hooks)"
             )
-    return inner
+    if clipping != "per_layer":
+        return inner, None
+    # Opacus' DPPerLayerOptimizer pairs the thresholds with its trainable parameters
+    ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if len(norms) != len(ordered):
+        raise ValueError(
+            f"max_grad_norm has {len(norms)} thresholds and optimizer {len(ordered)} trainable "
+            "parameters; clipping='per_layer' needs one threshold per parameter, in order"
+        )
+    names = {p: name for name, p in inner.named_parameters() if p.requires_grad}
+    thresholds = {names[p]: c for p, c in zip(ordered, norms)}
+    left = [name for name in names.values() if name not in thresholds]
+    if left:
+        raise ValueError(
+            f"module's trainable parameter(s) {left[:5]} are not in optimizer, so "
+            "clipping='per_layer' has no threshold for them: add them to the optimizer or "
+            "freeze them (requires_grad=False)"
+        )
+    return inner, thresholds
+
+
+_ADACLIP: type | None = None
+
+
+def _adaclip_class() -> type:
+    """:class:`AdaClipDPOptimizerFastGradientClipping`, built on first use (Opacus is
+    imported only then)."""
+    global _ADACLIP
+    if _ADACLIP is not None:
+        return _ADACLIP
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.optimizers.optimizer import (
+        _check_processed_flag,
+        _generate_noise,
+        _mark_as_processed,
+    )
+
+    class AdaClipDPOptimizerFastGradientClipping(DPOptimizerFastGradientClipping):
+        """Opacus' ``AdaClipDPOptimizer`` on a clipped sum computed elsewhere: Opacus'
+        fast-gradient-clipping optimizer (its accumulation, step skipping, scaling and
+        accountant hook) with the adaptive threshold of a shared
+        :class:`memconv.AdaptiveClipping` state, which :class:`PrivateModule` clips
+        with and counts into.
+
+        The step draws as ``AdaClipDPOptimizer`` does: each parameter's noise of
+        standard deviation σ_eff·C (σ_eff = (σ⁻² − (2σ_b)⁻²)^(−1/2)) in the optimizer's
+        parameter order, then the count's N(0, σ_b²), from the optimizer's generator;
+        scales, calls the step hook (the accountant, with σ), updates C and steps. A
+        step whose batches held no sample keeps C. Opacus' attribute names
+        (``max_grad_norm``, ``target_unclipped_quantile``, ``clipbound_learning_rate``,
+        ``max_clipbound``, ``min_clipbound``, ``unclipped_num_std``, ``sample_size``,
+        ``unclipped_num``) read and write the state.
+
+        Attributes:
+            clipping: the :class:`memconv.AdaptiveClipping` state.
+        """
+
+        def __init__(self, optimizer, *, clipping, expected_batch_size, loss_reduction="mean",
+                     generator=None, secure_mode=False, **kwargs):  # fmt: skip
+            self.clipping = clipping
+            super().__init__(
+                optimizer, noise_multiplier=clipping.noise_multiplier,
+                max_grad_norm=clipping.max_norm, expected_batch_size=expected_batch_size,
+                loss_reduction=loss_reduction, generator=generator, secure_mode=secure_mode,
+                **kwargs,
+            )  # fmt: skip
+
+        def add_noise(self):
+            std = self.clipping.gradient_noise_std()
+            for p in self.params:
+                _check_processed_flag(p.summed_grad)
+                noise = _generate_noise(
+                    std=std, reference=p.summed_grad, generator=self.generator,
+                    secure_mode=self.secure_mode,
+                )  # fmt: skip
+                p.grad = (p.summed_grad + noise).view_as(p)
+                _mark_as_processed(p.summed_grad)
+            device = self.params[0].device if self.params else None
+            self.clipping.add_count_noise(generator=self.generator, device=device)
+
+        def pre_step(self, closure=None):
+            full = super().pre_step(closure)
+            if full and self.clipping.sample_size > 0:
+                self.clipping.update()
+            return full
+
+        def zero_grad(self, set_to_none: bool = False):
+            skipped = self._is_last_step_skipped  # the counts stay with the summed grads
+            super().zero_grad(set_to_none)
+            if not skipped:
+                self.clipping.reset()
+
+    def delegate(attribute, field):
+        def get(self):
+            return getattr(self.clipping, field)
+
+        def put(self, value):
+            setattr(self.clipping, field, value)
+
+        setattr(AdaClipDPOptimizerFastGradientClipping, attribute, property(get, put))
+
+    delegate("max_grad_norm", "max_norm")
+    for field in (*ADAPTIVE_ARGS, "sample_size", "unclipped_num"):
+        delegate(field, field)
+    AdaClipDPOptimizerFastGradientClipping.__module__ = __name__
+    _ADACLIP = AdaClipDPOptimizerFastGradientClipping
+    return _ADACLIP
 
 
 def make_private(
@@ -494,7 +643,7 @@ def make_private(
     optimizer: torch.optim.Optimizer,
     data_loader,
     noise_multiplier: float,
-    max_grad_norm: float,
+    max_grad_norm: float | list[float],
     batch_first: bool = True,
     loss_reduction: str = "mean",
     poisson_sampling: bool = True,
@@ -506,6 +655,11 @@ def make_private(
     norm_route: str | None = None,
     clip_route: str | None = None,
     criterion=None,
+    target_unclipped_quantile: float | None = None,
+    clipbound_learning_rate: float | None = None,
+    max_clipbound: float | None = None,
+    min_clipbound: float | None = None,
+    unclipped_num_std: float | None = None,
     **kwargs,
 ):
     """Opacus' ``PrivacyEngine.make_private`` with memconv's clipped sum in place of
@@ -535,42 +689,72 @@ def make_private(
     ``MSELoss``, ...). Cost: one forward pass without graph (the user's), then
     memconv's forward and backward pass.
 
+    ``clipping`` takes Opacus' modes with its argument names. ``"per_layer"``: a
+    threshold per trainable parameter of the optimizer, in its order (as Opacus'
+    ``DPPerLayerOptimizer`` pairs them), each parameter's per-sample gradient clipped
+    to its own (``groups="parameter"``, during the one backward pass); the noise is σ
+    times the thresholds' L2 norm as Opacus computes it (float32). ``"adaptive"``
+    (Andrew et al., NeurIPS 2021): the threshold follows the target quantile of the
+    norms from a noisy count of unclipped samples, in a
+    :class:`memconv.AdaptiveClipping` state shared by the model (which clips with it
+    and counts) and the optimizer (which draws each parameter's noise, then the
+    count's, as ``AdaClipDPOptimizer`` does, and updates it after the step); the
+    accountant uses ``noise_multiplier``. Both equal Opacus' own optimizers step for
+    step with the same generator, up to Opacus' clip factor C/(‖g‖ + 10⁻⁶) against
+    memconv's C/‖g‖ (about 10⁻⁶/‖g‖ relative on a clipped sample's contribution).
+
     Args:
         privacy_engine: an ``opacus.PrivacyEngine`` (its accountant is used).
         module: the model; or a ``DPDDP`` / ``DistributedDataParallel`` wrapping it.
             It takes one tensor ``[N, ...]`` and returns one tensor ``[N, ...]``.
         optimizer: an optimizer over ``module``'s parameters.
         data_loader: the training ``DataLoader``.
-        noise_multiplier: the noise's standard deviation over ``max_grad_norm``.
-        max_grad_norm: the clipping threshold C (positive, finite).
+        noise_multiplier: the noise's standard deviation over ``max_grad_norm`` (over
+            the thresholds' L2 norm with ``"per_layer"``).
+        max_grad_norm: the clipping threshold C (positive, finite); the first one with
+            ``"adaptive"``; with ``"per_layer"`` a list of thresholds, one per trainable
+            parameter of ``optimizer`` in its order.
         batch_first: must be True.
         loss_reduction: ``"mean"`` or ``"sum"``, the criterion's reduction.
         poisson_sampling: as Opacus' (True: ``DPDataLoader``).
-        clipping: ``"flat"`` (all parameters' norm). Other modes raise for now; the
-            argument is where per-group clipping will be passed through.
+        clipping: ``"flat"`` (all parameters' norm), ``"per_layer"`` (each
+            parameter's norm) or ``"adaptive"`` (all parameters' norm, an adaptive
+            threshold).
         noise_generator: ``torch.Generator`` of the noise (not in secure mode).
         rand_on_empty: as Opacus'.
         strategy, memory_budget, norm_route, clip_route: passed to
             :func:`memconv.clip_and_accumulate`.
         criterion: accepted for Opacus' signature and not used (the returned model
             works with the criterion of the loop).
+        target_unclipped_quantile, clipbound_learning_rate, max_clipbound,
+            min_clipbound, unclipped_num_std: adaptive clipping's arguments, as Opacus'
+            ``AdaClipDPOptimizer`` takes them; required with ``"adaptive"``, refused
+            otherwise.
         **kwargs: passed to Opacus' optimizer.
 
     Returns:
         ``(model, optimizer, data_loader)`` as ``make_private`` with
         ``grad_sample_mode="hooks"`` returns them: the model is a
         :class:`PrivateModule`, the optimizer Opacus'
-        ``DPOptimizerFastGradientClipping`` (or its distributed version).
+        ``DPOptimizerFastGradientClipping`` (or its distributed version; with
+        ``"per_layer"`` its ``max_grad_norms`` holds the thresholds), or with
+        ``"adaptive"`` ``AdaClipDPOptimizerFastGradientClipping``, its subclass.
 
     Raises:
         ImportError: if Opacus is missing (naming the extra).
-        TypeError: ``privacy_engine``, ``module`` or ``optimizer`` of the wrong type.
-        ValueError: an unsupported ``clipping``; ``grad_sample_mode`` or
-            ``wrap_model`` given; a non-positive ``max_grad_norm``; a
-            ``loss_reduction`` other than mean/sum; optimizer parameters not the
-            module's; a layer memconv cannot treat per sample (named, e.g. BatchNorm
-            in training mode: convert with :func:`fix`); a dropout layer with p > 0.
-            All before any work.
+        TypeError: ``privacy_engine``, ``module`` or ``optimizer`` of the wrong type;
+            with ``"per_layer"``, ``max_grad_norm`` not a list or a threshold not a
+            number; an adaptive argument not a number.
+        ValueError: an unknown ``clipping``; ``grad_sample_mode`` or ``wrap_model``
+            given; a ``max_grad_norm`` (or, with ``"per_layer"``, a threshold) not
+            positive and finite; not as many thresholds as trainable optimizer
+            parameters, or a trainable parameter of the model missing from the
+            optimizer, with ``"per_layer"``; an adaptive argument missing, given
+            without ``"adaptive"`` or out of range (Opacus' checks), or ``"adaptive"``
+            with ``DPDDP``; a ``loss_reduction`` other than mean/sum; optimizer
+            parameters not the module's; a layer memconv cannot treat per sample
+            (named, e.g. BatchNorm in training mode: convert with :func:`fix`); a
+            dropout layer with p > 0. All before any work.
     """
     _require()
     if "grad_sample_mode" in kwargs or "wrap_model" in kwargs:
@@ -581,12 +765,19 @@ def make_private(
         )
     if noise_generator is not None and getattr(privacy_engine, "secure_mode", False):
         raise ValueError("noise_generator cannot be passed in secure mode")
-    _check_private_args(
-        privacy_engine, module, optimizer, max_grad_norm, clipping, loss_reduction, batch_first
-    )
+    adaptive_args = dict(
+        target_unclipped_quantile=target_unclipped_quantile,
+        clipbound_learning_rate=clipbound_learning_rate, max_clipbound=max_clipbound,
+        min_clipbound=min_clipbound, unclipped_num_std=unclipped_num_std,
+    )  # fmt: skip
+    _, thresholds = _check_private_args(
+        privacy_engine, module, optimizer, max_grad_norm, clipping, loss_reduction, batch_first,
+        adaptive_args,
+    )  # fmt: skip
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
     from torch.nn.parallel import DistributedDataParallel
 
+    from ..adaptive import AdaptiveClipping
     from ..clipping import CLIP_ROUTES
     from ..norms import check_route
     from ..planning import check_budget
@@ -596,13 +787,24 @@ def make_private(
     if clip_route is not None and clip_route not in CLIP_ROUTES:
         raise ValueError(f"unknown clip_route {clip_route!r}; accepted: {', '.join(CLIP_ROUTES)}")
     distributed = isinstance(module, (DPDDP, DistributedDataParallel))
+    state = None
+    if clipping == "adaptive":
+        if distributed:
+            raise ValueError(
+                "clipping='adaptive' is not supported with DPDDP or DistributedDataParallel "
+                "(as in Opacus): the count of unclipped samples is per process"
+            )
+        state = AdaptiveClipping(max_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+                                 **adaptive_args)  # fmt: skip
     options = dict(
         strategy=strategy, memory_budget=memory_budget, norm_route=norm_route,
         clip_route=clip_route,
     )  # fmt: skip
     wrapped = PrivateModule(
-        module, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction, clip_options=options
-    )
+        module, max_grad_norm=thresholds if thresholds is not None else max_grad_norm,
+        loss_reduction=loss_reduction, clip_options=options,
+        groups="parameter" if thresholds is not None else "all", adaptive=state,
+    )  # fmt: skip
     data_loader = privacy_engine._prepare_data_loader(
         data_loader, distributed=distributed, poisson_sampling=poisson_sampling,
         batch_first=batch_first, rand_on_empty=rand_on_empty,
@@ -611,12 +813,33 @@ def make_private(
     expected_batch_size = int(len(data_loader.dataset) * sample_rate)
     if distributed:
         expected_batch_size /= torch.distributed.get_world_size()
-    dp_optimizer = privacy_engine._prepare_optimizer(
-        optimizer=optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-        expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
-        noise_generator=noise_generator, distributed=distributed, clipping=clipping,
-        grad_sample_mode="ghost", **kwargs,
-    )  # fmt: skip
+    if state is not None:
+        from opacus.optimizers import DPOptimizer
+
+        if isinstance(optimizer, DPOptimizer):  # as Opacus' _prepare_optimizer
+            optimizer = optimizer.original_optimizer
+        dp_optimizer = _adaclip_class()(
+            optimizer, clipping=state, expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction, secure_mode=privacy_engine.secure_mode,
+            generator=privacy_engine.secure_rng if privacy_engine.secure_mode else noise_generator,
+            **kwargs,
+        )  # fmt: skip
+    else:
+        # per-layer: the noise scales with Opacus' DPPerLayerOptimizer's sensitivity, the
+        # L2 norm of the thresholds computed as Opacus computes it (float32)
+        sensitivity = (
+            torch.norm(torch.Tensor(list(max_grad_norm)), p=2).item()
+            if thresholds is not None
+            else max_grad_norm
+        )
+        dp_optimizer = privacy_engine._prepare_optimizer(
+            optimizer=optimizer, noise_multiplier=noise_multiplier, max_grad_norm=sensitivity,
+            expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
+            noise_generator=noise_generator, distributed=distributed, clipping="flat",
+            grad_sample_mode="ghost", **kwargs,
+        )  # fmt: skip
+        if thresholds is not None:
+            dp_optimizer.max_grad_norms = list(max_grad_norm)  # as DPPerLayerOptimizer
     dp_optimizer.attach_step_hook(
         privacy_engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate)
     )
