@@ -393,6 +393,7 @@ if hasattr(nn, "RMSNorm"):
 # memconv's modules compute what torch's do: they take the rules of torch's types.
 for _torch_type, _own_type in CONVERSIONS.items():
     register_like(_own_type, _torch_type)
+del _torch_type, _own_type
 
 MEMCONV_CONV_TYPES = (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d)
 
