@@ -84,3 +84,22 @@ def conv_case(dims, n, c_in, c_out, k, size, *, seed=0, dtype=torch.float64, **k
         y = m(x)
     g = torch.randn_like(y)
     return m, x, g
+
+
+class Opaque(torch.autograd.Function):
+    """Runs ``layer`` inside one autograd Function (StreamingCNN's pattern): the walk's
+    hooks see no call of ``layer``, so its parameters take the model route."""
+
+    @staticmethod
+    def forward(ctx, x, layer, *params):
+        ctx.save_for_backward(x)
+        ctx.layer = layer
+        return layer(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        params = list(ctx.layer.parameters())
+        with torch.enable_grad():
+            grads = torch.autograd.grad(ctx.layer(x), params, g)
+        return (None, None, *grads)

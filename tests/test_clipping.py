@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import CONV_TRANSPOSES, CONVS, loop_reference, rel_err
+from helpers import CONV_TRANSPOSES, CONVS, Opaque, loop_reference, rel_err
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -318,21 +318,6 @@ def test_per_sample_quantities_through_streaming():
 def test_a_layer_hidden_from_the_hooks_takes_the_model_route():
     """A layer run inside another autograd Function (StreamingCNN's pattern): no layer
     call covers its parameters' uses, so the model route computes them, exactly."""
-
-    class Opaque(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, layer, *params):
-            ctx.save_for_backward(x)
-            ctx.layer = layer
-            return layer(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            params = list(ctx.layer.parameters())
-            with torch.enable_grad():
-                grads = torch.autograd.grad(ctx.layer(x), params, g)
-            return (None, None, *grads)
 
     class Hidden(nn.Module):
         def __init__(self):

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from helpers import loop_reference, rel_err
+from helpers import Opaque, loop_reference, rel_err
 from torch import nn
 
 import memconv
@@ -162,21 +162,6 @@ def test_groups_within_layers_take_one_pass(groups, monkeypatch):
 
 def test_groups_spanning_layers_with_a_hidden_layer():
     """A layer hidden from the hooks (model route) in a group with a rule layer."""
-
-    class Opaque(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, layer, *params):
-            ctx.save_for_backward(x)
-            ctx.layer = layer
-            return layer(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            params = list(ctx.layer.parameters())
-            with torch.enable_grad():
-                grads = torch.autograd.grad(ctx.layer(x), params, g)
-            return (None, None, *grads)
 
     class Hidden(nn.Module):
         def __init__(self):
