@@ -26,6 +26,7 @@ from .prepared import (  # noqa: F401 (check_per_sample_model, unwrap_compiled: 
     Prepared,
     check_batch,
     check_per_sample_model,
+    model_streams,
     parameter_names,
     unwrap_compiled,
 )
@@ -103,8 +104,8 @@ def grads_with(prepared: Prepared, model, loss_fn, inputs, targets, *, strategy,
     model = prepared.check_model(model, settings)
     n = check_batch(inputs, targets)
     check_budget(memory_budget)
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    if n == 0 or streams(model):
+    params = prepared.trainable()
+    if n == 0 or prepared.streams:
         out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
         # a model that streams hides its layers from the hooks: one sample at a time
         with activate(settings):
@@ -162,9 +163,7 @@ def model_route(model, loss_fn, inputs, targets, walk, rs: RuleSettings) -> dict
 def streams(model: nn.Module) -> bool:
     """Whether ``model`` holds a :class:`memconv.streaming.StreamingCNN`, whose layers
     run inside its own autograd Function, out of reach of the per-layer hooks."""
-    from .streaming import StreamingCNN
-
-    return any(isinstance(m, StreamingCNN) for m in model.modules())
+    return model_streams(model)
 
 
 def sample_by_sample(model, loss_fn, inputs, targets, params: dict):
