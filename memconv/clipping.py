@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from .context import activate, use_block_settings
-from .extraction import model_route, sample_by_sample, streams
+from .extraction import model_route, sample_by_sample
 from .groups import (
     ALL,
     Grouping,
@@ -279,7 +279,7 @@ def norms_with(
     grouping = resolve_groups(model, groups)
     if per_parameter and grouping.kind != "all":
         raise ValueError("per_parameter=True is groups='parameter'; pass one of them")
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    params = prepared.trainable()
     if n == 0:
         if grouping.kind != "all":
             return {g: inputs.new_zeros(0, dtype=torch.float32) for g in grouping.members}
@@ -288,7 +288,7 @@ def norms_with(
             for name, p in params.items()
         }
         return empty if per_parameter else inputs.new_zeros(0, dtype=torch.float32)
-    if streams(model):  # one sample at a time, by autograd (its layers are hidden)
+    if prepared.streams:  # one sample at a time, by autograd (its layers are hidden)
         with activate(settings):
             sq = [
                 {name: _squared(g.unsqueeze(0)) for name, g in grads.items()}
@@ -433,12 +433,12 @@ def clip_with(
     check_clip_route(clip_route)
     model, n = _check_common(prepared, model, inputs, targets, memory_budget, norm_route, settings)
     grouping = resolve_groups(model, groups, max_norm)
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    params = prepared.trainable()
     if n == 0:
         _accumulate(params, {}, ddp)
         zero = inputs.new_zeros(0, dtype=torch.float32)
         return _returned(grouping, [{g: zero for g in grouping.members}])
-    if streams(model):  # one sample at a time: its norm from its gradient, gathered
+    if prepared.streams:  # one sample at a time: its norm from its gradient, gathered
         return _clip_sample_by_sample(
             model, loss_fn, inputs, targets, params, settings, grouping, ddp
         )

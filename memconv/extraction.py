@@ -26,6 +26,7 @@ from .prepared import (  # noqa: F401 (check_per_sample_model, unwrap_compiled: 
     Prepared,
     check_batch,
     check_per_sample_model,
+    model_streams,
     parameter_names,
     unwrap_compiled,
 )
@@ -103,8 +104,8 @@ def grads_with(prepared: Prepared, model, loss_fn, inputs, targets, *, strategy,
     model = prepared.check_model(model, settings)
     n = check_batch(inputs, targets)
     check_budget(memory_budget)
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    if n == 0 or streams(model):
+    params = prepared.trainable()
+    if n == 0 or prepared.streams:
         out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
         # a model that streams hides its layers from the hooks: one sample at a time
         with activate(settings):
@@ -115,7 +116,7 @@ def grads_with(prepared: Prepared, model, loss_fn, inputs, targets, *, strategy,
 
     def run():  # raises before any work if the result cannot fit
         cp = prepared.call_plan(model, loss_fn, inputs, "grads", settings, memory_budget)
-        out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
+        out = {name: p.new_empty(n, *p.shape) for name, p in params.items()}
         rs = RuleSettings(settings, None, cp.plan.layer_budget)
         with process_budget(inputs.device) if cp.guard else nullcontext():
             _grads_walks(model, loss_fn, inputs, targets, cp, rs, out)
@@ -125,15 +126,24 @@ def grads_with(prepared: Prepared, model, loss_fn, inputs, targets, *, strategy,
 
 
 def _grads_walks(model, loss_fn, inputs, targets, cp, rs, out) -> None:
-    """Per-sample gradients into ``out``, micro-batch by micro-batch (``cp``: the
-    :class:`memconv.prepared.CallPlan`)."""
+    """Per-sample gradients into ``out`` (uninitialised), micro-batch by micro-batch
+    (``cp``: the :class:`memconv.prepared.CallPlan`): a parameter's first part in a
+    micro-batch is copied in, the others added, and rows no route reached are zeros."""
     n, m = len(inputs), cp.plan.micro_batch
     for i0 in range(0, n, m):
         rows = slice(i0, min(n, i0 + m))
+        written: set = set()
 
-        def visit(call: LayerCall, rows=rows):
+        def add(name, v, rows=rows, written=written):
+            if name in written:
+                out[name][rows] += v
+            else:  # 0 + v is v: a copy, without filling with zeros first
+                out[name][rows].copy_(v)
+                written.add(name)
+
+        def visit(call: LayerCall):
             for k, v in call.grad_sample(rs).items():
-                out[call.params[k]][rows] += v
+                add(call.params[k], v)
 
         with activate(None, False):  # the user's blocks do not reach the model's own layers
             walk = backward_walk(
@@ -141,7 +151,9 @@ def _grads_walks(model, loss_fn, inputs, targets, cp, rs, out) -> None:
                 caller="memconv.per_sample_grads", owners=cp.owners,
             )  # fmt: skip
         for k, v in model_route(model, loss_fn, inputs[rows], targets[rows], walk, rs).items():
-            out[k][rows] += v
+            add(k, v)
+        for name in out.keys() - written:  # reached by no route: zeros
+            out[name][rows].zero_()
 
 
 def model_route(model, loss_fn, inputs, targets, walk, rs: RuleSettings) -> dict[str, Tensor]:
@@ -162,9 +174,7 @@ def model_route(model, loss_fn, inputs, targets, walk, rs: RuleSettings) -> dict
 def streams(model: nn.Module) -> bool:
     """Whether ``model`` holds a :class:`memconv.streaming.StreamingCNN`, whose layers
     run inside its own autograd Function, out of reach of the per-layer hooks."""
-    from .streaming import StreamingCNN
-
-    return any(isinstance(m, StreamingCNN) for m in model.modules())
+    return model_streams(model)
 
 
 def sample_by_sample(model, loss_fn, inputs, targets, params: dict):

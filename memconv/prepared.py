@@ -84,6 +84,13 @@ def check_per_sample_model(model: nn.Module, argument: str = "model", settings=N
     return model
 
 
+def model_streams(model: nn.Module) -> bool:
+    """Whether ``model`` holds a :class:`memconv.streaming.StreamingCNN`."""
+    from .streaming import StreamingCNN
+
+    return any(isinstance(m, StreamingCNN) for m in model.modules())
+
+
 def parameter_names(model: nn.Module) -> dict[int, str]:
     """``{id(parameter): name}`` for trainable parameters, each under its first name
     (``named_parameters`` lists a parameter shared by two layers once)."""
@@ -185,6 +192,8 @@ class Prepared:
         self._plans: dict = {}  # task -> (key, plan)
         self._plan: Plan | None = None
         self._loss: PerSampleLoss | None = None
+        self._trainable: dict = {}
+        self._streams = False
 
     def forget(self) -> None:
         """Drop the probe and plan: the next call makes new ones."""
@@ -218,8 +227,23 @@ class Prepared:
         if self._checked != (state, settings):
             check_per_sample_model(model, settings=settings)
             self._checked = (state, settings)
+            self._trainable = {
+                name: p for (name, grad, *_), p in zip(state.attributes, state.params) if grad
+            }
+            self._streams = model_streams(model)
         self._model_key = state
         return model
+
+    def trainable(self) -> dict:
+        """``{name: parameter}`` of the trainable parameters of the model last checked
+        (:meth:`check_model`), in ``named_parameters`` order."""
+        return dict(self._trainable)
+
+    @property
+    def streams(self) -> bool:
+        """Whether the model last checked holds a :class:`memconv.streaming.StreamingCNN`
+        (:func:`model_streams`)."""
+        return self._streams
 
     def call_plan(
         self, model, loss_fn, inputs: Tensor, task, settings, memory_budget, clip_route=None,

@@ -4,6 +4,7 @@ the planner's answer when a batch's per-sample result cannot fit."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -109,3 +110,46 @@ def test_the_process_guard_applies_to_explicit_or_tight_budgets():
     assert resources.guards("available", plan(16, 100))  # the default, splitting the batch
     assert resources.guards("available", plan(64, 600))  # the default, tight
     assert not resources.guards(None, None)
+
+
+def test_kept_files_read_what_opening_them_again_reads(tmp_path):
+    kept = resources.KeptFiles()
+    try:
+        path = tmp_path / "memory.current"
+        write(path, "1073741824\n")
+        assert resources._read_int(str(path), kept) == 2**30
+        path.write_text("2147483648\n")  # rewritten in place: the kept file reads it
+        assert resources._read_int(str(path), kept) == 2**31
+        write(path, "5" * 70000)  # longer than one read
+        assert kept.read(str(path)) == b"5" * 70000
+        assert resources._read_int(str(tmp_path / "missing"), kept) is None
+    finally:
+        kept.close()
+
+
+def test_the_system_files_read_as_a_fresh_open_reads_them():
+    if not os.path.exists(resources.MEMINFO):
+        pytest.skip("no /proc/meminfo")
+    fresh = resources.mem_available("/proc//meminfo")  # another name: opened afresh
+    kept = resources.mem_available()
+    assert kept is not None and abs(kept - fresh) < 2**30
+    assert resources.cgroup_room() == resources.cgroup_room("/proc/self//cgroup")
+    assert resources.available_memory() > 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_forked_child_reads_its_own_files():
+    resources.mem_available()
+    resources.cgroup_room()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its /proc/self is itself
+        ok = resources.mem_available() is not None and (
+            resources.cgroup_room() == resources.cgroup_room("/proc/self//cgroup")
+        )
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1"
+    os.close(r)
+    os.close(w)

@@ -294,3 +294,137 @@ def test_bad_arguments_raise_before_any_work():
     with pytest.raises(ValueError, match="max_norm"):
         step.clip_and_accumulate(*batch(), max_norm=-1.0)
     assert all(p.grad is None for p in model.parameters())
+
+
+def _same(a, b):
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+CLASS_LOSSES = [
+    nn.CrossEntropyLoss(),
+    nn.CrossEntropyLoss(reduction="sum"),
+    nn.CrossEntropyLoss(weight=torch.rand(7, dtype=torch.float64), reduction="sum"),
+    nn.CrossEntropyLoss(ignore_index=3),
+    nn.functional.cross_entropy,
+    nn.NLLLoss(),
+    nn.NLLLoss(reduction="sum"),
+    nn.functional.nll_loss,
+]
+
+
+def _name(loss_fn):
+    return getattr(loss_fn, "__name__", None) or f"{type(loss_fn).__name__}-{loss_fn.reduction}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 8, 17, 64])
+@pytest.mark.parametrize("loss_fn", CLASS_LOSSES, ids=_name)
+def test_batched_class_losses_equal_the_per_sample_loop_exactly(loss_fn, n, dtype):
+    g = torch.Generator().manual_seed(n)
+    logits = (3 * torch.randn(n, 7, generator=g)).to(dtype).requires_grad_()
+    y = torch.randint(0, 7, (n,), generator=g)
+    y[::5] = getattr(loss_fn, "ignore_index", -100)  # ignored targets: NaN under "mean"
+    if isinstance(loss_fn, nn.Module) and loss_fn.weight is not None:
+        loss_fn = nn.CrossEntropyLoss(weight=loss_fn.weight.to(dtype), reduction="sum")
+    out = logits.log_softmax(1) if "nll" in _name(loss_fn).lower() else logits
+    got = memconv.losses.batched(loss_fn, out, y)
+    ref = per_sample_losses(loss_fn, out, y, vectorise=False)
+    assert got is not None
+    _same(got, ref)
+    w = torch.rand(n, generator=g).to(dtype)
+    for a, b in [(got, ref), (got * w, ref * w)]:
+        _same(*(torch.autograd.grad(v.sum(), logits, retain_graph=True)[0] for v in (a, b)))
+
+
+@pytest.mark.parametrize("shape", [(9,), (9, 1)])
+@pytest.mark.parametrize(
+    "loss_fn",
+    [nn.MSELoss(), nn.MSELoss(reduction="sum"), nn.L1Loss(), nn.functional.mse_loss],
+    ids=_name,
+)
+def test_batched_element_losses_equal_the_per_sample_loop_exactly(loss_fn, shape):
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(shape, generator=g, requires_grad=True)
+    t = torch.randn(shape, generator=g)
+    got = memconv.losses.batched(loss_fn, out, t)
+    ref = per_sample_losses(loss_fn, out, t, vectorise=False)
+    assert got is not None
+    _same(got, ref)
+    _same(*(torch.autograd.grad(v.sum(), out, retain_graph=True)[0] for v in (got, ref)))
+
+
+def test_losses_the_batched_call_does_not_take_go_the_general_way():
+    out, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
+    batched = memconv.losses.batched
+    assert batched(nn.CrossEntropyLoss(label_smoothing=0.1), out, y) is None
+    assert batched(nn.CrossEntropyLoss(weight=torch.rand(3)), out, y) is None  # mean: ÷ weight
+    assert batched(nn.CrossEntropyLoss(reduction="none"), out, y) is None
+    assert batched(nn.CrossEntropyLoss(), out, torch.rand(4, 3)) is None  # probabilities
+    assert batched(nn.CrossEntropyLoss(), torch.randn(4, 3, 5), torch.zeros(4, 5).long()) is None
+    assert batched(nn.MSELoss(), torch.randn(4, 2), torch.randn(4, 2)) is None  # 2 per sample
+    assert batched(nn.MSELoss(), torch.randn(4, 1), torch.randn(4)) is None  # broadcasts
+    assert batched(nn.BCEWithLogitsLoss(), torch.randn(4), torch.rand(4)) is None
+
+    class Mine(nn.CrossEntropyLoss):  # a subclass may compute something else
+        pass
+
+    assert batched(Mine(), out, y) is None
+    assert batched(lambda o, t: nn.functional.cross_entropy(o, t), out, y) is None
+    hooked = nn.CrossEntropyLoss()
+    handle = hooked.register_forward_hook(lambda *_: None)
+    assert batched(hooked, out, y) is None
+    handle.remove()
+    assert batched(hooked, out, y) is not None
+
+
+def test_the_batched_loss_is_one_call_and_the_same_gradients_as_the_loop(monkeypatch):
+    calls = [0]
+    cross_entropy = nn.functional.cross_entropy
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return cross_entropy(*args, **kwargs)
+
+    monkeypatch.setattr(nn.functional, "cross_entropy", counted)
+    for make, shape in [(mlp, (6,)), (cnn, (1, 6, 6))]:
+        model = make()
+        x, y = batch(8, shape)
+        loss_fn = nn.CrossEntropyLoss()
+        step = memconv.PrivateStep(model, loss_fn)
+        loop = memconv.PrivateStep(model, lambda o, t, f=loss_fn: f(o, t))  # the loop (N < 16)
+        calls[0] = 0
+        got = step.per_sample_grads(x, y)
+        assert calls[0] == 1
+        ref = loop.per_sample_grads(x, y)
+        assert calls[0] == 1 + len(x)
+        for k in ref:
+            assert torch.equal(got[k], ref[k])
+        model.zero_grad()
+        norms = step.clip_and_accumulate(x, y, max_norm=0.1)
+        sums = {k: p.grad.clone() for k, p in model.named_parameters()}
+        model.zero_grad()
+        assert torch.equal(norms, loop.clip_and_accumulate(x, y, max_norm=0.1))
+        for k, p in model.named_parameters():
+            assert torch.equal(sums[k], p.grad)
+
+
+def test_a_changed_loss_is_seen_on_the_next_step():
+    model, loss_fn = mlp(), nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(model, loss_fn)
+    x, y = batch(8)
+    check_grads(step, model, loss_fn, x, y)
+    loss_fn.label_smoothing = 0.2  # no longer batched: the loop, with the smoothing
+    check_grads(step, model, loss_fn, x, y)
+    loss_fn.label_smoothing = 0.0
+    loss_fn.weight = torch.tensor([1.0, 3.0, 0.5], dtype=torch.float64)
+    loss_fn.reduction = "sum"  # a weighted sum: batched, weighted
+    check_grads(step, model, loss_fn, x, y)
+    loss_fn.reduction = "none"  # not a scalar per sample: the loop says so
+    with pytest.raises(ValueError, match="scalar"):
+        step.per_sample_grads(x, y)
+    loss_fn.reduction = "mean"
+    calls = [0]
+    handle = loss_fn.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    check_grads(step, model, loss_fn, x, y)  # hooked: called per sample, as the loop does
+    assert calls[0] >= len(x)
+    handle.remove()
