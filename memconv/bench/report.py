@@ -541,12 +541,15 @@ def table_files(records: list[dict], name: str) -> set[str]:
 
 
 def _model_rows(records: list[dict]) -> dict:
-    """``{(task, case, engine): row}`` of the ``--table models`` runs (the last wins)."""
+    """``{(task, case, engine): row}`` of the ``--table models`` runs: each (task, case)
+    from the last run that measured it (ratios are read within one run)."""
     files = table_files(records, "models")
+    rows = [r for r in records if r.get("record") == "row" and r.get("file") in files]
+    last = {(r["task"], r["case"]): r["file"] for r in rows}
     return {
         (r["task"], r["case"], r["engine"]): r
-        for r in records
-        if r.get("record") == "row" and r.get("file") in files
+        for r in rows
+        if r["file"] == last[(r["task"], r["case"])]
     }
 
 
