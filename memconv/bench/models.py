@@ -576,8 +576,8 @@ class NormFreeNet(nn.Module):
 
 def nf_resnet26(in_channels: int = 3, num_classes: int = 10, skipinit: bool = True) -> nn.Module:
     """timm's ``nf_resnet26`` (blocks 2, 2, 2, 2; 14.0 M parameters for 10 classes) with
-    NFNet's skip-init gains (``skipinit=True``), the normaliser-free family of DP's
-    best image classifiers."""
+    the skip-init gains of DeepMind's NFNets (``skipinit=True``, as timm's ``dm_nfnet_*``),
+    the normaliser-free family of DP's best image classifiers."""
     return NormFreeNet((2, 2, 2, 2), num_classes, in_channels, skipinit=skipinit)
 
 
