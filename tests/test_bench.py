@@ -423,3 +423,17 @@ def test_report_renders_the_models_table_apart(tmp_path):
     assert "faster than torch.func: 5.000 s vs 10.000 s = 0.50 × (met)" in models
     assert "faster than torch.func" in sections["targets"]
     assert "no measurements" in sections["clip"] and "no measurements" in sections["grads"]
+
+
+def test_table_applies_to_the_matrix_only():
+    import argparse
+
+    from memconv.bench import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--table", "models", "--sweep", "batch", "--cases", "seed-28"])
+    with pytest.raises(ValueError, match="--table applies only in the matrix mode"):
+        bench.check_arguments(args)
+    args = parser.parse_args(["--task", "clip", "--table", "models", "--cases", "convnext-atto"])
+    assert bench.check_arguments(args)["cases"] == ["convnext-atto"]
