@@ -18,7 +18,7 @@ MIN_PYTHON := 3.10
 PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>/dev/null)
 
 .PHONY: install compare test test-slow lint format docs docs-clean clean benchmarks benchmarks-report \
-	benchmarks-steps benchmarks-private benchmarks-gpu calibrate-gpu FORCE
+	benchmarks-steps benchmarks-private benchmarks-models benchmarks-gpu calibrate-gpu FORCE
 
 # Rebuilt (with the whole venv) only when the interpreter changed; FORCE makes make
 # look at it every time, but its timestamp moves only on a rebuild.
@@ -65,7 +65,7 @@ BENCH := $(BIN)/memconv bench
 BENCH_DIR := docs/bench
 BENCH_FILES := clip.jsonl clip-more.jsonl grads.jsonl grads-more.jsonl largest-grads.jsonl \
 	largest-clip.jsonl largest-container-grads.jsonl largest-container-clip.jsonl \
-	sweep-batch.jsonl sweep-side.jsonl private.jsonl clip-layer.jsonl
+	sweep-batch.jsonl sweep-side.jsonl private.jsonl clip-layer.jsonl models.jsonl models-grads.jsonl
 GRADS_ENGINES := autograd,torch.func,expanded-weights,opacus-hooks,backpack-save-memory,memconv:standard,memconv:rochette,memconv:unfold,memconv:shift,memconv:auto,memconv:budget,memconv:default,memconv-modules:auto,memconv-backpack:auto
 benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	$(BENCH) --task clip --cases resnet18-gn,seed-112 --json $(BENCH_DIR)/clip.jsonl --plot $(BENCH_DIR)/clip.png
@@ -83,6 +83,7 @@ benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	$(BENCH) --sweep batch --range 8,32,128,512 --json $(BENCH_DIR)/sweep-batch.jsonl --plot $(BENCH_DIR)/sweep-batch.png
 	$(BENCH) --sweep side --range 28,56,112,224 --json $(BENCH_DIR)/sweep-side.jsonl --plot $(BENCH_DIR)/sweep-side.png
 	$(MAKE) benchmarks-private
+	$(MAKE) benchmarks-models
 	$(MAKE) benchmarks-report
 	$(MAKE) benchmarks-steps
 
@@ -96,6 +97,15 @@ benchmarks-steps: $(VENV)/.installed-bench+opacus
 PRIVATE_ENGINES := non-private,opacus-hooks,opacus-ghost,memconv:default,memconv-private
 benchmarks-private: $(VENV)/.installed-bench+backpack+opacus
 	-$(BENCH) --task clip --cases resnet18-gn,vit-tiny --engines $(PRIVATE_ENGINES) --json $(BENCH_DIR)/private.jsonl
+
+# "DP on the models people train": torchvision's ResNet-18-GN, timm's NF-ResNet-26 and
+# ConvNeXt-atto (3x64x64) and ViT-tiny (3x32x32, patch 4), batch 64, each step in a fresh
+# process: one DP clipping step of each engine against the non-private step, then
+# per-sample gradients against torch.func's (--table models keeps them in their own table).
+MODEL_CASES := resnet18-tv-gn,nf-resnet26,convnext-atto,vit-tiny
+benchmarks-models: $(VENV)/.installed-bench+opacus
+	-$(BENCH) --task clip --table models --cases $(MODEL_CASES) --engines non-private,memconv:default,opacus-ghost,torch.func --json $(BENCH_DIR)/models.jsonl
+	-$(BENCH) --task grads --table models --cases $(MODEL_CASES) --engines torch.func,memconv:default --json $(BENCH_DIR)/models-grads.jsonl
 
 # Refill docs/benchmarks.md from the JSON Lines files (seconds; no measurement).
 benchmarks-report: $(VENV)/.installed-bench

@@ -316,3 +316,124 @@ def test_every_per_layer_engine_agrees_with_torch_func_per_layer_clipping(case):
         else:  # the floor, and flat clipping: another sum
             result.pop(NORMS, None)
             assert max_rel_deviation(result, reference) > 1e-6, name
+
+
+#: The models people train, as torchvision and timm write them, at tiny sizes.
+ZOO = [
+    {"model": "resnet18-tv-gn", "batch": 2, "side": 16},
+    {"model": "nf-resnet26", "batch": 2, "side": 16},
+    {"model": "convnext-atto", "batch": 2, "side": 32},
+    {"model": "vit-tiny", "batch": 2, "side": 8},
+]
+
+
+def _zoo_model(case):
+    """The case's model in float64, with its zero or tiny initial gains (NF skip-init,
+    ConvNeXt layer scale) drawn away from zero so that every branch has a gradient."""
+    model, x, y = build_case({**case, "data": "random"}, CPU)
+    model, x = model.double(), x.double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("skipinit_gain", "gamma")):
+                p.uniform_(0.5, 1.5)
+    return model, x, y
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", ZOO, ids=[c["model"] for c in ZOO])
+def test_zoo_models_per_sample_grads_and_clipping_equal_torch_func(case):
+    """per_sample_grads and clip_and_accumulate (default arguments, the table's
+    engines) against torch.func on the zoo's models, float64."""
+    model, x, y = _zoo_model(case)
+    reference = ENGINES["grads"]["torch.func"].run(model, x, y)
+    result = ENGINES["grads"]["memconv:default"].run(model, x, y)
+    assert set(result) == set(reference)
+    assert max_rel_deviation(result, reference) < 1e-10
+    norms = clip_sum(reference, 1.0)[NORMS]
+    max_norm = norms.min().item() * 1.01  # one sample unclipped, one clipped
+    clipped = ENGINES["clip"]["memconv:default"].run(model, x, y, max_norm=max_norm)
+    assert max_rel_deviation(clipped, clip_sum(reference, max_norm)) < 1e-10
+    assert max_rel_deviation(
+        ENGINES["clip"]["torch.func"].run(model, x, y, max_norm=max_norm),
+        clip_sum(reference, max_norm),
+    ) == 0  # fmt: skip
+
+
+def test_zoo_models_are_written_as_their_libraries_write_them():
+    """Parameter counts of torchvision's resnet18 (GroupNorm) and timm's nf_resnet26 and
+    convnext_atto with 10 classes (1000 classes: timm's 16.0 M and 3.7 M), and the
+    layers that make them hard: in-place ReLU, scaled weight-standardised convolutions,
+    LayerNorm2d, a block-owned layer scale."""
+    from memconv.bench import models
+
+    sizes = {"resnet18-tv-gn": 11_181_642, "nf-resnet26": 13_966_674, "convnext-atto": 3_377_730}
+    built = {}
+    for name, size in sizes.items():
+        model, _, _ = build_case({"model": name, "batch": 1, "side": 32, "data": "random"}, CPU)
+        assert sum(p.numel() for p in model.parameters()) == size, name
+        built[name] = model
+    assert any(
+        isinstance(m, torch.nn.ReLU) and m.inplace for m in built["resnet18-tv-gn"].modules()
+    )
+    nf = built["nf-resnet26"]
+    assert sum(isinstance(m, models.ScaledStdConv2d) for m in nf.modules()) == 29
+    assert all(b.skipinit_gain.dim() == 0 for b in nf.modules() if hasattr(b, "skipinit_gain"))
+    cn = built["convnext-atto"]
+    assert sum(isinstance(m, models.ConvNeXtBlock) for m in cn.modules()) == 12
+    assert any(isinstance(m, models.LayerNorm2d) for m in cn.modules())
+
+
+def test_report_renders_the_models_table_apart(tmp_path):
+    """Records of a ``--table models`` run fill the models section with targets and stay
+    out of the per-case tables."""
+    from memconv.bench.report import render
+
+    config = {"model": "nf-resnet26", "batch": 64, "side": 64}
+    head = {"record": "run", "mode": "matrix", "command": "memconv bench --table models",
+            "machine": {"cpu": "x", "threads": 2, "torch": "t", "memconv": "m", "python": "p"},
+            "started": "2025-01-01T00:00:00+00:00", "plot": None, "table": "models"}  # fmt: skip
+
+    def row(task, engine, rss, alloc, time, **more):
+        return {"record": "row", "task": task, "case": "nf-resnet26", "config": config,
+                "engine": engine, "peak_rss_mib": rss, "peak_alloc_mib": alloc, "time_s": time,
+                "result_mib": 53.3, "params": 13_966_674, **more}  # fmt: skip
+
+    clip = [
+        {**head, "task": "clip"},
+        row("clip", "torch.func", 9000.0, 8000.0, 10.0, deviation=0.0),
+        row("clip", "non-private", 400.0, 300.0, 2.0),
+        row("clip", "memconv:default", 440.0, 330.0, 2.5, deviation=1e-7),
+        {"record": "row", "task": "clip", "case": "nf-resnet26", "config": config,
+         "engine": "opacus-ghost", "error": "RuntimeError: in-place"},
+    ]  # fmt: skip
+    grads = [
+        {**head, "task": "grads"},
+        row("grads", "torch.func", 9000.0, 8000.0, 10.0),
+        row("grads", "memconv:default", 900.0, 800.0, 5.0, deviation=1e-7),
+    ]
+    for name, lines in (("m.jsonl", clip), ("g.jsonl", grads)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    sections = render(read_records([str(tmp_path / "m.jsonl"), str(tmp_path / "g.jsonl")]))
+    models = sections["models"]
+    assert "| NF-ResNet-26 (3×64×64, 14.0 M parameters) | non-private step | 400 |" in models
+    assert "| clip_and_accumulate (defaults) | 440 | 330 | 2.500 | 1.10 | 1.10 | 1.25 |" in models
+    assert "| Opacus ghost clipping | fails: RuntimeError: in-place |" in models
+    assert "peak ≤ 1.15 × non-private: allocator 1.10 × (met), RSS 1.10 × (met)" in models
+    assert "time ≤ 1.30 × non-private: 1.25 × (met)" in models
+    assert "faster than torch.func: 5.000 s vs 10.000 s = 0.50 × (met)" in models
+    assert "faster than torch.func" in sections["targets"]
+    assert "no measurements" in sections["clip"] and "no measurements" in sections["grads"]
+
+
+def test_table_applies_to_the_matrix_only():
+    import argparse
+
+    from memconv.bench import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--table", "models", "--sweep", "batch", "--cases", "seed-28"])
+    with pytest.raises(ValueError, match="--table applies only in the matrix mode"):
+        bench.check_arguments(args)
+    args = parser.parse_args(["--task", "clip", "--table", "models", "--cases", "convnext-atto"])
+    assert bench.check_arguments(args)["cases"] == ["convnext-atto"]

@@ -94,6 +94,8 @@ QUICK_ENGINES = {
     "clip-layer": ("non-private", "torch.func", "memconv:per-layer", "memconv:flat"),
 }
 SWEEPS = ("batch", "side")
+#: Tables of the benchmarks page that take a run's records whole (``--table``).
+TABLES = ("models",)
 DEFAULT_RANGE = {"batch": "8,16,32,64,128,256,512", "side": "28,56,112,168,224"}
 #: A sweep stops an engine's run past this RSS increase, and runs it no further.
 SWEEP_ABORT_MIB = 16 * 1024
@@ -210,6 +212,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --largest-batch: the largest batch tried (default: 1024)",
     )
     modes.add_argument(
+        "--table",
+        choices=TABLES,
+        help="in the matrix mode: mark the records as the measurements of one table of the "
+        "benchmarks page (models: 'DP on the models people train'); --report renders them "
+        "in that table rather than in the per-case tables",
+    )
+    modes.add_argument(
         "--markdown",
         metavar="PAGE",
         help="with --report: refill the marked sections of the Markdown file PAGE (or "
@@ -249,6 +258,8 @@ def check_arguments(args) -> dict:
         if value is not None and mode != needs:
             flag = {"sweep": "--sweep", "largest": "--largest-batch", "report": "--report"}[needs]
             raise ValueError(f"{option} applies only with {flag}")
+    if getattr(args, "table", None) is not None and mode != "matrix":
+        raise ValueError("--table applies only in the matrix mode")
     plan: dict = {"mode": mode}
     if mode == "report":
         for path in args.report:
@@ -341,6 +352,7 @@ def _header(args, mode: str) -> dict:
         "machine": machine(),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "plot": args.plot,
+        "table": getattr(args, "table", None),
     }
 
 

@@ -14,12 +14,13 @@ import torch
 
 MODELS = (
     "seed", "resnet18", "resnet18-gn", "wrn16-4-gn", "conv1d", "conv3d", "streaming-net",
-    "vit-tiny",
+    "vit-tiny", "resnet18-tv-gn", "nf-resnet26", "convnext-atto",
 )  # fmt: skip
 #: Smallest side each model accepts (the seed CNN's four poolings need 27 pixels).
 MIN_SIDE = {
     "seed": 27, "resnet18": 8, "resnet18-gn": 8, "wrn16-4-gn": 8, "conv1d": 8, "conv3d": 4,
-    "streaming-net": 64, "vit-tiny": 8,
+    "streaming-net": 64, "vit-tiny": 8, "resnet18-tv-gn": 8, "nf-resnet26": 8,
+    "convnext-atto": 32,
 }  # fmt: skip
 #: The real data each model gets unless told otherwise.
 NATURAL_DATA = {
@@ -31,7 +32,13 @@ NATURAL_DATA = {
     "conv3d": "photos",
     "streaming-net": "photos",
     "vit-tiny": "photos",
+    "resnet18-tv-gn": "photos",
+    "nf-resnet26": "photos",
+    "convnext-atto": "photos",
 }
+#: The models people train, as their libraries write them: the cases of the table "DP
+#: on the models people train" (``memconv bench --table models``).
+ZOO_CASES = ("resnet18-tv-gn", "nf-resnet26", "convnext-atto", "vit-tiny")
 MiB = 2**20
 
 
@@ -85,6 +92,15 @@ CASES: dict[str, Case] = {
         Case("vit-tiny", "vit-tiny", 64, 32, quick=(2, 16, None),
              summary="ViT-Tiny as timm writes it (patch 4, class token, position embedding), "
                      "5.4 M parameters, on photo crops"),
+        Case("resnet18-tv-gn", "resnet18-tv-gn", 64, 64, quick=(2, 32, None),
+             summary="torchvision's resnet18 with GroupNorm(32, C) as written there (in-place "
+                     "ReLU, out += identity), 11.2 M parameters, on photo crops"),
+        Case("nf-resnet26", "nf-resnet26", 64, 64, quick=(2, 32, None),
+             summary="timm's nf_resnet26 (scaled weight-standardised convolutions, skip-init "
+                     "gains), 14.0 M parameters, on photo crops"),
+        Case("convnext-atto", "convnext-atto", 64, 64, quick=(2, 32, None),
+             summary="timm's convnext_atto (LayerNorm2d, layer scale), 3.4 M parameters, on "
+                     "photo crops"),
         Case("resnet18-bn", "resnet18", 8, 64, quick=(2, 32, None),
              summary="ImageNet-layout ResNet-18 with BatchNorm in eval mode, on photo crops"),
         Case("conv1d", "conv1d", 32, 2048, quick=(4, 128, None),
@@ -114,6 +130,9 @@ def build_model(name: str) -> torch.nn.Module:
         "conv3d": models.conv3d_net,
         "streaming-net": models.streaming_net,
         "vit-tiny": models.vit_tiny,
+        "resnet18-tv-gn": models.tv_resnet18_gn,
+        "nf-resnet26": models.nf_resnet26,
+        "convnext-atto": models.convnext_atto,
     }
     if name not in builders:
         raise ValueError(f"unknown model {name!r}; accepted: {', '.join(MODELS)}")
@@ -184,6 +203,9 @@ LABELS = {
     "conv3d": "Conv3d CNN",
     "streaming-net": "StreamingCNN's example network",
     "vit-tiny": "ViT-Tiny",
+    "resnet18-tv-gn": "torchvision ResNet-18-GN",
+    "nf-resnet26": "NF-ResNet-26",
+    "convnext-atto": "ConvNeXt-atto",
 }
 
 

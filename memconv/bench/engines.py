@@ -241,7 +241,7 @@ def expanded_weights(model, x, y, **_):
 # ---------------------------------------------------------------- clipped sums
 def clip_sum(grads: dict, max_norm: float) -> dict:
     """Norms of per-sample gradients ``{name: [N, ...]}`` and their clipped sums."""
-    sq = sum(g.flatten(1).pow(2).sum(1) for g in grads.values())
+    sq = sum(g.reshape(len(g), -1).pow(2).sum(1) for g in grads.values())
     norms = sq.sqrt()
     c = clip_factors(norms, float(max_norm))
     out = {k: torch.einsum("n,n...->...", c.to(g.dtype), g) for k, g in grads.items()}
@@ -306,7 +306,7 @@ def clip_sum_per_parameter(grads: dict, max_norm: float) -> dict:
     summed (Opacus' ``DPPerLayerOptimizer.clip_and_accumulate``, memconv's factor)."""
     out, norms = {}, []
     for k, g in grads.items():
-        norm = g.flatten(1).pow(2).sum(1).sqrt()
+        norm = g.reshape(len(g), -1).pow(2).sum(1).sqrt()
         c = clip_factors(norm, float(max_norm))
         out[k] = torch.einsum("n,n...->...", c.to(g.dtype), g)
         norms.append(norm)

@@ -296,3 +296,408 @@ def vit_tiny(in_channels: int = 3, num_classes: int = 10, img_size: int = 32) ->
     """ViT-Tiny (embed 192, depth 12, 3 heads; 5.4 M parameters) with 4×4 patches
     (on 32×32 images: 64 tokens and a class token)."""
     return VisionTransformer(img_size, 4, in_channels, num_classes, 192, 12, 3)
+
+
+# ---------------------------------------------------------------- the model zoo
+# Models as their libraries write them (torchvision, timm), reproduced here because
+# neither library is imported: the same modules, the same forward code (in-place
+# activations, in-place adds, functional calls on derived weights) and the same
+# initialisation, with 10 classes.
+
+
+def _tv_conv3x3(c_in: int, c_out: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+
+
+class TVBasicBlock(nn.Module):
+    """torchvision's ``BasicBlock`` (``torchvision.models.resnet``), as written there:
+    ``ReLU(inplace=True)`` and ``out += identity``.
+
+    Args:
+        inplanes: input channels.
+        planes: output channels.
+        stride: stride of the first convolution.
+        downsample: the shortcut's module (None: identity).
+        norm_layer: ``norm_layer(channels)`` builds a normalisation layer.
+    """
+
+    expansion = 1
+
+    def __init__(self, inplanes, planes, stride=1, downsample=None, norm_layer=nn.BatchNorm2d):
+        super().__init__()
+        self.conv1 = _tv_conv3x3(inplanes, planes, stride)
+        self.bn1 = norm_layer(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = _tv_conv3x3(planes, planes)
+        self.bn2 = norm_layer(planes)
+        self.downsample = downsample
+        self.stride = stride
+
+    def forward(self, x):
+        identity = x
+        out = self.conv1(x)
+        out = self.bn1(out)
+        out = self.relu(out)
+        out = self.conv2(out)
+        out = self.bn2(out)
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        out = self.relu(out)
+        return out
+
+
+class TVResNet(nn.Module):
+    """torchvision's ``ResNet`` with :class:`TVBasicBlock` s: a 7×7 stride-2 stem, a
+    3×3 stride-2 max-pool, four stages, global average pooling and a Linear layer;
+    torchvision's initialisation (Kaiming normal, fan-out, for the convolutions).
+
+    Args:
+        layers: blocks per stage.
+        num_classes: outputs.
+        norm_layer: ``norm_layer(channels)`` builds every normalisation layer.
+        in_channels: input channels.
+    """
+
+    def __init__(self, layers=(2, 2, 2, 2), num_classes=10, norm_layer=nn.BatchNorm2d,
+                 in_channels=3):  # fmt: skip
+        super().__init__()
+        self._norm_layer = norm_layer
+        self.inplanes = 64
+        self.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = norm_layer(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.layer1 = self._make_layer(64, layers[0])
+        self.layer2 = self._make_layer(128, layers[1], stride=2)
+        self.layer3 = self._make_layer(256, layers[2], stride=2)
+        self.layer4 = self._make_layer(512, layers[3], stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(512, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
+                nn.init.constant_(m.weight, 1)
+                nn.init.constant_(m.bias, 0)
+
+    def _make_layer(self, planes, blocks, stride=1):
+        norm_layer, downsample = self._norm_layer, None
+        if stride != 1 or self.inplanes != planes:
+            downsample = nn.Sequential(
+                nn.Conv2d(self.inplanes, planes, 1, stride=stride, bias=False), norm_layer(planes)
+            )
+        layers = [TVBasicBlock(self.inplanes, planes, stride, downsample, norm_layer)]
+        self.inplanes = planes
+        layers += [TVBasicBlock(planes, planes, norm_layer=norm_layer) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        x = torch.flatten(self.avgpool(x), 1)
+        return self.fc(x)
+
+
+def tv_resnet18_gn(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
+    """torchvision's ``resnet18(norm_layer=lambda c: nn.GroupNorm(32, c))`` (11.2 M
+    parameters for 10 classes), the ImageNet layout, as a DP user builds it."""
+    return TVResNet((2, 2, 2, 2), num_classes, lambda c: nn.GroupNorm(32, c), in_channels)
+
+
+def _get_padding(kernel_size: int, stride: int = 1, dilation: int = 1) -> int:
+    return ((stride - 1) + dilation * (kernel_size - 1)) // 2
+
+
+class ScaledStdConv2d(nn.Conv2d):
+    """timm's ``ScaledStdConv2d`` (``timm.layers.std_conv``): a convolution whose weight
+    is standardised per output channel in the forward pass (``F.batch_norm`` over the
+    weight's fan-in), scaled by ``gamma / sqrt(fan_in)`` and a learned ``gain``.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias:
+            as ``nn.Conv2d`` (``padding=None``: timm's symmetric padding).
+        gamma: the activation's gain (the NF-ResNets' ReLU: 1.7139588594436646).
+        eps: the standardisation's epsilon.
+        gain_init: the gain's initial value.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=None,
+                 dilation=1, groups=1, bias=True, gamma=1.0, eps=1e-6, gain_init=1.0):  # fmt: skip
+        if padding is None:
+            padding = _get_padding(kernel_size, stride, dilation)
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
+                         dilation=dilation, groups=groups, bias=bias)  # fmt: skip
+        self.gain = nn.Parameter(torch.full((self.out_channels, 1, 1, 1), gain_init))
+        self.scale = gamma * self.weight[0].numel() ** -0.5  # gamma * 1 / sqrt(fan-in)
+        self.eps = eps
+
+    def forward(self, x):
+        weight = nn.functional.batch_norm(
+            self.weight.reshape(1, self.out_channels, -1), None, None,
+            weight=(self.gain * self.scale).view(-1), training=True, momentum=0.0, eps=self.eps,
+        ).reshape_as(self.weight)  # fmt: skip
+        return nn.functional.conv2d(
+            x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups
+        )
+
+
+#: timm's ``_nonlin_gamma["relu"]``: the gain that keeps ReLU's output variance at 1.
+NF_RELU_GAMMA = 1.7139588594436646
+
+
+class DownsampleAvg(nn.Module):
+    """timm's NF shortcut: 2×2 average pooling (ceil mode) and a 1×1 scaled
+    weight-standardised convolution."""
+
+    def __init__(self, in_chs, out_chs, stride=1, conv_layer=ScaledStdConv2d):
+        super().__init__()
+        if stride > 1:
+            self.pool = nn.AvgPool2d(2, stride, ceil_mode=True, count_include_pad=False)
+        else:
+            self.pool = nn.Identity()
+        self.conv = conv_layer(in_chs, out_chs, 1, stride=1)
+
+    def forward(self, x):
+        return self.conv(self.pool(x))
+
+
+class NormFreeBlock(nn.Module):
+    """timm's ``NormFreeBlock`` (``timm.models.nfnet``), the ResNet bottleneck variant:
+    pre-activation scaled by ``beta``, three scaled weight-standardised convolutions,
+    the residual branch scaled by ``alpha`` (and by the learned scalar
+    ``skipinit_gain``, in place, with ``skipinit``) and added to the shortcut.
+
+    Args:
+        in_chs, out_chs: channels.
+        stride: stride of the 3×3 convolution (and of the shortcut's pooling).
+        alpha: the residual branch's scale.
+        beta: the input's scale, 1 / the expected standard deviation.
+        bottle_ratio: bottleneck width over ``out_chs``.
+        skipinit: add the learned ``skipinit_gain`` (initialised to 0).
+        conv_layer: ``conv_layer(c_in, c_out, k, ...)`` (a :class:`ScaledStdConv2d`).
+    """
+
+    def __init__(self, in_chs, out_chs, stride=1, alpha=0.2, beta=1.0, bottle_ratio=0.25,
+                 skipinit=False, conv_layer=ScaledStdConv2d):  # fmt: skip
+        super().__init__()
+        mid_chs = _make_divisible(out_chs * bottle_ratio, 8)
+        self.alpha, self.beta = alpha, beta
+        if in_chs != out_chs or stride != 1:
+            self.downsample = DownsampleAvg(in_chs, out_chs, stride, conv_layer)
+        else:
+            self.downsample = None
+        self.act1 = nn.ReLU()
+        self.conv1 = conv_layer(in_chs, mid_chs, 1)
+        self.act2 = nn.ReLU(inplace=True)
+        self.conv2 = conv_layer(mid_chs, mid_chs, 3, stride=stride)
+        self.act3 = nn.ReLU()
+        self.conv3 = conv_layer(mid_chs, out_chs, 1, gain_init=1.0 if skipinit else 0.0)
+        self.skipinit_gain = nn.Parameter(torch.tensor(0.0)) if skipinit else None
+
+    def forward(self, x):
+        out = self.act1(x) * self.beta
+        shortcut = x
+        if self.downsample is not None:
+            shortcut = self.downsample(out)
+        x = self.conv1(out)
+        x = self.conv2(self.act2(x))
+        x = self.conv3(self.act3(x))
+        if self.skipinit_gain is not None:
+            x.mul_(self.skipinit_gain)
+        x = x * self.alpha + shortcut
+        return x
+
+
+def _make_divisible(v, divisor=8, min_value=None, round_limit=0.9) -> int:
+    min_value = min_value or divisor
+    new_v = max(min_value, int(v + divisor / 2) // divisor * divisor)
+    if new_v < round_limit * v:
+        new_v += divisor
+    return new_v
+
+
+class NormFreeNet(nn.Module):
+    """timm's ``NormFreeNet`` in its NF-ResNet configuration (``_nfres_cfg``): a 7×7
+    stride-2 scaled weight-standardised stem convolution and a max-pool, four stages
+    of :class:`NormFreeBlock` s (256, 512, 1024, 2048 channels, bottleneck 1/4) with
+    the expected-variance bookkeeping of ``beta``, a final ReLU, global average
+    pooling and a Linear head; timm's initialisation.
+
+    Args:
+        depths: blocks per stage.
+        num_classes: outputs.
+        in_chans: input channels.
+        alpha: the residual branches' scale.
+        skipinit: blocks with a learned scalar gain on the residual branch.
+    """
+
+    def __init__(self, depths=(2, 2, 2, 2), num_classes=10, in_chans=3, alpha=0.2,
+                 skipinit=False):  # fmt: skip
+        super().__init__()
+        from functools import partial
+
+        conv_layer = partial(ScaledStdConv2d, gamma=NF_RELU_GAMMA, eps=1e-8)
+        self.stem = nn.Sequential()
+        self.stem.add_module("conv", conv_layer(in_chans, 64, kernel_size=7, stride=2))
+        self.stem.add_module("pool", nn.MaxPool2d(3, stride=2, padding=1))
+        prev_chs, expected_var, stages = 64, 1.0, []
+        for stage_idx, (depth, width) in enumerate(zip(depths, (256, 512, 1024, 2048))):
+            stride = 1 if stage_idx == 0 else 2
+            blocks = []
+            for block_idx in range(depth):
+                blocks.append(
+                    NormFreeBlock(prev_chs, width, stride if block_idx == 0 else 1, alpha,
+                                  1.0 / expected_var**0.5, 0.25, skipinit, conv_layer)
+                )  # fmt: skip
+                if block_idx == 0:
+                    expected_var = 1.0  # reset after the first block of each stage
+                expected_var += alpha**2
+                prev_chs = width
+            stages.append(nn.Sequential(*blocks))
+        self.stages = nn.Sequential(*stages)
+        self.final_conv = nn.Identity()
+        self.final_act = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(prev_chs, num_classes)
+        for n, m in self.named_modules():
+            if "fc" in n and isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, 0.01)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="linear")
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def forward(self, x):
+        x = self.final_act(self.final_conv(self.stages(self.stem(x))))
+        return self.fc(self.pool(x).flatten(1))
+
+
+def nf_resnet26(in_channels: int = 3, num_classes: int = 10, skipinit: bool = True) -> nn.Module:
+    """timm's ``nf_resnet26`` (blocks 2, 2, 2, 2; 14.0 M parameters for 10 classes) with
+    the skip-init gains of DeepMind's NFNets (``skipinit=True``, as timm's ``dm_nfnet_*``),
+    the normaliser-free family of DP's best image classifiers."""
+    return NormFreeNet((2, 2, 2, 2), num_classes, in_channels, skipinit=skipinit)
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """timm's ``LayerNorm2d``: LayerNorm over the channels of ``[N, C, H, W]``, written
+    as a permute to channels-last, ``F.layer_norm`` and a permute back."""
+
+    def __init__(self, num_channels: int, eps: float = 1e-6, affine: bool = True):
+        super().__init__(num_channels, eps=eps, elementwise_affine=affine)
+
+    def forward(self, x):
+        x = x.permute(0, 2, 3, 1)
+        x = nn.functional.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class Mlp(nn.Module):
+    """timm's ``Mlp`` with ``use_conv=True`` (1×1 convolutions): fc1, GELU, fc2."""
+
+    def __init__(self, in_features: int, hidden_features: int, use_conv: bool = True):
+        super().__init__()
+        linear = (lambda i, o: nn.Conv2d(i, o, kernel_size=1)) if use_conv else nn.Linear
+        self.fc1 = linear(in_features, hidden_features)
+        self.act = nn.GELU()
+        self.drop1 = nn.Dropout(0.0)
+        self.norm = nn.Identity()
+        self.fc2 = linear(hidden_features, in_features)
+        self.drop2 = nn.Dropout(0.0)
+
+    def forward(self, x):
+        x = self.drop1(self.act(self.fc1(x)))
+        return self.drop2(self.fc2(self.norm(x)))
+
+
+class ConvNeXtBlock(nn.Module):
+    """timm's ``ConvNeXtBlock`` with ``conv_mlp=True``: a 7×7 depthwise convolution,
+    :class:`LayerNorm2d`, an :class:`Mlp` of 1×1 convolutions, the layer scale
+    ``gamma`` (a parameter of the block itself, multiplied in its ``forward``) and the
+    residual add.
+
+    Args:
+        dim: channels.
+        ls_init_value: the layer scale's initial value.
+    """
+
+    def __init__(self, dim: int, ls_init_value: float = 1e-6):
+        super().__init__()
+        self.conv_dw = nn.Conv2d(dim, dim, 7, padding=3, groups=dim, bias=True)
+        self.norm = LayerNorm2d(dim)
+        self.mlp = Mlp(dim, 4 * dim, use_conv=True)
+        self.gamma = nn.Parameter(ls_init_value * torch.ones(dim))
+        self.shortcut = nn.Identity()
+        self.drop_path = nn.Identity()
+
+    def forward(self, x):
+        shortcut = x
+        x = self.mlp(self.norm(self.conv_dw(x)))
+        x = x.mul(self.gamma.reshape(1, -1, 1, 1))
+        return self.drop_path(x) + self.shortcut(shortcut)
+
+
+class ConvNeXtStage(nn.Module):
+    """timm's ``ConvNeXtStage``: a downsampling (:class:`LayerNorm2d`, 2×2 stride-2
+    convolution) where the shape changes, then blocks."""
+
+    def __init__(self, in_chs: int, out_chs: int, stride: int, depth: int):
+        super().__init__()
+        if in_chs != out_chs or stride > 1:
+            self.downsample = nn.Sequential(
+                LayerNorm2d(in_chs), nn.Conv2d(in_chs, out_chs, kernel_size=2, stride=stride)
+            )
+        else:
+            self.downsample = nn.Identity()
+        self.blocks = nn.Sequential(*[ConvNeXtBlock(out_chs) for _ in range(depth)])
+
+    def forward(self, x):
+        return self.blocks(self.downsample(x))
+
+
+class ConvNeXt(nn.Module):
+    """timm's ``ConvNeXt`` with ``conv_mlp=True``: a 4×4 patch stem and
+    :class:`LayerNorm2d`, four stages, then timm's ``NormMlpClassifierHead`` (global
+    average pooling, :class:`LayerNorm2d`, flatten, Linear); timm's initialisation
+    (truncated normal, std 0.02).
+
+    Args:
+        depths: blocks per stage.
+        dims: channels per stage.
+        num_classes: outputs.
+        in_chans: input channels.
+    """
+
+    def __init__(self, depths=(3, 3, 9, 3), dims=(96, 192, 384, 768), num_classes=10,
+                 in_chans=3):  # fmt: skip
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(in_chans, dims[0], 4, stride=4), LayerNorm2d(dims[0]))
+        prev, stages = dims[0], []
+        for i, (depth, dim) in enumerate(zip(depths, dims)):
+            stages.append(ConvNeXtStage(prev, dim, 1 if i == 0 else 2, depth))
+            prev = dim
+        self.stages = nn.Sequential(*stages)
+        self.norm_pre = nn.Identity()
+        self.head = nn.Sequential()
+        self.head.add_module("global_pool", nn.AdaptiveAvgPool2d(1))
+        self.head.add_module("norm", LayerNorm2d(prev))
+        self.head.add_module("flatten", nn.Flatten(1))
+        self.head.add_module("pre_logits", nn.Identity())
+        self.head.add_module("drop", nn.Dropout(0.0))
+        self.head.add_module("fc", nn.Linear(prev, num_classes))
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def forward(self, x):
+        return self.head(self.norm_pre(self.stages(self.stem(x))))
+
+
+def convnext_atto(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
+    """timm's ``convnext_atto`` (depths 2, 2, 6, 2; dims 40, 80, 160, 320;
+    ``conv_mlp=True``; 3.4 M parameters for 10 classes)."""
+    return ConvNeXt((2, 2, 6, 2), (40, 80, 160, 320), num_classes, in_channels)

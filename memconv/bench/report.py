@@ -15,18 +15,28 @@ import re
 import textwrap
 from collections import defaultdict
 
-from .cases import CASES, LABELS, describe
+from .cases import CASES, LABELS, describe, shape_of
 from .engines import BUDGET_ENGINE, DEFAULT_ENGINE, FLOOR, REFERENCE
 
 SECTIONS = (
     "commands", "machine", "grads", "cost-model", "clip", "clip-layer", "budget", "targets",
-    "largest", "sweeps",
+    "largest", "sweeps", "models",
 )  # fmt: skip
 #: Per-layer clipping in one backward pass against the non-private step: the cases
 #: (the ViT-tiny's once :mod:`memconv.bench.cases` has it), and the largest ratios of
 #: peak memory and time.
 PER_LAYER_CASES = ("resnet18-gn", "wrn16-4-gn", "vit-tiny")
 PER_LAYER_TARGETS = (1.05, 1.15)
+#: "DP on the models people train" (runs with ``--table models``): ``clip_and_accumulate``
+#: with default arguments against the non-private step, largest ratios of peak memory and
+#: time; and its engines, in the table's order, with their labels.
+MODEL_TARGETS = (1.15, 1.30)
+MODEL_CLIP_ENGINES = {
+    "non-private": "non-private step",
+    DEFAULT_ENGINE: "clip_and_accumulate (defaults)",
+    "opacus-ghost": "Opacus ghost clipping",
+    "torch.func": "torch.func per-sample gradients, clipped",
+}
 #: The documented targets of the budget rows: (task, case) → (budget MiB, max peak /
 #: budget, max time / the unbudgeted call or None).
 BUDGET_TARGETS = {
@@ -524,6 +534,148 @@ def targets(records: list[dict]) -> list[str]:
     return out
 
 
+# ---------------------------------------------------------------- the models people train
+def table_files(records: list[dict], name: str) -> set[str]:
+    """The files whose run was made for the page's table ``name`` (``--table``)."""
+    return {r["file"] for r in records if r.get("record") == "run" and r.get("table") == name}
+
+
+def _model_rows(records: list[dict]) -> dict:
+    """``{(task, case, engine): row}`` of the ``--table models`` runs: each (task, case)
+    from the last run that measured it (ratios are read within one run)."""
+    files = table_files(records, "models")
+    rows = [r for r in records if r.get("record") == "row" and r.get("file") in files]
+    last = {(r["task"], r["case"]): r["file"] for r in rows}
+    return {
+        (r["task"], r["case"], r["engine"]): r
+        for r in rows
+        if r["file"] == last[(r["task"], r["case"])]
+    }
+
+
+def _model_cell(row: dict) -> str:
+    config = row["config"]
+    params = f", {row['params'] / 1e6:.1f} M parameters" if row.get("params") else ""
+    return f"{LABELS.get(config['model'], config['model'])} ({shape_of(config)}{params})"
+
+
+def _why(row: dict) -> str:
+    return f"fails: {row['error']}" if "error" in row else f"skipped: {row['skipped']}"
+
+
+def format_models(records: list[dict]) -> str:
+    """The table "DP on the models people train": per model, one DP clipping step of each
+    engine against the non-private step, then per-sample gradients against torch.func's,
+    then the targets."""
+    by = _model_rows(records)
+    if not by:
+        return "(no runs of `memconv bench --table models` in these files)"
+    cases = list(dict.fromkeys(case for _, case, _ in by))
+    lines = []
+    clip_cases = [c for c in cases if ("clip", c, "non-private") in by]
+    if clip_cases:
+        n = by[("clip", clip_cases[0], "non-private")]["config"]["batch"]
+        lines += [
+            f"One DP clipping step, batch {n} (ratios to the non-private step):",
+            "",
+            "| model | step | peak RSS increase (MiB) | allocator peak (MiB) | time (s) | "
+            "RSS / non-private | allocator / non-private | time / non-private | "
+            "max rel. deviation from torch.func |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+    for case in clip_cases:
+        floor = by[("clip", case, "non-private")]
+        first = True
+        for engine, name in MODEL_CLIP_ENGINES.items():
+            r = by.get(("clip", case, engine))
+            if r is None:
+                continue
+            model = _model_cell(r if "params" in r else floor) if first else ""
+            first = False
+            if "error" in r or "skipped" in r:
+                lines.append(f"| {model} | {name} | {_why(r)} |" + " |" * 6)
+                continue
+            ok = floor.get("peak_rss_mib") is not None
+            lines.append(
+                f"| {model} | {name} | {_fmt(r['peak_rss_mib'])} | {_fmt(r['peak_alloc_mib'])} | "
+                f"{_fmt(r['time_s'], '.3f')} | "
+                f"{_ratio(r['peak_rss_mib'], floor['peak_rss_mib'] if ok else None)} | "
+                f"{_ratio(r['peak_alloc_mib'], floor.get('peak_alloc_mib'))} | "
+                f"{_ratio(r['time_s'], floor.get('time_s'))} | "
+                f"{_fmt(r.get('deviation'), '.1e', 'n/a')} |"
+            )
+    grads_cases = [c for c in cases if ("grads", c, "torch.func") in by]
+    if grads_cases:
+        n = by[("grads", grads_cases[0], "torch.func")]["config"]["batch"]
+        lines += [
+            "",
+            f"Per-sample gradients, batch {n}: `memconv.per_sample_grads` with default "
+            "arguments against torch.func's `vmap(grad)`:",
+            "",
+            "| model | torch.func RSS (MiB) | torch.func allocator (MiB) | torch.func time (s) | "
+            "memconv RSS (MiB) | memconv allocator (MiB) | memconv time (s) | "
+            "time / torch.func | max rel. deviation from torch.func |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+    for case in grads_cases:
+        ref, ours = by[("grads", case, "torch.func")], by.get(("grads", case, DEFAULT_ENGINE))
+        cells = [_model_cell(ours if ours and "params" in ours else ref)]
+        for r in (ref, ours):
+            if r is None or "error" in r or "skipped" in r:
+                cells += [_why(r) if r else "-", "", ""]
+            else:
+                cells += [_fmt(r["peak_rss_mib"]), _fmt(r["peak_alloc_mib"]),
+                          _fmt(r["time_s"], ".3f")]  # fmt: skip
+        good = ours is not None and ours.get("time_s") and ref.get("time_s")
+        cells.append(_ratio(ours["time_s"], ref["time_s"]) if good else "-")
+        cells.append(_fmt(ours.get("deviation"), ".1e", "n/a") if ours else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    found = model_targets(records)
+    if found:
+        lines += ["", "Targets (at the cases' documented sizes):", "", *found]
+    return "\n".join(lines)
+
+
+def model_targets(records: list[dict]) -> list[str]:
+    """The targets of the models people train as measured ratios: ``clip_and_accumulate``
+    within :data:`MODEL_TARGETS` of the non-private step's peak memory and time, and
+    per-sample gradients faster than torch.func's (cases at their documented size)."""
+    by = {k: r for k, r in _model_rows(records).items() if _full_size(r)}
+    peak, time = MODEL_TARGETS
+    out = []
+    for case in dict.fromkeys(case for _, case, _ in by):
+        name = LABELS.get(CASES[case].model, case)
+        floor, ours = by.get(("clip", case, "non-private")), by.get(("clip", case, DEFAULT_ENGINE))
+        good = [r for r in (floor, ours) if r and "error" not in r and "skipped" not in r]
+        if len(good) == 2 and floor.get("peak_alloc_mib"):
+            n = ours["config"]["batch"]
+            a = ours["peak_alloc_mib"] / floor["peak_alloc_mib"]
+            r = ours["peak_rss_mib"] / floor["peak_rss_mib"]
+            line = (
+                f"- {name}, batch {n}, clip_and_accumulate (defaults) peak ≤ {peak:.2f} × "
+                f"non-private: allocator {a:.2f} × ({_verdict(a <= peak)}), RSS {r:.2f} × "
+                f"({_verdict(r <= peak)})"
+            )
+            if ours.get("time_s") and floor.get("time_s"):
+                t = ours["time_s"] / floor["time_s"]
+                line += f"; time ≤ {time:.2f} × non-private: {t:.2f} × ({_verdict(t <= time)})"
+            out.append(line)
+        ref, ours = by.get(("grads", case, "torch.func")), by.get(("grads", case, DEFAULT_ENGINE))
+        if ref and ours and ref.get("time_s") and ours.get("time_s"):
+            q = ours["time_s"] / ref["time_s"]
+            out.append(
+                f"- {name}, batch {ours['config']['batch']}, per-sample gradients faster than "
+                f"torch.func: {ours['time_s']:.3f} s vs {ref['time_s']:.3f} s = {q:.2f} × "
+                f"({_verdict(q < 1)})"
+            )
+        elif ref and ours and "error" in ours:
+            out.append(
+                f"- {name}, per-sample gradients faster than torch.func: **missed** "
+                f"(memconv fails: {ours['error']})"
+            )
+    return out
+
+
 # ---------------------------------------------------------------- the page
 def format_commands(records: list[dict]) -> str:
     """The commands that produced the records, with their wall time."""
@@ -553,11 +705,14 @@ def format_machine(records: list[dict]) -> str:
 
 
 def render(records: list[dict], page_dir: str | None = None) -> dict[str, str]:
-    """Every section of :data:`SECTIONS`, rendered from ``records``."""
+    """Every section of :data:`SECTIONS`, rendered from ``records`` (the records of a
+    run made for a table, ``--table``, go to that table alone)."""
+    tabled = {f for name in ("models",) for f in table_files(records, name)}
+    own = [r for r in records if r.get("file") not in tabled]
     cases = {
         task: "\n\n".join(
             format_case(task, rows[0]["config"], rows)
-            for (_, t, _), rows in group_rows(records).items()
+            for (_, t, _), rows in group_rows(own).items()
             if t == task
         )
         or "(no measurements of this task in these files)"
@@ -571,10 +726,12 @@ def render(records: list[dict], page_dir: str | None = None) -> dict[str, str]:
         "cost-model": format_cost_model(cost) if cost else "(no cost-model rows in these files)",
         "clip": cases["clip"],
         "clip-layer": cases["clip-layer"],
-        "budget": format_budget(records),
-        "targets": "\n".join(targets(records)) or "(no target measurements in these files)",
+        "budget": format_budget(own),
+        "targets": "\n".join(targets(own) + model_targets(records))
+        or "(no target measurements in these files)",
         "largest": format_largest(records),
         "sweeps": format_sweeps(records, page_dir),
+        "models": format_models(records),
     }
 
 

@@ -10,7 +10,10 @@ non-private training):
 - DP clipping on the ResNet-18-GN, the seed CNN, the WRN-16-4-GN, Conv1d and Conv3d;
 - the largest batch within a memory limit (per-sample gradients; DP clipping);
 - StreamingCNN against a conventional pass on a 4096² image;
-- the batch and image-side sweeps.
+- the batch and image-side sweeps;
+- DP on the models people train (torchvision's ResNet-18-GN, timm's NF-ResNet-26 and
+  ConvNeXt-atto, the ViT-tiny): one DP clipping step against the non-private step, and
+  per-sample gradients against torch.func's.
 
 Each step writes JSON Lines under ``--out`` (``<step>.jsonl``), each measurement in a
 fresh process as ``memconv bench`` does: on CUDA, peak memory is
@@ -43,6 +46,8 @@ DESCRIPTION = (
     "--markdown from them."
 )
 
+#: The models people train (the table "DP on the models people train").
+MODEL_CASES = "resnet18-tv-gn,nf-resnet26,convnext-atto,vit-tiny"
 GRADS_ENGINES = (
     "autograd,torch.func,expanded-weights,opacus-hooks,backpack-save-memory,memconv:standard,"
     "memconv:rochette,memconv:unfold,memconv:shift,memconv:auto,memconv:budget,"
@@ -100,6 +105,14 @@ STEPS = (
     Step("sweep-side", ("--sweep", "side", "--range", "28,56,112,224"),
          ("--sweep", "side", "--quick", "--range", "28,56",
           "--engines", "autograd,memconv:auto"), plot=True),
+    Step("models", ("--task", "clip", "--table", "models", "--cases", MODEL_CASES,
+                    "--engines", "non-private,memconv:default,opacus-ghost,torch.func"),
+         ("--task", "clip", "--table", "models", "--quick", "--cases", "convnext-atto",
+          "--engines", "non-private,memconv:default")),
+    Step("models-grads", ("--task", "grads", "--table", "models", "--cases", MODEL_CASES,
+                          "--engines", "torch.func,memconv:default"),
+         ("--task", "grads", "--table", "models", "--quick", "--cases", "convnext-atto",
+          "--engines", "torch.func,memconv:default")),
 )  # fmt: skip
 STEP_NAMES = tuple(s.name for s in STEPS)
 

@@ -76,7 +76,7 @@ def run(config: dict) -> dict:
 
     Returns:
         ``peak_rss_mib``, ``peak_alloc_mib`` (None when not measured), ``time_s`` (None
-        when not timed), ``result_mib``, and for budget engines ``plan`` (the
+        when not timed), ``result_mib``, ``params`` (the model's parameter count), and for budget engines ``plan`` (the
         micro-batches :func:`memconv.plan` chose and its predicted peak).
     """
     torch.manual_seed(config.get("seed", 0))
@@ -123,6 +123,7 @@ def run(config: dict) -> dict:
         "peak_alloc_mib": alloc,
         "time_s": t,
         "result_mib": result_bytes / MiB,
+        "params": sum(p.numel() for p in model.parameters()),
         **figures,
         # the machine's load (1-minute average) when the measurement ended: other
         # processes on a shared machine slow the timings down
