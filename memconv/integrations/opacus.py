@@ -726,10 +726,13 @@ def make_private(
             :func:`memconv.clip_and_accumulate`.
         criterion: accepted for Opacus' signature and not used (the returned model
             works with the criterion of the loop).
-        target_unclipped_quantile, clipbound_learning_rate, max_clipbound,
-            min_clipbound, unclipped_num_std: adaptive clipping's arguments, as Opacus'
-            ``AdaClipDPOptimizer`` takes them; required with ``"adaptive"``, refused
-            otherwise.
+        target_unclipped_quantile: with ``"adaptive"``, the target fraction of
+            unclipped samples (required with ``"adaptive"``, refused otherwise, as
+            are the four below; each as Opacus' ``AdaClipDPOptimizer`` takes it).
+        clipbound_learning_rate: the threshold's geometric learning rate.
+        max_clipbound: the threshold's upper bound.
+        min_clipbound: the threshold's lower bound.
+        unclipped_num_std: the standard deviation of the count's noise.
         **kwargs: passed to Opacus' optimizer.
 
     Returns:
