@@ -39,21 +39,25 @@ class OpRecorder(TorchFunctionMode):
     def __init__(self, model: nn.Module, on_call: Callable):
         super().__init__()
         self.on_call = on_call
-        # {id(tensor): (tensor, depends on a trainable parameter)}: the tensor is kept
-        # alive so that its id is not reused during the pass
+        # {id(tensor): (tensor, ids of the trainable parameters it depends on)}: the
+        # tensor is kept alive so that its id is not reused during the pass
         self.pure: dict = {}
         # {id(tensor): tensor it was expanded from} of parameter-only tensors expanded
         # along their first axis (a class token expanded to the batch)
         self.expanded: dict = {}
         for b in model.buffers():
-            self.pure[id(b)] = (b, False)
+            self.pure[id(b)] = (b, frozenset())
         for p in model.parameters():
-            self.pure[id(p)] = (p, p.requires_grad)
+            self.pure[id(p)] = (p, frozenset({id(p)}) if p.requires_grad else frozenset())
 
     def trainable(self, t) -> bool:
         """Whether ``t`` is a function of the parameters alone depending on a trainable one."""
+        return bool(self.depends(t))
+
+    def depends(self, t) -> frozenset:
+        """The ids of the trainable parameters a parameter-only tensor depends on."""
         entry = self.pure.get(id(t))
-        return entry is not None and entry[0] is t and entry[1]
+        return entry[1] if entry is not None and entry[0] is t else frozenset()
 
     def is_pure(self, t) -> bool:
         entry = self.pure.get(id(t))
@@ -71,7 +75,7 @@ class OpRecorder(TorchFunctionMode):
             out = func(*args, **kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
         if pure and tensors:
-            trainable = any(self.pure[id(t)][1] for t in tensors)
+            trainable = frozenset().union(*(self.pure[id(t)][1] for t in tensors))
             for t in outs:
                 self.pure[id(t)] = (t, trainable)
             if func is Tensor.expand and trainable and len(outs) == 1:
@@ -80,7 +84,7 @@ class OpRecorder(TorchFunctionMode):
                     self.expanded[id(outs[0])] = source
         elif pure:  # a factory function: a constant
             for t in outs:
-                self.pure[id(t)] = (t, False)
+                self.pure[id(t)] = (t, frozenset())
         else:  # the batch (or something unknown) entered: in-place results too
             for t in outs:
                 self.pure.pop(id(t), None)

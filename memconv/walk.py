@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .grad_sample import own_trainable
 from .layers import LayerRule, RuleSettings, find_rule, run_rule, using
 from .layers.generic import call_grad_sample, chunk_size
-from .layers.ops import Broadcast, BoundOp, broadcast_ok
+from .layers.ops import BoundOp, Broadcast, broadcast_ok
 from .losses import PerSampleLoss
 from .optrace import OpRecorder
 
@@ -145,7 +145,10 @@ class ProbeMismatch(RuntimeError):
 def recording_calls(model: nn.Module):
     """Record ``(module, argument shapes, output shapes)`` of every call of a module
     owning trainable parameters during the forward passes run inside the block (the
-    arguments as the caller gave them, before the module's forward pre-hooks).
+    arguments as the caller gave them, before the module's forward pre-hooks), and
+    ``(function, [data argument's shape], output shapes, ids of the trainable
+    parameters reaching it)`` of every call of an operation with a rule on parameters
+    (:class:`memconv.optrace.OpRecorder`).
 
     Yields:
         The list the calls are appended to, in forward order.
@@ -161,7 +164,8 @@ def recording_calls(model: nn.Module):
 
     def on_op(func, bound: BoundOp, run):
         out = run()
-        calls.append((func, [tuple(bound.data.shape)], _shapes(out)))
+        reached = frozenset().union(*(recorder.depends(t) for t in bound.slots.values()))
+        calls.append((func, [tuple(bound.data.shape)], _shapes(out), reached))
         return out
 
     handles = []
@@ -170,7 +174,8 @@ def recording_calls(model: nn.Module):
             handles.append(o.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
             handles.append(o.register_forward_hook(hook, with_kwargs=True))
     try:
-        with OpRecorder(model, on_op):
+        recorder = OpRecorder(model, on_op)
+        with recorder:
             yield calls
     finally:
         for h in handles:
@@ -197,7 +202,7 @@ def call_axes(one: list, two: list) -> list[CallAxes]:
             tuple(_axis(u, v) if u is not None else None for u, v in zip(out1, out2)),
             (tuple(in1), tuple(out1)),
         )
-        for (module, in1, out1), (_, in2, out2) in zip(one, two)
+        for (module, in1, out1, *_), (_, in2, out2, *_) in zip(one, two)
     ]
 
 
@@ -376,7 +381,9 @@ class OpCall(LayerCall):
         grads = grads.to(tensor.dtype)
         with torch.enable_grad():
             if not batched:
-                out = torch.autograd.grad(tensor, params, grads, retain_graph=True, allow_unused=True)
+                out = torch.autograd.grad(
+                    tensor, params, grads, retain_graph=True, allow_unused=True
+                )
                 return {k: _zero(v, p) for k, v, p in zip(names, out, params)}
             n = grads.shape[0]
             step = max(1, (64 * 2**20) // max(1, 4 * tensor.numel() * tensor.element_size()))

@@ -208,7 +208,9 @@ def _walk_routes(model, x, y):
         model, loss_fn, x, y, names, axes, lambda call: None, caller="test"
     )
     generic = [c.name for c in walk.calls if c.params and c.rule is None]
-    ops = {full for c in walk.calls if isinstance(c, memconv.walk.OpCall) for full in c.params.values()}
+    ops = {
+        full for c in walk.calls if isinstance(c, memconv.walk.OpCall) for full in c.params.values()
+    }
     return set(walk.model_params), generic, ops
 
 
@@ -220,6 +222,7 @@ def test_operations_run_on_lean_rules(name):
     assert generic == []
     assert model_params == NOT_LEAN.get(name, set())
     assert ops  # some parameter is served by an operation rule
+    assert memconv.plan(model, x).generic_layers == ()
 
 
 @pytest.mark.parametrize("budget", [None, "small"])

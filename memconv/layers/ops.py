@@ -151,7 +151,16 @@ def _bind_group_norm(args, kwargs):
 
 
 def _bind_batch_norm(args, kwargs):
-    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+    names = (
+        "input",
+        "running_mean",
+        "running_var",
+        "weight",
+        "bias",
+        "training",
+        "momentum",
+        "eps",
+    )
     defaults = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
     a = _fill(names, args, kwargs, defaults)
     # in training mode, or without running statistics, batch norm mixes the samples
@@ -170,7 +179,15 @@ def _bind_batch_norm(args, kwargs):
 
 
 def _bind_embedding(args, kwargs):
-    names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+    names = (
+        "input",
+        "weight",
+        "padding_idx",
+        "max_norm",
+        "norm_type",
+        "scale_grad_by_freq",
+        "sparse",
+    )
     defaults = {
         "padding_idx": None, "max_norm": None, "norm_type": 2.0, "scale_grad_by_freq": False,
         "sparse": False,
