@@ -42,6 +42,7 @@ from .layers import LayerRule, RuleSettings, find_rule, run_rule, using
 from .layers.generic import call_grad_sample, chunk_size
 from .layers.ops import BoundOp, Broadcast, broadcast_ok
 from .losses import PerSampleLoss
+from .norms import sq_norms
 from .optrace import OpRecorder
 
 #: Marks a tensor whose batch axis cannot be told (it grew other than 1 → 2).
@@ -293,8 +294,6 @@ class LayerCall:
 
     def sq_norms(self, rs: RuleSettings) -> dict[str, Tensor]:
         """Squared per-sample norms ``{name in module: [N]}`` of :attr:`params`."""
-        from .norms import sq_norms
-
         if self.rule is not None:
             inputs, g = self.rule_inputs()
             with using(self.settings(rs)):
@@ -386,7 +385,7 @@ class OpCall(LayerCall):
                 )
                 return {k: _zero(v, p) for k, v, p in zip(names, out, params)}
             n = grads.shape[0]
-            step = max(1, (64 * 2**20) // max(1, 4 * tensor.numel() * tensor.element_size()))
+            step = max(1, _CHAIN_BYTES // max(1, 4 * tensor.numel() * tensor.element_size()))
             parts: list = [[] for _ in params]
             for i in range(0, n, step):
                 chunk = grads[i : i + step]
@@ -421,14 +420,31 @@ class OpCall(LayerCall):
         return self._collect(self._slot_out(rs, "grad_sample"), True)
 
     def sq_norms(self, rs: RuleSettings) -> dict[str, Tensor]:
-        from .norms import sq_norms
-
         plain = all(t.grad_fn is None for t, _ in self.sources.values())
         if plain and len(self.sources) == len(self.params):
             out = self._slot_out(rs, "sq_norms")
             out = {self.params_of(slot): v for slot, v in out.items() if slot in self.sources}
-        else:
-            out = {k: sq_norms(v) for k, v in self.grad_sample(rs).items()}
+        else:  # per-sample gradients through f, a chunk of samples at a time
+            inputs, g = self.rule_inputs()
+            n = g.shape[0]
+            per = sum(t.numel() * t.element_size() for t, _ in self.sources.values())
+            per += sum(p.numel() * p.element_size() for p in self._named().values())
+            step = max(1, (rs.budget or _CHAIN_BYTES) // max(1, 3 * per))
+            parts: dict = {}
+            for i in range(0, n, step):
+                rows = slice(i, i + step)
+                with using(self.settings(rs)):
+                    slots = run_rule(
+                        self.rule,
+                        "grad_sample",
+                        self.module,
+                        tuple(a[rows] for a in inputs),
+                        g[rows],
+                    )
+                for k, v in self._collect(slots, True).items():
+                    parts.setdefault(k, []).append(sq_norms(v))
+                del slots
+            out = {k: torch.cat(v) for k, v in parts.items()}
         return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}
 
     def params_of(self, slot: str) -> str:
@@ -444,6 +460,10 @@ class OpCall(LayerCall):
     def release(self) -> None:
         super().release()
         self.sources = {}
+
+
+#: Bytes of per-sample gradients a chain through a parameter-only map holds at once.
+_CHAIN_BYTES = 64 * 2**20
 
 
 def _zero(v, p: Tensor) -> Tensor:
@@ -617,13 +637,13 @@ def backward_walk(
     visits = _Visits(visit)
     counter = [0]
 
-    open_names: list = []  # the modules whose calls are open, innermost last
+    open_modules: list = []  # the modules whose calls are open, innermost last
 
     def pre_hook(module, args, kwargs):
         # first of the module's pre-hooks: the call's arguments as the caller gave them,
         # which the generic route replays through the whole call, hooks included
         starts.setdefault(module, []).append((seq.now(), args, kwargs))
-        open_names.append(owners[module])
+        open_modules.append(module)
 
     def on_op(func, bound: BoundOp, run):
         index = counter[0]
@@ -635,10 +655,12 @@ def backward_walk(
         end = seq.now()
         if index >= len(axes):
             raise ProbeMismatch(f"{caller}: the model calls more layers than in its probe")
-        where = open_names[-1] if open_names else type(model).__name__
+        where = owners[open_modules[-1]] if open_modules else type(model).__name__
         name = f"{where}: {getattr(func, '__name__', func)}"
         data_shape = [tuple(bound.data.shape)]
         _check_axes(axes[index], func, data_shape, _leaf_shapes([out]), m, name)
+        if open_modules and _covered_by_module(open_modules[-1], bound, ours):
+            return out
         call = _op_call(bound, out, axes[index], name, (start, end), recorder, names)
         if call is None:
             return out
@@ -651,7 +673,7 @@ def backward_walk(
 
     def forward_hook(module, args, kwargs, output):
         start, given_args, given_kwargs = starts[module].pop()
-        open_names.pop()
+        open_modules.pop()
         if _hooked(module, ours):  # a pre-hook may have replaced the arguments
             args, kwargs = given_args, given_kwargs
         index = counter[0]
@@ -809,6 +831,15 @@ class _Visits:
             self._run(entry)
             entry[2].remove()
         self.later = []
+
+
+def _covered_by_module(module: nn.Module, bound: BoundOp, ours) -> bool:
+    """Whether the operation call is the body of a layer whose rule serves it: the
+    layer has a rule, no other hooks, and the call's parameters are its own."""
+    if find_rule(module) is None or _hooked(module, ours):
+        return False
+    own = {id(p) for p in own_trainable(module).values()}
+    return all(t is None or id(t) in own for t in bound.slots.values())
 
 
 def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, recorder, names):
