@@ -274,3 +274,54 @@ def test_clip_per_layer_groups(name):
     memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=thresholds, groups="parameter")
     got = {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
     _close(got, want)
+
+
+class DataScaled(nn.Module):
+    """A weight scaled by a tensor the model neither owns as parameter nor as buffer:
+    memconv cannot tell it from data."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 32) * 0.1)
+        self.factor = torch.tensor(0.7, dtype=torch.float64)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        return F.linear(x, self.weight * self.factor)
+
+
+class SharedDerived(nn.Module):
+    """A derived weight used by an operation and, besides, outside any operation."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 32) * 0.1)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        w = self.weight * 2.0
+        return F.linear(x, w) + (x[:, :3] @ w[:, :3]).tanh()  # matmul: no operation rule
+
+
+def _pre_hooked():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(32, 4), nn.ReLU(), nn.Linear(4, 3)).double()
+    model[1].register_forward_pre_hook(lambda module, args: (args[0] * 0.5,))
+    return model
+
+
+@pytest.mark.parametrize("make", [DataScaled, SharedDerived, _pre_hooked])
+def test_what_operations_cannot_prove_stays_exact(make):
+    torch.manual_seed(0)
+    model = make().double()
+    x, y = data()
+    loss_fn = nn.CrossEntropyLoss()
+    ref = loop_reference(model, loss_fn, x, y)
+    _close(memconv.per_sample_grads(model, loss_fn, x, y), ref)
+    norms = memconv.per_sample_norms(model, loss_fn, x, y)
+    assert torch.allclose(norms, _norms(ref), rtol=TOL, atol=0)
+    model_params, generic, ops = _walk_routes(model, x, y)
+    if make is _pre_hooked:  # the operation sees the input the pre-hook made
+        assert generic == [] and not model_params and "1.weight" in ops
+    else:  # the weight is not a function of parameters alone as the loss sees it
+        assert "weight" not in ops
