@@ -12,6 +12,11 @@ call that can differentiate it:
 - a **rule call**: a layer with a rule (:func:`memconv.layers.find_rule`), called
   with positional tensors only, no hooks, batch axis first (or movable), for the
   layer's own parameters;
+- an **operation call**: a call of an operation with a rule
+  (:mod:`memconv.layers.ops`, found by :class:`memconv.optrace.OpRecorder`) on
+  parameters or on functions of parameters alone (:class:`OpCall`), for the uses
+  inside its window and, for a computed weight, the uses in that weight's graph
+  (:func:`_claims`);
 - a **generic call**: any other call of a parametrised module, for the parameters of
   its subtree (``torch.func`` on the call's real arguments,
   :func:`memconv.layers.generic.call_grad_sample`);
