@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .grad_sample import own_trainable
 from .layers import LayerRule, RuleSettings, find_rule, run_rule, using
 from .layers.generic import call_grad_sample, chunk_size
-from .layers.ops import BoundOp, Broadcast, broadcast_ok
+from .layers.ops import BoundOp, Broadcast, broadcast_ok, shell_rule
 from .losses import PerSampleLoss
 from .norms import sq_norms
 from .optrace import OpRecorder
@@ -881,7 +881,7 @@ def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, rec
     shell = bound.shell(params)
     if isinstance(shell, Broadcast) and not broadcast_ok(bound.data, params["weight"], out):
         return None
-    rule = find_rule(shell)
+    rule = shell_rule(shell)
     if rule is None:
         return None
     if not (ax_in == 0 and ax_out == 0):

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import LayerRule, register
+from .base import LayerRule, find_rule
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,6 @@ def _reduce(g: Tensor, shape: tuple) -> Tensor | None:
     return out.reshape(g.shape[0], *shape)
 
 
-@register(Broadcast)
 class BroadcastRule(LayerRule):
     """``x + w`` and ``x * w`` with ``w`` broadcast along the batch axis: per-sample
     gradients ``g`` (or ``g·x``) summed over the axes ``w`` is broadcast along."""
@@ -277,7 +276,6 @@ class Concat(nn.Module):
         self.weight = None
 
 
-@register(Concat)
 class ConcatRule(LayerRule):
     """Per-sample gradients: the output gradient's slice of the parameter, summed over
     the axes the parameter is broadcast along."""
@@ -343,6 +341,16 @@ OPS: dict = {
     torch.mul: _bind_elementwise(True),
     Tensor.mul: _bind_elementwise(True),
 }
+
+#: The rules of the shells that are no layer of torch's (kept out of the registry of
+#: layer types, :func:`memconv.layers.registered`).
+_SHELL_RULES: dict = {Broadcast: BroadcastRule(), Concat: ConcatRule()}
+
+
+def shell_rule(shell: nn.Module) -> LayerRule | None:
+    """The rule serving an operation call through its shell layer."""
+    return _SHELL_RULES.get(type(shell)) or find_rule(shell)
+
 
 #: The operations whose parameter may be either argument.
 SYMMETRIC = frozenset({torch.add, Tensor.add, torch.mul, Tensor.mul})
