@@ -463,6 +463,7 @@ class OpCall(LayerCall):
         return self._collect(self._slot_out(rs, "summed_grad", g), False)
 
     def release(self) -> None:
+        self._named()  # (read from the sources, which go)
         super().release()
         self.sources = {}
 
