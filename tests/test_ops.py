@@ -108,6 +108,20 @@ class ViT(nn.Module):
         return self.head(self.norm(x)[:, 0])
 
 
+class RMSNorm(nn.RMSNorm):
+    """An RMSNorm subclass calling ``F.rms_norm`` itself."""
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+class InstanceNorm2d(nn.InstanceNorm2d):
+    """An InstanceNorm subclass calling ``F.instance_norm`` itself."""
+
+    def forward(self, x):
+        return F.instance_norm(x, None, None, self.weight, self.bias, True, 0.1, self.eps)
+
+
 def _head(cin, size, classes=3):
     return [nn.Flatten(), nn.Linear(cin * size * size, classes)]
 
@@ -131,6 +145,14 @@ def build(name):
         model.eval()
     elif name == "convnext":
         model = nn.Sequential(nn.Conv2d(2, 4, 1), ConvNeXtBlock(4), *_head(4, 4))
+    elif name == "rms_instance":
+        model = nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1), InstanceNorm2d(4, affine=True), nn.Flatten(),
+            nn.Linear(64, 6), RMSNorm(6, eps=1e-6), nn.Linear(6, 3),
+        )  # fmt: skip
+        with torch.no_grad():
+            model[1].weight.uniform_(0.5, 1.5)
+            model[4].weight.uniform_(0.5, 1.5)
     elif name == "vit":
         model = ViT()
     elif name == "weight_norm":
@@ -153,6 +175,7 @@ MODELS = [
     "layernorm_subclass",
     "batchnorm_act",
     "convnext",
+    "rms_instance",
     "vit",
     "weight_norm",
     "spectral_norm",

@@ -2,7 +2,8 @@
 
 A module rule is found by the layer's type; an **operation rule** by the function a
 forward pass calls (``F.conv2d``, ``F.linear``, ``F.layer_norm``, ``F.group_norm``,
-``F.batch_norm`` with running statistics, ``F.embedding``, and the broadcast ``add``
+``F.batch_norm`` with running statistics, ``F.instance_norm``, ``F.rms_norm``,
+``F.embedding``, and the broadcast ``add``
 and ``mul`` of a parameter: a position embedding, layer scale, a bias added in a
 parent). It binds the call's arguments into the *data* argument (the one carrying
 the batch) and the *parameter slots* (weight, bias), and builds a **shell**: a layer
@@ -146,6 +147,50 @@ def _bind_group_norm(args, kwargs):
     def shell(params):
         layer = nn.GroupNorm(a["num_groups"], a["input"].shape[1], eps=a["eps"], device="meta")
         return _set(layer, params)
+
+    return BoundOp(a["input"], {"weight": a["weight"], "bias": a["bias"]}, shell)
+
+
+def _bind_rms_norm(args, kwargs):
+    names = ("input", "normalized_shape", "weight", "eps")
+    a = _fill(names, args, kwargs, {"weight": None, "eps": None})
+    if a is None or not hasattr(nn, "RMSNorm"):
+        return None
+
+    def shell(params):
+        layer = nn.RMSNorm(a["normalized_shape"], eps=a["eps"], device="meta")
+        return _set(layer, params)
+
+    return BoundOp(a["input"], {"weight": a["weight"]}, shell)
+
+
+def _bind_instance_norm(args, kwargs):
+    names = (
+        "input", "running_mean", "running_var", "weight", "bias", "use_input_stats",
+        "momentum", "eps",
+    )  # fmt: skip
+    defaults = {
+        "running_mean": None, "running_var": None, "weight": None, "bias": None,
+        "use_input_stats": True, "momentum": 0.1, "eps": 1e-5,
+    }  # fmt: skip
+    a = _fill(names, args, kwargs, defaults)
+    if a is None or a["input"].dim() < 3 or a["input"].dim() > 5:
+        return None
+    stats = not a["use_input_stats"]
+    if stats and (a["running_mean"] is None or a["running_var"] is None):
+        return None
+    kind = {3: nn.InstanceNorm1d, 4: nn.InstanceNorm2d, 5: nn.InstanceNorm3d}[a["input"].dim()]
+
+    def shell(params):
+        # the statistics of each sample, or the running ones (the shell never updates them)
+        layer = kind(
+            a["input"].shape[1], eps=a["eps"], affine=True, track_running_stats=stats,
+            device="meta",
+        )  # fmt: skip
+        if stats:
+            layer.running_mean = a["running_mean"].detach()
+            layer.running_var = a["running_var"].detach()
+        return _set(layer.train(not stats), params)
 
     return BoundOp(a["input"], {"weight": a["weight"], "bias": a["bias"]}, shell)
 
@@ -335,6 +380,8 @@ OPS: dict = {
     F.layer_norm: _bind_layer_norm,
     F.group_norm: _bind_group_norm,
     F.batch_norm: _bind_batch_norm,
+    F.instance_norm: _bind_instance_norm,
+    F.rms_norm: _bind_rms_norm,
     F.embedding: _bind_embedding,
     torch.add: _bind_elementwise(False),
     Tensor.add: _bind_elementwise(False),
