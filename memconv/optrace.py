@@ -21,6 +21,24 @@ from torch.utils._pytree import tree_flatten
 from .layers.ops import SYMMETRIC, BoundOp, bind_op
 
 
+def _tensors(args: tuple, kwargs: dict) -> list:
+    """The tensors among ``args`` and ``kwargs`` (``tree_flatten`` only for nested
+    containers: this runs on every operation of the forward pass)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, Tensor):
+                    out.append(b)
+                elif isinstance(b, (list, tuple, dict)):
+                    out.extend(t for t in tree_flatten(b)[0] if isinstance(t, Tensor))
+        elif isinstance(a, dict):
+            out.extend(t for t in tree_flatten(a)[0] if isinstance(t, Tensor))
+    return out
+
+
 def _in_place(name: str) -> bool:
     if name.startswith("__"):
         return name.startswith("__i") or name == "__setitem__"
@@ -65,15 +83,14 @@ class OpRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        leaves = tree_flatten((args, kwargs))[0]
-        tensors = [t for t in leaves if isinstance(t, Tensor)]
+        tensors = _tensors(args, kwargs)
         pure = all(self.is_pure(t) for t in tensors)
         bound = None if pure else self._bind(func, args, kwargs)
         if bound is not None:
             out = self.on_call(func, bound, lambda: func(*args, **kwargs))
         else:
             out = func(*args, **kwargs)
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+        outs = [out] if isinstance(out, Tensor) else _tensors((out,), {})
         if pure and tensors:
             trainable = frozenset().union(*(self.pure[id(t)][1] for t in tensors))
             for t in outs:
