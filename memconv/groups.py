@@ -189,7 +189,7 @@ def _small_grads(call) -> bool:
     """Whether the call's per-sample gradients hold fewer elements than its inputs and
     output gradient (early convolutions): then they give its norms and its clipped sum
     (one weight VJP fewer), as book-keeping keeps them (Bu et al., ICML 2023)."""
-    named = dict(call.module.named_parameters(remove_duplicate=False))
+    named = call._named()
     grads = call.n() * sum(named[k].numel() for k in call.params)
     return grads < sum(a.numel() for a in call.args) + call.output_elements
 

@@ -112,6 +112,11 @@ class Profile:
         """
         return call_axes(*self.owner_calls)
 
+    def reached_by_ops(self) -> frozenset:
+        """Ids of the trainable parameters that reach operations with a rule
+        (:mod:`memconv.layers.ops`), directly or through parameter-only computations."""
+        return frozenset().union(*(c[3] for c in self.owner_calls[0] if len(c) == 4))
+
 
 def _fit(one: float, two: float) -> tuple[float, float]:
     return (max(2 * one - two, 0.0), max(two - one, 0.0))
@@ -216,8 +221,11 @@ class Plan:
         clip_route: for ``"clip"``, the clipping route.
         smallest_budget: the smallest budget this call can run in (one sample, the
             leanest per-layer budget), bytes.
-        generic_layers: names of the parametrised layers without a rule, which take
-            the generic route (``torch.func``; :mod:`memconv.layers`).
+        generic_layers: names of the parametrised layers without a rule whose
+            parameters do not all reach operations with a rule
+            (:mod:`memconv.layers.ops`): they take the generic route (``torch.func``;
+            :mod:`memconv.layers`), or the model route for a parameter used in a
+            parent's ``forward``.
     """
 
     task: str
@@ -374,11 +382,14 @@ def make_plan(
     """
     route = clip_route or ("book-keeping" if task == "clip" else None)
     routes = [route] if (task != "clip" or clip_route) else ["book-keeping", "two-pass"]
+    by_ops = prof.reached_by_ops()
     generic = tuple(
         dict.fromkeys(
             layer.name or "(model)"
             for layer in prof.layers
-            if layer.params and find_rule(layer.module) is None
+            if layer.params
+            and find_rule(layer.module) is None
+            and not all(id(p) in by_ops for p in own_trainable(layer.module).values())
         )
     )
     # predictions grow with the micro-batch except for the two-pass running total

@@ -12,6 +12,11 @@ call that can differentiate it:
 - a **rule call**: a layer with a rule (:func:`memconv.layers.find_rule`), called
   with positional tensors only, no hooks, batch axis first (or movable), for the
   layer's own parameters;
+- an **operation call**: a call of an operation with a rule
+  (:mod:`memconv.layers.ops`, found by :class:`memconv.optrace.OpRecorder`) on
+  parameters or on functions of parameters alone (:class:`OpCall`), for the uses
+  inside its window and, for a computed weight, the uses in that weight's graph
+  (:func:`_claims`);
 - a **generic call**: any other call of a parametrised module, for the parameters of
   its subtree (``torch.func`` on the call's real arguments,
   :func:`memconv.layers.generic.call_grad_sample`);
@@ -40,7 +45,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .grad_sample import own_trainable
 from .layers import LayerRule, RuleSettings, find_rule, run_rule, using
 from .layers.generic import call_grad_sample, chunk_size
+from .layers.ops import BoundOp, Broadcast, broadcast_ok, shell_rule
 from .losses import PerSampleLoss
+from .norms import sq_norms
+from .optrace import OpRecorder
 
 #: Marks a tensor whose batch axis cannot be told (it grew other than 1 → 2).
 UNSPLIT = -1
@@ -143,7 +151,10 @@ class ProbeMismatch(RuntimeError):
 def recording_calls(model: nn.Module):
     """Record ``(module, argument shapes, output shapes)`` of every call of a module
     owning trainable parameters during the forward passes run inside the block (the
-    arguments as the caller gave them, before the module's forward pre-hooks).
+    arguments as the caller gave them, before the module's forward pre-hooks), and
+    ``(function, [data argument's shape], output shapes, ids of the trainable
+    parameters reaching it)`` of every call of an operation with a rule on parameters
+    (:class:`memconv.optrace.OpRecorder`).
 
     Yields:
         The list the calls are appended to, in forward order.
@@ -157,13 +168,21 @@ def recording_calls(model: nn.Module):
     def hook(module, args, kwargs, output):
         calls.append((module, given[module].pop(), _shapes(output)))
 
+    def on_op(func, bound: BoundOp, run):
+        out = run()
+        reached = frozenset().union(*(recorder.depends(t) for t in bound.slots.values()))
+        calls.append((func, [tuple(bound.data.shape)], _shapes(out), reached))
+        return out
+
     handles = []
     for o in model.modules():
         if own_trainable(o):
             handles.append(o.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
             handles.append(o.register_forward_hook(hook, with_kwargs=True))
     try:
-        yield calls
+        recorder = OpRecorder(model, on_op)
+        with recorder:
+            yield calls
     finally:
         for h in handles:
             h.remove()
@@ -189,7 +208,7 @@ def call_axes(one: list, two: list) -> list[CallAxes]:
             tuple(_axis(u, v) if u is not None else None for u, v in zip(out1, out2)),
             (tuple(in1), tuple(out1)),
         )
-        for (module, in1, out1), (_, in2, out2) in zip(one, two)
+        for (module, in1, out1, *_), (_, in2, out2, *_) in zip(one, two)
     ]
 
 
@@ -280,8 +299,6 @@ class LayerCall:
 
     def sq_norms(self, rs: RuleSettings) -> dict[str, Tensor]:
         """Squared per-sample norms ``{name in module: [N]}`` of :attr:`params`."""
-        from .norms import sq_norms
-
         if self.rule is not None:
             inputs, g = self.rule_inputs()
             with using(self.settings(rs)):
@@ -313,6 +330,150 @@ class LayerCall:
     def release(self) -> None:
         """Drop the tensors kept for the route."""
         self.args, self.kwargs, self.grads = (), {}, []
+
+
+@dataclass(eq=False)
+class OpCall(LayerCall):
+    """One call of an operation with a rule (:mod:`memconv.layers.ops`) on parameters,
+    or on functions of parameters alone (``w' = f(w)``), whatever module makes it.
+
+    :attr:`module` is the operation's shell layer, whose rule serves the call; its
+    parameters are the slots' tensors. The per-sample gradients of a parameter reached
+    through ``f`` are the vjps of ``f`` of the slot's per-sample gradients (one
+    batched vjp per chunk of samples, on ``f``'s autograd graph); its summed gradient
+    one vjp of the slot's summed gradient (``Σ cₙ J_fᵀ g'ₙ = J_fᵀ Σ cₙ g'ₙ``).
+
+    Attributes:
+        sources: ``{slot: (slot tensor with its graph, {id(parameter): parameter})}``
+            of the trainable slots: the parameter itself, or the parameters ``f``
+            reaches (filled by :func:`_claims`).
+        direct: ``{id(parameter): model name}`` of the parameters in a slot as they are.
+        roots: ``{slot: grad_fn}`` of the slots computed from parameters.
+    """
+
+    sources: dict = field(default_factory=dict)
+    direct: dict = field(default_factory=dict)
+    roots: dict = field(default_factory=dict)
+    model_names: dict = field(default_factory=dict)
+
+    @property
+    def what(self) -> str:
+        return f"operation {self.name!r}"
+
+    def _named(self) -> dict[str, Tensor]:
+        if self.named is None:
+            self.named = {}
+            for _, (_, leaves) in self.sources.items():
+                for pid, p in leaves.items():
+                    self.named[self.model_names[pid]] = p
+        return self.named
+
+    def _slot_out(self, rs: RuleSettings, method: str, g=None) -> dict[str, Tensor]:
+        inputs, grad = self.rule_inputs()
+        if g is not None:
+            grad = g
+        with using(self.settings(rs)):
+            return run_rule(self.rule, method, self.module, inputs, grad)
+
+    def _chain(self, slot: str, grads: Tensor, batched: bool) -> dict[str, Tensor]:
+        """``{model name: vjp}`` of the slot's gradients to the parameters under it."""
+        tensor, leaves = self.sources[slot]
+        names = [self.model_names[pid] for pid in leaves]
+        if tensor.grad_fn is None:  # the parameter itself
+            return {names[0]: grads}
+        params = list(leaves.values())
+        grads = grads.to(tensor.dtype)
+        with torch.enable_grad():
+            if not batched:
+                out = torch.autograd.grad(
+                    tensor, params, grads, retain_graph=True, allow_unused=True
+                )
+                return {k: _zero(v, p) for k, v, p in zip(names, out, params)}
+            n = grads.shape[0]
+            step = max(1, _CHAIN_BYTES // max(1, 4 * tensor.numel() * tensor.element_size()))
+            parts: list = [[] for _ in params]
+            for i in range(0, n, step):
+                chunk = grads[i : i + step]
+                try:
+                    out = torch.autograd.grad(
+                        tensor, params, chunk, retain_graph=True, allow_unused=True,
+                        is_grads_batched=True,
+                    )  # fmt: skip
+                except RuntimeError:  # no batching rule for some backward formula
+                    rows = [
+                        torch.autograd.grad(tensor, params, c, retain_graph=True, allow_unused=True)
+                        for c in chunk
+                    ]
+                    out = [
+                        torch.stack([_zero(r[j], p) for r in rows]) for j, p in enumerate(params)
+                    ]
+                for j, (v, p) in enumerate(zip(out, params)):
+                    parts[j].append(v if v is not None else p.new_zeros(len(chunk), *p.shape))
+        return {k: torch.cat(v) for k, v in zip(names, parts)}
+
+    def _collect(self, per_slot: dict, batched: bool) -> dict[str, Tensor]:
+        out: dict = {}
+        for slot, v in per_slot.items():
+            if slot not in self.sources:
+                continue
+            for k, g in self._chain(slot, v, batched).items():
+                if k in self.params:
+                    out[k] = g if k not in out else out[k] + g
+        return self._typed(out)
+
+    def grad_sample(self, rs: RuleSettings) -> dict[str, Tensor]:
+        return self._collect(self._slot_out(rs, "grad_sample"), True)
+
+    def sq_norms(self, rs: RuleSettings) -> dict[str, Tensor]:
+        plain = all(t.grad_fn is None for t, _ in self.sources.values())
+        if plain and len(self.sources) == len(self.params):
+            out = self._slot_out(rs, "sq_norms")
+            out = {self.params_of(slot): v for slot, v in out.items() if slot in self.sources}
+        else:  # per-sample gradients through f, a chunk of samples at a time
+            inputs, g = self.rule_inputs()
+            n = g.shape[0]
+            per = sum(t.numel() * t.element_size() for t, _ in self.sources.values())
+            per += sum(p.numel() * p.element_size() for p in self._named().values())
+            step = max(1, (rs.budget or _CHAIN_BYTES) // max(1, 3 * per))
+            parts: dict = {}
+            for i in range(0, n, step):
+                rows = slice(i, i + step)
+                with using(self.settings(rs)):
+                    slots = run_rule(
+                        self.rule,
+                        "grad_sample",
+                        self.module,
+                        tuple(a[rows] for a in inputs),
+                        g[rows],
+                    )
+                for k, v in self._collect(slots, True).items():
+                    parts.setdefault(k, []).append(sq_norms(v))
+                del slots
+            out = {k: torch.cat(v) for k, v in parts.items()}
+        return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}
+
+    def params_of(self, slot: str) -> str:
+        _, leaves = self.sources[slot]
+        return self.model_names[next(iter(leaves))]
+
+    def summed_grad(self, rs: RuleSettings, scale: Tensor) -> dict[str, Tensor]:
+        inputs, g = self.rule_inputs()
+        shape = (-1,) + (1,) * (g.dim() - 1)
+        g = g * scale.to(g.dtype).reshape(shape)
+        return self._collect(self._slot_out(rs, "summed_grad", g), False)
+
+    def release(self) -> None:
+        self._named()  # (read from the sources, which go)
+        super().release()
+        self.sources = {}
+
+
+#: Bytes of per-sample gradients a chain through a parameter-only map holds at once.
+_CHAIN_BYTES = 64 * 2**20
+
+
+def _zero(v, p: Tensor) -> Tensor:
+    return torch.zeros_like(p) if v is None else v
 
 
 def _hooked(module: nn.Module, ours) -> bool:
@@ -482,13 +643,43 @@ def backward_walk(
     visits = _Visits(visit)
     counter = [0]
 
+    open_modules: list = []  # the modules whose calls are open, innermost last
+
     def pre_hook(module, args, kwargs):
         # first of the module's pre-hooks: the call's arguments as the caller gave them,
         # which the generic route replays through the whole call, hooks included
         starts.setdefault(module, []).append((seq.now(), args, kwargs))
+        open_modules.append(module)
+
+    def on_op(func, bound: BoundOp, run):
+        index = counter[0]
+        counter[0] += 1
+        start = seq.now()
+        out = run()
+        if not (isinstance(out, Tensor) and out.requires_grad):
+            return out
+        end = seq.now()
+        if index >= len(axes):
+            raise ProbeMismatch(f"{caller}: the model calls more layers than in its probe")
+        where = owners[open_modules[-1]] if open_modules else type(model).__name__
+        name = f"{where}: {getattr(func, '__name__', func)}"
+        data_shape = [tuple(bound.data.shape)]
+        _check_axes(axes[index], func, data_shape, _leaf_shapes([out]), m, name)
+        if open_modules and _covered_by_module(open_modules[-1], bound, ours):
+            return out
+        call = _op_call(bound, out, axes[index], name, (start, end), recorder, names)
+        if call is None:
+            return out
+        calls.append(call)
+        if out._is_view():
+            out = out.clone()
+        out.register_hook(visits.hook(call, 0))
+        call.edges.append((0, get_gradient_edge(out)))
+        return out
 
     def forward_hook(module, args, kwargs, output):
         start, given_args, given_kwargs = starts[module].pop()
+        open_modules.pop()
         if _hooked(module, ours):  # a pre-hook may have replaced the arguments
             args, kwargs = given_args, given_kwargs
         index = counter[0]
@@ -532,11 +723,14 @@ def backward_walk(
         handles.append(o.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
         handles.append(o.register_forward_hook(forward_hook, with_kwargs=True))
     ours.update(h.id for h in handles)
+    recorder = OpRecorder(model, on_op)
     try:
-        output = model(inputs.detach())
+        with recorder:
+            output = model(inputs.detach())
     finally:
         for h in handles:
             h.remove()
+        recorder.pure = {}
     losses = per_sample(output, targets)
     del output
     walk = Walk(losses if keep_graph else losses.detach(), calls, [], {})
@@ -544,7 +738,8 @@ def backward_walk(
         walk.model_params = []
         return walk
     reachable, uses, _ = _graph(losses.grad_fn)
-    _assign(calls, uses, names, model, walk)
+    claims = _claims([c for c in calls if isinstance(c, OpCall)], reachable, names)
+    _assign(calls, uses, names, model, walk, claims)
     for call in calls:
         call.expected = {j for j, e in call.edges if e.node in reachable}
         if not call.params or not call.expected:
@@ -644,13 +839,141 @@ class _Visits:
         self.later = []
 
 
-def _assign(calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, walk: Walk):
-    """Give each parameter's uses to routes (see the module docstring)."""
-    windows = sorted(calls, key=lambda c: c.window[0])
+def _covered_by_module(module: nn.Module, bound: BoundOp, ours) -> bool:
+    """Whether the operation call is the body of a layer whose rule serves it: the
+    layer has a rule, no other hooks, and the call's parameters are its own."""
+    if find_rule(module) is None or _hooked(module, ours):
+        return False
+    own = {id(p) for p in own_trainable(module).values()}
+    return all(t is None or id(t) in own for t in bound.slots.values())
+
+
+def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, recorder, names):
+    """The :class:`OpCall` of a recorded operation call, or None if its rule cannot
+    describe it (batch axes, a slot tensor that is neither a parameter nor computed)."""
+    ax_in = axes.inputs[0] if axes.inputs else None
+    ax_out = axes.outputs[0] if axes.outputs else None
+    params: dict = {}
+    sources: dict = {}
+    direct: dict = {}
+    roots: dict = {}
+    for slot, t in bound.slots.items():
+        if t is None:
+            params[slot] = None
+            continue
+        trainable = recorder.trainable(t)
+        params[slot] = nn.Parameter(t.detach(), requires_grad=trainable)
+        if not trainable:
+            continue
+        via = (bound.via or {}).get(slot)
+        if via is not None:  # the call receives ``via``, computed from the slot's tensor
+            if via.grad_fn is None:
+                return None
+            sources[slot] = (t, {})
+            roots[slot] = via.grad_fn
+        elif t.grad_fn is None and id(t) in names:  # the parameter itself
+            sources[slot] = (t, {id(t): t})
+            direct[id(t)] = names[id(t)]
+        elif t.grad_fn is not None:  # a function of parameters (checked by _claims)
+            sources[slot] = (t, {})
+            roots[slot] = t.grad_fn
+        else:
+            return None
+    shell = bound.shell(params)
+    if isinstance(shell, Broadcast) and not broadcast_ok(bound.data, params["weight"], out):
+        return None
+    rule = shell_rule(shell)
+    if rule is None:
+        return None
+    if not (ax_in == 0 and ax_out == 0):
+        if not rule.movable_batch_axis or any(a is None or a == UNSPLIT for a in (ax_in, ax_out)):
+            return None
+    call = OpCall(
+        shell, name, rule, (bound.data.detach(),), {}, (ax_in,), (ax_out,), window,
+        _autocast_state([out]), sources=sources, direct=direct, roots=roots, model_names=names,
+    )  # fmt: skip
+    call.grads = [None]
+    call.output_elements = out.numel()
+    return call
+
+
+def _claims(ops: list, reachable: set, names: dict) -> dict:
+    """``{op call: {id(parameter): sequence numbers of its uses}}`` the calls' computed
+    slots account for: the nodes of each slot's graph, which must reach trainable
+    parameters only, and into which every edge from the rest of the graph must come
+    from the call itself (else some gradient would bypass the calls). A slot that
+    fails is dropped from its call (its parameters' uses go to other routes)."""
+    graphs: dict = {}  # (call, slot) -> (nodes, {pid: parameter}, {pid: seqs})
+    for call in ops:
+        for slot, root in call.roots.items():
+            nodes: set = set()
+            leaves: dict = {}
+            seqs: dict = {}
+            stack, ok = [root], True
+            while stack and ok:
+                node = stack.pop()
+                if node in nodes:
+                    continue
+                nodes.add(node)
+                for child, _ in node.next_functions:
+                    if child is None:
+                        continue
+                    if hasattr(child, "variable"):
+                        v = child.variable
+                        if id(v) not in names:
+                            ok = False
+                            break
+                        leaves[id(v)] = v
+                        seqs.setdefault(id(v), set()).add(node._sequence_nr())
+                    elif child not in nodes:
+                        stack.append(child)
+            if ok:
+                graphs[(call, slot)] = (nodes, leaves, seqs)
+    while True:
+        inside: set = set().union(*(g[0] for g in graphs.values())) if graphs else set()
+        entries: dict = {}
+        for (call, slot), _ in graphs.items():
+            entries.setdefault(call.roots[slot], []).append(call.window)
+        bad = set()
+        for node in reachable:
+            if node in inside:
+                continue
+            for child, _ in node.next_functions:
+                if child is None or child not in inside:
+                    continue
+                s = node._sequence_nr()
+                if not any(lo < s < hi for lo, hi in entries.get(child, ())):
+                    bad.add(child)
+        if not bad:
+            break
+        graphs = {k: g for k, g in graphs.items() if not (g[0] & bad)}
+    out: dict = {}
+    for call in ops:
+        for slot in list(call.roots):
+            if (call, slot) not in graphs:
+                del call.roots[slot]
+                call.sources.pop(slot, None)
+                continue
+            _, leaves, seqs = graphs[(call, slot)]
+            call.sources[slot] = (call.sources[slot][0], leaves)
+            mine = out.setdefault(call, {})
+            for pid, ss in seqs.items():
+                mine.setdefault(pid, set()).update(ss)
+    return out
+
+
+def _assign(
+    calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, walk: Walk, claims: dict
+):
+    """Give each parameter's uses to routes (see the module docstring): the innermost
+    rule call of a module owning the parameter, else the operation calls that account
+    for the use, else the innermost generic call, else the model route."""
+    ops = [c for c in calls if isinstance(c, OpCall)]
+    windows = sorted((c for c in calls if not isinstance(c, OpCall)), key=lambda c: c.window[0])
     # {id(p): name in module} of the parameters each call's route can compute (a
     # parameter under two names: the first)
     routable: dict = {}
-    for call in calls:
+    for call in windows:
         if call.rule is not None:
             own = own_trainable(call.module).items()
         else:
@@ -659,6 +982,10 @@ def _assign(calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, w
         for k, p in own:
             local.setdefault(id(p), k)
         routable[call] = local
+    for call in ops:
+        routable[call] = dict(call.direct)
+        for pid in claims.get(call, {}):
+            routable[call][pid] = names[pid]
 
     for pid, model_name in names.items():
         seqs = uses.get(pid, [])
@@ -673,25 +1000,43 @@ def _assign(calls: list[LayerCall], uses: dict, names: dict, model: nn.Module, w
                 if lo < s < hi and pid in routable[call]:
                     if inner is None or call.window[0] >= inner.window[0]:
                         inner = call
-            if inner is None:
+            picks = [inner] if inner is not None and inner.rule is not None else []
+            if not picks:
+                picks = [
+                    c
+                    for c in ops
+                    if (pid in c.direct and c.window[0] < s < c.window[1])
+                    or s in claims.get(c, {}).get(pid, ())
+                ]
+            if not picks and inner is not None:
+                picks = [inner]
+            if not picks:
                 model_route = True
                 break
-            if inner not in chosen:
-                chosen.append(inner)
+            chosen.extend(c for c in picks if c not in chosen)
         if model_route:
             walk.model_params.append(model_name)
             continue
-        outer = [
-            c
-            for c in chosen
-            if not any(
-                o is not c
+        outer = []
+        for c in chosen:
+            around = [
+                o
+                for o in chosen
+                if o is not c
                 and o.rule is None
                 and o.window[0] < c.window[0]
                 and c.window[1] < o.window[1]
-                for o in chosen
-            )
-        ]
+            ]
+            if not around:
+                outer.append(c)
+                continue
+            # a generic call covers the uses inside its window only
+            lo, hi = around[0].window
+            if any(not lo < s < hi for s in claims.get(c, {}).get(pid, ())):
+                model_route = True
+        if model_route:
+            walk.model_params.append(model_name)
+            continue
         for call in outer:
             call.params[routable[call][pid]] = model_name
         walk.routes[model_name] = len(outer)

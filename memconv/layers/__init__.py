@@ -10,13 +10,17 @@ book-keeping and a memory model. Rules are found by exact type
 (:func:`find_rule`); every other parametrised layer takes the exact generic route
 (:mod:`memconv.layers.generic`: ``torch.func``).
 
+Operations (``F.conv2d``, ``F.linear``, ``F.layer_norm``, ... whatever module calls
+them, on parameters or functions of parameters alone) are served by the same rules
+through :mod:`~memconv.layers.ops`.
+
 Families: :mod:`~memconv.layers.conv` (convolutions, transposed convolutions),
 :mod:`~memconv.layers.linear`, :mod:`~memconv.layers.norm` (GroupNorm, LayerNorm,
 RMSNorm, InstanceNorm, BatchNorm in eval mode), :mod:`~memconv.layers.embedding`,
 :mod:`~memconv.layers.prelu`.
 """
 
-from . import conv, embedding, linear, norm, prelu  # noqa: F401  (they register their rules)
+from . import conv, embedding, linear, norm, ops, prelu  # noqa: F401  (they register their rules)
 from .base import (
     LayerRule,
     RuleSettings,

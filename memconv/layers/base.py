@@ -4,8 +4,9 @@ A *rule* tells memconv how to get a layer's per-sample gradients from the inputs
 one forward call and the gradient of its output (Opacus' grad samplers, BackPACK's
 derivatives). Rules are found by the layer's **exact type**; a subclass uses the rule
 of its nearest registered base class only if it does not override ``forward`` (a
-weight-standardised convolution computes something else than ``nn.Conv2d``, so it
-takes the generic route). Layers without a rule take the exact generic route
+weight-standardised convolution computes something else than ``nn.Conv2d``). Such a
+layer's operations are served by the operation rules (:mod:`memconv.layers.ops`)
+where they can be; what none covers takes the exact generic route
 (:mod:`memconv.layers.generic`).
 """
 
