@@ -235,8 +235,9 @@ ROWS = [
 ]
 
 
-def measure(build, n: int, repeats: int, warmup: int, engines=None) -> dict[str, float]:
-    """Median milliseconds per step of each engine on one model and batch size."""
+def measure(build, n: int, repeats: int, warmup: int, engines=None) -> dict[str, float | str]:
+    """Median milliseconds per step of each engine on one model and batch size; an
+    engine whose step raises gets ``"fails: <error>"`` and is not run again."""
     torch.manual_seed(0)
     model, shape = build()
     x = torch.randn(n, *shape)
@@ -248,17 +249,24 @@ def measure(build, n: int, repeats: int, warmup: int, engines=None) -> dict[str,
         if engines is None or column in engines
     }
     times: dict[str, list[float]] = {c: [] for c in steps}
+    failed: dict[str, str] = {}
     try:
         for i in range(warmup + repeats):
             for column, step in steps.items():
+                if column in failed:
+                    continue
                 start = time.perf_counter()
-                step(x, y)
+                try:
+                    step(x, y)
+                except Exception as err:  # reported in the table, not hidden
+                    failed[column] = f"fails: {type(err).__name__}: {str(err).splitlines()[0][:90]}"
+                    continue
                 if i >= warmup:
                     times[column].append(time.perf_counter() - start)
     finally:
         for step in steps.values():
             getattr(step, "close", lambda: None)()
-    return {c: 1e3 * statistics.median(t) for c, t in times.items()}
+    return {c: failed.get(c) or 1e3 * statistics.median(t) for c, t in times.items()}
 
 
 def table(results: list[tuple[str, dict]]) -> str:
@@ -268,7 +276,8 @@ def table(results: list[tuple[str, dict]]) -> str:
         "|---|" + "---:|" * len(columns),
     ]
     for label, ms in results:
-        lines.append(f"| {label} | " + " | ".join(f"{ms[c]:,.2f}" for c in columns) + " |")
+        cells = (ms[c] if isinstance(ms[c], str) else f"{ms[c]:,.2f}" for c in columns)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -299,7 +308,8 @@ def main(argv=None) -> int:
     for label, build, n in rows:
         ms = measure(build, n, args.repeats, args.warmup)
         results.append((label, ms))
-        print(f"{label}: " + ", ".join(f"{c} {v:.2f} ms" for c, v in ms.items()), flush=True)
+        shown = (f"{c} {v}" if isinstance(v, str) else f"{c} {v:.2f} ms" for c, v in ms.items())
+        print(f"{label}: " + ", ".join(shown), flush=True)
     text = table(results)
     note = (
         f"\n\nMedian ms per step of {args.repeats} rounds after {args.warmup}, float32, "
