@@ -36,6 +36,7 @@ from .layers import check_layer, find_rule
 from .losses import PerSampleLoss
 from .planning import Plan, Profile, make_plan, profile
 from .resources import AVAILABLE, guards, resolve_budget
+from .streaming import StreamingCNN
 from .walk import ProbeMismatch, owner_names
 
 
@@ -86,8 +87,6 @@ def check_per_sample_model(model: nn.Module, argument: str = "model", settings=N
 
 def model_streams(model: nn.Module) -> bool:
     """Whether ``model`` holds a :class:`memconv.streaming.StreamingCNN`."""
-    from .streaming import StreamingCNN
-
     return any(isinstance(m, StreamingCNN) for m in model.modules())
 
 

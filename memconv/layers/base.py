@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..context import DEFAULT_SETTINGS, Settings
+from ..norms import sq_norms
 
 _RULES: dict[type, LayerRule] = {}
 
@@ -107,8 +108,6 @@ class LayerRule:
     ) -> dict[str, Tensor]:
         """Squared norms ``{local name: [N]}`` of the per-sample gradients (default:
         from :meth:`grad_sample`)."""
-        from ..norms import sq_norms
-
         return {k: sq_norms(v) for k, v in self.grad_sample(module, inputs, grad_output).items()}
 
     def summed_grad(
