@@ -103,3 +103,16 @@ class Opaque(torch.autograd.Function):
         with torch.enable_grad():
             grads = torch.autograd.grad(ctx.layer(x), params, g)
         return (None, None, *grads)
+
+
+class Hidden(torch.nn.Module):
+    """A Conv1d run inside :class:`Opaque` (its parameters take the model route), then a
+    Linear (a rule call). Input ``[N, 4, 11]``, output ``[N, 3]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Conv1d(4, 4, 3)
+        self.head = torch.nn.Linear(4 * 9, 3)
+
+    def forward(self, x):
+        return self.head(Opaque.apply(x, self.inner, *self.inner.parameters()).flatten(1))

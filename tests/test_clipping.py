@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import CONV_TRANSPOSES, CONVS, Opaque, loop_reference, rel_err
+from helpers import CONV_TRANSPOSES, CONVS, Hidden, loop_reference, rel_err
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -318,16 +318,6 @@ def test_per_sample_quantities_through_streaming():
 def test_a_layer_hidden_from_the_hooks_takes_the_model_route():
     """A layer run inside another autograd Function (StreamingCNN's pattern): no layer
     call covers its parameters' uses, so the model route computes them, exactly."""
-
-    class Hidden(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = nn.Conv1d(4, 4, 3)
-            self.head = nn.Linear(4 * 9, 3)
-
-        def forward(self, x):
-            hidden = Opaque.apply(x, self.inner, *self.inner.parameters())
-            return self.head(hidden.flatten(1))
 
     model = Hidden().double()
     x, y = torch.randn(3, 4, 11, dtype=torch.float64), torch.tensor([0, 1, 2])

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from helpers import Opaque, loop_reference, rel_err
+from helpers import Hidden, loop_reference, rel_err
 from torch import nn
 
 import memconv
@@ -162,15 +162,6 @@ def test_groups_within_layers_take_one_pass(groups, monkeypatch):
 
 def test_groups_spanning_layers_with_a_hidden_layer():
     """A layer hidden from the hooks (model route) in a group with a rule layer."""
-
-    class Hidden(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = nn.Conv1d(4, 4, 3)
-            self.head = nn.Linear(4 * 9, 3)
-
-        def forward(self, x):
-            return self.head(Opaque.apply(x, self.inner, *self.inner.parameters()).flatten(1))
 
     torch.manual_seed(3)
     model = Hidden().double()
