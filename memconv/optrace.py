@@ -46,6 +46,13 @@ def _in_place(name: str) -> bool:
     return name.endswith("_")
 
 
+def paused():
+    """A block in which no operation is recorded, for memconv's own work during a
+    recorded pass (its hooks): their tensor operations then cost what they cost
+    outside the mode."""
+    return torch._C.DisableTorchFunction()
+
+
 class OpRecorder(TorchFunctionMode):
     """Records the calls of operations with a rule on parameter-only tensors.
 
@@ -69,15 +76,8 @@ class OpRecorder(TorchFunctionMode):
         for p in model.parameters():
             self.pure[id(p)] = (p, frozenset({id(p)}) if p.requires_grad else frozenset())
 
-    @staticmethod
-    def paused():
-        """A block in which nothing is recorded, for memconv's own work during the
-        pass (its module hooks): their tensor operations then cost what they cost
-        outside the mode."""
-        return torch._C.DisableTorchFunction()
-
     def alias(self, new: Tensor, old: Tensor) -> None:
-        """Record ``new`` (a copy of ``old`` made during :meth:`paused`) as ``old`` is."""
+        """Record ``new`` (a copy of ``old`` made during :func:`paused`) as ``old`` is."""
         entry = self.pure.get(id(old))
         if entry is not None and entry[0] is old:
             self.pure[id(new)] = (new, entry[1])

@@ -48,7 +48,7 @@ from .layers.generic import call_grad_sample, chunk_size
 from .layers.ops import BoundOp, Broadcast, broadcast_ok, shell_rule
 from .losses import PerSampleLoss
 from .norms import sq_norms
-from .optrace import OpRecorder
+from .optrace import OpRecorder, paused
 
 #: Marks a tensor whose batch axis cannot be told (it grew other than 1 → 2).
 UNSPLIT = -1
@@ -163,10 +163,12 @@ def recording_calls(model: nn.Module):
     given: dict = {}  # module -> the arguments of its open calls, before any pre-hook
 
     def pre_hook(module, args, kwargs):
-        given.setdefault(module, []).append(_shapes((args, kwargs)))
+        with paused():
+            given.setdefault(module, []).append(_shapes((args, kwargs)))
 
     def hook(module, args, kwargs, output):
-        calls.append((module, given[module].pop(), _shapes(output)))
+        with paused():
+            calls.append((module, given[module].pop(), _shapes(output)))
 
     def on_op(func, bound: BoundOp, run):
         out = run()
@@ -651,7 +653,7 @@ def backward_walk(
     def pre_hook(module, args, kwargs):
         # first of the module's pre-hooks: the call's arguments as the caller gave them,
         # which the generic route replays through the whole call, hooks included
-        with recorder.paused():
+        with paused():
             starts.setdefault(module, []).append((seq.now(), args, kwargs))
         open_modules.append(module)
 
@@ -687,7 +689,7 @@ def backward_walk(
         return out
 
     def forward_hook(module, args, kwargs, output):
-        with recorder.paused():
+        with paused():
             return record_call(module, args, kwargs, output)
 
     def record_call(module, args, kwargs, output):
