@@ -276,7 +276,7 @@ def test_features_are_read_off_the_model():
     layer = calibrate.QUICK_GRID[0]
     (job,) = calibrate.jobs(layer, torch.device("cpu"), models=("shift",))
     offset, feats = calibrate.features(job, "cpu", costs.calibration("cpu"))
-    per_flop, per_element, per_call = costs.time_coefficients("shift")
+    per_flop, per_element, per_call, _ = costs.time_coefficients("shift")
     assert offset == 0.0 and feats[0] == layer.problem(torch.device("cpu")).flops()
     assert job.predict_time() == pytest.approx(per_flop * feats[0] + per_element * feats[1])
 

@@ -34,10 +34,11 @@ TIME_MODELS: dict[str, tuple[str, ...]] = {
     "standard": ("per_flop", "per_element", "per_call"),
     "rochette": ("per_flop", "per_element", "per_call"),
     "unfold": ("per_flop", "per_element", "per_call"),
-    "shift": ("per_flop", "per_element", "per_call"),
+    "shift": ("per_flop", "per_element", "per_call", "per_flop_depthwise"),
     "loop": (
         "per_flop_native", "per_flop_native_3d", "per_flop_onednn", "per_operand",
-        "per_result_native", "per_result_onednn", "per_call",
+        "per_result_native", "per_result_onednn", "per_call", "per_flop_depthwise",
+        "per_call_depthwise",
     ),
     "ghost-positions": ("per_flop", "per_element", "per_call", "per_gram"),
     "ghost-offsets": ("per_flop", "per_element", "per_call"),

@@ -93,13 +93,19 @@ class Loop:
     def time(self, problem: Problem, options: Options) -> float:
         # seconds per multiply-add (on ATen's native path, 2-d or 3-d, or oneDNN's), per
         # element of the operands, per element of the per-sample gradients (written,
-        # then copied or added) and per kernel call
-        flop_native, flop_3d, flop_onednn, per_operand, result_native, result_onednn, call = (
-            time_coefficients("loop", problem.device)
-        )
+        # then copied or added) and per kernel call; a depthwise layer's weight
+        # gradient (one input channel per group) runs a kernel of its own, priced by
+        # its own rate per multiply-add and per call (on CPU about 1 ns and 50 µs: two
+        # orders of magnitude above a dense layer's)
+        (
+            flop_native, flop_3d, flop_onednn, per_operand, result_native, result_onednn, call,
+            flop_depthwise, call_depthwise,
+        ) = time_coefficients("loop", problem.device)  # fmt: skip
         geom = problem.geom
         native = native_path(geom, problem.size, problem.itemsize)
-        if native:
+        if geom.groups > 1 and geom.in_per_group == 1:
+            per_flop, call = flop_depthwise, call + call_depthwise
+        elif native:
             per_flop = flop_3d if geom.dims == 3 else flop_native
         else:
             per_flop = flop_onednn

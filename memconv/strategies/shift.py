@@ -126,8 +126,13 @@ class Shift:
             copies = 2 * n * geom.in_channels * length  # each offset's view copied
         operands = n * (geom.in_channels + geom.out_channels) * length + copies
         traffic = geom.kernel_numel * operands + problem.per_sample_elements()
-        coefficients = time_coefficients("shift", problem.device)
-        return linear_time(coefficients, problem.flops(), traffic, 0)
+        *coefficients, flop_depthwise = time_coefficients("shift", problem.device)
+        time = linear_time(tuple(coefficients), problem.flops(), traffic, 0)
+        if geom.groups > 1 and geom.in_per_group == 1:
+            # depthwise: each offset's product is a batch of N·C dot products, which
+            # batched matrix products run far below their rate for larger matrices
+            time += flop_depthwise * problem.flops()
+        return time
 
 
 def _offsets(geom: ConvGeometry):
