@@ -97,13 +97,16 @@ def _deepest(captured: set, reachable: set) -> set:
     return {n for n in captured & reachable if not below[n]}
 
 
-def _covered_by_module(module: nn.Module, bound: BoundOp, ours) -> bool:
+def _covered_by_module(module: nn.Module, bound: BoundOp, ours, known: dict) -> bool:
     """Whether the operation call is the body of a layer whose rule serves it: the
-    layer has a rule, no other hooks, and the call's parameters are its own."""
-    if find_rule(module) is None or _hooked(module, ours):
-        return False
-    own = {id(p) for p in own_trainable(module).values()}
-    return all(t is None or id(t) in own for t in bound.slots.values())
+    layer has a rule, no other hooks, and the call's parameters are its own
+    (``known``: ``{module: ids of its own trainable parameters, or None}``, filled
+    during one walk, in which neither the rules nor the hooks change)."""
+    if module not in known:
+        covers = find_rule(module) is not None and not _hooked(module, ours)
+        known[module] = {id(p) for p in own_trainable(module).values()} if covers else None
+    own = known[module]
+    return own is not None and all(t is None or id(t) in own for t in bound.slots.values())
 
 
 def _claims(ops: list, reachable: set, names: dict) -> dict:

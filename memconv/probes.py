@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .grad_sample import own_trainable
 from .layers.ops import BoundOp
-from .optrace import OpRecorder
+from .optrace import OpRecorder, paused
 
 #: Marks a tensor whose batch axis cannot be told (it grew other than 1 → 2).
 UNSPLIT = -1
@@ -134,10 +134,12 @@ def recording_calls(model: nn.Module):
     given: dict = {}  # module -> the arguments of its open calls, before any pre-hook
 
     def pre_hook(module, args, kwargs):
-        given.setdefault(module, []).append(_shapes((args, kwargs)))
+        with paused():
+            given.setdefault(module, []).append(_shapes((args, kwargs)))
 
     def hook(module, args, kwargs, output):
-        calls.append((module, given[module].pop(), _shapes(output)))
+        with paused():
+            calls.append((module, given[module].pop(), _shapes(output)))
 
     def on_op(func, bound: BoundOp, run):
         out = run()
@@ -183,9 +185,10 @@ def call_axes(one: list, two: list) -> list[CallAxes]:
     ]
 
 
-def _check_axes(call_axes: CallAxes, module, args_shapes, out_shapes, m: int, name: str):
+def _check_axes(call_axes: CallAxes, module, args_shapes, out_shapes, m: int, name):
     """Raise unless the call is the probe's: the same module, its leaves of the shapes
-    the probe predicts for ``m`` samples."""
+    the probe predicts for ``m`` samples (``name``: the call's name, or a function
+    making it, for the message)."""
     ok = call_axes.module is module
     if ok:
         want_in, want_out = call_axes.expected(m)
@@ -193,6 +196,7 @@ def _check_axes(call_axes: CallAxes, module, args_shapes, out_shapes, m: int, na
             ok = ok and len(got) == len(want)
             ok = ok and all(w is None or g == w for g, w in zip(got, want))
     if not ok:
+        name = name() if callable(name) else name
         raise ProbeMismatch(
             f"layer {name!r} ({type(module).__name__}) was called differently in the probe of "
             "one and two samples than for the batch (data-dependent control flow); memconv "

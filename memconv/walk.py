@@ -31,7 +31,7 @@ from .coverage import _assign, _claims, _covered_by_module, _deepest, _graph, _h
 from .grad_sample import own_trainable
 from .layers.ops import BoundOp
 from .losses import PerSampleLoss
-from .optrace import OpRecorder
+from .optrace import OpRecorder, paused
 from .probes import (
     CallAxes,
     ProbeMismatch,
@@ -138,6 +138,7 @@ class _BackwardWalk:
         visits: hands each call to the visitor.
         index: the number of calls counted so far (the next call's place in ``axes``).
         open_modules: the modules whose calls are open, innermost last.
+        covering: see :func:`memconv.coverage._covered_by_module`.
     """
 
     def __init__(self, model, names, axes, visit, *, caller: str, owners: dict, m: int):
@@ -151,6 +152,7 @@ class _BackwardWalk:
         self.visits = _Visits(visit)
         self.index = 0
         self.open_modules: list = []
+        self.covering: dict = {}
         self.recorder: OpRecorder | None = None
 
     def run(self, per_sample, inputs, targets, *, keep_graph: bool, prepare) -> Walk:
@@ -192,27 +194,33 @@ class _BackwardWalk:
     def pre_hook(self, module, args, kwargs):
         # first of the module's pre-hooks: the call's arguments as the caller gave them,
         # which the generic route replays through the whole call, hooks included
-        self.starts.setdefault(module, []).append((self.seq.now(), args, kwargs))
+        with paused():
+            self.starts.setdefault(module, []).append((self.seq.now(), args, kwargs))
         self.open_modules.append(module)
 
     def on_op(self, func, bound: BoundOp, run):
         index = self.index
         self.index += 1
-        start = self.seq.now()
+        inside = self.open_modules[-1] if self.open_modules else None
+        # the body of a layer whose rule serves it: checked, but no call of its own
+        covered = inside is not None and _covered_by_module(inside, bound, self.ours, self.covering)
+        start = None if covered else self.seq.now()
         out = run()
         if not (isinstance(out, Tensor) and out.requires_grad):
             return out
-        end = self.seq.now()
         if index >= len(self.axes):
             raise ProbeMismatch(f"{self.caller}: the model calls more layers than in its probe")
-        owners, open_modules = self.owners, self.open_modules
-        where = owners[open_modules[-1]] if open_modules else type(self.model).__name__
-        name = f"{where}: {getattr(func, '__name__', func)}"
+
+        def name():
+            where = self.owners[inside] if inside is not None else type(self.model).__name__
+            return f"{where}: {getattr(func, '__name__', func)}"
+
         data_shape = [tuple(bound.data.shape)]
         _check_axes(self.axes[index], func, data_shape, _leaf_shapes([out]), self.m, name)
-        if open_modules and _covered_by_module(open_modules[-1], bound, self.ours):
+        if covered:
             return out
-        call = _op_call(bound, out, self.axes[index], name, (start, end), self.recorder, self.names)
+        window = (start, self.seq.now())
+        call = _op_call(bound, out, self.axes[index], name(), window, self.recorder, self.names)
         if call is None:
             return out
         self.calls.append(call)
@@ -223,6 +231,10 @@ class _BackwardWalk:
         return out
 
     def forward_hook(self, module, args, kwargs, output):
+        with paused():
+            return self.record_call(module, args, kwargs, output)
+
+    def record_call(self, module, args, kwargs, output):
         start, given_args, given_kwargs = self.starts[module].pop()
         self.open_modules.pop()
         if _hooked(module, self.ours):  # a pre-hook may have replaced the arguments
@@ -269,6 +281,7 @@ class _BackwardWalk:
                 continue
             if t._is_view():  # an in-place op on a view would rebuild its graph
                 t = t.clone()
+                self.recorder.alias(t, out_leaves[j])
                 new_leaves[j] = t
             t.register_hook(self.visits.hook(call, j))
             call.edges.append((j, get_gradient_edge(t)))
