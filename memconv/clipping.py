@@ -1,7 +1,7 @@
 """Per-sample gradient norms and clipped sums (DP-SGD) without per-sample gradients.
 
 :func:`per_sample_norms` and :func:`clip_and_accumulate` run one forward and one
-backward pass (:func:`memconv.extraction.backward_walk`) in which each parametrised
+backward pass (:func:`memconv.walk.backward_walk`) in which each parametrised
 layer turns its input and output gradient into the squared norms of its per-sample
 gradients (:mod:`memconv.norms`: ghost norms or instantiated chunks, per layer), so
 that no layer's per-sample gradients need to exist at once. The clipped sum
@@ -21,14 +21,13 @@ Noise and privacy accounting stay with the DP optimizer (Opacus').
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
+from .calls import LayerCall
 from .context import activate, use_block_settings
-from .extraction import model_route, sample_by_sample
 from .groups import (
     ALL,
     Grouping,
@@ -40,10 +39,10 @@ from .groups import (
 )
 from .layers import RuleSettings
 from .norms import DEFAULT_NORM_BUDGET, check_route, sq_norms
+from .passes import sample_by_sample, walk_micro_batches
 from .planning import CLIP_ROUTES, check_budget, check_clip_route  # noqa: F401 (CLIP_ROUTES: re-exported)
 from .prepared import Prepared, check_batch
-from .resources import AVAILABLE, process_budget
-from .walk import LayerCall, backward_walk
+from .resources import AVAILABLE
 
 
 def _unwrap(model):
@@ -150,6 +149,10 @@ class _Norms:
             self.io.append(call)
         return None
 
+    def from_model_route(self, name: str, grads: Tensor) -> None:
+        """Per-sample gradients of a parameter the walk left to the model route."""
+        self.add_grads(name, grads, keep=self.keep)
+
     def add_grads(self, name: str, grads: Tensor, keep: bool) -> None:
         """Per-sample gradients of a parameter: kept (summed over routes) or squared."""
         if keep:
@@ -192,22 +195,6 @@ def _add(total: dict, name: str, value: Tensor) -> None:
 
 def _squared(grads: Tensor) -> Tensor:
     return sq_norms(grads).to(torch.promote_types(grads.dtype, torch.float32))
-
-
-def _walk_norms(model, loss_fn, inputs, targets, rs, cp, *, clip_route, caller, onepass=None):
-    """The backward walk gathering norms (and, for book-keeping, what the clipped sum
-    needs; with ``onepass``, the clipped sums of the calls it clips, added into its
-    total); returns ``(squared norms per parameter, losses, the gatherer)``."""
-    keep = clip_route == "book-keeping"
-    norms = _Norms(len(inputs), rs, keep=keep, onepass=onepass)
-    with activate(None, False):  # the user's blocks do not reach the model's own layers
-        walk = backward_walk(
-            model, cp.loss, inputs, targets, cp.names, cp.axes, norms.visit, caller=caller,
-            keep_graph=clip_route == "two-pass", prepare=norms.prepare, owners=cp.owners,
-        )  # fmt: skip
-    for name, grads in model_route(model, loss_fn, inputs, targets, walk, rs).items():
-        norms.add_grads(name, grads, keep=keep)
-    return norms.result(cp.params), walk.losses, norms
 
 
 def per_sample_norms(
@@ -301,14 +288,11 @@ def norms_with(
             cp = prepared.call_plan(
                 model, loss_fn, inputs, "norms", settings, memory_budget, None, norm_route
             )
-            rs = RuleSettings(settings, norm_route, cp.plan.layer_budget)
+            rs = RuleSettings(settings=settings, norm_route=norm_route, budget=cp.plan.layer_budget)
             walks = _walks(
                 model, loss_fn, inputs, targets, rs, cp, None, "memconv.per_sample_norms"
             )
-            return [
-                (sq, rows)
-                for (sq, _, _), rows in zip(walks, _micro_batches(n, cp.plan.micro_batch))
-            ]
+            return [(norms.result(cp.params), rows) for rows, norms, _ in walks]
 
         parts = prepared.run(run)
     if grouping.kind != "all":
@@ -331,21 +315,22 @@ def _total(sq: dict, n: int) -> Tensor:
     return torch.stack(list(sq.values())).sum(0) if sq else torch.zeros(n)
 
 
-def _micro_batches(n: int, m: int):
-    return [slice(i0, min(n, i0 + m)) for i0 in range(0, n, m)]
-
-
 def _walks(model, loss_fn, inputs, targets, rs, cp, clip_route, caller, onepass=None):
-    """:func:`_walk_norms` over the micro-batches of the plan ``cp``
-    (:class:`memconv.prepared.CallPlan`), one at a time (``onepass``: makes each walk's
-    :class:`memconv.groups.OnePass`, or None)."""
-    # a budget holds for the process too (glibc's heap), see memconv.resources
-    with process_budget(inputs.device) if cp.guard else nullcontext():
-        for rows in _micro_batches(len(inputs), cp.plan.micro_batch):
-            yield _walk_norms(
-                model, loss_fn, inputs[rows], targets[rows], rs, cp,
-                clip_route=clip_route, caller=caller, onepass=onepass and onepass(),
-            )  # fmt: skip
+    """The walks of the micro-batches of the plan ``cp`` (:class:`memconv.prepared.CallPlan`),
+    one at a time (:func:`memconv.passes.walk_micro_batches`), each gathering norms in a
+    :class:`_Norms` (and, for book-keeping, what the clipped sum needs; with
+    ``onepass``, which makes each walk's :class:`memconv.groups.OnePass`, the clipped
+    sums of the calls it clips, added into its total)."""
+    keep = clip_route == "book-keeping"
+
+    def gatherer(rows: slice) -> _Norms:
+        n = rows.stop - rows.start
+        return _Norms(n, rs, keep=keep, onepass=onepass and onepass())
+
+    keep_graph = clip_route == "two-pass"
+    return walk_micro_batches(
+        model, loss_fn, inputs, targets, cp, rs, gatherer, caller=caller, keep_graph=keep_graph
+    )
 
 
 def clip_and_accumulate(
@@ -450,7 +435,7 @@ def clip_with(
         route = cp.plan.clip_route
         total: dict[str, Tensor] = {}
         all_norms = []
-        rs = RuleSettings(settings, norm_route, cp.plan.layer_budget)
+        rs = RuleSettings(settings=settings, norm_route=norm_route, budget=cp.plan.layer_budget)
         caller = "memconv.clip_and_accumulate"
         onepass = None
         if grouping.kind != "all":  # groups within one layer call: clipped in the pass
@@ -459,8 +444,8 @@ def clip_with(
                 return OnePass(grouping, rs, total, caller)
 
         walks = _walks(model, loss_fn, inputs, targets, rs, cp, route, caller, onepass)
-        for sq, losses, gathered in walks:
-            norms = _group_norms(grouping, sq, len(losses))
+        for _, gathered, losses in walks:
+            norms = _group_norms(grouping, gathered.result(cp.params), len(losses))
             done = gathered.onepass.groups if gathered.onepass is not None else set()
             factors = {
                 g: clip_factors(v, grouping.max_norm[g]) for g, v in norms.items() if g not in done

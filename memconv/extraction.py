@@ -2,7 +2,7 @@
 
 The forward pass records every call of a module that owns trainable parameters;
 in the one backward pass each call's output gradient reaches its route
-(:mod:`memconv.walk`): the layer's rule (convolutions by the strategy, Linear as a
+(:mod:`memconv.walk`, once per micro-batch: :mod:`memconv.passes`): the layer's rule (convolutions by the strategy, Linear as a
 product, ...: :mod:`memconv.layers`), the generic route (``torch.func`` on the
 call's real arguments) or, for a parameter used outside the modules that own it,
 the whole model's per-sample loss by ``torch.func``. Autograd itself computes no
@@ -12,16 +12,14 @@ parameter gradient: nothing is computed twice.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 
-import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from .calls import LayerCall
 from .context import activate, use_block_settings
 from .layers import RuleSettings
-from .layers.generic import chunk_size, model_grad_sample
-from .losses import per_sample_losses
+from .passes import sample_by_sample, walk_micro_batches
 from .planning import check_budget
 from .prepared import (  # noqa: F401 (check_per_sample_model, unwrap_compiled: re-exported)
     Prepared,
@@ -31,8 +29,7 @@ from .prepared import (  # noqa: F401 (check_per_sample_model, unwrap_compiled: 
     parameter_names,
     unwrap_compiled,
 )
-from .resources import AVAILABLE, process_budget
-from .walk import LayerCall, backward_walk
+from .resources import AVAILABLE
 
 
 def per_sample_grads(
@@ -118,50 +115,58 @@ def grads_with(prepared: Prepared, model, loss_fn, inputs, targets, *, strategy,
     def run():  # raises before any work if the result cannot fit
         cp = prepared.call_plan(model, loss_fn, inputs, "grads", settings, memory_budget)
         out = {name: p.new_empty(n, *p.shape) for name, p in params.items()}
-        rs = RuleSettings(settings, None, cp.plan.layer_budget)
-        with process_budget(inputs.device) if cp.guard else nullcontext():
-            _grads_walks(model, loss_fn, inputs, targets, cp, rs, out)
+        rs = RuleSettings(settings=settings, budget=cp.plan.layer_budget)
+
+        def for_rows(rows: slice) -> _Rows:
+            return _Rows(out, rows, rs, whole=cp.plan.micro_batch >= n)
+
+        walks = walk_micro_batches(
+            model, loss_fn, inputs, targets, cp, rs, for_rows, caller="memconv.per_sample_grads"
+        )
+        for _, written, _ in walks:
+            written.zero_rest()
         return out
 
     return prepared.run(run)
 
 
-def _grads_walks(model, loss_fn, inputs, targets, cp, rs, out) -> None:
-    """Per-sample gradients into ``out`` (uninitialised), micro-batch by micro-batch
-    (``cp``: the :class:`memconv.prepared.CallPlan`): a parameter's first part in a
-    micro-batch is copied in, the others added, and rows no route reached are zeros."""
-    n, m = len(inputs), cp.plan.micro_batch
-    for i0 in range(0, n, m):
-        rows = slice(i0, min(n, i0 + m))
-        written: set = set()
-        adopted: set = set()  # results taken as they are: never written in place
+class _Rows:
+    """Per-sample gradients of one micro-batch's rows into ``out`` (uninitialised): a
+    parameter's first part is copied in (or, when the rows are the whole batch and the
+    part is a tensor of its own, becomes the result itself: no copy), the others added
+    (out of place to a part taken as it is), and rows no route reached are zeros
+    (:meth:`zero_rest`)."""
 
-        def add(name, v, rows=rows, written=written, adopted=adopted, call=None):
-            if name in adopted:
-                out[name] = out[name] + v
-            elif name in written:
-                out[name][rows] += v
-            elif m >= n and _own_tensor(v, out[name], call):  # no copy at all
-                out[name] = v
-                adopted.add(name)
-                written.add(name)
-            else:  # 0 + v is v: a copy, without filling with zeros first
-                out[name][rows].copy_(v)
-                written.add(name)
+    prepare = None
 
-        def visit(call: LayerCall):
-            for k, v in call.grad_sample(rs).items():
-                add(call.params[k], v, call=call)
+    def __init__(self, out: dict, rows: slice, rs: RuleSettings, whole: bool):
+        self.out, self.rows, self.rs, self.whole = out, rows, rs, whole
+        self.written: set = set()
+        self.adopted: set = set()  # parts taken as they are: never written in place
 
-        with activate(None, False):  # the user's blocks do not reach the model's own layers
-            walk = backward_walk(
-                model, cp.loss, inputs[rows], targets[rows], cp.names, cp.axes, visit,
-                caller="memconv.per_sample_grads", owners=cp.owners,
-            )  # fmt: skip
-        for k, v in model_route(model, loss_fn, inputs[rows], targets[rows], walk, rs).items():
-            add(k, v)
-        for name in out.keys() - written:  # reached by no route: zeros
-            out[name][rows].zero_()
+    def add(self, name, v, call: LayerCall | None = None):
+        if name in self.adopted:
+            self.out[name] = self.out[name] + v
+        elif name in self.written:
+            self.out[name][self.rows] += v
+        elif self.whole and _own_tensor(v, self.out[name], call):
+            self.out[name] = v
+            self.adopted.add(name)
+            self.written.add(name)
+        else:  # 0 + v is v: a copy, without filling with zeros first
+            self.out[name][self.rows].copy_(v)
+            self.written.add(name)
+
+    def visit(self, call: LayerCall):
+        for k, v in call.grad_sample(self.rs).items():
+            self.add(call.params[k], v, call)
+
+    def from_model_route(self, name, v):
+        self.add(name, v)
+
+    def zero_rest(self):
+        for name in self.out.keys() - self.written:  # reached by no route: zeros
+            self.out[name][self.rows].zero_()
 
 
 def _own_tensor(v: Tensor, like: Tensor, call: LayerCall | None) -> bool:
@@ -186,43 +191,7 @@ def _own_tensor(v: Tensor, like: Tensor, call: LayerCall | None) -> bool:
     )
 
 
-def model_route(model, loss_fn, inputs, targets, walk, rs: RuleSettings) -> dict[str, Tensor]:
-    """Per-sample gradients ``{model name: [m, ...]}`` of the parameters the walk left
-    to the model route (none: ``{}``)."""
-    if not walk.model_params:
-        return {}
-    named = dict(model.named_parameters())
-    per = sum(named[k].numel() * named[k].element_size() for k in walk.model_params)
-    per += inputs[:1].numel() * inputs.element_size() * 8  # a sample's activations, roughly
-    with activate(None, False):
-        return model_grad_sample(
-            model, loss_fn, inputs, targets, walk.model_params,
-            chunk=chunk_size(len(inputs), per, rs.budget),
-        )  # fmt: skip
-
-
 def streams(model: nn.Module) -> bool:
     """Whether ``model`` holds a :class:`memconv.streaming.StreamingCNN`, whose layers
     run inside its own autograd Function, out of reach of the per-layer hooks."""
     return model_streams(model)
-
-
-def sample_by_sample(model, loss_fn, inputs, targets, params: dict):
-    """Yield ``(n, {name: gradient})`` for one sample at a time, by autograd.
-
-    The route for models that stream (:func:`streams`): one sample's forward and
-    backward pass at a time, its gradient gathered tile by tile by
-    :class:`memconv.streaming.StreamingCNN`, so memory is that of one streamed sample
-    whatever the image size. The strategy of the open block applies to the streamed
-    convolutions (the caller opens it).
-    """
-    names = list(params)
-    for i in range(len(inputs)):
-        loss = per_sample_losses(
-            loss_fn, model(inputs[i : i + 1].detach()), targets[i : i + 1], vectorise=False
-        )[0]
-        grads = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
-        yield (
-            i,
-            {k: g if g is not None else torch.zeros_like(params[k]) for k, g in zip(names, grads)},
-        )

@@ -17,7 +17,7 @@
 
 Both are tiled (bands of output rows for ``"positions"``, blocks of positions for
 ``"offsets"``) so that the Gram blocks fit a budget, and only the blocks on and
-above the diagonal are formed (the matrices are symmetric). :func:`plan` prices both
+above the diagonal are formed (the matrices are symmetric). :func:`choose_tiling` prices both
 and runs the faster that fits (:func:`memconv.strategies.base.fastest_that_fits`).
 """
 
@@ -38,7 +38,7 @@ from .strategies.shift import _flat_ok, offset_operands
 
 
 @dataclass(frozen=True)
-class GhostPlan:
+class GhostTiling:
     """How the ghost norms of one layer run.
 
     Attributes:
@@ -119,7 +119,7 @@ def _band_in(axis: _Axis, rows: int) -> int:
     return min(axis.size, (rows - 1) * axis.stride + (axis.kernel - 1) * axis.dilation + 1)
 
 
-def _positions_plan(problem: Problem, budget: int) -> GhostPlan:
+def _positions_tiling(problem: Problem, budget: int) -> GhostTiling:
     geom, n, itemsize = problem.geom, problem.n, problem.itemsize
     axes = _axes(geom, problem.size)
     t0 = axes[0].out
@@ -152,7 +152,7 @@ def _positions_plan(problem: Problem, budget: int) -> GhostPlan:
     *coefficients, per_gram = time_coefficients("ghost-positions", problem.device)
     time = linear_time(coefficients, flops, traffic, calls) + per_gram * gram
     memory = scale_memory("ghost-positions", problem.device, memory)
-    return GhostPlan("positions", chunk, rows, memory, time)
+    return GhostTiling(method="positions", chunk=chunk, block=rows, memory=memory, time=time)
 
 
 def _offsets_length(problem: Problem) -> int:
@@ -164,7 +164,7 @@ def _offsets_length(problem: Problem) -> int:
     return problem.positions
 
 
-def _offsets_plan(problem: Problem, budget: int) -> GhostPlan:
+def _offsets_tiling(problem: Problem, budget: int) -> GhostTiling:
     geom, n, itemsize = problem.geom, problem.n, problem.itemsize
     length = _offsets_length(problem)
     padded = geom.in_channels * numel(padded_size(geom, problem.size))
@@ -189,30 +189,30 @@ def _offsets_plan(problem: Problem, budget: int) -> GhostPlan:
     memory = chunk * (operands + 3 * geom.groups * block * block) * itemsize
     time = linear_time(time_coefficients("ghost-offsets", problem.device), flops, traffic, calls)
     memory = scale_memory("ghost-offsets", problem.device, memory)
-    return GhostPlan("offsets", chunk, block, memory, time)
+    return GhostTiling(method="offsets", chunk=chunk, block=block, memory=memory, time=time)
 
 
-def method_plans(problem: Problem, budget: int) -> dict[str, GhostPlan]:
+def method_tilings(problem: Problem, budget: int) -> dict[str, GhostTiling]:
     """Each method's chunk, tiling and predicted cost within ``budget`` bytes,
     ``{"positions": ..., "offsets": ...}``."""
     return {
-        "positions": _positions_plan(problem, budget),
-        "offsets": _offsets_plan(problem, budget),
+        "positions": _positions_tiling(problem, budget),
+        "offsets": _offsets_tiling(problem, budget),
     }
 
 
-def plan(problem: Problem, budget: int) -> GhostPlan:
+def choose_tiling(problem: Problem, budget: int) -> GhostTiling:
     """The method, chunk and tiling of the ghost norms within ``budget`` bytes: the
     faster method whose temporaries fit, else the leaner."""
-    return fastest_that_fits(list(method_plans(problem, budget).values()), budget)[0]
+    return fastest_that_fits(list(method_tilings(problem, budget).values()), budget)[0]
 
 
-def sq_norms(ops: Operands, chosen: GhostPlan) -> Tensor:
+def sq_norms(ops: Operands, chosen: GhostTiling) -> Tensor:
     """Squared per-sample norms ``[N]`` of a convolution's weight gradient.
 
     Args:
         ops: the layer's strategy operands (normal form).
-        chosen: the :func:`plan` to run.
+        chosen: the :func:`choose_tiling` to run.
     """
     x, g, geom = ops.x, ops.g, ops.geometry
     gram = _positions_gram if chosen.method == "positions" else _offsets_gram

@@ -52,6 +52,13 @@ def own_trainable(module: nn.Module) -> dict[str, Tensor]:
     return {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
 
 
+def trainable(module: nn.Module, name: str) -> bool:
+    """Whether the module's attribute ``name`` is a parameter that requires grad (a
+    layer rule computes the quantities of those only)."""
+    p = getattr(module, name, None)
+    return isinstance(p, nn.Parameter) and p.requires_grad
+
+
 def weight_grad(ops: Operands, settings: Settings, per_sample: bool) -> Tensor:
     """Run the strategy of ``settings`` on a layer's operands.
 

@@ -93,9 +93,9 @@ def check_route(route, argument: str = "norm_route") -> None:
 
 # ----------------------------------------------------------------- ghost (conv)
 def ghost_cost(problem: Problem, budget: int) -> RouteCost:
-    """Cost of the ghost route for a convolution (:func:`memconv.ghost.plan`)."""
-    chosen = ghost.plan(problem, budget)
-    return RouteCost("ghost", chosen.memory, chosen.time)
+    """Cost of the ghost route for a convolution (:func:`memconv.ghost.choose_tiling`)."""
+    chosen = ghost.choose_tiling(problem, budget)
+    return RouteCost(route="ghost", memory=chosen.memory, time=chosen.time)
 
 
 def ghost_sq_norms(ops: Operands, budget: int) -> Tensor:
@@ -110,7 +110,7 @@ def ghost_sq_norms(ops: Operands, budget: int) -> Tensor:
     problem = Problem(
         ops.geometry, x.shape[0], tuple(x.shape[2:]), x.element_size(), True, device=x.device.type
     )
-    return ghost.sq_norms(ops, ghost.plan(problem, budget))
+    return ghost.sq_norms(ops, ghost.choose_tiling(problem, budget))
 
 
 # ----------------------------------------------------------------- instantiate (conv)
@@ -137,7 +137,7 @@ def instantiate_cost(problem: Problem, budget: int, settings: Settings = DEFAULT
     # the squares of the per-sample gradients: seconds per element
     (per_square,) = time_coefficients("instantiate", problem.device)
     time = strategy.time(problem, run.options) + per_square * problem.per_sample_elements()
-    return RouteCost("instantiate", memory, time)
+    return RouteCost(route="instantiate", memory=memory, time=time)
 
 
 def instantiate_sq_norms(ops: Operands, settings: Settings, budget: int) -> Tensor:

@@ -41,8 +41,8 @@ from .grad_sample import own_trainable
 from .layers import RuleSettings, find_rule, using
 from .norms import check_route
 from .optrace import paused
+from .probes import call_axes, keep_rng, recording_calls
 from .resources import AVAILABLE, resolve_budget
-from .walk import call_axes, keep_rng, recording_calls
 
 logger = logging.getLogger("memconv")
 
@@ -94,7 +94,7 @@ class Profile:
         params: trainable parameter elements (shared ones once).
         param_bytes: their bytes.
         owner_calls: the calls of the parametrised modules in the passes of one and
-            of two samples (:func:`memconv.walk.recording_calls`), from which
+            of two samples (:func:`memconv.probes.recording_calls`), from which
             :meth:`axes` reads their batch axes.
     """
 
@@ -106,7 +106,7 @@ class Profile:
     owner_calls: tuple = ((), ())
 
     def axes(self) -> list:
-        """The batch axes of the parametrised calls (:func:`memconv.walk.call_axes`).
+        """The batch axes of the parametrised calls (:func:`memconv.probes.call_axes`).
 
         Raises:
             RuntimeError: the two probes called different layers.
@@ -145,25 +145,25 @@ def profile(model: nn.Module, example: Tensor) -> Profile:
     names = {mod: n for n, mod in model.named_modules()}
     layers = [
         LayerProfile(
-            names.get(module, type(module).__name__),
-            module,
-            n_in,
-            n_out,
-            shape_in,
-            itemsize,
-            _fit(c1, c2),
-            sum(p.numel() for p in own_trainable(module).values()),
-        )  # fmt: skip
+            name=names.get(module, type(module).__name__),
+            module=module,
+            input_elements=n_in,
+            output_elements=n_out,
+            input_shape=shape_in,
+            itemsize=itemsize,
+            saved=_fit(c1, c2),
+            params=sum(p.numel() for p in own_trainable(module).values()),
+        )
         for (module, n_in, n_out, shape_in, itemsize, c1), (*_, c2) in zip(calls1, calls2)
     ]
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     return Profile(
-        _fit(s1, s2),
-        out1,
-        layers,
-        sum(p.numel() for p in params.values()),
-        sum(p.numel() * p.element_size() for p in params.values()),
-        tuple(owner_calls),
+        activations=_fit(s1, s2),
+        output=out1,
+        layers=layers,
+        params=sum(p.numel() for p in params.values()),
+        param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
+        owner_calls=tuple(owner_calls),
     )
 
 
@@ -405,11 +405,10 @@ def make_plan(
         for m in {1, max(n, 1)}
     )
     if memory_budget is None or n == 0:
-        peak, parts = predict(prof, n, max(n, 1), task, settings, None, route, norm_route)
-        return Plan(
-            task, n, max(n, 1), None, peak, memory_budget, parts,
-            route if task == "clip" else None, smallest, generic,
-        )  # fmt: skip
+        more = {"smallest_budget": smallest, "generic_layers": generic}
+        return _predicted_plan(
+            prof, n, max(n, 1), task, settings, None, route, norm_route, memory_budget, **more
+        )
     best = None
     for r in routes:
         candidate = _best_for_route(prof, n, task, settings, memory_budget, r, norm_route)
@@ -455,9 +454,9 @@ def _best_for_route(prof, n, task, settings, memory_budget, route, norm_route=No
             predict(prof, n, m, task, settings, layer_budget, route, norm_route)[0] <= memory_budget
         )
 
-    peak, parts = predict(prof, n, n, task, settings, None, route, norm_route)
-    if peak <= memory_budget:
-        return Plan(task, n, n, None, peak, memory_budget, parts, route if task == "clip" else None)
+    one_pass = _predicted_plan(prof, n, n, task, settings, None, route, norm_route, memory_budget)
+    if one_pass.predicted_peak <= memory_budget:
+        return one_pass
 
     def largest(layer_budget):  # predictions grow with m: a bisection
         lo, hi = 0, n
@@ -482,9 +481,27 @@ def _best_for_route(prof, n, task, settings, memory_budget, route, norm_route=No
     while layer_budget > MIN_LAYER_BUDGET and not fits(m, layer_budget):
         layer_budget //= 2
     layer_budget = max(layer_budget, MIN_LAYER_BUDGET)
+    return _predicted_plan(
+        prof, n, m, task, settings, layer_budget, route, norm_route, memory_budget
+    )
+
+
+def _predicted_plan(
+    prof, n, m, task, settings, layer_budget, route, norm_route, memory_budget, **more
+) -> Plan:
+    """The plan of micro-batches of ``m`` samples with ``layer_budget``, its peak and
+    breakdown predicted (:func:`predict`); ``more``: the plan's other fields."""
     peak, parts = predict(prof, n, m, task, settings, layer_budget, route, norm_route)
     return Plan(
-        task, n, m, layer_budget, peak, memory_budget, parts, route if task == "clip" else None
+        task=task,
+        batch=n,
+        micro_batch=m,
+        layer_budget=layer_budget,
+        predicted_peak=peak,
+        memory_budget=memory_budget,
+        breakdown=parts,
+        clip_route=route if task == "clip" else None,
+        **more,
     )
 
 
@@ -536,7 +553,15 @@ def plan(
     memory_budget = resolve_budget(memory_budget, inputs.device)
     n = len(inputs)
     if n == 0:
-        return Plan(task, 0, 1, None, 0, memory_budget, {})
+        return Plan(
+            task=task,
+            batch=0,
+            micro_batch=1,
+            layer_budget=None,
+            predicted_peak=0,
+            memory_budget=memory_budget,
+            breakdown={},
+        )
     return make_plan(
         profile(model, inputs), n, task, settings, memory_budget, clip_route, norm_route
     )

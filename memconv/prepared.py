@@ -35,9 +35,9 @@ from torch.nn.modules import module as module_mod
 from .layers import check_layer, find_rule
 from .losses import PerSampleLoss
 from .planning import Plan, Profile, make_plan, profile
+from .probes import ProbeMismatch, owner_names
 from .resources import AVAILABLE, guards, resolve_budget
 from .streaming import StreamingCNN
-from .walk import ProbeMismatch, owner_names
 
 
 def unwrap_compiled(model):
@@ -150,10 +150,10 @@ class CallPlan:
     Attributes:
         plan: the :class:`memconv.Plan` (micro-batch, per-layer budget, clip route).
         guard: whether :func:`memconv.resources.process_budget` guards the call.
-        axes: the batch axes of the parametrised calls (:func:`memconv.walk.call_axes`).
+        axes: the batch axes of the parametrised calls (:func:`memconv.probes.call_axes`).
         names: ``{id(parameter): name}`` of the trainable parameters.
         loss: the per-sample loss evaluation.
-        owners: :func:`memconv.walk.owner_names` of the model.
+        owners: :func:`memconv.probes.owner_names` of the model.
         params: ``{name: parameter}`` of the trainable parameters.
     """
 
@@ -201,7 +201,7 @@ class Prepared:
 
     def run(self, call):
         """``call()``, run again from the start with a new probe if a reused probe no
-        longer describes the model's layer calls (:class:`memconv.walk.ProbeMismatch`)."""
+        longer describes the model's layer calls (:class:`memconv.probes.ProbeMismatch`)."""
         try:
             return call()
         except ProbeMismatch:
@@ -275,9 +275,14 @@ class Prepared:
             self.plans += 1
         plan = self._plan if budget is None else replace(self._plan, memory_budget=budget)
         return CallPlan(
-            plan, guards(memory_budget, plan if budget is not None else None), self._axes,
-            self._names, self._loss, self._owners, self._params,
-        )  # fmt: skip
+            plan=plan,
+            guard=guards(memory_budget, plan if budget is not None else None),
+            axes=self._axes,
+            names=self._names,
+            loss=self._loss,
+            owners=self._owners,
+            params=self._params,
+        )
 
     def _still_fits(self, budget, memory_budget, clip_route) -> bool:
         """Whether the plan a fresh one would be is the kept one (an ``"available"``

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memconv
-from memconv import clipping
+from memconv import passes
 from memconv.streaming import StreamingCNN
 
 WORLD = 2
@@ -127,28 +127,28 @@ def run(rank: int, out: str) -> None:
 
         # within a memory_budget that forces micro-batches of one sample: each rank runs
         # its own number of passes (5 and 3) before the one all-reduce
-        walk = clipping._walk_norms
-        passes = []
+        walk = passes.backward_walk
+        counted = []
 
         def counting_walk(*args, **kwargs):
-            passes.append(len(args[2]))
+            counted.append(len(args[2]))
             return walk(*args, **kwargs)
 
-        clipping._walk_norms = counting_walk
+        passes.backward_walk = counting_walk
         try:
             result["budget"] = {}
             r = SPLITS["uneven"][rank]
             for route in CLIP_ROUTES:
                 model = DDP(clip_model())
                 plan = memconv.plan(model.module, x[r], task="clip", clip_route=route)
-                passes.clear()
+                counted.clear()
                 norms = memconv.clip_and_accumulate(
                     model, loss_sum, x[r], y[r], max_norm=MAX_NORM, clip_route=route,
                     memory_budget=plan.smallest_budget,
                 )  # fmt: skip
-                result["budget"][route] = (_grads(model.module), norms, list(passes))
+                result["budget"][route] = (_grads(model.module), norms, list(counted))
         finally:
-            clipping._walk_norms = walk
+            passes.backward_walk = walk
 
         # extended modules under DDP, inside save_memory("shift") and per_sample()
         from memconv.strategies import get_strategy

@@ -193,7 +193,7 @@ def test_norm_routes_and_ghost_methods_as_before(name):
     problem = _problem(name)
     got = tuple(
         f"{norms.choose_route(problem, b).route}/"
-        f"{ghost.plan(problem, b or norms.DEFAULT_NORM_BUDGET).method}"
+        f"{ghost.choose_tiling(problem, b or norms.DEFAULT_NORM_BUDGET).method}"
         for b in BUDGETS
     )
     assert got == ROUTES[name]

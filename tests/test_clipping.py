@@ -171,7 +171,7 @@ def test_both_ghost_methods_against_autograd(case, method, tiled):
     )
     ops = conv_spec(conv).operands(x, g)
     problem = Problem(ops.geometry, 3, tuple(ops.x.shape[2:]), 8, True)
-    make = {"positions": ghost._positions_plan, "offsets": ghost._offsets_plan}[method]
+    make = {"positions": ghost._positions_tiling, "offsets": ghost._offsets_tiling}[method]
     chosen = make(problem, 2**30)
     if tiled:  # a third of what one sample's whole Gram matrices need: bands or blocks
         chosen = make(problem, chosen.memory // chosen.chunk // 3)

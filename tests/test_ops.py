@@ -18,7 +18,8 @@ from helpers import loop_reference
 from torch import nn
 
 import memconv
-import memconv.extraction
+import memconv.calls
+import memconv.passes
 import memconv.walk
 
 TOL = 1e-9
@@ -207,7 +208,7 @@ def _norms(ref):
 def lean(monkeypatch):
     """Record which parameters the generic and model routes are asked for."""
     seen: list = []
-    generic, model_route = memconv.walk.call_grad_sample, memconv.extraction.model_grad_sample
+    generic, model_route = memconv.calls.call_grad_sample, memconv.passes.model_grad_sample
 
     def spy_generic(module, *args, **kwargs):
         seen.append(("generic", type(module).__name__))
@@ -217,8 +218,8 @@ def lean(monkeypatch):
         seen.append(("model", None))
         return model_route(*args, **kwargs)
 
-    monkeypatch.setattr(memconv.walk, "call_grad_sample", spy_generic)
-    monkeypatch.setattr(memconv.extraction, "model_grad_sample", spy_model)
+    monkeypatch.setattr(memconv.calls, "call_grad_sample", spy_generic)
+    monkeypatch.setattr(memconv.passes, "model_grad_sample", spy_model)
     return seen
 
 
@@ -232,7 +233,10 @@ def _walk_routes(model, x, y):
     )
     generic = [c.name for c in walk.calls if c.params and c.rule is None]
     ops = {
-        full for c in walk.calls if isinstance(c, memconv.walk.OpCall) for full in c.params.values()
+        full
+        for c in walk.calls
+        if isinstance(c, memconv.calls.OpCall)
+        for full in c.params.values()
     }
     return set(walk.model_params), generic, ops
 

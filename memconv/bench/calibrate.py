@@ -160,7 +160,7 @@ def jobs(layer: Layer, device: torch.device, models=None) -> list[Job]:
     for method in ("positions", "offsets"):
 
         def plan(method=method):
-            return ghost.method_plans(problem, budget)[method]
+            return ghost.method_tilings(problem, budget)[method]
 
         out.append(
             Job(

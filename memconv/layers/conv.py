@@ -13,7 +13,7 @@ from torch import nn
 
 from .._geometry import conv_spec, layer_output_size
 from ..context import budgeted
-from ..grad_sample import bias_grad, conv_weight_grad, summed_weight_grad
+from ..grad_sample import bias_grad, conv_weight_grad, summed_weight_grad, trainable
 from ..memory import predict_memory
 from ..norms import choose_route, conv_route_problem, conv_weight_sq_norms
 from ..norms import sq_norms as _sq
@@ -31,11 +31,6 @@ TYPES = (
 )
 
 
-def _trainable(module, name: str) -> bool:
-    p = getattr(module, name, None)
-    return isinstance(p, nn.Parameter) and p.requires_grad
-
-
 @register(*TYPES)
 class ConvRule(LayerRule):
     """``Conv*d`` and ``ConvTranspose*d``: every padding mode, stride, dilation, groups."""
@@ -45,9 +40,9 @@ class ConvRule(LayerRule):
         rs = rule_settings()
         settings = budgeted(rs.settings, rs.budget)
         out = {}
-        if _trainable(module, "weight"):
+        if trainable(module, "weight"):
             out["weight"] = conv_weight_grad(module, x, grad_output, settings, per_sample=True)
-        if _trainable(module, "bias"):
+        if trainable(module, "bias"):
             out["bias"] = bias_grad(grad_output, per_sample=True)
         return out
 
@@ -55,21 +50,21 @@ class ConvRule(LayerRule):
         (x,) = inputs
         rs = rule_settings()
         out = {}
-        if _trainable(module, "weight"):
+        if trainable(module, "weight"):
             out["weight"] = conv_weight_sq_norms(
                 module, x, grad_output, rs.settings, rs.norm_route, rs.budget
             )
-        if _trainable(module, "bias"):
+        if trainable(module, "bias"):
             out["bias"] = _sq(bias_grad(grad_output, per_sample=True))
         return out
 
     def summed_grad(self, module, inputs, grad_output):
         (x,) = inputs
         out = {}
-        if _trainable(module, "weight"):  # torch's own kernel: the fastest summed VJP
+        if trainable(module, "weight"):  # torch's own kernel: the fastest summed VJP
             ops = conv_spec(module).operands(x.to(grad_output.dtype), grad_output)
             out["weight"] = summed_weight_grad(ops, module.weight)
-        if _trainable(module, "bias"):
+        if trainable(module, "bias"):
             out["bias"] = bias_grad(grad_output, per_sample=False)
         return out
 

@@ -11,6 +11,7 @@ import math
 
 from torch import nn
 
+from ..grad_sample import trainable
 from ..norms import sq_norms
 from .base import LayerRule, register, rule_settings
 
@@ -22,11 +23,6 @@ def _flat(x, g):
     return x.reshape(n, length, x.shape[-1]), g.reshape(n, length, g.shape[-1])  # [N, L, in/out]
 
 
-def _trainable(module, name):
-    p = getattr(module, name, None)
-    return p is not None and p.requires_grad
-
-
 @register(nn.Linear)
 class LinearRule(LayerRule):
     """``y = x Wᵀ + b`` over the last axis."""
@@ -36,12 +32,12 @@ class LinearRule(LayerRule):
     def grad_sample(self, module, inputs, grad_output):
         x2, g2 = _flat(inputs[0], grad_output)
         out = {}
-        if _trainable(module, "weight"):
+        if trainable(module, "weight"):
             if x2.shape[1] == 1:  # an outer product: a broadcast product beats bmm
                 out["weight"] = g2.transpose(1, 2) * x2  # [N, out, in]
             else:
                 out["weight"] = g2.transpose(1, 2) @ x2  # [N, out, in]
-        if _trainable(module, "bias"):
+        if trainable(module, "bias"):
             out["bias"] = g2.sum(1)  # [N, out]
         return out
 
@@ -50,7 +46,7 @@ class LinearRule(LayerRule):
         length = x2.shape[1]
         route = rule_settings().norm_route
         out = {}
-        if _trainable(module, "weight"):
+        if trainable(module, "weight"):
             if length == 1:  # an outer product: ‖g aᵀ‖ = ‖g‖·‖a‖
                 out["weight"] = g2.pow(2).sum((1, 2)) * x2.pow(2).sum((1, 2))
             elif route == "ghost" or (route is None and 2 * length**2 < x2.shape[2] * g2.shape[2]):
@@ -59,7 +55,7 @@ class LinearRule(LayerRule):
                 out["weight"] = (ga * gb).sum((1, 2))
             else:
                 out["weight"] = sq_norms(g2.transpose(1, 2) @ x2)
-        if _trainable(module, "bias"):
+        if trainable(module, "bias"):
             out["bias"] = g2.sum(1).pow(2).sum(1)
         return out
 
@@ -67,9 +63,9 @@ class LinearRule(LayerRule):
         x = inputs[0].to(grad_output.dtype)
         x2, g2 = x.flatten(0, -2), grad_output.flatten(0, -2)  # [N·L, in/out]
         out = {}
-        if _trainable(module, "weight"):
+        if trainable(module, "weight"):
             out["weight"] = g2.transpose(0, 1) @ x2
-        if _trainable(module, "bias"):
+        if trainable(module, "bias"):
             out["bias"] = g2.sum(0)
         return out
 

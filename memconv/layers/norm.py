@@ -15,12 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..grad_sample import trainable
 from .base import LayerRule, register, rule_settings
-
-
-def _trainable(module, name):
-    p = getattr(module, name, None)
-    return p is not None and p.requires_grad
 
 
 class AffineNormRule(LayerRule):
@@ -39,7 +35,7 @@ class AffineNormRule(LayerRule):
         g, x = grad_output, inputs[0]
         axes = self.shared_axes(module, g)
         out = {}
-        if _trainable(module, "weight"):
+        if trainable(module, "weight"):
             weight = None
             step = _chunk(x)
             with rule_settings().autocast_context():
@@ -52,7 +48,7 @@ class AffineNormRule(LayerRule):
                     weight[rows] = part
                     del xhat, part
             out["weight"] = weight
-        if _trainable(module, "bias"):
+        if trainable(module, "bias"):
             out["bias"] = g.sum(axes) if axes else g
         return out
 

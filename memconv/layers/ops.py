@@ -13,8 +13,9 @@ convolution strategy, ghost norms, book-keeping), so an operation and its module
 share one implementation.
 
 The tensors in the slots may be parameters or functions of parameters alone (a
-standardised weight, ``weight_norm``); :mod:`memconv.walk` proves that on the
-autograd graph and chains the per-sample gradients through that function.
+standardised weight, ``weight_norm``); :mod:`memconv.coverage` proves that on the
+autograd graph, and :class:`memconv.calls.OpCall` chains the per-sample gradients through
+that function.
 """
 
 from __future__ import annotations

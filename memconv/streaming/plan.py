@@ -36,6 +36,8 @@ from .._geometry import (
     span,
     torch_pad_argument,
 )
+from ..context import record
+from ..modules import apply_conv
 
 Range = tuple[tuple[int, int], ...]  # per spatial axis: [lo, hi)
 
@@ -162,9 +164,6 @@ class Window(Node):
         if isinstance(m, CONV_TYPES):
             geom = conv_spec(m).geometry.with_padding((0,) * len(self.kernel))
             if torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad):
-                from ..context import record
-                from ..modules import apply_conv
-
                 return apply_conv(
                     m, x, m.weight, m.bias, ConvSpec(geom, None, "constant"), record()
                 )

@@ -1,0 +1,357 @@
+"""The layer calls a walk hands to its visitor, and what each one's route computes.
+
+A :class:`LayerCall` is one forward call of a parametrised module, kept with its
+arguments and, as they arrive in the backward pass, its output gradients; its route
+is the layer's rule (:mod:`memconv.layers`) or, without one, the generic route
+(``torch.func`` on the call's real arguments, :func:`memconv.layers.generic.call_grad_sample`).
+An :class:`OpCall` is one call of an operation with a rule (:mod:`memconv.layers.ops`)
+on parameters or on functions of parameters alone, whatever module makes it
+(:func:`_op_call` builds it from the call the operation recorder saw).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from .layers import LayerRule, RuleSettings, run_rule, using
+from .layers.generic import call_grad_sample, chunk_size
+from .layers.ops import BoundOp, Broadcast, broadcast_ok, shell_rule
+from .norms import sq_norms
+from .probes import UNSPLIT, CallAxes
+
+
+@dataclass(eq=False)
+class LayerCall:
+    """One forward call of a parametrised module, and what its route needs.
+
+    Attributes:
+        module: the layer.
+        name: its name in the model.
+        rule: its rule if the call is a rule call, else None (generic route).
+        params: ``{name in module: name in model}`` of the parameters this call's
+            route computes (filled before the backward pass).
+        args, kwargs: the call's arguments (tensors detached).
+        in_axes, out_axes: batch axes of their leaves and of the output's leaves.
+        grads: the gradient of each output leaf as it arrives (None: not yet).
+        output_elements: elements of the call's output (its tensor leaves).
+        expected: the output leaves whose gradient will arrive.
+        window: ``(first, last)`` autograd sequence numbers of the call's nodes.
+        autocast: ``(device type, dtype or None)`` of the forward pass.
+        edges: ``(output leaf index, gradient edge)`` of the captured outputs.
+        shared: local names of parameters that other calls' routes also compute
+            (their per-sample gradients must be summed before taking norms).
+        done: whether the route ran (or had nothing to do).
+        kept: set by a visitor that keeps the call's tensors for later.
+    """
+
+    module: nn.Module
+    name: str
+    rule: LayerRule | None
+    args: tuple
+    kwargs: dict
+    in_axes: tuple
+    out_axes: tuple
+    window: tuple[int, int]
+    autocast: tuple
+    params: dict = field(default_factory=dict)
+    grads: list = field(default_factory=list)
+    output_elements: int = 0
+    expected: set = field(default_factory=set)
+    edges: list = field(default_factory=list)
+    shared: set = field(default_factory=set)
+    done: bool = False
+    kept: bool = False
+    named: dict | None = None
+
+    @property
+    def what(self) -> str:
+        return f"layer {self.name!r} ({type(self.module).__name__})"
+
+    def rule_inputs(self) -> tuple[tuple[Tensor, ...], Tensor]:
+        """``(inputs, grad_output)`` with the batch axis first, for the rule."""
+        inputs = tuple(a.movedim(ax, 0) if ax else a for a, ax in zip(self.args, self.in_axes))
+        g = self.grads[0]
+        ax = self.out_axes[0]
+        return inputs, (g.movedim(ax, 0) if ax else g)
+
+    def n(self) -> int:
+        for leaf, ax in zip(tree_flatten((self.args, self.kwargs))[0], self.in_axes):
+            if isinstance(leaf, Tensor) and ax is not None:
+                return leaf.shape[ax]
+        for g, ax in zip(self.grads, self.out_axes):
+            if g is not None:
+                return g.shape[ax]
+        return 0
+
+    def settings(self, rs: RuleSettings) -> RuleSettings:
+        return RuleSettings(
+            settings=rs.settings, norm_route=rs.norm_route, budget=rs.budget, autocast=self.autocast
+        )
+
+    def grad_sample(self, rs: RuleSettings) -> dict[str, Tensor]:
+        """Per-sample gradients ``{name in module: [N, ...]}`` of :attr:`params`."""
+        if self.rule is not None:
+            inputs, g = self.rule_inputs()
+            with using(self.settings(rs)):
+                out = run_rule(self.rule, "grad_sample", self.module, inputs, g)
+            return self._typed({k: v for k, v in out.items() if k in self.params})
+        leaves = tree_flatten((self.args, self.kwargs))[0]
+        per = sum(p.numel() for k, p in self._named().items() if k in self.params)
+        per += sum(t[:1].numel() for t in leaves if isinstance(t, Tensor))
+        per += sum(g[:1].numel() for g in self.grads if g is not None)
+        n = self.n()
+        itemsize = next((g.element_size() for g in self.grads if g is not None), 4)
+        out = call_grad_sample(
+            self.module, self.args, self.kwargs, self.in_axes, self.grads, self.out_axes,
+            list(self.params), what=self.what, chunk=chunk_size(n, 4 * per * itemsize, rs.budget),
+        )  # fmt: skip
+        return self._typed(out)
+
+    def sq_norms(self, rs: RuleSettings) -> dict[str, Tensor]:
+        """Squared per-sample norms ``{name in module: [N]}`` of :attr:`params`."""
+        if self.rule is not None:
+            inputs, g = self.rule_inputs()
+            with using(self.settings(rs)):
+                out = run_rule(self.rule, "sq_norms", self.module, inputs, g)
+            out = {k: v for k, v in out.items() if k in self.params}
+        else:
+            out = {k: sq_norms(v) for k, v in self.grad_sample(rs).items()}
+        return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}
+
+    def summed_grad(self, rs: RuleSettings, scale: Tensor) -> dict[str, Tensor]:
+        """Σₙ scaleₙ·(per-sample gradient)ₙ of :attr:`params` (a rule call)."""
+        inputs, g = self.rule_inputs()
+        shape = (-1,) + (1,) * (g.dim() - 1)
+        g = g * scale.to(g.dtype).reshape(shape)
+        with using(self.settings(rs)):
+            out = run_rule(self.rule, "summed_grad", self.module, inputs, g)
+        return self._typed({k: v for k, v in out.items() if k in self.params})
+
+    def _named(self) -> dict[str, Tensor]:
+        """``{name in module: parameter}`` over the module's subtree (duplicates kept)."""
+        if self.named is None:
+            self.named = dict(self.module.named_parameters(remove_duplicate=False))
+        return self.named
+
+    def _typed(self, out: dict) -> dict:
+        named = self._named()
+        return {k: v.to(named[k].dtype) for k, v in out.items()}
+
+    def release(self) -> None:
+        """Drop the tensors kept for the route."""
+        self.args, self.kwargs, self.grads = (), {}, []
+
+
+@dataclass(eq=False)
+class OpCall(LayerCall):
+    """One call of an operation with a rule (:mod:`memconv.layers.ops`) on parameters,
+    or on functions of parameters alone (``w' = f(w)``), whatever module makes it.
+
+    :attr:`module` is the operation's shell layer, whose rule serves the call; its
+    parameters are the slots' tensors. The per-sample gradients of a parameter reached
+    through ``f`` are the vjps of ``f`` of the slot's per-sample gradients (one
+    batched vjp per chunk of samples, on ``f``'s autograd graph); its summed gradient
+    one vjp of the slot's summed gradient (``Σ cₙ J_fᵀ g'ₙ = J_fᵀ Σ cₙ g'ₙ``).
+
+    Attributes:
+        sources: ``{slot: (slot tensor with its graph, {id(parameter): parameter})}``
+            of the trainable slots: the parameter itself, or the parameters ``f``
+            reaches (filled by :func:`_claims`).
+        direct: ``{id(parameter): model name}`` of the parameters in a slot as they are.
+        roots: ``{slot: grad_fn}`` of the slots computed from parameters.
+    """
+
+    sources: dict = field(default_factory=dict)
+    direct: dict = field(default_factory=dict)
+    roots: dict = field(default_factory=dict)
+    model_names: dict = field(default_factory=dict)
+
+    @property
+    def what(self) -> str:
+        return f"operation {self.name!r}"
+
+    def _named(self) -> dict[str, Tensor]:
+        if self.named is None:
+            self.named = {}
+            for _, (_, leaves) in self.sources.items():
+                for pid, p in leaves.items():
+                    self.named[self.model_names[pid]] = p
+        return self.named
+
+    def _slot_out(self, rs: RuleSettings, method: str, g=None) -> dict[str, Tensor]:
+        inputs, grad = self.rule_inputs()
+        if g is not None:
+            grad = g
+        with using(self.settings(rs)):
+            return run_rule(self.rule, method, self.module, inputs, grad)
+
+    def _chain(self, slot: str, grads: Tensor, batched: bool) -> dict[str, Tensor]:
+        """``{model name: vjp}`` of the slot's gradients to the parameters under it."""
+        tensor, leaves = self.sources[slot]
+        names = [self.model_names[pid] for pid in leaves]
+        if tensor.grad_fn is None:  # the parameter itself
+            return {names[0]: grads}
+        params = list(leaves.values())
+        grads = grads.to(tensor.dtype)
+        with torch.enable_grad():
+            if not batched:
+                out = torch.autograd.grad(
+                    tensor, params, grads, retain_graph=True, allow_unused=True
+                )
+                return {k: _zero(v, p) for k, v, p in zip(names, out, params)}
+            n = grads.shape[0]
+            step = max(1, _CHAIN_BYTES // max(1, 4 * tensor.numel() * tensor.element_size()))
+            parts: list = [[] for _ in params]
+            for i in range(0, n, step):
+                chunk = grads[i : i + step]
+                try:
+                    out = torch.autograd.grad(
+                        tensor, params, chunk, retain_graph=True, allow_unused=True,
+                        is_grads_batched=True,
+                    )  # fmt: skip
+                except RuntimeError:  # no batching rule for some backward formula
+                    rows = [
+                        torch.autograd.grad(tensor, params, c, retain_graph=True, allow_unused=True)
+                        for c in chunk
+                    ]
+                    out = [
+                        torch.stack([_zero(r[j], p) for r in rows]) for j, p in enumerate(params)
+                    ]
+                for j, (v, p) in enumerate(zip(out, params)):
+                    parts[j].append(v if v is not None else p.new_zeros(len(chunk), *p.shape))
+        return {k: torch.cat(v) for k, v in zip(names, parts)}
+
+    def _collect(self, per_slot: dict, batched: bool) -> dict[str, Tensor]:
+        out: dict = {}
+        for slot, v in per_slot.items():
+            if slot not in self.sources:
+                continue
+            for k, g in self._chain(slot, v, batched).items():
+                if k in self.params:
+                    out[k] = g if k not in out else out[k] + g
+        return self._typed(out)
+
+    def grad_sample(self, rs: RuleSettings) -> dict[str, Tensor]:
+        return self._collect(self._slot_out(rs, "grad_sample"), True)
+
+    def sq_norms(self, rs: RuleSettings) -> dict[str, Tensor]:
+        plain = all(t.grad_fn is None for t, _ in self.sources.values())
+        if plain and len(self.sources) == len(self.params):
+            out = self._slot_out(rs, "sq_norms")
+            out = {self.params_of(slot): v for slot, v in out.items() if slot in self.sources}
+        else:  # per-sample gradients through f, a chunk of samples at a time
+            inputs, g = self.rule_inputs()
+            n = g.shape[0]
+            per = sum(t.numel() * t.element_size() for t, _ in self.sources.values())
+            per += sum(p.numel() * p.element_size() for p in self._named().values())
+            step = max(1, (rs.budget or _CHAIN_BYTES) // max(1, 3 * per))
+            parts: dict = {}
+            for i in range(0, n, step):
+                rows = slice(i, i + step)
+                with using(self.settings(rs)):
+                    slots = run_rule(
+                        self.rule,
+                        "grad_sample",
+                        self.module,
+                        tuple(a[rows] for a in inputs),
+                        g[rows],
+                    )
+                for k, v in self._collect(slots, True).items():
+                    parts.setdefault(k, []).append(sq_norms(v))
+                del slots
+            out = {k: torch.cat(v) for k, v in parts.items()}
+        return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}
+
+    def params_of(self, slot: str) -> str:
+        _, leaves = self.sources[slot]
+        return self.model_names[next(iter(leaves))]
+
+    def summed_grad(self, rs: RuleSettings, scale: Tensor) -> dict[str, Tensor]:
+        inputs, g = self.rule_inputs()
+        shape = (-1,) + (1,) * (g.dim() - 1)
+        g = g * scale.to(g.dtype).reshape(shape)
+        return self._collect(self._slot_out(rs, "summed_grad", g), False)
+
+    def release(self) -> None:
+        self._named()  # (read from the sources, which go)
+        super().release()
+        self.sources = {}
+
+
+#: Bytes of per-sample gradients a chain through a parameter-only map holds at once.
+_CHAIN_BYTES = 64 * 2**20
+
+
+def _zero(v, p: Tensor) -> Tensor:
+    return torch.zeros_like(p) if v is None else v
+
+
+def _autocast_state(leaves) -> tuple:
+    device = next((t.device.type for t in leaves if isinstance(t, Tensor)), "cpu")
+    if torch.is_autocast_enabled(device):
+        return (device, torch.get_autocast_dtype(device))
+    return (device, None)
+
+
+def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, recorder, names):
+    """The :class:`OpCall` of a recorded operation call, or None if its rule cannot
+    describe it (batch axes, a slot tensor that is neither a parameter nor computed)."""
+    ax_in = axes.inputs[0] if axes.inputs else None
+    ax_out = axes.outputs[0] if axes.outputs else None
+    params: dict = {}
+    sources: dict = {}
+    direct: dict = {}
+    roots: dict = {}
+    for slot, t in bound.slots.items():
+        if t is None:
+            params[slot] = None
+            continue
+        trainable = recorder.trainable(t)
+        params[slot] = nn.Parameter(t.detach(), requires_grad=trainable)
+        if not trainable:
+            continue
+        via = (bound.via or {}).get(slot)
+        if via is not None:  # the call receives ``via``, computed from the slot's tensor
+            if via.grad_fn is None:
+                return None
+            sources[slot] = (t, {})
+            roots[slot] = via.grad_fn
+        elif t.grad_fn is None and id(t) in names:  # the parameter itself
+            sources[slot] = (t, {id(t): t})
+            direct[id(t)] = names[id(t)]
+        elif t.grad_fn is not None:  # a function of parameters (checked by _claims)
+            sources[slot] = (t, {})
+            roots[slot] = t.grad_fn
+        else:
+            return None
+    shell = bound.shell(params)
+    if isinstance(shell, Broadcast) and not broadcast_ok(bound.data, params["weight"], out):
+        return None
+    rule = shell_rule(shell)
+    if rule is None:
+        return None
+    if not (ax_in == 0 and ax_out == 0):
+        if not rule.movable_batch_axis or any(a is None or a == UNSPLIT for a in (ax_in, ax_out)):
+            return None
+    call = OpCall(
+        module=shell,
+        name=name,
+        rule=rule,
+        args=(bound.data.detach(),),
+        kwargs={},
+        in_axes=(ax_in,),
+        out_axes=(ax_out,),
+        window=window,
+        autocast=_autocast_state([out]),
+        sources=sources,
+        direct=direct,
+        roots=roots,
+        model_names=names,
+    )
+    call.grads = [None]
+    call.output_elements = out.numel()
+    return call

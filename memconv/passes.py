@@ -1,0 +1,136 @@
+"""The passes the public calls share: one walk per micro-batch of a plan, the model route
+for the parameters a walk leaves to it, and sample by sample for models that stream.
+
+:func:`walk_micro_batches` is the one micro-batch driver of :func:`memconv.per_sample_grads`,
+:func:`memconv.per_sample_norms` and :func:`memconv.clip_and_accumulate`: for each
+micro-batch of the plan, a visitor made for its rows, one walk
+(:func:`memconv.walk.backward_walk`) handing it every call, and the model route's
+per-sample gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .context import activate
+from .layers import RuleSettings
+from .layers.generic import chunk_size, model_grad_sample
+from .losses import per_sample_losses
+from .prepared import CallPlan
+from .resources import process_budget
+from .walk import backward_walk
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch, walked.
+
+    Attributes:
+        rows: its rows of the batch.
+        visitor: what visited its calls and took the model route's per-sample
+            gradients (made for these rows).
+        losses: its per-sample losses ``[m]`` (with their graph if kept).
+    """
+
+    rows: slice
+    visitor: object
+    losses: Tensor
+
+
+def walk_micro_batches(
+    model,
+    loss_fn,
+    inputs: Tensor,
+    targets,
+    cp: CallPlan,
+    rs: RuleSettings,
+    visitor: Callable[[slice], object],
+    *,
+    caller: str,
+    keep_graph: bool = False,
+):
+    """Yield a :class:`MicroBatch` for each micro-batch of the plan ``cp`` in turn (the
+    next one is walked once the last is consumed; nothing of it is kept here), under
+    the process budget when the plan guards the call
+    (:func:`memconv.resources.process_budget`).
+
+    Args:
+        model, loss_fn, inputs, targets: the call's.
+        cp: the plan of the call (:class:`memconv.prepared.CallPlan`).
+        rs: the rule settings of the model route.
+        visitor: called with a micro-batch's rows before its walk; returns what
+            visits its calls: an object with ``visit`` and ``prepare`` (None: nothing
+            to prepare), as :func:`memconv.walk.backward_walk` takes them, and
+            ``from_model_route(name, grads)``, called with the per-sample gradients
+            ``[m, ...]`` of each parameter the walk left to the model route.
+        caller: the public function's name, for messages.
+        keep_graph: keep each walk's graph for a second backward pass of its losses.
+    """
+    n, m = len(inputs), cp.plan.micro_batch
+    # a budget holds for the process too (glibc's heap), see memconv.resources
+    with process_budget(inputs.device) if cp.guard else nullcontext():
+        for i0 in range(0, n, m):
+            rows = slice(i0, min(n, i0 + m))
+            yield _walk(
+                model, loss_fn, inputs, targets, rows, cp, rs, visitor(rows), caller, keep_graph
+            )
+
+
+def _walk(model, loss_fn, inputs, targets, rows, cp, rs, visitor, caller, keep_graph):
+    with activate(None, False):  # the user's blocks do not reach the model's own layers
+        walk = backward_walk(
+            model,
+            cp.loss,
+            inputs[rows],
+            targets[rows],
+            cp.names,
+            cp.axes,
+            visitor.visit,
+            caller=caller,
+            keep_graph=keep_graph,
+            prepare=visitor.prepare,
+            owners=cp.owners,
+        )
+    for name, grads in model_route(model, loss_fn, inputs[rows], targets[rows], walk, rs).items():
+        visitor.from_model_route(name, grads)
+    return MicroBatch(rows=rows, visitor=visitor, losses=walk.losses)
+
+
+def model_route(model, loss_fn, inputs, targets, walk, rs: RuleSettings) -> dict[str, Tensor]:
+    """Per-sample gradients ``{model name: [m, ...]}`` of the parameters the walk left
+    to the model route (none: ``{}``)."""
+    if not walk.model_params:
+        return {}
+    named = dict(model.named_parameters())
+    per = sum(named[k].numel() * named[k].element_size() for k in walk.model_params)
+    per += inputs[:1].numel() * inputs.element_size() * 8  # a sample's activations, roughly
+    with activate(None, False):
+        return model_grad_sample(
+            model, loss_fn, inputs, targets, walk.model_params,
+            chunk=chunk_size(len(inputs), per, rs.budget),
+        )  # fmt: skip
+
+
+def sample_by_sample(model, loss_fn, inputs, targets, params: dict):
+    """Yield ``(n, {name: gradient})`` for one sample at a time, by autograd.
+
+    The route for models that stream (:func:`memconv.prepared.model_streams`): one
+    sample's forward and backward pass at a time, its gradient gathered tile by tile by
+    :class:`memconv.streaming.StreamingCNN`, so memory is that of one streamed sample
+    whatever the image size. The strategy of the open block applies to the streamed
+    convolutions (the caller opens it).
+    """
+    names = list(params)
+    for i in range(len(inputs)):
+        loss = per_sample_losses(
+            loss_fn, model(inputs[i : i + 1].detach()), targets[i : i + 1], vectorise=False
+        )[0]
+        grads = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
+        yield (
+            i,
+            {k: g if g is not None else torch.zeros_like(params[k]) for k, g in zip(names, grads)},
+        )
