@@ -46,9 +46,9 @@ from .grad_sample import own_trainable
 from .layers import LayerRule, RuleSettings, find_rule, run_rule, using
 from .layers.generic import call_grad_sample, chunk_size
 from .layers.ops import BoundOp, Broadcast, broadcast_ok, shell_rule
-from .layers.standardise import channel_stats, weight_grads, weight_sq_norms
+from .layers.standardise import weight_grads, weight_sq_norms
 from .losses import PerSampleLoss
-from .norms import sq_norms
+from .norms import grad_channel_stats, sq_norms
 from .optrace import OpRecorder
 
 #: Marks a tensor whose batch axis cannot be told (it grew other than 1 → 2).
@@ -465,8 +465,7 @@ class OpCall(LayerCall):
                 continue
             if slot in closed:
                 recipe, gain = closed[slot]
-                w_hat, scale, _ = recipe.standardise()
-                gw, hat = weight_grads(v.to(w_hat.dtype), w_hat, scale)
+                gw, hat = weight_grads(v, recipe.form())
                 chained = {self.model_names[id(recipe.weight)]: gw}
                 chained.update(self._gain_grads(slot, gain, hat))
             else:
@@ -491,7 +490,7 @@ class OpCall(LayerCall):
         # per-sample gradients of the slots, a chunk of samples at a time: through f by
         # its closed form where known (norms from three numbers per channel), else by
         # batched vjps
-        forms = {slot: recipe.standardise() for slot, (recipe, _) in closed.items()}
+        forms = {slot: recipe.form() for slot, (recipe, _) in closed.items()}
         inputs, g = self.rule_inputs()
         n = g.shape[0]
         per = sum(t.numel() * t.element_size() for t, _ in self.sources.values())
@@ -509,11 +508,11 @@ class OpCall(LayerCall):
                     self.rule, "grad_sample", self.module, tuple(a[rows] for a in inputs), g[rows]
                 )
             for slot, (recipe, gain) in closed.items():
-                w_hat, scale, _ = forms[slot]
-                stats = channel_stats(slots.pop(slot).to(w_hat.dtype), w_hat)
+                form = forms[slot]
+                stats = grad_channel_stats(slots.pop(slot), form.w_hat)
                 k = self.model_names[id(recipe.weight)]
                 if k in self.params:
-                    parts.setdefault(k, []).append(weight_sq_norms(stats, w_hat, scale))
+                    parts.setdefault(k, []).append(weight_sq_norms(stats, form))
                 for k, v in self._gain_grads(slot, gain, stats[2]).items():
                     if k in self.params:
                         parts.setdefault(k, []).append(sq_norms(v.to(self._named()[k].dtype)))
@@ -539,10 +538,10 @@ class OpCall(LayerCall):
         out: dict = {}
         with using(self.settings(rs)):
             for slot, (recipe, gain) in closed.items():
-                w_hat, scale, _ = recipe.standardise()
+                form = recipe.form()
                 with torch.no_grad():
-                    stats = self.rule.channel_stats(self.module, inputs, g, slot, w_hat)
-                out[self.model_names[id(recipe.weight)]] = weight_sq_norms(stats, w_hat, scale)
+                    stats = self.rule.channel_stats(self.module, inputs, g, slot, form.w_hat)
+                out[self.model_names[id(recipe.weight)]] = weight_sq_norms(stats, form)
                 for k, v in self._gain_grads(slot, gain, stats[2]).items():
                     out[k] = sq_norms(v.to(self._named()[k].dtype))
             if len(closed) < len(self.sources):

@@ -21,6 +21,7 @@ import memconv
 import memconv.ghost
 import memconv.walk
 from memconv.layers import standardise
+from memconv.norms import grad_channel_stats
 
 TOL = 1e-9
 
@@ -302,9 +303,9 @@ def test_closed_form_algebra(eps):
     g = torch.randn(n, c, k, dtype=torch.float64)
     ref = [torch.autograd.grad(out.reshape(c, k), (w, gain), gi, retain_graph=True) for gi in g]
     recipe = standardise.Standardised(w, gain, eps, True, ())
-    w_hat, scale, _ = recipe.standardise()
-    gw, hat = standardise.weight_grads(g, w_hat, scale)
-    sq = standardise.weight_sq_norms(standardise.channel_stats(g, w_hat), w_hat, scale)
+    form = recipe.form()
+    gw, hat = standardise.weight_grads(g, form)
+    sq = standardise.weight_sq_norms(grad_channel_stats(g, form.w_hat), form)
     for i, (rw, rg) in enumerate(ref):
         assert torch.allclose(gw[i], rw, rtol=0, atol=TOL * rw.abs().max())
         assert torch.allclose(hat[i], rg, rtol=0, atol=TOL * rg.abs().max())

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -79,16 +80,31 @@ class Standardised:
         """Whether no tensor the recipe reads was modified in place since."""
         return _intact(self.versions)
 
-    def standardise(self) -> tuple[Tensor, Tensor, Tensor]:
-        """``(ŵ [C, K], γ/σ [C], γ [C])`` from the parameter's current value (detached)."""
+    def form(self) -> Form:
+        """The :class:`Form` of the map at the parameter's current value (detached)."""
         w = self.weight.detach()
         flat = w.reshape(w.shape[0], -1)
-        mu = flat.mean(1, keepdim=True)
-        centred = flat - mu
-        var = centred.square().mean(1)
-        inv = (var + self.eps).rsqrt()
+        var, mu = torch.var_mean(flat, dim=1, correction=0, keepdim=True)
+        inv = (var[:, 0] + self.eps).rsqrt()
+        w_hat = (flat - mu).mul_(inv[:, None])
         gain = self.gain.detach().to(w.dtype) if self.gain is not None else torch.ones_like(inv)
-        return centred * inv[:, None], gain * inv, gain
+        return Form(w_hat, gain * inv, w_hat.square().sum(1), w_hat.sum(1))
+
+
+class Form(NamedTuple):
+    """What the closed form needs of ``w' = γ·ŵ``, per output channel.
+
+    Attributes:
+        w_hat: ``ŵ`` ``[C, K]``.
+        scale: ``γ/σ`` ``[C]``.
+        norm: ``‖ŵ_c‖²`` ``[C]`` (``K·var/(var + eps)``).
+        total: ``⟨1, ŵ_c⟩`` ``[C]`` (zero up to round-off).
+    """
+
+    w_hat: Tensor
+    scale: Tensor
+    norm: Tensor
+    total: Tensor
 
 
 def _intact(versions: tuple) -> bool:
@@ -169,38 +185,29 @@ def _trace_batch_norm(args, kwargs, out, recipe, depends):
 
 
 # ----------------------------------------------------------------- the maths
-def channel_stats(grads: Tensor, w_hat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(‖g_c‖², ⟨g_c,1⟩, ⟨g_c,ŵ_c⟩)``, each ``[n, C]``, of per-sample gradients
-    ``grads`` ``[n, C, ...]`` of ``w'`` (``w_hat``: ``[C, K]``)."""
-    g = grads.reshape(grads.shape[0], w_hat.shape[0], -1)
-    return g.square().sum(-1), g.sum(-1), torch.einsum("nck,ck->nc", g, w_hat)
-
-
-def weight_sq_norms(stats: tuple[Tensor, Tensor, Tensor], w_hat: Tensor, scale: Tensor) -> Tensor:
-    """Squared per-sample norms ``[n]`` of the parameter's gradients ``J_fᵀ g_n``.
+def weight_sq_norms(stats: tuple[Tensor, Tensor, Tensor], form: Form) -> Tensor:
+    """Squared per-sample norms ``[n]`` of the parameter's gradients ``J_fᵀ g_n``
+    (engine.md formula; summed over channels in float64, the terms cancelling).
 
     Args:
-        stats: :func:`channel_stats` ``(‖g_c‖², ⟨g_c,1⟩, ⟨g_c,ŵ_c⟩)`` ``[n, C]``.
-        w_hat: ``ŵ`` ``[C, K]``.
-        scale: ``γ/σ`` ``[C]``.
+        stats: :func:`memconv.norms.grad_channel_stats` ``(‖g_c‖², ⟨g_c,1⟩, ⟨g_c,ŵ_c⟩)`` ``[n, C]``.
+        form: the map's :class:`Form`.
     """
-    sq, ones, hat = (s.double() for s in stats)
-    k = w_hat.shape[1]
-    w_hat = w_hat.double()
-    norm = w_hat.square().sum(1)
-    total = w_hat.sum(1)
+    sq, ones, hat = (t.double() for t in stats)
+    k = form.w_hat.shape[1]
+    norm, total = form.norm.double(), form.total.double()
     out = sq - ones.square() / k - hat.square() * (2 / k - norm / k**2)
     out = out + 2 * ones * hat * total / k**2
-    return (out * scale.double().square()).sum(1).clamp_min(0)
+    return (out * form.scale.double().square()).sum(1).clamp_min(0).to(stats[0].dtype)
 
 
-def weight_grads(grads: Tensor, w_hat: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+def weight_grads(grads: Tensor, form: Form) -> tuple[Tensor, Tensor]:
     """``(J_fᵀ g_n [n, *w.shape], ⟨g_n,c, ŵ_c⟩ [n, C])`` of per-sample gradients
-    ``grads`` ``[n, *w.shape]`` of ``w'`` (``scale``: ``γ/σ`` ``[C]``)."""
-    n, c = grads.shape[0], w_hat.shape[0]
-    g = grads.reshape(n, c, -1)
+    ``grads`` ``[n, *w.shape]`` of ``w'``."""
+    n, c = grads.shape[0], form.w_hat.shape[0]
+    g = grads.reshape(n, c, -1).to(form.w_hat.dtype)
     k = g.shape[-1]
     ones = g.sum(-1, keepdim=True)
-    hat = torch.einsum("nck,ck->nc", g, w_hat)
-    out = g - ones / k - (hat / k)[..., None] * w_hat
-    return (out * scale[:, None]).reshape(grads.shape), hat
+    hat = torch.einsum("nck,ck->nc", g, form.w_hat)
+    out = g - ones / k - (hat / k)[..., None] * form.w_hat
+    return out.mul_(form.scale[:, None]).reshape(grads.shape), hat
