@@ -105,8 +105,8 @@ benchmarks-private: $(VENV)/.installed-bench+backpack+opacus
 # per-sample gradients against torch.func's (--table models keeps them in their own table).
 MODEL_CASES := resnet18-tv-gn,nf-resnet26,convnext-atto,vit-tiny
 benchmarks-models: $(VENV)/.installed-bench+opacus
-	-$(BENCH) --task clip --table models --cases $(MODEL_CASES) --engines non-private,memconv:default,opacus-ghost,torch.func --json $(BENCH_DIR)/models.jsonl
-	-$(BENCH) --task grads --table models --cases $(MODEL_CASES) --engines torch.func,memconv:default --json $(BENCH_DIR)/models-grads.jsonl
+	-$(BENCH) --task clip --table models --cases $(MODEL_CASES) --engines non-private,memconv:default,memconv:step,opacus-ghost,torch.func --json $(BENCH_DIR)/models.jsonl
+	-$(BENCH) --task grads --table models --cases $(MODEL_CASES) --engines torch.func,memconv:default,memconv:step --json $(BENCH_DIR)/models-grads.jsonl
 
 # Refill docs/benchmarks.md from the JSON Lines files (seconds; no measurement).
 benchmarks-report: $(VENV)/.installed-bench

@@ -16,6 +16,7 @@ from contextlib import nullcontext
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from .context import activate, use_block_settings
 from .layers import RuleSettings
@@ -133,17 +134,24 @@ def _grads_walks(model, loss_fn, inputs, targets, cp, rs, out) -> None:
     for i0 in range(0, n, m):
         rows = slice(i0, min(n, i0 + m))
         written: set = set()
+        adopted: set = set()  # results taken as they are: never written in place
 
-        def add(name, v, rows=rows, written=written):
-            if name in written:
+        def add(name, v, rows=rows, written=written, adopted=adopted, call=None):
+            if name in adopted:
+                out[name] = out[name] + v
+            elif name in written:
                 out[name][rows] += v
+            elif m >= n and _own_tensor(v, out[name], call):  # no copy at all
+                out[name] = v
+                adopted.add(name)
+                written.add(name)
             else:  # 0 + v is v: a copy, without filling with zeros first
                 out[name][rows].copy_(v)
                 written.add(name)
 
         def visit(call: LayerCall):
             for k, v in call.grad_sample(rs).items():
-                add(call.params[k], v)
+                add(call.params[k], v, call=call)
 
         with activate(None, False):  # the user's blocks do not reach the model's own layers
             walk = backward_walk(
@@ -154,6 +162,28 @@ def _grads_walks(model, loss_fn, inputs, targets, cp, rs, out) -> None:
             add(k, v)
         for name in out.keys() - written:  # reached by no route: zeros
             out[name][rows].zero_()
+
+
+def _own_tensor(v: Tensor, like: Tensor, call: LayerCall | None) -> bool:
+    """Whether a route's result ``v`` can be the result itself: of ``like``'s shape,
+    dtype and layout, and a tensor of its own (no view, no storage shared with the
+    call's arguments or output gradients, which autograd may still read)."""
+    if not (
+        v.shape == like.shape
+        and v.dtype == like.dtype
+        and v.device == like.device
+        and v._base is None
+        and v.is_contiguous()
+        and not v.requires_grad
+    ):
+        return False
+    if call is None:
+        return True
+    storage = v.untyped_storage().data_ptr()
+    others = [*tree_flatten((call.args, call.kwargs))[0], *call.grads]
+    return all(
+        not isinstance(t, Tensor) or t.untyped_storage().data_ptr() != storage for t in others
+    )
 
 
 def model_route(model, loss_fn, inputs, targets, walk, rs: RuleSettings) -> dict[str, Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
@@ -46,6 +47,13 @@ def _in_place(name: str) -> bool:
     return name.endswith("_")
 
 
+def paused():
+    """A block in which no operation is recorded, for memconv's own work during a
+    recorded pass (its hooks): their tensor operations then cost what they cost
+    outside the mode."""
+    return torch._C.DisableTorchFunction()
+
+
 class OpRecorder(TorchFunctionMode):
     """Records the calls of operations with a rule on parameter-only tensors.
 
@@ -69,6 +77,13 @@ class OpRecorder(TorchFunctionMode):
             self.pure[id(b)] = (b, frozenset(), None)
         for p in model.parameters():
             self.pure[id(p)] = (p, frozenset({id(p)}) if p.requires_grad else frozenset(), None)
+
+    def alias(self, new: Tensor, old: Tensor) -> None:
+        """Record ``new`` (a copy of ``old`` made during :func:`paused`) as ``old`` is
+        (without a recipe: a copy is not the step a recipe describes)."""
+        entry = self.pure.get(id(old))
+        if entry is not None and entry[0] is old:
+            self.pure[id(new)] = (new, entry[1], None)
 
     def trainable(self, t) -> bool:
         """Whether ``t`` is a function of the parameters alone depending on a trainable one."""

@@ -40,6 +40,7 @@ from .context import Settings, activate, use_block_settings
 from .grad_sample import own_trainable
 from .layers import RuleSettings, find_rule, using
 from .norms import check_route
+from .optrace import paused
 from .resources import AVAILABLE, resolve_budget
 from .walk import call_axes, keep_rng, recording_calls
 
@@ -136,8 +137,8 @@ def profile(model: nn.Module, example: Tensor) -> Profile:
     leaves = [mod for mod in model.modules() if not list(mod.children()) or own_trainable(mod)]
     runs, owner_calls = [], []
     for m in (1, 2):
+        x = example[:1].expand(m, *example.shape[1:]).clone()
         with recording_calls(model) as calls:
-            x = example[:1].expand(m, *example.shape[1:]).clone()
             runs.append(_probe(model, x, leaves, param_storages))
         owner_calls.append(calls)
     (s1, out1, calls1), (s2, _, calls2) = runs
@@ -173,13 +174,18 @@ def _probe(model, x, leaves, param_storages):
     calls: list = []
 
     def pack(t):
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in param_storages and ptr not in seen:
-            seen[ptr] = storage.nbytes()
-        return t.detach()  # not t itself: an output saved by its own node would form a cycle
+        with paused():
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in param_storages and ptr not in seen:
+                seen[ptr] = storage.nbytes()
+            return t.detach()  # not t itself: an output saved by its own node would form a cycle
 
     def hook(module, args, kwargs, output):
+        with paused():
+            record(module, args, kwargs, output)
+
+    def record(module, args, kwargs, output):
         first = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)), None)
         out = next((t for t in tree_flatten(output)[0] if isinstance(t, Tensor)), None)
         if first is None or out is None or not first.dim() or not out.dim():

@@ -49,7 +49,7 @@ from .layers.ops import BoundOp, Broadcast, broadcast_ok, shell_rule
 from .layers.standardise import weight_grads, weight_sq_norms
 from .losses import PerSampleLoss
 from .norms import grad_channel_stats, sq_norms
-from .optrace import OpRecorder
+from .optrace import OpRecorder, paused
 
 #: Marks a tensor whose batch axis cannot be told (it grew other than 1 → 2).
 UNSPLIT = -1
@@ -164,10 +164,12 @@ def recording_calls(model: nn.Module):
     given: dict = {}  # module -> the arguments of its open calls, before any pre-hook
 
     def pre_hook(module, args, kwargs):
-        given.setdefault(module, []).append(_shapes((args, kwargs)))
+        with paused():
+            given.setdefault(module, []).append(_shapes((args, kwargs)))
 
     def hook(module, args, kwargs, output):
-        calls.append((module, given[module].pop(), _shapes(output)))
+        with paused():
+            calls.append((module, given[module].pop(), _shapes(output)))
 
     def on_op(func, bound: BoundOp, run):
         out = run()
@@ -672,9 +674,10 @@ class Walk:
     routes: dict
 
 
-def _check_axes(call_axes: CallAxes, module, args_shapes, out_shapes, m: int, name: str):
+def _check_axes(call_axes: CallAxes, module, args_shapes, out_shapes, m: int, name):
     """Raise unless the call is the probe's: the same module, its leaves of the shapes
-    the probe predicts for ``m`` samples."""
+    the probe predicts for ``m`` samples (``name``: the call's name, or a function
+    making it, for the message)."""
     ok = call_axes.module is module
     if ok:
         want_in, want_out = call_axes.expected(m)
@@ -682,6 +685,7 @@ def _check_axes(call_axes: CallAxes, module, args_shapes, out_shapes, m: int, na
             ok = ok and len(got) == len(want)
             ok = ok and all(w is None or g == w for g, w in zip(got, want))
     if not ok:
+        name = name() if callable(name) else name
         raise ProbeMismatch(
             f"layer {name!r} ({type(module).__name__}) was called differently in the probe of "
             "one and two samples than for the batch (data-dependent control flow); memconv "
@@ -746,30 +750,37 @@ def backward_walk(
     counter = [0]
 
     open_modules: list = []  # the modules whose calls are open, innermost last
+    covering: dict = {}  # see _covered_by_module
 
     def pre_hook(module, args, kwargs):
         # first of the module's pre-hooks: the call's arguments as the caller gave them,
         # which the generic route replays through the whole call, hooks included
-        starts.setdefault(module, []).append((seq.now(), args, kwargs))
+        with paused():
+            starts.setdefault(module, []).append((seq.now(), args, kwargs))
         open_modules.append(module)
 
     def on_op(func, bound: BoundOp, run):
         index = counter[0]
         counter[0] += 1
-        start = seq.now()
+        inside = open_modules[-1] if open_modules else None
+        # the body of a layer whose rule serves it: checked, but no call of its own
+        covered = inside is not None and _covered_by_module(inside, bound, ours, covering)
+        start = None if covered else seq.now()
         out = run()
         if not (isinstance(out, Tensor) and out.requires_grad):
             return out
-        end = seq.now()
         if index >= len(axes):
             raise ProbeMismatch(f"{caller}: the model calls more layers than in its probe")
-        where = owners[open_modules[-1]] if open_modules else type(model).__name__
-        name = f"{where}: {getattr(func, '__name__', func)}"
+
+        def name():
+            where = owners[inside] if inside is not None else type(model).__name__
+            return f"{where}: {getattr(func, '__name__', func)}"
+
         data_shape = [tuple(bound.data.shape)]
         _check_axes(axes[index], func, data_shape, _leaf_shapes([out]), m, name)
-        if open_modules and _covered_by_module(open_modules[-1], bound, ours):
+        if covered:
             return out
-        call = _op_call(bound, out, axes[index], name, (start, end), recorder, names)
+        call = _op_call(bound, out, axes[index], name(), (start, seq.now()), recorder, names)
         if call is None:
             return out
         calls.append(call)
@@ -780,6 +791,10 @@ def backward_walk(
         return out
 
     def forward_hook(module, args, kwargs, output):
+        with paused():
+            return record_call(module, args, kwargs, output)
+
+    def record_call(module, args, kwargs, output):
         start, given_args, given_kwargs = starts[module].pop()
         open_modules.pop()
         if _hooked(module, ours):  # a pre-hook may have replaced the arguments
@@ -815,6 +830,7 @@ def backward_walk(
                 continue
             if t._is_view():  # an in-place op on a view would rebuild its graph
                 t = t.clone()
+                recorder.alias(t, out_leaves[j])
                 new_leaves[j] = t
             t.register_hook(visits.hook(call, j))
             call.edges.append((j, get_gradient_edge(t)))
@@ -941,13 +957,16 @@ class _Visits:
         self.later = []
 
 
-def _covered_by_module(module: nn.Module, bound: BoundOp, ours) -> bool:
+def _covered_by_module(module: nn.Module, bound: BoundOp, ours, known: dict) -> bool:
     """Whether the operation call is the body of a layer whose rule serves it: the
-    layer has a rule, no other hooks, and the call's parameters are its own."""
-    if find_rule(module) is None or _hooked(module, ours):
-        return False
-    own = {id(p) for p in own_trainable(module).values()}
-    return all(t is None or id(t) in own for t in bound.slots.values())
+    layer has a rule, no other hooks, and the call's parameters are its own
+    (``known``: ``{module: ids of its own trainable parameters, or None}``, filled
+    during one walk, in which neither the rules nor the hooks change)."""
+    if module not in known:
+        covers = find_rule(module) is not None and not _hooked(module, ours)
+        known[module] = {id(p) for p in own_trainable(module).values()} if covers else None
+    own = known[module]
+    return own is not None and all(t is None or id(t) in own for t in bound.slots.values())
 
 
 def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, recorder, names):

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_grads_close, loop_reference
+from helpers import assert_grads_close, loop_reference, rel_err
 from torch import nn
 
 import memconv
@@ -428,3 +428,41 @@ def test_a_changed_loss_is_seen_on_the_next_step():
     check_grads(step, model, loss_fn, x, y)  # hooked: called per sample, as the loop does
     assert calls[0] >= len(x)
     handle.remove()
+
+
+class _PosTwice(nn.Module):
+    """A position embedding added twice (its per-sample gradient is the sum of two
+    output gradients, each of the batch's shape) and a weight tied across two layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, 5, 4, dtype=torch.float64))
+        self.a = nn.Linear(4, 4).double()
+        self.b = nn.Linear(4, 4).double()
+        self.b.weight = self.a.weight
+        self.head = nn.Linear(20, 3).double()
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x + self.pos))
+        h = self.b(h + self.pos)
+        return self.head(h.flatten(1))
+
+
+def test_results_taken_without_a_copy_are_exact_and_leave_autograd_alone():
+    """The whole batch in one pass: a route's result becomes the returned tensor
+    itself; parameters with several uses and results equal to an output gradient stay
+    exact, and a later backward pass of the model is unaffected."""
+    torch.manual_seed(0)
+    model = _PosTwice()
+    x = torch.randn(6, 5, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    want = loop_reference(model, loss, x, y)
+    step = memconv.PrivateStep(model, loss, memory_budget=None)
+    for _ in range(2):
+        got = step.per_sample_grads(x, y)
+        assert_grads_close(got, want, 1e-10)
+    model.zero_grad()
+    loss(model(x), y).backward()
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad, want[name].sum(0)) < 1e-10

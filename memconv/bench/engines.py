@@ -375,6 +375,45 @@ def memconv_clip(**kwargs):
     return run
 
 
+STEP_ENGINE = "memconv:step"
+
+
+def _private_step(state: dict, model: nn.Module) -> memconv.PrivateStep:
+    """The :class:`memconv.PrivateStep` of ``model``, made on its first call (``state``
+    holds it: an engine's run function is called again and again on the same model)."""
+    if state.get("model") is not model:
+        state.clear()
+        state["model"], state["step"] = model, memconv.PrivateStep(model, _loss())
+    return state["step"]
+
+
+def memconv_step_grads():
+    """``memconv.PrivateStep(model, loss).per_sample_grads`` with default arguments, the
+    step made once: every call after the first reuses its checks, probe and plan."""
+    state: dict = {}
+
+    def run(model, x, y, **_):
+        return _private_step(state, model).per_sample_grads(x, y)
+
+    return run
+
+
+def memconv_step_clip():
+    """``memconv.PrivateStep(model, loss).clip_and_accumulate`` with default arguments
+    but ``max_norm``, the step made once (see :func:`memconv_step_grads`)."""
+    state: dict = {}
+
+    def run(model, x, y, max_norm, **_):
+        model.zero_grad(set_to_none=True)
+        norms = _private_step(state, model).clip_and_accumulate(x, y, max_norm=max_norm)
+        out = {n: p.grad for n, p in model.named_parameters()}
+        out[NORMS] = norms
+        model.zero_grad(set_to_none=True)
+        return out
+
+    return run
+
+
 def memconv_private_clip(model, x, y, max_norm, **_):
     """memconv's private-training path (``memconv.integrations.opacus.make_private``)
     as a training loop runs it, noise and step left out: ``criterion(model(x),
@@ -454,6 +493,11 @@ def _grads_registry() -> list[Engine]:
                "memconv.per_sample_grads with default arguments (budget: the memory available)")
     )  # fmt: skip
     engines.append(
+        Engine(STEP_ENGINE, "grads", memconv_step_grads(),
+               "memconv.PrivateStep(model, loss).per_sample_grads, made once (a training "
+               "loop's steady state: checks, probe and plan reused)")
+    )  # fmt: skip
+    engines.append(
         Engine(BUDGET_ENGINE, "grads", memconv_hooks("auto"),
                "memconv.per_sample_grads(strategy='auto', memory_budget=the case's budget)",
                budget=True)
@@ -498,6 +542,9 @@ def _clip_registry() -> list[Engine]:
         Engine(DEFAULT_ENGINE, "clip", memconv_default_clip,
                "memconv.clip_and_accumulate with default arguments (budget: the memory "
                "available)"),
+        Engine(STEP_ENGINE, "clip", memconv_step_clip(),
+               "memconv.PrivateStep(model, loss).clip_and_accumulate, made once (a training "
+               "loop's steady state: checks, probe and plan reused)"),
         Engine("memconv-private", "clip", memconv_private_clip,
                "memconv's private-training path on Opacus (make_private's model): forward "
                "without graph, then clip_and_accumulate from the output gradient"),

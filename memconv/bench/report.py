@@ -16,7 +16,7 @@ import textwrap
 from collections import defaultdict
 
 from .cases import CASES, LABELS, describe, shape_of
-from .engines import BUDGET_ENGINE, DEFAULT_ENGINE, FLOOR, REFERENCE
+from .engines import BUDGET_ENGINE, DEFAULT_ENGINE, FLOOR, REFERENCE, STEP_ENGINE
 
 SECTIONS = (
     "commands", "machine", "grads", "cost-model", "clip", "clip-layer", "budget", "targets",
@@ -34,6 +34,7 @@ MODEL_TARGETS = (1.15, 1.30)
 MODEL_CLIP_ENGINES = {
     "non-private": "non-private step",
     DEFAULT_ENGINE: "clip_and_accumulate (defaults)",
+    STEP_ENGINE: "PrivateStep.clip_and_accumulate (made once)",
     "opacus-ghost": "Opacus ghost clipping",
     "torch.func": "torch.func per-sample gradients, clipped",
 }
@@ -614,8 +615,9 @@ def format_models(records: list[dict]) -> str:
             "",
             "| model | torch.func RSS (MiB) | torch.func allocator (MiB) | torch.func time (s) | "
             "memconv RSS (MiB) | memconv allocator (MiB) | memconv time (s) | "
-            "time / torch.func | max rel. deviation from torch.func |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "time / torch.func | max rel. deviation from torch.func | "
+            "PrivateStep time (s) | PrivateStep / torch.func |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
     for case in grads_cases:
         ref, ours = by[("grads", case, "torch.func")], by.get(("grads", case, DEFAULT_ENGINE))
@@ -629,6 +631,11 @@ def format_models(records: list[dict]) -> str:
         good = ours is not None and ours.get("time_s") and ref.get("time_s")
         cells.append(_ratio(ours["time_s"], ref["time_s"]) if good else "-")
         cells.append(_fmt(ours.get("deviation"), ".1e", "n/a") if ours else "-")
+        step = by.get(("grads", case, STEP_ENGINE))
+        if step is None or "error" in step or "skipped" in step:
+            cells += [_why(step) if step else "-", "-"]
+        else:
+            cells += [_fmt(step["time_s"], ".3f"), _ratio(step["time_s"], ref.get("time_s"))]
         lines.append("| " + " | ".join(cells) + " |")
     found = model_targets(records)
     if found:
@@ -645,34 +652,40 @@ def model_targets(records: list[dict]) -> list[str]:
     out = []
     for case in dict.fromkeys(case for _, case, _ in by):
         name = LABELS.get(CASES[case].model, case)
-        floor, ours = by.get(("clip", case, "non-private")), by.get(("clip", case, DEFAULT_ENGINE))
-        good = [r for r in (floor, ours) if r and "error" not in r and "skipped" not in r]
-        if len(good) == 2 and floor.get("peak_alloc_mib"):
-            n = ours["config"]["batch"]
-            a = ours["peak_alloc_mib"] / floor["peak_alloc_mib"]
-            r = ours["peak_rss_mib"] / floor["peak_rss_mib"]
-            line = (
-                f"- {name}, batch {n}, clip_and_accumulate (defaults) peak ≤ {peak:.2f} × "
-                f"non-private: allocator {a:.2f} × ({_verdict(a <= peak)}), RSS {r:.2f} × "
-                f"({_verdict(r <= peak)})"
-            )
-            if ours.get("time_s") and floor.get("time_s"):
-                t = ours["time_s"] / floor["time_s"]
-                line += f"; time ≤ {time:.2f} × non-private: {t:.2f} × ({_verdict(t <= time)})"
-            out.append(line)
-        ref, ours = by.get(("grads", case, "torch.func")), by.get(("grads", case, DEFAULT_ENGINE))
-        if ref and ours and ref.get("time_s") and ours.get("time_s"):
-            q = ours["time_s"] / ref["time_s"]
-            out.append(
-                f"- {name}, batch {ours['config']['batch']}, per-sample gradients faster than "
-                f"torch.func: {ours['time_s']:.3f} s vs {ref['time_s']:.3f} s = {q:.2f} × "
-                f"({_verdict(q < 1)})"
-            )
-        elif ref and ours and "error" in ours:
-            out.append(
-                f"- {name}, per-sample gradients faster than torch.func: **missed** "
-                f"(memconv fails: {ours['error']})"
-            )
+        floor = by.get(("clip", case, "non-private"))
+        for engine, what in ((DEFAULT_ENGINE, "clip_and_accumulate (defaults)"),
+                             (STEP_ENGINE, "PrivateStep.clip_and_accumulate")):  # fmt: skip
+            ours = by.get(("clip", case, engine))
+            good = [r for r in (floor, ours) if r and "error" not in r and "skipped" not in r]
+            if len(good) == 2 and floor.get("peak_alloc_mib"):
+                n = ours["config"]["batch"]
+                a = ours["peak_alloc_mib"] / floor["peak_alloc_mib"]
+                r = ours["peak_rss_mib"] / floor["peak_rss_mib"]
+                line = (
+                    f"- {name}, batch {n}, {what} peak ≤ {peak:.2f} × "
+                    f"non-private: allocator {a:.2f} × ({_verdict(a <= peak)}), RSS {r:.2f} × "
+                    f"({_verdict(r <= peak)})"
+                )
+                if ours.get("time_s") and floor.get("time_s"):
+                    t = ours["time_s"] / floor["time_s"]
+                    line += f"; time ≤ {time:.2f} × non-private: {t:.2f} × ({_verdict(t <= time)})"
+                out.append(line)
+        ref = by.get(("grads", case, "torch.func"))
+        for engine, what in ((DEFAULT_ENGINE, "per-sample gradients"),
+                             (STEP_ENGINE, "PrivateStep.per_sample_grads")):  # fmt: skip
+            ours = by.get(("grads", case, engine))
+            if ref and ours and ref.get("time_s") and ours.get("time_s"):
+                q = ours["time_s"] / ref["time_s"]
+                out.append(
+                    f"- {name}, batch {ours['config']['batch']}, {what} faster than "
+                    f"torch.func: {ours['time_s']:.3f} s vs {ref['time_s']:.3f} s = {q:.2f} × "
+                    f"({_verdict(q < 1)})"
+                )
+            elif ref and ours and "error" in ours:
+                out.append(
+                    f"- {name}, {what} faster than torch.func: **missed** "
+                    f"(memconv fails: {ours['error']})"
+                )
     return out
 
 

@@ -106,11 +106,11 @@ STEPS = (
          ("--sweep", "side", "--quick", "--range", "28,56",
           "--engines", "autograd,memconv:auto"), plot=True),
     Step("models", ("--task", "clip", "--table", "models", "--cases", MODEL_CASES,
-                    "--engines", "non-private,memconv:default,opacus-ghost,torch.func"),
+                    "--engines", "non-private,memconv:default,memconv:step,opacus-ghost,torch.func"),
          ("--task", "clip", "--table", "models", "--quick", "--cases", "convnext-atto",
           "--engines", "non-private,memconv:default")),
     Step("models-grads", ("--task", "grads", "--table", "models", "--cases", MODEL_CASES,
-                          "--engines", "torch.func,memconv:default"),
+                          "--engines", "torch.func,memconv:default,memconv:step"),
          ("--task", "grads", "--table", "models", "--quick", "--cases", "convnext-atto",
           "--engines", "torch.func,memconv:default")),
 )  # fmt: skip

@@ -37,7 +37,10 @@ class LinearRule(LayerRule):
         x2, g2 = _flat(inputs[0], grad_output)
         out = {}
         if _trainable(module, "weight"):
-            out["weight"] = g2.transpose(1, 2) @ x2  # [N, out, in]
+            if x2.shape[1] == 1:  # an outer product: a broadcast product beats bmm
+                out["weight"] = g2.transpose(1, 2) * x2  # [N, out, in]
+            else:
+                out["weight"] = g2.transpose(1, 2) @ x2  # [N, out, in]
         if _trainable(module, "bias"):
             out["bias"] = g2.sum(1)  # [N, out]
         return out
