@@ -59,6 +59,22 @@ class StdConv2d(nn.Conv2d):
         return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
+class StdLinear(nn.Linear):
+    """A Linear layer whose weight is standardised per output feature, with a gain: the
+    rule's default per-channel numbers (from instantiated per-sample gradients)."""
+
+    def __init__(self, cin, cout):
+        super().__init__(cin, cout)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, cout))
+
+    def forward(self, x):
+        weight = F.batch_norm(
+            self.weight.view(1, self.out_features, -1), None, None, self.gain, None, True,
+            0.0, 1e-4,
+        ).view_as(self.weight)  # fmt: skip
+        return F.linear(x, weight, self.bias)
+
+
 def _dilated(self):
     self.dilation = (2, 2)
     return self
@@ -128,6 +144,7 @@ BUILDERS = {
         StdConv2d(4, 4, 1, eps=1e-1),
         *_head(4),
     ),  # fmt: skip
+    "linear": lambda: nn.Sequential(nn.Flatten(), StdLinear(32, 6), nn.Tanh(), nn.Linear(6, 3)),
     "strided": lambda: nn.Sequential(ScaledStdConv2d(2, 4, 3, stride=2, padding=1), *_head(4, 2)),
     "dilated": lambda: nn.Sequential(
         nn.Conv2d(2, 4, 1), StdConv2d(4, 4, 3, padding=2, groups=2).dilated(), *_head(4)
@@ -241,7 +258,7 @@ def test_closed_form_where_recognised(name):
     model = build(name)
     x, y = data()
     seen = _recipes(model, x, y)
-    convs = {k: v for k, v in seen.items() if "conv2d" in k}
+    convs = {k: v for k, v in seen.items() if "conv2d" in k or "linear" in k}
     assert convs
     want = ["weight"] if name in BUILDERS else []
     assert all(v == want for v in convs.values()), convs

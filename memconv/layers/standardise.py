@@ -34,6 +34,7 @@ autograd graph, exact and slower), and a tensor modified in place since
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -107,8 +108,16 @@ class Form(NamedTuple):
     total: Tensor
 
 
+def _version(t: Tensor) -> int | None:
+    """``t``'s version counter (None for an inference tensor, which has none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def _intact(versions: tuple) -> bool:
-    return all(t._version == v for t, v in versions)
+    return all(v is not None and _version(t) == v for t, v in versions)
 
 
 #: The reshapes that keep the logical (row-major) order of the elements.
@@ -144,14 +153,14 @@ def trace(
             return None
         source = args[0]
         if parameter(source):
-            flat = (1, source.shape[0], source[0].numel()) if source.dim() >= 2 else None
-            if tuple(out.shape) == flat and source[0].numel() > 1:
-                return Flat(source, ((source, source._version),))
+            k = math.prod(source.shape[1:])
+            if source.dim() >= 2 and k > 1 and tuple(out.shape) == (1, source.shape[0], k):
+                return Flat(source, ((source, _version(source)),))
             return None
         r = recipe(source)
         if isinstance(r, Standardised) and not r.shaped and r.intact():
             if out.shape == r.weight.shape:
-                versions = (*r.versions, (out, out._version))
+                versions = (*r.versions, (out, _version(out)))
                 return Standardised(r.weight, r.gain, r.eps, True, versions)
         return None
     if func is F.batch_norm:
@@ -174,13 +183,13 @@ def _trace_batch_norm(args, kwargs, out, recipe, depends):
     w, gain = r.weight, a["weight"]
     if out.shape != a["input"].shape or out.dtype != w.dtype:
         return None
-    versions = (*r.versions, (out, out._version))
+    versions = (*r.versions, (out, _version(out)))
     if gain is not None:
         if not isinstance(gain, Tensor) or tuple(gain.shape) != (w.shape[0],):
             return None
         if id(w) in depends(gain):  # the gain computed from the weight itself
             return None
-        versions = (*versions, (gain, gain._version))
+        versions = (*versions, (gain, _version(gain)))
     return Standardised(w, gain, float(eps), False, versions)
 
 
