@@ -227,12 +227,13 @@ def sq_norms(ops: Operands, chosen: GhostPlan, channels: bool = False) -> Tensor
     return out
 
 
-def _contract(ga: Tensor, gi: Tensor, gj: Tensor, channels: bool) -> Tensor:
+def _contract(ga: Tensor, gb: Tensor | None, gi: Tensor, gj: Tensor) -> Tensor:
     """``⟨A_iᵀA_j, B_iᵀB_j⟩`` summed over groups ``[n]`` (``ga`` ``[n, G, bi, bj]``,
-    ``gi``/``gj`` ``[n, G, C_out/G, bi/bj]``), or per channel ``[n, C_out]``."""
-    if channels:
+    ``gb = B_iᵀB_j`` of the same shape), or, without ``gb``, per channel ``[n, C_out]``
+    from ``gi``/``gj`` ``[n, G, C_out/G, bi/bj]``."""
+    if gb is None:
         return ((gi @ ga) * gj).sum(-1).flatten(1)
-    return ga.mul_(gi.transpose(-1, -2) @ gj).sum((1, 2, 3))
+    return ga.mul_(gb).sum((1, 2, 3))
 
 
 def _positions_gram(
@@ -267,6 +268,7 @@ def _positions_gram(
             m = m.view(n, grp, hi_i - lo_i, *sizes[1:], hi_j - lo_j, *sizes[1:])
             gi = gg.narrow(3, r0, r1 - r0).flatten(3)  # [n, G, C_out/G, bi]
             gj = gg.narrow(3, c0, c1 - c0).flatten(3)
+            gb = None if channels else gi.transpose(-1, -2) @ gj  # [n, G, bi, bj]
             shape = (n, grp, r1 - r0, *outs[1:], c1 - c0, *outs[1:])
             windows = []  # (target, source) of every offset whose window is not empty
             for kappa in offsets:
@@ -292,8 +294,8 @@ def _positions_gram(
             ga = ga.view(n, grp, gi.shape[-1], gj.shape[-1])
             del m
             weight = 1.0 if r0 == c0 else 2.0  # the band below the diagonal
-            out += weight * _contract(ga, gi, gj, channels)
-            del ga
+            out += weight * _contract(ga, gb, gi, gj)
+            del ga, gb
     return out
 
 
@@ -309,12 +311,15 @@ def _offsets_gram(
         rows = slice(i0, i0 + block)
         for j0 in range(i0, length, block):
             cols = slice(j0, j0 + block)
+            gb = None
+            if not channels:
+                gb = gm[..., rows].transpose(-1, -2) @ gm[..., cols]  # [n, G, bi, bj]
             ga = None
             for view in views():  # view [n, G, C_in/G, L]
                 part = view[..., rows].transpose(-1, -2) @ view[..., cols]
                 ga = part if ga is None else ga.add_(part)
                 del part
             weight = 1.0 if i0 == j0 else 2.0  # the block below the diagonal
-            out += weight * _contract(ga, gm[..., rows], gm[..., cols], channels)
-            del ga
+            out += weight * _contract(ga, gb, gm[..., rows], gm[..., cols])
+            del ga, gb
     return out
