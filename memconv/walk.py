@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -780,6 +780,11 @@ def backward_walk(
         _check_axes(axes[index], func, data_shape, _leaf_shapes([out]), m, name)
         if covered:
             return out
+        if bound.before is not None:  # in place: the data as it was, else no call
+            data = bound.before(out)
+            if data is None or out._is_view():
+                return out
+            bound = replace(bound, data=data)
         call = _op_call(bound, out, axes[index], name(), (start, seq.now()), recorder, names)
         if call is None:
             return out

@@ -183,7 +183,7 @@ def _close(got, ref):
 
 
 def _norms(ref):
-    return torch.stack([v.flatten(1).pow(2).sum(1) for v in ref.values()]).sum(0).sqrt()
+    return torch.stack([v.reshape(len(v), -1).pow(2).sum(1) for v in ref.values()]).sum(0).sqrt()
 
 
 @pytest.fixture
@@ -346,3 +346,49 @@ def test_ghost_per_channel_methods(name, method, monkeypatch):
     norms = memconv.per_sample_norms(model, nn.CrossEntropyLoss(), x, y, norm_route="ghost")
     assert seen
     assert torch.allclose(norms, _norms(ref), rtol=TOL, atol=0)
+
+
+class SkipInit(nn.Module):
+    """timm's NF block's end: a standardised convolution, then ``x.mul_(skipinit_gain)``
+    in place (a scalar parameter of the block itself) and a residual sum."""
+
+    def __init__(self, gain: float):
+        super().__init__()
+        self.conv = ScaledStdConv2d(2, 2, 3, padding=1)
+        self.skipinit_gain = nn.Parameter(torch.tensor(gain))
+
+    def forward(self, x):
+        out = self.conv(torch.relu(x))
+        out.mul_(self.skipinit_gain)
+        return out * 0.2 + x
+
+
+@pytest.mark.parametrize("route", ["book-keeping", "two-pass"])
+@pytest.mark.parametrize("gain", [0.0, 0.7])
+def test_in_place_gain_runs_on_its_rule(gain, route, monkeypatch):
+    """``x.mul_(gain)`` served by the broadcast rule (the value of ``x`` before the call
+    from autograd's saved copy), even at timm's initial gain of zero; no generic route."""
+    generic = memconv.walk.call_grad_sample
+    seen = []
+
+    def spy(module, *args, **kwargs):
+        seen.append(type(module).__name__)
+        return generic(module, *args, **kwargs)
+
+    monkeypatch.setattr(memconv.walk, "call_grad_sample", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(SkipInit(gain), *_head(2)).double()
+    x, y = data()
+    loss_fn = nn.CrossEntropyLoss()
+    ref = loop_reference(model, loss_fn, x, y)
+    _close(memconv.per_sample_grads(model, loss_fn, x, y), ref)
+    norms = memconv.per_sample_norms(model, loss_fn, x, y)
+    assert torch.allclose(norms, _norms(ref), rtol=TOL, atol=0)
+    c = (float(norms.median()) / norms).clamp(max=1.0)
+    want = {k: (v * c.reshape(-1, *[1] * (v.dim() - 1))).sum(0) for k, v in ref.items()}
+    model.zero_grad(set_to_none=True)
+    memconv.clip_and_accumulate(
+        model, loss_fn, x, y, max_norm=float(norms.median()), clip_route=route
+    )
+    _close({k: p.grad for k, p in model.named_parameters()}, want)
+    assert seen == []
