@@ -82,14 +82,15 @@ class Standardised:
         return _intact(self.versions)
 
     def form(self) -> Form:
-        """The :class:`Form` of the map at the parameter's current value (detached)."""
+        """The :class:`Form` of the map at the parameter's current value (detached), by
+        the forward pass's own kernel (``torch.native_batch_norm``: ``ŵ`` and ``1/σ``)."""
         w = self.weight.detach()
-        flat = w.reshape(w.shape[0], -1)
-        var, mu = torch.var_mean(flat, dim=1, correction=0, keepdim=True)
-        inv = (var[:, 0] + self.eps).rsqrt()
-        w_hat = (flat - mu).mul_(inv[:, None])
+        flat = w.reshape(1, w.shape[0], -1)
+        w_hat, _, inv = torch.native_batch_norm(flat, None, None, None, None, True, 0.0, self.eps)
+        w_hat = w_hat[0]
         gain = self.gain.detach().to(w.dtype) if self.gain is not None else torch.ones_like(inv)
-        return Form(w_hat, gain * inv, w_hat.square().sum(1), w_hat.sum(1))
+        norm = (1 - self.eps * inv.square()) * w_hat.shape[1]  # K·var/(var + eps)
+        return Form(w_hat, gain * inv, norm, w_hat.sum(1))
 
 
 class Form(NamedTuple):
