@@ -20,7 +20,8 @@ from torch.utils._pytree import tree_flatten
 from .layers import LayerRule, RuleSettings, run_rule, using
 from .layers.generic import call_grad_sample, chunk_size
 from .layers.ops import BoundOp, Broadcast, broadcast_ok, shell_rule
-from .norms import sq_norms
+from .layers.standardise import weight_grads, weight_sq_norms
+from .norms import grad_channel_stats, sq_norms
 from .probes import UNSPLIT, CallAxes
 
 
@@ -155,7 +156,10 @@ class OpCall(LayerCall):
     parameters are the slots' tensors. The per-sample gradients of a parameter reached
     through ``f`` are the vjps of ``f`` of the slot's per-sample gradients (one
     batched vjp per chunk of samples, on ``f``'s autograd graph); its summed gradient
-    one vjp of the slot's summed gradient (``Σ cₙ J_fᵀ g'ₙ = J_fᵀ Σ cₙ g'ₙ``).
+    one vjp of the slot's summed gradient (``Σ cₙ J_fᵀ g'ₙ = J_fᵀ Σ cₙ g'ₙ``). Where ``f``
+    is a weight standardisation the recorder recognised
+    (:mod:`memconv.layers.standardise`), the per-sample gradients and norms follow
+    from the slot's per-sample gradients in closed form instead, without autograd.
 
     Attributes:
         sources: ``{slot: (slot tensor with its graph, {id(parameter): parameter})}``
@@ -163,12 +167,18 @@ class OpCall(LayerCall):
             reaches (filled by :func:`_claims`).
         direct: ``{id(parameter): model name}`` of the parameters in a slot as they are.
         roots: ``{slot: grad_fn}`` of the slots computed from parameters.
+        maps: ``{slot: (Standardised recipe, ids of the trainable parameters its gain
+            depends on)}`` of the slots computed by a recognised standardisation.
+        partial: the shell with the slots of :attr:`maps` frozen (None without
+            maps): the rule's norms of the other slots alone.
     """
 
     sources: dict = field(default_factory=dict)
     direct: dict = field(default_factory=dict)
     roots: dict = field(default_factory=dict)
     model_names: dict = field(default_factory=dict)
+    maps: dict = field(default_factory=dict)
+    partial: nn.Module | None = None
 
     @property
     def what(self) -> str:
@@ -192,6 +202,11 @@ class OpCall(LayerCall):
     def _chain(self, slot: str, grads: Tensor, batched: bool) -> dict[str, Tensor]:
         """``{model name: vjp}`` of the slot's gradients to the parameters under it."""
         tensor, leaves = self.sources[slot]
+        return self._vjp(tensor, leaves, grads, batched)
+
+    def _vjp(self, tensor: Tensor, leaves: dict, grads: Tensor, batched: bool) -> dict:
+        """``{model name: vjp}`` of ``grads`` (``[n, *tensor.shape]`` if ``batched``)
+        through ``tensor``'s graph to ``leaves`` ``{id(parameter): parameter}``."""
         names = [self.model_names[pid] for pid in leaves]
         if tensor.grad_fn is None:  # the parameter itself
             return {names[0]: grads}
@@ -225,45 +240,130 @@ class OpCall(LayerCall):
                     parts[j].append(v if v is not None else p.new_zeros(len(chunk), *p.shape))
         return {k: torch.cat(v) for k, v in zip(names, parts)}
 
-    def _collect(self, per_slot: dict, batched: bool) -> dict[str, Tensor]:
+    def _closed(self, norms: bool) -> dict:
+        """``{slot: (recipe, ids of the gain's parameters)}`` of the slots whose
+        per-sample quantities take the closed form of the standardisation: the
+        recipe's tensors untouched, the slot's parameters (as :func:`_claims` found
+        them on the graph) exactly the weight and the gain's; for ``norms``, none of
+        them reached through another slot too."""
+        out = {}
+        for slot, (recipe, gain) in self.maps.items():
+            if slot not in self.sources or not recipe.intact():
+                continue
+            leaves = set(self.sources[slot][1])
+            if leaves != {id(recipe.weight)} | set(gain):
+                continue
+            others = set()
+            for other, (_, more) in self.sources.items():
+                if other != slot:
+                    others.update(more)
+            if norms and leaves & others:
+                continue
+            out[slot] = (recipe, gain)
+        return out
+
+    def _gain_grads(self, slot: str, gain: frozenset, hat: Tensor) -> dict[str, Tensor]:
+        """Per-sample gradients of the gain's parameters from those of the gain
+        ``hat`` ``[n, C]`` (⟨gₙ,c, ŵ_c⟩), by the gain's own vjp."""
+        recipe = self.maps[slot][0]
+        leaves = self.sources[slot][1]
+        if not gain:
+            return {}
+        return self._vjp(recipe.gain, {pid: leaves[pid] for pid in gain}, hat, True)
+
+    def _collect(self, per_slot: dict, batched: bool, closed: dict | None = None) -> dict:
         out: dict = {}
+        closed = closed or {}
         for slot, v in per_slot.items():
             if slot not in self.sources:
                 continue
-            for k, g in self._chain(slot, v, batched).items():
+            if slot in closed:
+                recipe, gain = closed[slot]
+                gw, hat = weight_grads(v, recipe.form())
+                chained = {self.model_names[id(recipe.weight)]: gw}
+                chained.update(self._gain_grads(slot, gain, hat))
+            else:
+                chained = self._chain(slot, v, batched)
+            for k, g in chained.items():
                 if k in self.params:
                     out[k] = g if k not in out else out[k] + g
         return self._typed(out)
 
     def grad_sample(self, rs: RuleSettings) -> dict[str, Tensor]:
-        return self._collect(self._slot_out(rs, "grad_sample"), True)
+        return self._collect(self._slot_out(rs, "grad_sample"), True, self._closed(False))
 
     def sq_norms(self, rs: RuleSettings) -> dict[str, Tensor]:
         plain = all(t.grad_fn is None for t, _ in self.sources.values())
         if plain and len(self.sources) == len(self.params):
             out = self._slot_out(rs, "sq_norms")
             out = {self.params_of(slot): v for slot, v in out.items() if slot in self.sources}
-        else:  # per-sample gradients through f, a chunk of samples at a time
-            inputs, g = self.rule_inputs()
-            n = g.shape[0]
-            per = sum(t.numel() * t.element_size() for t, _ in self.sources.values())
+            return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}
+        closed = self._closed(True)
+        if self._stats_only(closed):
+            return self._closed_sq_norms(rs, closed)
+        # per-sample gradients of the slots, a chunk of samples at a time: through f by
+        # its closed form where known (norms from three numbers per channel), else by
+        # batched vjps
+        forms = {slot: recipe.form() for slot, (recipe, _) in closed.items()}
+        inputs, g = self.rule_inputs()
+        n = g.shape[0]
+        per = sum(t.numel() * t.element_size() for t, _ in self.sources.values())
+        if len(closed) < len(self.sources):
             per += sum(p.numel() * p.element_size() for p in self._named().values())
-            step = max(1, (rs.budget or _CHAIN_BYTES) // max(1, 3 * per))
-            parts: dict = {}
-            for i in range(0, n, step):
-                rows = slice(i, i + step)
-                with using(self.settings(rs)):
-                    slots = run_rule(
-                        self.rule,
-                        "grad_sample",
-                        self.module,
-                        tuple(a[rows] for a in inputs),
-                        g[rows],
-                    )
-                for k, v in self._collect(slots, True).items():
-                    parts.setdefault(k, []).append(sq_norms(v))
-                del slots
-            out = {k: torch.cat(v) for k, v in parts.items()}
+            per *= 3
+        else:  # a chunk's gradients and their squares
+            per *= 2
+        step = max(1, (rs.budget or _CHAIN_BYTES) // max(1, per))
+        parts: dict = {}
+        for i in range(0, n, step):
+            rows = slice(i, i + step)
+            with using(self.settings(rs)):
+                slots = run_rule(
+                    self.rule, "grad_sample", self.module, tuple(a[rows] for a in inputs), g[rows]
+                )
+            for slot, (recipe, gain) in closed.items():
+                form = forms[slot]
+                stats = grad_channel_stats(slots.pop(slot), form.w_hat)
+                k = self.model_names[id(recipe.weight)]
+                if k in self.params:
+                    parts.setdefault(k, []).append(weight_sq_norms(stats, form))
+                for k, v in self._gain_grads(slot, gain, stats[2]).items():
+                    if k in self.params:
+                        parts.setdefault(k, []).append(sq_norms(v.to(self._named()[k].dtype)))
+                del stats
+            for k, v in self._collect(slots, True).items():
+                parts.setdefault(k, []).append(sq_norms(v))
+            del slots
+        out = {k: torch.cat(v) for k, v in parts.items()}
+        return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}
+
+    def _stats_only(self, closed: dict) -> bool:
+        """Whether every slot computed from parameters takes the closed form (the
+        others being parameters themselves), so that the rule's per-channel numbers
+        (:meth:`memconv.layers.LayerRule.channel_stats`) and its norms of the other
+        slots give all norms."""
+        if not closed or self.partial is None or set(closed) != set(self.maps):
+            return False
+        rest = [t for slot, (t, _) in self.sources.items() if slot not in closed]
+        return all(t.grad_fn is None for t in rest) and self.grads[0].numel() > 0
+
+    def _closed_sq_norms(self, rs: RuleSettings, closed: dict) -> dict[str, Tensor]:
+        inputs, g = self.rule_inputs()
+        out: dict = {}
+        with using(self.settings(rs)):
+            for slot, (recipe, gain) in closed.items():
+                form = recipe.form()
+                with torch.no_grad():
+                    stats = self.rule.channel_stats(self.module, inputs, g, slot, form.w_hat)
+                out[self.model_names[id(recipe.weight)]] = weight_sq_norms(stats, form)
+                for k, v in self._gain_grads(slot, gain, stats[2]).items():
+                    out[k] = sq_norms(v.to(self._named()[k].dtype))
+            if len(closed) < len(self.sources):
+                rest = run_rule(self.rule, "sq_norms", self.partial, inputs, g)
+                for slot, v in rest.items():
+                    if slot in self.sources and slot not in closed:
+                        out[self.params_of(slot)] = v
+        out = {k: v for k, v in out.items() if k in self.params}
         return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}
 
     def params_of(self, slot: str) -> str:
@@ -280,6 +380,8 @@ class OpCall(LayerCall):
         self._named()  # (read from the sources, which go)
         super().release()
         self.sources = {}
+        self.maps = {}
+        self.partial = None
 
 
 #: Bytes of per-sample gradients a chain through a parameter-only map holds at once.
@@ -306,6 +408,7 @@ def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, rec
     sources: dict = {}
     direct: dict = {}
     roots: dict = {}
+    maps: dict = {}
     for slot, t in bound.slots.items():
         if t is None:
             params[slot] = None
@@ -326,9 +429,17 @@ def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, rec
         elif t.grad_fn is not None:  # a function of parameters (checked by _claims)
             sources[slot] = (t, {})
             roots[slot] = t.grad_fn
+            recipe = recorder.standardised(t)
+            if recipe is not None:  # a weight standardisation: its closed form
+                gain = recorder.depends(recipe.gain) if recipe.gain is not None else frozenset()
+                maps[slot] = (recipe, gain)
         else:
             return None
     shell = bound.shell(params)
+    partial = None
+    if maps:  # the same shell with the standardised slots frozen
+        frozen = {k: nn.Parameter(params[k].detach(), requires_grad=False) for k in maps}
+        partial = bound.shell({**params, **frozen})
     if isinstance(shell, Broadcast) and not broadcast_ok(bound.data, params["weight"], out):
         return None
     rule = shell_rule(shell)
@@ -351,6 +462,8 @@ def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, rec
         direct=direct,
         roots=roots,
         model_names=names,
+        maps=maps,
+        partial=partial,
     )
     call.grads = [None]
     call.output_elements = out.numel()

@@ -207,23 +207,38 @@ def choose_tiling(problem: Problem, budget: int) -> GhostTiling:
     return fastest_that_fits(list(method_tilings(problem, budget).values()), budget)[0]
 
 
-def sq_norms(ops: Operands, chosen: GhostTiling) -> Tensor:
+def sq_norms(ops: Operands, chosen: GhostTiling, channels: bool = False) -> Tensor:
     """Squared per-sample norms ``[N]`` of a convolution's weight gradient.
 
     Args:
         ops: the layer's strategy operands (normal form).
         chosen: the :func:`choose_tiling` to run.
+        channels: per output channel ``[N, C_out]`` instead: ``Σ_{t,t'} b_c[t]
+            (A_γᵀA_γ)[t,t'] b_c[t']`` for channel ``c`` of group ``γ`` (the diagonal
+            of ``B_γ A_γᵀA_γ B_γᵀ``; the same Gram blocks, one product more per block).
     """
     x, g, geom = ops.x, ops.g, ops.geometry
     gram = _positions_gram if chosen.method == "positions" else _offsets_gram
-    out = x.new_zeros(x.shape[0])
+    shape = (x.shape[0], geom.out_channels) if channels else (x.shape[0],)
+    out = x.new_zeros(shape)
     for n0 in range(0, x.shape[0], chosen.chunk):
         rows = slice(n0, n0 + chosen.chunk)
-        out[rows] = gram(x[rows], g[rows], geom, chosen.block)
+        out[rows] = gram(x[rows], g[rows], geom, chosen.block, channels)
     return out
 
 
-def _positions_gram(x: Tensor, g: Tensor, geom: ConvGeometry, rows: int) -> Tensor:
+def _contract(ga: Tensor, gb: Tensor | None, gi: Tensor, gj: Tensor) -> Tensor:
+    """``⟨A_iᵀA_j, B_iᵀB_j⟩`` summed over groups ``[n]`` (``ga`` ``[n, G, bi, bj]``,
+    ``gb = B_iᵀB_j`` of the same shape), or, without ``gb``, per channel ``[n, C_out]``
+    from ``gi``/``gj`` ``[n, G, C_out/G, bi/bj]``."""
+    if gb is None:
+        return ((gi @ ga) * gj).sum(-1).flatten(1)
+    return ga.mul_(gb).sum((1, 2, 3))
+
+
+def _positions_gram(
+    x: Tensor, g: Tensor, geom: ConvGeometry, rows: int, channels: bool = False
+) -> Tensor:
     """Σ_γ ⟨A_γᵀA_γ, B_γᵀB_γ⟩ per sample by strided windows of the input's Gram
     matrix over positions, in bands of ``rows`` output rows."""
     axes = _axes(geom, tuple(x.shape[2:]))
@@ -237,7 +252,7 @@ def _positions_gram(x: Tensor, g: Tensor, geom: ConvGeometry, rows: int) -> Tens
     gg = g.reshape(n, grp, geom.out_per_group, *outs)
     offsets = list(itertools.product(*[range(a.kernel) for a in axes]))
     every = (slice(None), slice(None))
-    out = x.new_zeros(n)
+    out = x.new_zeros((n, geom.out_channels) if channels else n)
     t0 = outs[0]
     for r0 in range(0, t0, rows):
         r1 = min(t0, r0 + rows)
@@ -253,7 +268,7 @@ def _positions_gram(x: Tensor, g: Tensor, geom: ConvGeometry, rows: int) -> Tens
             m = m.view(n, grp, hi_i - lo_i, *sizes[1:], hi_j - lo_j, *sizes[1:])
             gi = gg.narrow(3, r0, r1 - r0).flatten(3)  # [n, G, C_out/G, bi]
             gj = gg.narrow(3, c0, c1 - c0).flatten(3)
-            gb = gi.transpose(-1, -2) @ gj  # [n, G, bi, bj]
+            gb = None if channels else gi.transpose(-1, -2) @ gj  # [n, G, bi, bj]
             shape = (n, grp, r1 - r0, *outs[1:], c1 - c0, *outs[1:])
             windows = []  # (target, source) of every offset whose window is not empty
             for kappa in offsets:
@@ -270,37 +285,41 @@ def _positions_gram(x: Tensor, g: Tensor, geom: ConvGeometry, rows: int) -> Tens
             # starts the sum as a copy, saving a pass of zeros and one addition
             whole = next((w for w in windows if _covers(w[0], shape)), None)
             if whole is None:
-                ga = gb.new_zeros(shape)
+                ga = gi.new_zeros(shape)
             else:
                 windows.remove(whole)
                 ga = m[whole[1]].clone(memory_format=torch.contiguous_format)
             for target, source in windows:
                 ga[target] += m[source]
-            ga = ga.view(gb.shape)
+            ga = ga.view(n, grp, gi.shape[-1], gj.shape[-1])
             del m
             weight = 1.0 if r0 == c0 else 2.0  # the band below the diagonal
-            out += weight * ga.mul_(gb).sum((1, 2, 3))
+            out += weight * _contract(ga, gb, gi, gj)
             del ga, gb
     return out
 
 
-def _offsets_gram(x: Tensor, g: Tensor, geom: ConvGeometry, block: int) -> Tensor:
+def _offsets_gram(
+    x: Tensor, g: Tensor, geom: ConvGeometry, block: int, channels: bool = False
+) -> Tensor:
     """Σ_γ ⟨A_γᵀA_γ, B_γᵀB_γ⟩ per sample, one product per kernel offset, in blocks of
     ``block`` positions."""
     gm, views = offset_operands(x, g, geom)
     length = gm.shape[-1]  # gm [n, G, C_out/G, L]
-    out = x.new_zeros(x.shape[0])
+    out = x.new_zeros((x.shape[0], geom.out_channels) if channels else x.shape[0])
     for i0 in range(0, length, block):
         rows = slice(i0, i0 + block)
         for j0 in range(i0, length, block):
             cols = slice(j0, j0 + block)
-            gb = gm[..., rows].transpose(-1, -2) @ gm[..., cols]  # [n, G, bi, bj]
+            gb = None
+            if not channels:
+                gb = gm[..., rows].transpose(-1, -2) @ gm[..., cols]  # [n, G, bi, bj]
             ga = None
             for view in views():  # view [n, G, C_in/G, L]
                 part = view[..., rows].transpose(-1, -2) @ view[..., cols]
                 ga = part if ga is None else ga.add_(part)
                 del part
             weight = 1.0 if i0 == j0 else 2.0  # the block below the diagonal
-            out += weight * ga.mul_(gb).sum((1, 2, 3))
+            out += weight * _contract(ga, gb, gm[..., rows], gm[..., cols])
             del ga, gb
     return out

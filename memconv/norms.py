@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import ghost
@@ -229,3 +230,79 @@ def conv_weight_sq_norms(
     if chosen == "ghost":
         return ghost_sq_norms(ops, room or DEFAULT_NORM_BUDGET)
     return instantiate_sq_norms(ops, settings, room or DEFAULT_NORM_BUDGET)
+
+
+# ----------------------------------------------------------------- per channel
+def grad_channel_stats(grads: Tensor, w_hat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(‖g_c‖², ⟨g_c,1⟩, ⟨g_c,ŵ_c⟩)``, each ``[n, C]``, of per-sample gradients
+    ``grads`` ``[n, C, ...]`` split along their first axis (``w_hat``: ``[C, K]``):
+    what a weight standardised per output channel needs of its operation's weight
+    gradients (:mod:`memconv.layers.standardise`)."""
+    g = grads.reshape(grads.shape[0], w_hat.shape[0], -1).to(w_hat.dtype)
+    return g.square().sum(-1), g.sum(-1), torch.einsum("nck,ck->nc", g, w_hat)
+
+
+_CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def conv_channel_stats(
+    module, x: Tensor, g: Tensor, w_hat: Tensor, settings: Settings, route: str | None,
+    budget: int | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """:func:`grad_channel_stats` of a convolution's per-sample weight gradients
+    ``G_n``, per output channel ``c``, by the route :func:`choose_route` picks for
+    its norms.
+
+    ``"instantiate"``: ``G_n`` a chunk of samples at a time. ``"ghost"``, without
+    ``G_n``: ``‖G_n,c‖²`` by the Gram blocks per channel (:func:`memconv.ghost.sq_norms`
+    with ``channels``), ``⟨G_n,c, ŵ_c⟩ = Σ_t b_c[t]·conv(x_n, ŵ)[c, t]`` (one forward
+    convolution) and ``⟨G_n,c, 1⟩ = Σ_t b_c[t]·box_γ(x_n)[t]``, ``box_γ`` the input
+    channels of ``c``'s group summed and filtered by a kernel of ones.
+
+    Args:
+        module: a convolution (not transposed; zero padding).
+        x: its input ``[N, C_in, *S]``.
+        g: its output gradient ``[N, C_out, *T]``.
+        w_hat: ``[C_out, C_in/G·k]``.
+        settings, route, budget: as :func:`conv_weight_sq_norms`.
+    """
+    if x.dtype != g.dtype:
+        x = x.to(g.dtype)
+    ops = conv_spec(module).operands(x, g)
+    problem = Problem(
+        ops.geometry, x.shape[0], tuple(ops.x.shape[2:]), x.element_size(), True,
+        device=x.device.type,
+    )  # fmt: skip
+    room = None if budget is None else max(budget - ops.copied * x.element_size(), 1)
+    room_or_default = room or DEFAULT_NORM_BUDGET
+    if choose_route(problem, room, settings, route).route != "ghost":
+        per = numel(ops.geometry.weight_shape) * x.element_size()
+        n = x.shape[0]
+        chunk = max(1, min(n, room_or_default // 2 // max(per, 1)))
+        run = _instantiate_settings(settings, chunk * per, room_or_default)
+        parts = []
+        for n0 in range(0, n, chunk):
+            part = Operands(ops.x[n0 : n0 + chunk], ops.g[n0 : n0 + chunk], ops.geometry)
+            parts.append(grad_channel_stats(weight_grad(part, run, per_sample=True), w_hat))
+        return tuple(torch.cat(p) for p in zip(*parts))
+    sq = ghost.sq_norms(ops, ghost.choose_tiling(problem, room_or_default), channels=True)
+    conv = _CONV_FUNCTIONS[x.dim() - 2]
+    geom = ops.geometry
+    kernel = w_hat.to(x.dtype).reshape(module.weight.shape)
+    box = x.new_ones(geom.groups, 1, *module.weight.shape[2:])
+    geometry = {"stride": module.stride, "padding": module.padding, "dilation": module.dilation}
+    n = x.shape[0]
+    per = 2 * g[:1].numel() * g.element_size()  # the convolution's output and a product
+    chunk = max(1, min(n, room_or_default // max(per, 1)))
+    ones, hats = [], []
+    for n0 in range(0, n, chunk):
+        xs, gs = x[n0 : n0 + chunk], g[n0 : n0 + chunk]
+        m = xs.shape[0]
+        y = conv(xs, kernel, None, groups=geom.groups, **geometry)
+        hats.append((y.mul_(gs)).flatten(2).sum(-1))
+        del y
+        summed = xs.reshape(m, geom.groups, -1, *xs.shape[2:]).sum(2)
+        filtered = conv(summed, box, None, groups=geom.groups, **geometry).flatten(2)
+        grouped = gs.reshape(m, geom.groups, geom.out_per_group, -1)
+        ones.append((grouped * filtered[:, :, None]).sum(-1).flatten(1))
+    return sq.to(w_hat.dtype), torch.cat(ones).to(w_hat.dtype), torch.cat(hats).to(w_hat.dtype)

@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .layers.ops import SYMMETRIC, BoundOp, bind_op
+from .layers.standardise import Standardised, trace
 
 
 def _tensors(args: tuple, kwargs: dict) -> list:
@@ -65,22 +66,24 @@ class OpRecorder(TorchFunctionMode):
     def __init__(self, model: nn.Module, on_call: Callable):
         super().__init__()
         self.on_call = on_call
-        # {id(tensor): (tensor, ids of the trainable parameters it depends on)}: the
-        # tensor is kept alive so that its id is not reused during the pass
+        # {id(tensor): (tensor, ids of the trainable parameters it depends on, its
+        # recipe or None)}: the tensor is kept alive so that its id is not reused
+        # during the pass
         self.pure: dict = {}
         # {id(tensor): tensor it was expanded from} of parameter-only tensors expanded
         # along their first axis (a class token expanded to the batch)
         self.expanded: dict = {}
         for b in model.buffers():
-            self.pure[id(b)] = (b, frozenset())
+            self.pure[id(b)] = (b, frozenset(), None)
         for p in model.parameters():
-            self.pure[id(p)] = (p, frozenset({id(p)}) if p.requires_grad else frozenset())
+            self.pure[id(p)] = (p, frozenset({id(p)}) if p.requires_grad else frozenset(), None)
 
     def alias(self, new: Tensor, old: Tensor) -> None:
-        """Record ``new`` (a copy of ``old`` made during :func:`paused`) as ``old`` is."""
+        """Record ``new`` (a copy of ``old`` made during :func:`paused`) as ``old`` is
+        (without a recipe: a copy is not the step a recipe describes)."""
         entry = self.pure.get(id(old))
         if entry is not None and entry[0] is old:
-            self.pure[id(new)] = (new, entry[1])
+            self.pure[id(new)] = (new, entry[1], None)
 
     def trainable(self, t) -> bool:
         """Whether ``t`` is a function of the parameters alone depending on a trainable one."""
@@ -95,6 +98,20 @@ class OpRecorder(TorchFunctionMode):
         entry = self.pure.get(id(t))
         return entry is not None and entry[0] is t
 
+    def recipe(self, t):
+        """The recipe of a parameter-only tensor made by a known map's step, or None."""
+        entry = self.pure.get(id(t))
+        return entry[2] if entry is not None and entry[0] is t else None
+
+    def standardised(self, t) -> Standardised | None:
+        """The :class:`memconv.layers.standardise.Standardised` recipe of ``t`` if ``t``
+        is a whole standardised weight, untouched since it was made; else None."""
+        r = self.recipe(t)
+        return r if isinstance(r, Standardised) and r.shaped and r.intact() else None
+
+    def _parameter(self, t) -> bool:
+        return self.depends(t) == {id(t)}
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = _tensors(args, kwargs)
@@ -107,15 +124,18 @@ class OpRecorder(TorchFunctionMode):
         outs = [out] if isinstance(out, Tensor) else _tensors((out,), {})
         if pure and tensors:
             trainable = frozenset().union(*(self.pure[id(t)][1] for t in tensors))
+            recipe = None
+            if trainable:
+                recipe = trace(func, args, kwargs, out, self.recipe, self._parameter, self.depends)
             for t in outs:
-                self.pure[id(t)] = (t, trainable)
+                self.pure[id(t)] = (t, trainable, recipe if t is out else None)
             if func is Tensor.expand and trainable and len(outs) == 1:
                 source = tensors[0]
                 if source.dim() == outs[0].dim() and source.shape[0] == 1:
                     self.expanded[id(outs[0])] = source
         elif pure:  # a factory function: a constant
             for t in outs:
-                self.pure[id(t)] = (t, frozenset())
+                self.pure[id(t)] = (t, frozenset(), None)
         else:  # the batch (or something unknown) entered: in-place results too
             for t in outs:
                 self.pure.pop(id(t), None)

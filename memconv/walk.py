@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -219,6 +219,11 @@ class _BackwardWalk:
         _check_axes(self.axes[index], func, data_shape, _leaf_shapes([out]), self.m, name)
         if covered:
             return out
+        if bound.before is not None:  # in place: the data as it was, else no call
+            data = bound.before(out)
+            if data is None or out._is_view():
+                return out
+            bound = replace(bound, data=data)
         window = (start, self.seq.now())
         call = _op_call(bound, out, self.axes[index], name(), window, self.recorder, self.names)
         if call is None:

@@ -20,9 +20,11 @@ import torch
 from torch import Tensor, nn
 
 from ..context import DEFAULT_SETTINGS, Settings
-from ..norms import sq_norms
+from ..norms import grad_channel_stats, sq_norms
 
 _RULES: dict[type, LayerRule] = {}
+#: Bytes of per-sample gradients :meth:`LayerRule.channel_stats` holds at once by default.
+_STATS_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,27 @@ class LayerRule:
         """Squared norms ``{local name: [N]}`` of the per-sample gradients (default:
         from :meth:`grad_sample`)."""
         return {k: sq_norms(v) for k, v in self.grad_sample(module, inputs, grad_output).items()}
+
+    def channel_stats(
+        self, module: nn.Module, inputs: tuple[Tensor, ...], grad_output: Tensor, name: str,
+        w_hat: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """``(‖g_c‖², ⟨g_c,1⟩, ⟨g_c,ŵ_c⟩)`` ``[N, C]`` of the per-sample gradients ``g``
+        of parameter ``name``, split along its first axis (``w_hat`` ``[C, K]``): what
+        a weight standardised per output channel needs (engine.md formula,
+        :mod:`memconv.layers.standardise`). Default: from :meth:`grad_sample`, a chunk
+        of samples at a time within ``rule_settings().budget``."""
+        p = getattr(module, name)
+        n = grad_output.shape[0]
+        per = 2 * sum(q.numel() for q in module.parameters(recurse=False)) * p.element_size()
+        step = max(1, (rule_settings().budget or _STATS_BYTES) // max(per, 1))
+        parts = []
+        for i in range(0, n, step):
+            rows = slice(i, i + step)
+            grads = self.grad_sample(module, tuple(a[rows] for a in inputs), grad_output[rows])
+            parts.append(grad_channel_stats(grads[name], w_hat))
+            del grads
+        return tuple(torch.cat(p) for p in zip(*parts))
 
     def summed_grad(
         self, module: nn.Module, inputs: tuple[Tensor, ...], grad_output: Tensor

@@ -15,7 +15,7 @@ from .._geometry import conv_spec, layer_output_size
 from ..context import budgeted
 from ..grad_sample import bias_grad, conv_weight_grad, summed_weight_grad, trainable
 from ..memory import predict_memory
-from ..norms import choose_route, conv_route_problem, conv_weight_sq_norms
+from ..norms import choose_route, conv_channel_stats, conv_route_problem, conv_weight_sq_norms
 from ..norms import sq_norms as _sq
 from ..strategies import get_strategy
 from ..vjp import check_settings
@@ -57,6 +57,15 @@ class ConvRule(LayerRule):
         if trainable(module, "bias"):
             out["bias"] = _sq(bias_grad(grad_output, per_sample=True))
         return out
+
+    def channel_stats(self, module, inputs, grad_output, name, w_hat):
+        spec = conv_spec(module)
+        if name != "weight" or spec.transposed or module.padding_mode != "zeros":
+            return super().channel_stats(module, inputs, grad_output, name, w_hat)
+        rs = rule_settings()
+        return conv_channel_stats(
+            module, inputs[0], grad_output, w_hat, rs.settings, rs.norm_route, rs.budget
+        )
 
     def summed_grad(self, module, inputs, grad_output):
         (x,) = inputs

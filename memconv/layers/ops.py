@@ -5,7 +5,7 @@ forward pass calls (``F.conv2d``, ``F.linear``, ``F.layer_norm``, ``F.group_norm
 ``F.batch_norm`` with running statistics, ``F.instance_norm``, ``F.rms_norm``,
 ``F.embedding``, and the broadcast ``add``
 and ``mul`` of a parameter: a position embedding, layer scale, a bias added in a
-parent). It binds the call's arguments into the *data* argument (the one carrying
+parent; ``mul_`` in place, its data the value autograd saved). It binds the call's arguments into the *data* argument (the one carrying
 the batch) and the *parameter slots* (weight, bias), and builds a **shell**: a layer
 of the type whose module rule computes exactly what the call computes, holding the
 slots' tensors as its parameters. The module rule then serves the call (every
@@ -42,12 +42,15 @@ class BoundOp:
             parameters).
         via: ``{slot: tensor}`` where the call receives not the slot's tensor but a
             tensor computed from it (a class token expanded to the batch).
+        before: for an in-place call, ``before(out)``: the data argument's value
+            before the call (None if it cannot be told); the rule needs that value.
     """
 
     data: Tensor
     slots: dict
     shell: Callable[[dict], nn.Module]
     via: dict | None = None
+    before: Callable[[Tensor], Tensor | None] | None = None
 
 
 def _fill(names: tuple, args: tuple, kwargs: dict, defaults: dict) -> dict | None:
@@ -274,6 +277,31 @@ def _bind_elementwise(scale: bool):
     return bind
 
 
+def _saved_self(out: Tensor) -> Tensor | None:
+    """The first factor of ``x.mul_(w)`` before the call: the copy autograd saved of it
+    for ``w``'s gradient (``grad_fn._saved_self``, documented in torch's "Autograd
+    mechanics", saved tensors), None where there is none."""
+    node = out.grad_fn
+    if node is None or type(node).__name__ != "MulBackward0":
+        return None
+    try:
+        saved = node._saved_self
+    except RuntimeError:  # freed, or not saved
+        return None
+    if not isinstance(saved, Tensor) or saved.shape != out.shape or saved.dtype != out.dtype:
+        return None
+    return saved
+
+
+def _bind_mul_in_place(args, kwargs):
+    """``x.mul_(w)`` (timm's NF blocks: ``x.mul_(self.skipinit_gain)``): the broadcast
+    product, its data the value of ``x`` before the call."""
+    bound = _bind_elementwise(True)(args, kwargs)
+    if bound is None or args[0].shape != torch.broadcast_shapes(*(a.shape for a in args)):
+        return None
+    return BoundOp(bound.data, bound.slots, bound.shell, before=_saved_self)
+
+
 def _reduce(g: Tensor, shape: tuple) -> Tensor | None:
     """``g [N, ...]`` summed to ``[N, *shape]`` over the axes ``shape`` is broadcast
     along (None if ``shape`` is not broadcast along the batch axis)."""
@@ -388,6 +416,7 @@ OPS: dict = {
     Tensor.add: _bind_elementwise(False),
     torch.mul: _bind_elementwise(True),
     Tensor.mul: _bind_elementwise(True),
+    Tensor.mul_: _bind_mul_in_place,
 }
 
 #: The rules of the shells that are no layer of torch's (kept out of the registry of
