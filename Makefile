@@ -88,10 +88,10 @@ benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	$(MAKE) benchmarks-steps
 
 # "Small models, many steps" (docs/benchmarks.md): every engine set up once, one step
-# each in turn, median of 30 rounds; a few minutes on 2 CPU cores. Row 5 (the tanh CNN
-# at N=256, seven engines in one process) is left out: it ran out of 24 GiB here.
+# each in turn, median of 30 rounds; about ten minutes on 2 CPU cores (the tanh CNN at
+# N=256 peaks at about 3 GiB with its seven engines in one process).
 benchmarks-steps: $(VENV)/.installed-bench+opacus
-	$(BIN)/python -m memconv.bench.steps --repeats 30 --rows 1,2,3,4,6 --json $(BENCH_DIR)/steps.json --markdown docs/benchmarks.md
+	$(BIN)/python -m memconv.bench.steps --repeats 30 --json $(BENCH_DIR)/steps.json --markdown docs/benchmarks.md
 
 # The private-training path (memconv.integrations.opacus.make_private's model) against
 # Opacus' hooks and ghost modes, clip_and_accumulate and non-private training.
