@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from .grad_sample import Autocast
 from .layers import LayerRule, RuleSettings, run_rule, using
 from .layers.generic import call_grad_sample, chunk_size
 from .layers.ops import BoundOp, Broadcast, broadcast_ok, shell_rule
@@ -41,7 +42,7 @@ class LayerCall:
         output_elements: elements of the call's output (its tensor leaves).
         expected: the output leaves whose gradient will arrive.
         window: ``(first, last)`` autograd sequence numbers of the call's nodes.
-        autocast: ``(device type, dtype or None)`` of the forward pass.
+        autocast: the :class:`memconv.grad_sample.Autocast` state of the forward pass.
         edges: ``(output leaf index, gradient edge)`` of the captured outputs.
         shared: local names of parameters that other calls' routes also compute
             (their per-sample gradients must be summed before taking norms).
@@ -57,7 +58,7 @@ class LayerCall:
     in_axes: tuple
     out_axes: tuple
     window: tuple[int, int]
-    autocast: tuple
+    autocast: Autocast
     params: dict = field(default_factory=dict)
     grads: list = field(default_factory=list)
     output_elements: int = 0
@@ -392,13 +393,6 @@ def _zero(v, p: Tensor) -> Tensor:
     return torch.zeros_like(p) if v is None else v
 
 
-def _autocast_state(leaves) -> tuple:
-    device = next((t.device.type for t in leaves if isinstance(t, Tensor)), "cpu")
-    if torch.is_autocast_enabled(device):
-        return (device, torch.get_autocast_dtype(device))
-    return (device, None)
-
-
 def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, recorder, names):
     """The :class:`OpCall` of a recorded operation call, or None if its rule cannot
     describe it (batch axes, a slot tensor that is neither a parameter nor computed)."""
@@ -457,7 +451,7 @@ def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, rec
         in_axes=(ax_in,),
         out_axes=(ax_out,),
         window=window,
-        autocast=_autocast_state([out]),
+        autocast=Autocast.current(out.device.type),
         sources=sources,
         direct=direct,
         roots=roots,

@@ -42,6 +42,13 @@ class Autocast:
             return cls(device_type, torch.get_autocast_dtype(device_type))
         return cls(device_type, None)
 
+    @classmethod
+    def of(cls, leaves) -> Autocast:
+        """The state right now for the device of the first tensor among ``leaves``
+        (``"cpu"`` if there is none)."""
+        device = next((t.device.type for t in leaves if isinstance(t, Tensor)), "cpu")
+        return cls.current(device)
+
     def context(self):
         """A ``torch.autocast`` block restoring this state."""
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)

@@ -304,7 +304,7 @@ class _PerSampleMixin:
         rule = find_rule(self)
         x = input.detach()
         state = Autocast.current(out.device.type)
-        settings = RuleSettings(DEFAULT_SETTINGS, autocast=(state.device_type, state.dtype))
+        settings = RuleSettings(DEFAULT_SETTINGS, autocast=state)
 
         def on_grad(g):
             with using(settings):

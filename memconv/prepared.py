@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_mod
 
+from .grad_sample import Autocast
 from .layers import check_layer, find_rule
 from .losses import PerSampleLoss
 from .planning import Plan, Profile, make_plan, profile
@@ -250,7 +251,7 @@ class Prepared:
     ) -> CallPlan:  # fmt: skip
         """The plan of a call on ``inputs`` (after :meth:`check_model` of ``model``)."""
         device = inputs.device
-        autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
+        autocast = Autocast.current(device.type)
         probe_key = (self._model_key, tuple(inputs.shape[1:]), inputs.dtype, device, autocast)
         self.reused = probe_key == self._probe_key
         if not self.reused:

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
-from .calls import LayerCall, OpCall, _autocast_state, _op_call
+from .calls import LayerCall, OpCall, _op_call
 from .coverage import _assign, _claims, _covered_by_module, _deepest, _graph, _hooked, _rule_for
-from .grad_sample import own_trainable
+from .grad_sample import Autocast, own_trainable
 from .layers.ops import BoundOp
 from .losses import PerSampleLoss
 from .optrace import OpRecorder, paused
@@ -139,6 +139,11 @@ class _BackwardWalk:
         index: the number of calls counted so far (the next call's place in ``axes``).
         open_modules: the modules whose calls are open, innermost last.
         covering: see :func:`memconv.coverage._covered_by_module`.
+        grad_hooks: the handles of the hooks on the captured outputs, removed when
+            the walk ends (a hook on an output that a node below the captured ones
+            saved would otherwise keep that part of the graph, the visitor and
+            its results alive in a cycle through autograd that Python's collector
+            cannot see).
     """
 
     def __init__(self, model, names, axes, visit, *, caller: str, owners: dict, m: int):
@@ -154,8 +159,19 @@ class _BackwardWalk:
         self.open_modules: list = []
         self.covering: dict = {}
         self.recorder: OpRecorder | None = None
+        self.grad_hooks: list = []
 
     def run(self, per_sample, inputs, targets, *, keep_graph: bool, prepare) -> Walk:
+        try:
+            return self._run(per_sample, inputs, targets, keep_graph=keep_graph, prepare=prepare)
+        finally:
+            for handle in self.grad_hooks:
+                handle.remove()
+            # no cycle left to keep the visitor (and the results it holds) alive until
+            # Python's collector runs: the recorder calls back into the walk
+            self.grad_hooks, self.recorder, self.visits.visit = [], None, None
+
+    def _run(self, per_sample, inputs, targets, *, keep_graph: bool, prepare) -> Walk:
         losses = per_sample(self.forward(inputs), targets)
         walk = Walk(
             losses=losses if keep_graph else losses.detach(),
@@ -231,7 +247,7 @@ class _BackwardWalk:
         self.calls.append(call)
         if out._is_view():
             out = out.clone()
-        out.register_hook(self.visits.hook(call, 0))
+        self.grad_hooks.append(out.register_hook(self.visits.hook(call, 0)))
         call.edges.append((0, get_gradient_edge(out)))
         return out
 
@@ -275,7 +291,7 @@ class _BackwardWalk:
             in_axes=call_axes.inputs,
             out_axes=call_axes.outputs,
             window=(start, end),
-            autocast=_autocast_state(out_leaves),
+            autocast=Autocast.of(out_leaves),
         )
         call.grads = [None] * len(out_leaves)
         call.output_elements = sum(t.numel() for t in out_leaves if isinstance(t, Tensor))
@@ -288,7 +304,7 @@ class _BackwardWalk:
                 t = t.clone()
                 self.recorder.alias(t, out_leaves[j])
                 new_leaves[j] = t
-            t.register_hook(self.visits.hook(call, j))
+            self.grad_hooks.append(t.register_hook(self.visits.hook(call, j)))
             call.edges.append((j, get_gradient_edge(t)))
         return _unflatten(new_leaves, out_spec, isinstance(output, Tensor))
 

@@ -3,7 +3,9 @@ again when anything does, and the numbers are always those of a fresh call."""
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -466,3 +468,30 @@ def test_results_taken_without_a_copy_are_exact_and_leave_autograd_alone():
     loss(model(x), y).backward()
     for name, p in model.named_parameters():
         assert rel_err(p.grad, want[name].sum(0)) < 1e-10
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_results_are_freed_when_dropped(reuse):
+    """Nothing of a call keeps its result alive: no cycle through autograd (a hook on an
+    output that a node below saved) nor through the walk, so dropping the result frees
+    it at once, without Python's cycle collector (a training loop would otherwise hold
+    one result per step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(64, 3))
+    x, y = torch.randn(5, 1, 6, 6), torch.randint(0, 3, (5,))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    step = memconv.PrivateStep(model, loss)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):
+            out = (
+                step.per_sample_grads(x, y)
+                if reuse
+                else memconv.per_sample_grads(model, loss, x, y)
+            )
+            refs = [weakref.ref(v) for v in out.values()]
+            del out
+            assert all(r() is None for r in refs)
+    finally:
+        gc.enable()

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..context import DEFAULT_SETTINGS, Settings
+from ..grad_sample import Autocast
 from ..norms import grad_channel_stats, sq_norms
 
 _RULES: dict[type, LayerRule] = {}
@@ -35,14 +36,14 @@ class RuleSettings:
         settings: the weight-VJP strategy and its options (convolutions).
         norm_route: ``"ghost"``, ``"instantiate"`` or None (chosen per layer).
         budget: bytes a layer's temporaries may use (None: the rule's default).
-        autocast: ``(device type, dtype or None)`` of the forward pass, for rules
-            that recompute part of it.
+        autocast: the :class:`memconv.grad_sample.Autocast` state of the forward
+            pass, for rules that recompute part of it (None: as it is now).
     """
 
     settings: Settings = DEFAULT_SETTINGS
     norm_route: str | None = None
     budget: int | None = None
-    autocast: tuple[str, torch.dtype | None] | None = None
+    autocast: Autocast | None = None
 
     @contextlib.contextmanager
     def autocast_context(self):
@@ -50,8 +51,7 @@ class RuleSettings:
         if self.autocast is None:
             yield
             return
-        device, dtype = self.autocast
-        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+        with self.autocast.context():
             yield
 
 
