@@ -116,3 +116,25 @@ class Hidden(torch.nn.Module):
 
     def forward(self, x):
         return self.head(Opaque.apply(x, self.inner, *self.inner.parameters()).flatten(1))
+
+
+def small_data(n=5):
+    """``(x [n, 2, 4, 4] float64, y [n] in 0..2)`` from a fixed generator."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 2, 4, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return x, y
+
+
+def assert_close(got: dict, ref: dict, tol: float) -> None:
+    """Same keys (any order), every entry within ``tol`` relative to the largest entry of
+    any reference tensor."""
+    assert set(got) == set(ref)
+    scale = max(v.abs().max().item() for v in ref.values())
+    for k in ref:
+        assert (got[k] - ref[k]).abs().max().item() <= tol * scale, k
+
+
+def total_norms(ref: dict) -> torch.Tensor:
+    """The per-sample norms ``[N]`` over all the per-sample gradients ``{name: [N, ...]}``."""
+    return torch.stack([v.reshape(len(v), -1).pow(2).sum(1) for v in ref.values()]).sum(0).sqrt()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import loop_reference
+from helpers import assert_close, loop_reference, small_data, total_norms
 from torch import nn
 
 import memconv
@@ -187,21 +187,15 @@ NOT_LEAN: dict = {}
 
 
 def data(n=5):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 2, 4, 4, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (n,), generator=g)
-    return x, y
+    return small_data(n)
 
 
 def _close(got, ref):
-    assert set(got) == set(ref)
-    scale = max(v.abs().max().item() for v in ref.values())
-    for k in ref:
-        assert (got[k] - ref[k]).abs().max().item() <= TOL * scale, k
+    assert_close(got, ref, TOL)
 
 
 def _norms(ref):
-    return torch.stack([v.flatten(1).pow(2).sum(1) for v in ref.values()]).sum(0).sqrt()
+    return total_norms(ref)
 
 
 @pytest.fixture
