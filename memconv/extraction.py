@@ -144,12 +144,12 @@ class _Rows:
         self.written: set = set()
         self.adopted: set = set()  # parts taken as they are: never written in place
 
-    def add(self, name, v, call: LayerCall | None = None):
+    def add(self, name, v, taken: set | None = None):
         if name in self.adopted:
             self.out[name] = self.out[name] + v
         elif name in self.written:
             self.out[name][self.rows] += v
-        elif self.whole and _own_tensor(v, self.out[name], call):
+        elif self.whole and _own_tensor(v, self.out[name], taken):
             self.out[name] = v
             self.adopted.add(name)
             self.written.add(name)
@@ -158,8 +158,9 @@ class _Rows:
             self.written.add(name)
 
     def visit(self, call: LayerCall):
+        taken = _storages(call) if self.whole else None
         for k, v in call.grad_sample(self.rs).items():
-            self.add(call.params[k], v, call)
+            self.add(call.params[k], v, taken)
 
     def from_model_route(self, name, v):
         self.add(name, v)
@@ -169,25 +170,28 @@ class _Rows:
             self.out[name][self.rows].zero_()
 
 
-def _own_tensor(v: Tensor, like: Tensor, call: LayerCall | None) -> bool:
+def _storages(call: LayerCall) -> set:
+    """The storages of a call's arguments and output gradients (autograd may still
+    read them)."""
+    leaves = [*call.args, *call.kwargs.values()]
+    if not all(isinstance(t, Tensor) or t is None or isinstance(t, (int, float)) for t in leaves):
+        leaves = tree_flatten((call.args, call.kwargs))[0]
+    leaves += call.grads
+    return {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, Tensor)}
+
+
+def _own_tensor(v: Tensor, like: Tensor, taken: set | None) -> bool:
     """Whether a route's result ``v`` can be the result itself: of ``like``'s shape,
-    dtype and layout, and a tensor of its own (no view, no storage shared with the
-    call's arguments or output gradients, which autograd may still read)."""
-    if not (
+    dtype and layout, and a tensor of its own (no view, no storage among ``taken``,
+    :func:`_storages` of the call that made it)."""
+    return (
         v.shape == like.shape
         and v.dtype == like.dtype
         and v.device == like.device
         and v._base is None
         and v.is_contiguous()
         and not v.requires_grad
-    ):
-        return False
-    if call is None:
-        return True
-    storage = v.untyped_storage().data_ptr()
-    others = [*tree_flatten((call.args, call.kwargs))[0], *call.grads]
-    return all(
-        not isinstance(t, Tensor) or t.untyped_storage().data_ptr() != storage for t in others
+        and (taken is None or v.untyped_storage().data_ptr() not in taken)
     )
 
 
