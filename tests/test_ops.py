@@ -11,10 +11,14 @@ operations' lean rules: neither the generic nor the model route is called.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, loop_reference, small_data, total_norms
+from helpers import assert_close, loop_reference
+from helpers import small_data as data
+from helpers import total_norms as _norms
 from torch import nn
 
 import memconv
@@ -186,16 +190,7 @@ MODELS = [
 NOT_LEAN: dict = {}
 
 
-def data(n=5):
-    return small_data(n)
-
-
-def _close(got, ref):
-    assert_close(got, ref, TOL)
-
-
-def _norms(ref):
-    return total_norms(ref)
+_close = functools.partial(assert_close, tol=TOL)
 
 
 @pytest.fixture

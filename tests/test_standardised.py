@@ -11,10 +11,14 @@ generic chain through the autograd graph).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, loop_reference, small_data, total_norms
+from helpers import assert_close, loop_reference
+from helpers import small_data as data
+from helpers import total_norms as _norms
 from torch import nn
 
 import memconv
@@ -169,16 +173,7 @@ def build(name):
     return model
 
 
-def data(n=5):
-    return small_data(n)
-
-
-def _close(got, ref):
-    assert_close(got, ref, TOL)
-
-
-def _norms(ref):
-    return total_norms(ref)
+_close = functools.partial(assert_close, tol=TOL)
 
 
 @pytest.fixture
