@@ -14,12 +14,11 @@ Example:
 
 from . import layers, modules, strategies
 from ._version import __version__ as __version__
-from .adaptive import AdaptiveClipping
-from .clipping import clip_and_accumulate, per_sample_norms
-from .context import available_strategies, current_strategy, per_sample, save_memory
-from .extraction import per_sample_grads
-from .grad_sample import bias_grad
-from .memory import predict_memory
+from .conv.grads import bias_grad
+from .conv.memory import predict_memory
+from .conv.settings import available_strategies, current_strategy, per_sample, save_memory
+from .conv.vjp import weight_vjp
+from .engine.planning import Plan, plan
 from .modules import (
     BatchNorm1d,
     BatchNorm2d,
@@ -40,9 +39,11 @@ from .modules import (
     PReLU,
     convert,
 )
-from .planning import Plan, plan
-from .step import PrivateStep
-from .vjp import weight_vjp
+from .tasks import groups
+from .tasks.adaptive import AdaptiveClipping
+from .tasks.clipping import clip_and_accumulate, per_sample_norms
+from .tasks.grads import per_sample_grads
+from .tasks.step import PrivateStep
 
 __all__ = [
     "AdaptiveClipping",
@@ -76,6 +77,7 @@ __all__ = [
     "plan",
     "predict_memory",
     "save_memory",
+    "groups",
     "layers",
     "strategies",
     "weight_vjp",

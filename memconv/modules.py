@@ -32,7 +32,12 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from ._geometry import (
+from .conv.grads import bias_grad, capture, weight_grad
+from .conv.settings import DEFAULT_SETTINGS, Autocast, Recorded, record, warn_if_block_missed
+from .conv.vjp import check_settings
+from .layers import RuleSettings, check_layer, find_rule, register_like, run_rule, using
+from .layers.base import own_trainable
+from .strategies.geometry import (
     ConvSpec,
     check_input,
     conv_function,
@@ -41,16 +46,6 @@ from ._geometry import (
     convolution_backward,
     input_vjp,
 )
-from .context import DEFAULT_SETTINGS, Recorded, record, warn_if_block_missed
-from .grad_sample import (
-    Autocast,
-    bias_grad,
-    capture,
-    own_trainable,
-    weight_grad,
-)
-from .layers import RuleSettings, check_layer, find_rule, register_like, run_rule, using
-from .vjp import check_settings
 
 
 # ----------------------------------------------------------------- grad_batch
@@ -265,7 +260,7 @@ class ConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):
 
     Its weight gradient is the weight gradient of the convolution whose input
     gradient it computes, with input and output gradient exchanged; see
-    :class:`memconv._geometry.ConvSpec` and :mod:`memconv.modules`.
+    :class:`memconv.strategies.geometry.ConvSpec` and :mod:`memconv.modules`.
     """
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memconv
-from memconv import passes
+from memconv.engine import passes
 from memconv.streaming import StreamingCNN
 
 WORLD = 2

@@ -9,7 +9,7 @@ from helpers import loop_reference
 from torch import nn
 
 import memconv
-from memconv.adaptive import AdaptiveClipping
+from memconv.tasks.adaptive import AdaptiveClipping
 
 KW = dict(
     noise_multiplier=1.0,

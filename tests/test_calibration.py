@@ -11,10 +11,12 @@ import pytest
 import torch
 
 import memconv
-from memconv import ghost, norms
-from memconv._geometry import ConvGeometry
 from memconv.bench.cases import build_case
-from memconv.strategies import Options, Problem, auto, costs, streaming
+from memconv.conv import ghost
+from memconv.conv import norm_routes as norms
+from memconv.strategies import Options, Problem, auto, costs
+from memconv.strategies import tiling as streaming
+from memconv.strategies.geometry import ConvGeometry
 
 MiB = 2**20
 BUDGETS = (None, MiB, 16 * MiB, 256 * MiB)

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memconv
-from memconv._geometry import conv_spec
-from memconv.norms import ghost_sq_norms
+from memconv.conv.norm_routes import ghost_sq_norms
+from memconv.strategies.geometry import conv_spec
 
 TOL = 1e-10
 NORM_ROUTES = [None, "ghost", "instantiate"]
@@ -154,9 +154,9 @@ GHOST_LAYERS = LAYERS + [
 @pytest.mark.parametrize("method", ["positions", "offsets"])
 @pytest.mark.parametrize("case", GHOST_LAYERS, ids=lambda c: str(c[:5]))
 def test_both_ghost_methods_against_autograd(case, method, tiled):
-    """Each way of forming the Gram matrices (memconv.ghost), whole and in bands or
+    """Each way of forming the Gram matrices (memconv.conv.ghost), whole and in bands or
     blocks, against per-sample weight gradients from autograd."""
-    from memconv import ghost
+    from memconv.conv import ghost
     from memconv.strategies import Problem
 
     dims, c_in, c_out, k, size, kwargs, transposed = case

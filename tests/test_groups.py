@@ -15,9 +15,9 @@ from helpers import Hidden, loop_reference, rel_err
 from torch import nn
 
 import memconv
-from memconv import clipping
-from memconv.groups import resolve_groups
-from memconv.prepared import Prepared
+from memconv.engine.prepared import Prepared
+from memconv.tasks import clipping
+from memconv.tasks.groups import resolve_groups
 
 TOL = 1e-10
 

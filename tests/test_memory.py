@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import memconv
-from memconv._geometry import conv_spec
 from memconv.bench.measure import peak_allocated
+from memconv.strategies.geometry import conv_spec
 
 MiB = 2**20
 CPU = torch.device("cpu")
@@ -89,9 +89,9 @@ def test_auto_warns_when_no_strategy_fits():
 @pytest.mark.parametrize("route", ["ghost", "instantiate"])
 def test_norm_route_cost_model_within_25_percent(layer, route):
     """A norm route's temporaries (per-sample squared norms of the weight gradient,
-    memconv.norms) against its cost model, at a budget that holds a whole chunk."""
-    from memconv.context import Settings
-    from memconv.norms import conv_weight_sq_norms, route_costs
+    memconv.conv.norm_routes) against its cost model, at a budget that holds a whole chunk."""
+    from memconv.conv.norm_routes import conv_weight_sq_norms, route_costs
+    from memconv.conv.settings import Settings
     from memconv.strategies import Options, Problem
 
     module, x, g = layer

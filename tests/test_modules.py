@@ -296,7 +296,7 @@ def test_unused_parameter_gets_zeros_and_missing_gradient_raises(monkeypatch):
     assert torch.equal(got["unused.weight"], torch.zeros(3, 2, 27, dtype=torch.float64))
     assert got["used.weight"].abs().sum() > 0
     # a gradient that should arrive but does not is an error, never zeros
-    import memconv.walk as walk
+    import memconv.engine.walk as walk
 
     monkeypatch.setattr(walk._Visits, "hook", lambda self, call, j: lambda grad: None)
     with pytest.raises(RuntimeError, match="'body'.*never arrived.*body.weight"):

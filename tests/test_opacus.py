@@ -17,8 +17,8 @@ from helpers import CONV_TRANSPOSES, CONVS, loop_reference, rel_err
 from torch import nn
 
 import memconv
+import memconv.conv.norm_routes
 import memconv.layers.conv as conv_rules
-import memconv.norms
 
 opacus = pytest.importorskip("opacus")
 from opacus import GradSampleModule, PrivacyEngine  # noqa: E402
@@ -183,9 +183,11 @@ def test_norm_samplers_match_the_loop(case, route, bridge, sq_norm_calls, monkey
     """The route the cost models choose (mostly "instantiate" on these small layers), and
     the ghost route forced: Gram matrices per group, any padding mode, transposed."""
     ghost_calls = []
-    real_ghost = memconv.norms.ghost_sq_norms
+    real_ghost = memconv.conv.norm_routes.ghost_sq_norms
     monkeypatch.setattr(
-        memconv.norms, "ghost_sq_norms", lambda *a: ghost_calls.append(1) or real_ghost(*a)
+        memconv.conv.norm_routes,
+        "ghost_sq_norms",
+        lambda *a: ghost_calls.append(1) or real_ghost(*a),
     )
     if route is not None:
         spy = conv_rules.conv_weight_sq_norms

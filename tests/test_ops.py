@@ -22,9 +22,9 @@ from helpers import total_norms as _norms
 from torch import nn
 
 import memconv
-import memconv.calls
-import memconv.passes
-import memconv.walk
+import memconv.engine.calls
+import memconv.engine.passes
+import memconv.engine.walk
 
 TOL = 1e-9
 
@@ -197,7 +197,10 @@ _close = functools.partial(assert_close, tol=TOL)
 def lean(monkeypatch):
     """Record which parameters the generic and model routes are asked for."""
     seen: list = []
-    generic, model_route = memconv.calls.call_grad_sample, memconv.passes.model_grad_sample
+    generic, model_route = (
+        memconv.engine.calls.call_grad_sample,
+        memconv.engine.passes.model_grad_sample,
+    )
 
     def spy_generic(module, *args, **kwargs):
         seen.append(("generic", type(module).__name__))
@@ -207,8 +210,8 @@ def lean(monkeypatch):
         seen.append(("model", None))
         return model_route(*args, **kwargs)
 
-    monkeypatch.setattr(memconv.calls, "call_grad_sample", spy_generic)
-    monkeypatch.setattr(memconv.passes, "model_grad_sample", spy_model)
+    monkeypatch.setattr(memconv.engine.calls, "call_grad_sample", spy_generic)
+    monkeypatch.setattr(memconv.engine.passes, "model_grad_sample", spy_model)
     return seen
 
 
@@ -216,15 +219,15 @@ def _walk_routes(model, x, y):
     """``(parameters left to the model route, calls on the generic route)``."""
     loss_fn = nn.CrossEntropyLoss()
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-    axes = memconv.planning.profile(model, x).axes()
-    walk = memconv.walk.backward_walk(
+    axes = memconv.engine.planning.profile(model, x).axes()
+    walk = memconv.engine.walk.backward_walk(
         model, loss_fn, x, y, names, axes, lambda call: None, caller="test"
     )
     generic = [c.name for c in walk.calls if c.params and c.rule is None]
     ops = {
         full
         for c in walk.calls
-        if isinstance(c, memconv.calls.OpCall)
+        if isinstance(c, memconv.engine.calls.OpCall)
         for full in c.params.values()
     }
     return set(walk.model_params), generic, ops

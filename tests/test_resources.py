@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import memconv
-from memconv import resources
+from memconv.engine import resources
 
 
 def write(path, text):

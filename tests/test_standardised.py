@@ -22,11 +22,11 @@ from helpers import total_norms as _norms
 from torch import nn
 
 import memconv
-import memconv.calls
-import memconv.ghost
-import memconv.walk
+import memconv.conv.ghost
+import memconv.engine.calls
+import memconv.engine.walk
+from memconv.conv.norm_routes import grad_channel_stats
 from memconv.layers import standardise
-from memconv.norms import grad_channel_stats
 
 TOL = 1e-9
 
@@ -232,14 +232,16 @@ def test_clip_and_accumulate(name, route, budget):
 def _recipes(model, x, y):
     """``{call name: slots with a recognised standardisation}`` of the walk's calls."""
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-    axes = memconv.planning.profile(model, x).axes()
+    axes = memconv.engine.planning.profile(model, x).axes()
     seen = {}
 
     def visit(call):
-        if isinstance(call, memconv.calls.OpCall):
+        if isinstance(call, memconv.engine.calls.OpCall):
             seen[call.name] = sorted(call._closed(True))
 
-    memconv.walk.backward_walk(model, nn.CrossEntropyLoss(), x, y, names, axes, visit, caller="t")
+    memconv.engine.walk.backward_walk(
+        model, nn.CrossEntropyLoss(), x, y, names, axes, visit, caller="t"
+    )
     return seen
 
 
@@ -327,9 +329,9 @@ def test_ghost_per_channel_methods(name, method, monkeypatch):
 
     def choose_tiling(problem, budget):
         seen.append(method)
-        return memconv.ghost.method_tilings(problem, budget)[method]
+        return memconv.conv.ghost.method_tilings(problem, budget)[method]
 
-    monkeypatch.setattr(memconv.ghost, "choose_tiling", choose_tiling)
+    monkeypatch.setattr(memconv.conv.ghost, "choose_tiling", choose_tiling)
     model = build(name)
     x, y = data()
     ref = loop_reference(model, nn.CrossEntropyLoss(), x, y)
@@ -358,14 +360,14 @@ class SkipInit(nn.Module):
 def test_in_place_gain_runs_on_its_rule(gain, route, monkeypatch):
     """``x.mul_(gain)`` served by the broadcast rule (the value of ``x`` before the call
     from autograd's saved copy), even at timm's initial gain of zero; no generic route."""
-    generic = memconv.calls.call_grad_sample
+    generic = memconv.engine.calls.call_grad_sample
     seen = []
 
     def spy(module, *args, **kwargs):
         seen.append(type(module).__name__)
         return generic(module, *args, **kwargs)
 
-    monkeypatch.setattr(memconv.calls, "call_grad_sample", spy)
+    monkeypatch.setattr(memconv.engine.calls, "call_grad_sample", spy)
     torch.manual_seed(0)
     model = nn.Sequential(SkipInit(gain), *_head(2)).double()
     x, y = data()

@@ -13,7 +13,7 @@ from helpers import assert_grads_close, loop_reference, rel_err
 from torch import nn
 
 import memconv
-from memconv.losses import per_sample_losses
+from memconv.engine.losses import per_sample_losses
 
 TOL = 1e-9
 
@@ -329,7 +329,7 @@ def test_batched_class_losses_equal_the_per_sample_loop_exactly(loss_fn, n, dtyp
     if isinstance(loss_fn, nn.Module) and loss_fn.weight is not None:
         loss_fn = nn.CrossEntropyLoss(weight=loss_fn.weight.to(dtype), reduction="sum")
     out = logits.log_softmax(1) if "nll" in _name(loss_fn).lower() else logits
-    got = memconv.losses.batched(loss_fn, out, y)
+    got = memconv.engine.losses.batched(loss_fn, out, y)
     ref = per_sample_losses(loss_fn, out, y, vectorise=False)
     assert got is not None
     _same(got, ref)
@@ -348,7 +348,7 @@ def test_batched_element_losses_equal_the_per_sample_loop_exactly(loss_fn, shape
     g = torch.Generator().manual_seed(0)
     out = torch.randn(shape, generator=g, requires_grad=True)
     t = torch.randn(shape, generator=g)
-    got = memconv.losses.batched(loss_fn, out, t)
+    got = memconv.engine.losses.batched(loss_fn, out, t)
     ref = per_sample_losses(loss_fn, out, t, vectorise=False)
     assert got is not None
     _same(got, ref)
@@ -357,7 +357,7 @@ def test_batched_element_losses_equal_the_per_sample_loop_exactly(loss_fn, shape
 
 def test_losses_the_batched_call_does_not_take_go_the_general_way():
     out, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
-    batched = memconv.losses.batched
+    batched = memconv.engine.losses.batched
     assert batched(nn.CrossEntropyLoss(label_smoothing=0.1), out, y) is None
     assert batched(nn.CrossEntropyLoss(weight=torch.rand(3)), out, y) is None  # mean: ÷ weight
     assert batched(nn.CrossEntropyLoss(reduction="none"), out, y) is None

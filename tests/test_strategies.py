@@ -14,9 +14,9 @@ import torch
 from helpers import conv_case, reference_weight_grads, rel_err
 
 import memconv
-from memconv._geometry import conv_spec
 from memconv.strategies import Options, Problem, elementary, get_strategy
 from memconv.strategies.auto import choose
+from memconv.strategies.geometry import conv_spec
 
 TOL = 1e-10
 STRATEGIES = memconv.available_strategies()

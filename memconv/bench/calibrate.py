@@ -39,9 +39,10 @@ from pathlib import Path
 
 import torch
 
-from .. import ghost, norms
-from .._geometry import ConvGeometry, Operands
+from ..conv import ghost
+from ..conv import norm_routes as norms
 from ..strategies import NO_OPTIONS, Options, Problem, costs, get_strategy
+from ..strategies.geometry import ConvGeometry, Operands
 from .measure import MiB, median_time, peak_allocated
 from .options import check_device, command_line, machine, non_negative_int, positive_float
 from .runner import JsonLines

@@ -90,9 +90,9 @@ import threading
 import torch
 from torch import Tensor, nn
 
-from .. import context
-from ..grad_sample import own_trainable
+from ..conv import settings as context
 from ..layers import RuleSettings, find_rule, registered, run_rule, using
+from ..layers.base import own_trainable
 
 
 def classes() -> tuple[type, ...]:
@@ -406,7 +406,7 @@ class PrivateModule(nn.Module):
                 backward pass's gradient (accumulating batches would clip each batch
                 on its own: call ``optimizer.zero_grad()`` between steps).
         """
-        from ..clipping import clip_and_accumulate
+        from ..tasks.clipping import clip_and_accumulate
 
         model = _inner(self._module)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -465,7 +465,7 @@ def _check_private_args(privacy_engine, module, optimizer, max_grad_norm, clippi
 
     from opacus import PrivacyEngine
 
-    from ..groups import check_threshold
+    from ..tasks.groups import check_threshold
 
     if not isinstance(privacy_engine, PrivacyEngine):
         raise TypeError(
@@ -516,7 +516,7 @@ def _check_private_args(privacy_engine, module, optimizer, max_grad_norm, clippi
             if p not in params:
                 raise ValueError("optimizer holds parameters that are not module's")
     inner = _inner(module)
-    from ..extraction import check_per_sample_model
+    from ..tasks.grads import check_per_sample_model
 
     check_per_sample_model(inner, argument="module")
     for name, layer in inner.named_modules():
@@ -780,10 +780,10 @@ def make_private(
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..adaptive import AdaptiveClipping
-    from ..clipping import CLIP_ROUTES
-    from ..norms import check_route
-    from ..planning import check_budget
+    from ..conv.norm_routes import check_route
+    from ..engine.planning import check_budget
+    from ..tasks.adaptive import AdaptiveClipping
+    from ..tasks.clipping import CLIP_ROUTES
 
     check_budget(memory_budget)
     check_route(norm_route)

@@ -8,11 +8,11 @@ types with :func:`register`; it must implement ``grad_sample(module, inputs,
 grad_output)`` and may add leaner squared norms, the summed gradient for DP-SGD's
 book-keeping and a memory model. Rules are found by exact type
 (:func:`find_rule`); every other parametrised layer takes the exact generic route
-(:mod:`memconv.layers.generic`: ``torch.func``).
+(:mod:`memconv.engine.generic`: ``torch.func``).
 
 Operations (``F.conv2d``, ``F.linear``, ``F.layer_norm``, ... whatever module calls
 them, on parameters or functions of parameters alone) are served by the same rules
-through :mod:`~memconv.layers.ops`.
+through :mod:`~memconv.layers.operations`.
 
 Families: :mod:`~memconv.layers.conv` (convolutions, transposed convolutions),
 :mod:`~memconv.layers.linear`, :mod:`~memconv.layers.norm` (GroupNorm, LayerNorm,
@@ -20,7 +20,7 @@ RMSNorm, InstanceNorm, BatchNorm in eval mode), :mod:`~memconv.layers.embedding`
 :mod:`~memconv.layers.prelu`.
 """
 
-from . import conv, embedding, linear, norm, ops, prelu  # noqa: F401  (they register their rules)
+from . import conv, embedding, linear, norm, operations, prelu  # noqa: F401  (they register their rules)
 from .base import (
     LayerRule,
     RuleSettings,

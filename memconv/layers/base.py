@@ -5,9 +5,9 @@ one forward call and the gradient of its output (Opacus' grad samplers, BackPACK
 derivatives). Rules are found by the layer's **exact type**; a subclass uses the rule
 of its nearest registered base class only if it does not override ``forward`` (a
 weight-standardised convolution computes something else than ``nn.Conv2d``). Such a
-layer's operations are served by the operation rules (:mod:`memconv.layers.ops`)
+layer's operations are served by the operation rules (:mod:`memconv.layers.operations`)
 where they can be; what none covers takes the exact generic route
-(:mod:`memconv.layers.generic`).
+(:mod:`memconv.engine.generic`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..context import DEFAULT_SETTINGS, Settings
-from ..grad_sample import Autocast
-from ..norms import grad_channel_stats, sq_norms
+from ..conv.norm_routes import grad_channel_stats, sq_norms
+from ..conv.settings import DEFAULT_SETTINGS, Autocast, Settings
 
 _RULES: dict[type, LayerRule] = {}
 #: Bytes of per-sample gradients :meth:`LayerRule.channel_stats` holds at once by default.
@@ -36,7 +35,7 @@ class RuleSettings:
         settings: the weight-VJP strategy and its options (convolutions).
         norm_route: ``"ghost"``, ``"instantiate"`` or None (chosen per layer).
         budget: bytes a layer's temporaries may use (None: the rule's default).
-        autocast: the :class:`memconv.grad_sample.Autocast` state of the forward
+        autocast: the :class:`memconv.conv.settings.Autocast` state of the forward
             pass, for rules that recompute part of it (None: as it is now).
     """
 
@@ -158,6 +157,18 @@ class LayerRule:
     def check(self, module: nn.Module, name: str) -> None:
         """Raise ``ValueError`` (naming ``name`` and the remedy) if the layer mixes the
         samples of a batch, so that per-sample gradients are undefined."""
+
+
+def own_trainable(module: nn.Module) -> dict[str, Tensor]:
+    """``{local name: parameter}`` of the module's own parameters that require grad."""
+    return {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
+
+
+def trainable(module: nn.Module, name: str) -> bool:
+    """Whether the module's attribute ``name`` is a parameter that requires grad (a
+    layer rule computes the quantities of those only)."""
+    p = getattr(module, name, None)
+    return isinstance(p, nn.Parameter) and p.requires_grad
 
 
 def run_rule(

@@ -2,7 +2,7 @@
 
 Per-sample weight gradients by the weight-VJP strategy of the calling computation
 (:mod:`memconv.strategies`), squared norms by ghost norms or instantiated chunks
-(:mod:`memconv.norms`), summed gradients by torch's own kernel; bias gradients as the
+(:mod:`memconv.conv.norm_routes`), summed gradients by torch's own kernel; bias gradients as the
 output gradient summed over space.
 """
 
@@ -11,15 +11,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._geometry import conv_spec, layer_output_size
-from ..context import budgeted
-from ..grad_sample import bias_grad, conv_weight_grad, summed_weight_grad, trainable
-from ..memory import predict_memory
-from ..norms import choose_route, conv_channel_stats, conv_route_problem, conv_weight_sq_norms
-from ..norms import sq_norms as _sq
+from ..conv.grads import bias_grad, conv_weight_grad, summed_weight_grad
+from ..conv.memory import predict_memory
+from ..conv.norm_routes import (
+    choose_route,
+    conv_channel_stats,
+    conv_route_problem,
+    conv_weight_sq_norms,
+)
+from ..conv.norm_routes import sq_norms as _sq
+from ..conv.settings import budgeted
+from ..conv.vjp import check_settings
 from ..strategies import get_strategy
-from ..vjp import check_settings
-from .base import LayerRule, register, rule_settings
+from ..strategies.geometry import conv_spec, layer_output_size
+from .base import LayerRule, register, rule_settings, trainable
 
 TYPES = (
     nn.Conv1d,

@@ -11,9 +11,8 @@ import math
 
 from torch import nn
 
-from ..grad_sample import trainable
-from ..norms import sq_norms
-from .base import LayerRule, register, rule_settings
+from ..conv.norm_routes import sq_norms
+from .base import LayerRule, register, rule_settings, trainable
 
 
 def _flat(x, g):

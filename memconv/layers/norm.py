@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..grad_sample import trainable
-from .base import LayerRule, register, rule_settings
+from .base import LayerRule, register, rule_settings, trainable
 
 
 class AffineNormRule(LayerRule):

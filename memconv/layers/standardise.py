@@ -26,7 +26,7 @@ The gain's per-sample gradient is ``⟨g_c, ŵ_c⟩`` per channel, chained to wh
 ``γ`` is computed from by its own (small) vjp.
 
 :func:`trace` recognises the map, one operation at a time, as
-:class:`memconv.optrace.OpRecorder` follows parameter-only tensors; only the exact
+:class:`memconv.engine.recorder.OpRecorder` follows parameter-only tensors; only the exact
 pattern above is recognised (anything else keeps the generic chain through the
 autograd graph, exact and slower), and a tensor modified in place since
 (its version counter) is not trusted.
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops import _fill
+from .operations import _fill
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def weight_sq_norms(stats: tuple[Tensor, Tensor, Tensor], form: Form) -> Tensor:
     (engine.md formula; summed over channels in float64, the terms cancelling).
 
     Args:
-        stats: :func:`memconv.norms.grad_channel_stats` ``(‖g_c‖², ⟨g_c,1⟩, ⟨g_c,ŵ_c⟩)`` ``[n, C]``.
+        stats: :func:`memconv.conv.norm_routes.grad_channel_stats` ``(‖g_c‖², ⟨g_c,1⟩, ⟨g_c,ŵ_c⟩)`` ``[n, C]``.
         form: the map's :class:`Form`.
     """
     sq, ones, hat = (t.double() for t in stats)

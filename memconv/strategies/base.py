@@ -2,7 +2,7 @@
 
 A weight-VJP strategy maps the normal-form layer input ``x`` ``[N, C_in, *S]`` and
 the output gradient ``g`` ``[N, C_out, *T]`` of a convolution (see
-:mod:`memconv._geometry`) to the weight gradient, per sample
+:mod:`memconv.strategies.geometry`) to the weight gradient, per sample
 ``[N, C_out, C_in/G, *k]`` or summed over the batch ``[C_out, C_in/G, *k]``, and
 comes with two cost models: the extra memory its VJP allocates (bytes) and its run
 time (relative units, comparable between strategies). Strategies register an
@@ -21,7 +21,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._geometry import ConvGeometry, torch_pad_argument
+from .geometry import ConvGeometry, torch_pad_argument
 
 
 @dataclass(frozen=True)

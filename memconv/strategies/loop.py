@@ -17,9 +17,9 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from .._geometry import ConvGeometry, convolution_backward
 from .base import Options, Problem, numel, register_strategy
 from .costs import scale_memory, time_coefficients
+from .geometry import ConvGeometry, convolution_backward
 
 
 def native_path(geom: ConvGeometry, size: tuple[int, ...], itemsize: int) -> bool:

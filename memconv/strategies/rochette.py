@@ -19,7 +19,6 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from .._geometry import ConvGeometry, conv_function
 from .base import (
     Options,
     Problem,
@@ -30,6 +29,7 @@ from .base import (
     register_strategy,
 )
 from .costs import scale_memory, time_coefficients
+from .geometry import ConvGeometry, conv_function
 from .standard import depthwise_copies, raw_kernel
 
 

@@ -19,7 +19,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .._geometry import ConvGeometry
 from .base import (
     Options,
     Problem,
@@ -30,6 +29,7 @@ from .base import (
     register_strategy,
 )
 from .costs import scale_memory, time_coefficients
+from .geometry import ConvGeometry
 
 #: Bytes of per-chunk temporaries when no ``memory_budget`` is set.
 DEFAULT_CHUNK_BUDGET = 16 * 2**20

@@ -13,7 +13,6 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from .._geometry import ConvGeometry, conv_function
 from .base import (
     Options,
     Problem,
@@ -24,6 +23,7 @@ from .base import (
     register_strategy,
 )
 from .costs import scale_memory, time_coefficients
+from .geometry import ConvGeometry, conv_function
 
 
 def raw_kernel(geom: ConvGeometry, size: tuple[int, ...]) -> tuple[int, ...]:

@@ -14,7 +14,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .._geometry import ConvGeometry
 from .base import (
     Options,
     Problem,
@@ -25,6 +24,7 @@ from .base import (
     register_strategy,
 )
 from .costs import scale_memory, time_coefficients
+from .geometry import ConvGeometry
 
 
 def unfold_input(x: Tensor, geom: ConvGeometry, t: tuple[int, ...]) -> Tensor:

@@ -28,7 +28,7 @@ import numbers
 import torch
 from torch import Tensor, nn
 
-from ..context import activate, record
+from ..conv.settings import activate, record
 from .plan import Node, NotStreamableError, analyse, crop, starts
 
 logger = logging.getLogger("memconv")

@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._geometry import (
+from ..conv.settings import record
+from ..modules import apply_conv
+from ..strategies.geometry import (
     CONV_TYPES,
     ConvSpec,
     compose_receptive_field,
@@ -36,8 +38,6 @@ from .._geometry import (
     span,
     torch_pad_argument,
 )
-from ..context import record
-from ..modules import apply_conv
 
 Range = tuple[tuple[int, int], ...]  # per spatial axis: [lo, hi)
 

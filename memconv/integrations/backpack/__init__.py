@@ -36,12 +36,12 @@ import weakref
 
 from torch import nn
 
-from ... import context
-from ..._geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES
-from ...extraction import check_batch, check_per_sample_model, parameter_names
-from ...losses import per_sample_losses
+from ...conv import settings as context
+from ...conv.vjp import check_settings
+from ...engine.losses import per_sample_losses
 from ...modules import CONVERSIONS, convert
-from ...vjp import check_settings
+from ...strategies.geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES
+from ...tasks.grads import check_batch, check_per_sample_model, parameter_names
 
 #: Module extensions each installed extension object had before, to give back exactly.
 _previous: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -191,7 +191,7 @@ def per_sample_grads(model, loss_fn, inputs, targets, *, strategy=None):
                 "parameters BackPACK's BatchGrad does not support; use memconv.per_sample_grads"
             )
         if isinstance(module, CONV_TYPES + CONV_TRANSPOSE_TYPES):
-            from ..._geometry import conv_spec
+            from ...strategies.geometry import conv_spec
 
             check_settings(settings, conv_spec(module).geometry)
     names = parameter_names(model)

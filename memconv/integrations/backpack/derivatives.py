@@ -23,8 +23,8 @@ from backpack.core.derivatives.conv_transpose2d import ConvTranspose2DDerivative
 from backpack.core.derivatives.conv_transpose3d import ConvTranspose3DDerivatives
 from backpack.utils.subsampling import subsample
 
-from ...context import Settings, block_settings, use_block_settings, warn_if_block_missed
-from ...grad_sample import conv_weight_grad
+from ...conv.grads import conv_weight_grad
+from ...conv.settings import Settings, block_settings, use_block_settings, warn_if_block_missed
 from ...modules import _ConvFunction, _describe
 from ...strategies import NO_OPTIONS
 

@@ -4,7 +4,7 @@ For each covered first-order extension and each convolution class, BackPACK's ow
 module-extension base class is instantiated with memconv's derivatives
 (:mod:`.derivatives`): ``BatchGrad``, ``SumGradSquared`` and ``Variance`` then need no
 reduction code of memconv's. ``BatchL2Grad`` has its own weight rule: the squared
-per-sample norms by memconv's norm routes (:mod:`memconv.norms`: ghost norms per
+per-sample norms by memconv's norm routes (:mod:`memconv.conv.norm_routes`: ghost norms per
 group where they are cheaper, no per-sample gradients), which, unlike BackPACK's
 convolution shortcut, is correct for ``groups > 1``.
 
@@ -26,7 +26,7 @@ from backpack.extensions.firstorder.sum_grad_squared.sgs_base import SGSBase
 from backpack.extensions.firstorder.variance.variance_base import VarianceBaseModule
 from torch import nn
 
-from ...norms import conv_weight_sq_norms
+from ...conv.norm_routes import conv_weight_sq_norms
 from . import derivatives
 
 #: BackPACK extensions whose convolution quantities memconv computes.

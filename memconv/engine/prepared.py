@@ -3,8 +3,8 @@ next call while nothing it depends on has changed.
 
 Before its forward and backward passes a call checks the model, probes it (forward
 passes of one and two samples: the batch axis of every layer call and the sizes the
-memory plan needs, :func:`memconv.planning.profile`), and plans micro-batches and
-per-layer budgets (:func:`memconv.planning.make_plan`). A :class:`Prepared` keeps
+memory plan needs, :func:`memconv.engine.planning.profile`), and plans micro-batches and
+per-layer budgets (:func:`memconv.engine.planning.make_plan`). A :class:`Prepared` keeps
 these and hands them to the next call while everything they depend on is the same:
 
 - the model: its modules (the same objects, under the same names), each one's
@@ -32,13 +32,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_mod
 
-from .grad_sample import Autocast
-from .layers import check_layer, find_rule
+from ..conv.settings import Autocast
+from ..layers import check_layer, find_rule
+from ..streaming import StreamingCNN
 from .losses import PerSampleLoss
 from .planning import Plan, Profile, make_plan, profile
 from .probes import ProbeMismatch, owner_names
 from .resources import AVAILABLE, guards, resolve_budget
-from .streaming import StreamingCNN
 
 
 def unwrap_compiled(model):
@@ -150,11 +150,11 @@ class CallPlan:
 
     Attributes:
         plan: the :class:`memconv.Plan` (micro-batch, per-layer budget, clip route).
-        guard: whether :func:`memconv.resources.process_budget` guards the call.
-        axes: the batch axes of the parametrised calls (:func:`memconv.probes.call_axes`).
+        guard: whether :func:`memconv.engine.resources.process_budget` guards the call.
+        axes: the batch axes of the parametrised calls (:func:`memconv.engine.probes.call_axes`).
         names: ``{id(parameter): name}`` of the trainable parameters.
         loss: the per-sample loss evaluation.
-        owners: :func:`memconv.probes.owner_names` of the model.
+        owners: :func:`memconv.engine.probes.owner_names` of the model.
         params: ``{name: parameter}`` of the trainable parameters.
     """
 
@@ -202,7 +202,7 @@ class Prepared:
 
     def run(self, call):
         """``call()``, run again from the start with a new probe if a reused probe no
-        longer describes the model's layer calls (:class:`memconv.probes.ProbeMismatch`)."""
+        longer describes the model's layer calls (:class:`memconv.engine.probes.ProbeMismatch`)."""
         try:
             return call()
         except ProbeMismatch:

@@ -4,7 +4,7 @@ for the parameters a walk leaves to it, and sample by sample for models that str
 :func:`walk_micro_batches` is the one micro-batch driver of :func:`memconv.per_sample_grads`,
 :func:`memconv.per_sample_norms` and :func:`memconv.clip_and_accumulate`: for each
 micro-batch of the plan, a visitor made for its rows, one walk
-(:func:`memconv.walk.backward_walk`) handing it every call, and the model route's
+(:func:`memconv.engine.walk.backward_walk`) handing it every call, and the model route's
 per-sample gradients.
 """
 
@@ -17,9 +17,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .context import activate
-from .layers import RuleSettings
-from .layers.generic import chunk_size, model_grad_sample
+from ..conv.settings import activate
+from ..layers import RuleSettings
+from .generic import chunk_size, model_grad_sample
 from .losses import per_sample_losses
 from .prepared import CallPlan
 from .resources import process_budget
@@ -56,22 +56,22 @@ def walk_micro_batches(
     """Yield a :class:`MicroBatch` for each micro-batch of the plan ``cp`` in turn (the
     next one is walked once the last is consumed; nothing of it is kept here), under
     the process budget when the plan guards the call
-    (:func:`memconv.resources.process_budget`).
+    (:func:`memconv.engine.resources.process_budget`).
 
     Args:
         model, loss_fn, inputs, targets: the call's.
-        cp: the plan of the call (:class:`memconv.prepared.CallPlan`).
+        cp: the plan of the call (:class:`memconv.engine.prepared.CallPlan`).
         rs: the rule settings of the model route.
         visitor: called with a micro-batch's rows before its walk; returns what
             visits its calls: an object with ``visit`` and ``prepare`` (None: nothing
-            to prepare), as :func:`memconv.walk.backward_walk` takes them, and
+            to prepare), as :func:`memconv.engine.walk.backward_walk` takes them, and
             ``from_model_route(name, grads)``, called with the per-sample gradients
             ``[m, ...]`` of each parameter the walk left to the model route.
         caller: the public function's name, for messages.
         keep_graph: keep each walk's graph for a second backward pass of its losses.
     """
     n, m = len(inputs), cp.plan.micro_batch
-    # a budget holds for the process too (glibc's heap), see memconv.resources
+    # a budget holds for the process too (glibc's heap), see memconv.engine.resources
     with process_budget(inputs.device) if cp.guard else nullcontext():
         for i0 in range(0, n, m):
             rows = slice(i0, min(n, i0 + m))
@@ -118,7 +118,7 @@ def model_route(model, loss_fn, inputs, targets, walk, rs: RuleSettings) -> dict
 def sample_by_sample(model, loss_fn, inputs, targets, params: dict):
     """Yield ``(n, {name: gradient})`` for one sample at a time, by autograd.
 
-    The route for models that stream (:func:`memconv.prepared.model_streams`): one
+    The route for models that stream (:func:`memconv.engine.prepared.model_streams`): one
     sample's forward and backward pass at a time, its gradient gathered tile by tile by
     :class:`memconv.streaming.StreamingCNN`, so memory is that of one streamed sample
     whatever the image size. The strategy of the open block applies to the streamed

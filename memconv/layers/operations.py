@@ -13,8 +13,8 @@ convolution strategy, ghost norms, book-keeping), so an operation and its module
 share one implementation.
 
 The tensors in the slots may be parameters or functions of parameters alone (a
-standardised weight, ``weight_norm``); :mod:`memconv.coverage` proves that on the
-autograd graph, and :class:`memconv.calls.OpCall` chains the per-sample gradients through
+standardised weight, ``weight_norm``); :mod:`memconv.engine.coverage` proves that on the
+autograd graph, and :class:`memconv.engine.calls.OpCall` chains the per-sample gradients through
 that function.
 """
 

@@ -1,7 +1,7 @@
 """Ghost norms of a convolution: ``Σ_γ ⟨A_γᵀA_γ, B_γᵀB_γ⟩`` per sample, two ways.
 
 ``B`` is the output gradient ``[C_out/G, T]`` of a sample and group, ``A`` the
-``[C_in/G·K, T]`` input values each output position reads (see :mod:`memconv.norms`).
+``[C_in/G·K, T]`` input values each output position reads (see :mod:`memconv.conv.norm_routes`).
 ``A_γᵀA_γ`` is never formed from ``A`` (an im2col matrix):
 
 - ``"positions"``: the input's Gram matrix over its positions, ``M = XᵀX`` (X the
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._geometry import ConvGeometry, Operands
-from .strategies import Problem
-from .strategies.base import fastest_that_fits, linear_time, numel, padded_size
-from .strategies.costs import scale_memory, time_coefficients
-from .strategies.shift import _flat_ok, offset_operands
+from ..strategies import Problem
+from ..strategies.base import fastest_that_fits, linear_time, numel, padded_size
+from ..strategies.costs import scale_memory, time_coefficients
+from ..strategies.geometry import ConvGeometry, Operands
+from ..strategies.shift import _flat_ok, offset_operands
 
 
 @dataclass(frozen=True)

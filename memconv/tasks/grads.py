@@ -2,7 +2,7 @@
 
 The forward pass records every call of a module that owns trainable parameters;
 in the one backward pass each call's output gradient reaches its route
-(:mod:`memconv.walk`, once per micro-batch: :mod:`memconv.passes`): the layer's rule (convolutions by the strategy, Linear as a
+(:mod:`memconv.engine.walk`, once per micro-batch: :mod:`memconv.engine.passes`): the layer's rule (convolutions by the strategy, Linear as a
 product, ...: :mod:`memconv.layers`), the generic route (``torch.func`` on the
 call's real arguments) or, for a parameter used outside the modules that own it,
 the whole model's per-sample loss by ``torch.func``. Autograd itself computes no
@@ -16,12 +16,11 @@ from collections.abc import Callable
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from .calls import LayerCall
-from .context import activate, use_block_settings
-from .layers import RuleSettings
-from .passes import sample_by_sample, walk_micro_batches
-from .planning import check_budget
-from .prepared import (  # noqa: F401 (check_per_sample_model, unwrap_compiled: re-exported)
+from ..conv.settings import activate, use_block_settings
+from ..engine.calls import LayerCall
+from ..engine.passes import sample_by_sample, walk_micro_batches
+from ..engine.planning import check_budget
+from ..engine.prepared import (  # noqa: F401 (check_per_sample_model, unwrap_compiled: re-exported)
     Prepared,
     check_batch,
     check_per_sample_model,
@@ -29,7 +28,8 @@ from .prepared import (  # noqa: F401 (check_per_sample_model, unwrap_compiled: 
     parameter_names,
     unwrap_compiled,
 )
-from .resources import AVAILABLE
+from ..engine.resources import AVAILABLE
+from ..layers import RuleSettings
 
 
 def per_sample_grads(
@@ -70,7 +70,7 @@ def per_sample_grads(
             result included: the batch then runs in micro-batches and each layer's
             weight VJP within a budget, as :func:`memconv.plan` plans them (the plan
             is logged on the ``memconv`` logger). ``"available"`` (the default): what
-            the process can still use (:func:`memconv.resources.default_budget`);
+            the process can still use (:func:`memconv.engine.resources.default_budget`);
             None: one pass over the whole batch. A model holding a
             :class:`memconv.streaming.StreamingCNN` runs one sample at a time (its
             layers are hidden from the per-layer hooks), whatever the budget.

@@ -36,12 +36,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from .context import Settings, activate, use_block_settings
-from .grad_sample import own_trainable
-from .layers import RuleSettings, find_rule, using
-from .norms import check_route
-from .optrace import paused
+from ..conv.norm_routes import check_route
+from ..conv.settings import Settings, activate, use_block_settings
+from ..layers import RuleSettings, find_rule, using
+from ..layers.base import own_trainable
 from .probes import call_axes, keep_rng, recording_calls
+from .recorder import paused
 from .resources import AVAILABLE, resolve_budget
 
 logger = logging.getLogger("memconv")
@@ -94,7 +94,7 @@ class Profile:
         params: trainable parameter elements (shared ones once).
         param_bytes: their bytes.
         owner_calls: the calls of the parametrised modules in the passes of one and
-            of two samples (:func:`memconv.probes.recording_calls`), from which
+            of two samples (:func:`memconv.engine.probes.recording_calls`), from which
             :meth:`axes` reads their batch axes.
     """
 
@@ -106,7 +106,7 @@ class Profile:
     owner_calls: tuple = ((), ())
 
     def axes(self) -> list:
-        """The batch axes of the parametrised calls (:func:`memconv.probes.call_axes`).
+        """The batch axes of the parametrised calls (:func:`memconv.engine.probes.call_axes`).
 
         Raises:
             RuntimeError: the two probes called different layers.
@@ -115,7 +115,7 @@ class Profile:
 
     def reached_by_ops(self) -> frozenset:
         """Ids of the trainable parameters that reach operations with a rule
-        (:mod:`memconv.layers.ops`), directly or through parameter-only computations."""
+        (:mod:`memconv.layers.operations`), directly or through parameter-only computations."""
         return frozenset().union(*(c[3] for c in self.owner_calls[0] if len(c) == 4))
 
 
@@ -229,7 +229,7 @@ class Plan:
             leanest per-layer budget), bytes.
         generic_layers: names of the parametrised layers without a rule whose
             parameters do not all reach operations with a rule
-            (:mod:`memconv.layers.ops`): they take the generic route (``torch.func``;
+            (:mod:`memconv.layers.operations`): they take the generic route (``torch.func``;
             :mod:`memconv.layers`), or the model route for a parameter used in a
             parent's ``forward``.
     """
@@ -526,7 +526,7 @@ def plan(
             (:func:`memconv.clip_and_accumulate`).
         memory_budget: bytes the whole call's peak memory increase may reach, result
             included; ``"available"`` (the default): what the process can still use
-            (:func:`memconv.resources.default_budget`: free device memory, or the
+            (:func:`memconv.engine.resources.default_budget`: free device memory, or the
             host's available memory within its container limit, less headroom); None:
             no limit (one pass over the whole batch).
         strategy: as in :func:`memconv.per_sample_grads`.

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._geometry import conv_spec, layer_output_size
-from .context import current_settings, make_settings
-from .grad_sample import spend
-from .strategies import Problem, get_strategy
+from ..strategies import Problem, get_strategy
+from ..strategies.geometry import conv_spec, layer_output_size
+from .grads import spend
+from .settings import current_settings, make_settings
 from .vjp import check_settings
 
 

@@ -22,7 +22,6 @@ from typing import ClassVar
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._geometry import ConvGeometry, input_range, span, torch_pad_argument
 from .base import (
     NO_OPTIONS,
     Options,
@@ -34,6 +33,7 @@ from .base import (
     register_strategy,
 )
 from .costs import time_coefficients
+from .geometry import ConvGeometry, input_range, span, torch_pad_argument
 
 #: Extra bytes a tile may use when neither ``tile_size`` nor ``memory_budget`` is set.
 DEFAULT_TILE_BUDGET = 32 * 2**20

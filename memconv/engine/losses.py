@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as module_mod
 
-from .layers.generic import quiet_fallbacks
+from .generic import quiet_fallbacks
 
 #: The smallest batch whose per-sample losses are vectorised.
 VECTORISE_FROM = 16

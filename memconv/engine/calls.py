@@ -3,8 +3,8 @@
 A :class:`LayerCall` is one forward call of a parametrised module, kept with its
 arguments and, as they arrive in the backward pass, its output gradients; its route
 is the layer's rule (:mod:`memconv.layers`) or, without one, the generic route
-(``torch.func`` on the call's real arguments, :func:`memconv.layers.generic.call_grad_sample`).
-An :class:`OpCall` is one call of an operation with a rule (:mod:`memconv.layers.ops`)
+(``torch.func`` on the call's real arguments, :func:`memconv.engine.generic.call_grad_sample`).
+An :class:`OpCall` is one call of an operation with a rule (:mod:`memconv.layers.operations`)
 on parameters or on functions of parameters alone, whatever module makes it
 (:func:`_op_call` builds it from the call the operation recorder saw).
 """
@@ -17,12 +17,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from .grad_sample import Autocast
-from .layers import LayerRule, RuleSettings, run_rule, using
-from .layers.generic import call_grad_sample, chunk_size
-from .layers.ops import BoundOp, Broadcast, broadcast_ok, shell_rule
-from .layers.standardise import weight_grads, weight_sq_norms
-from .norms import grad_channel_stats, sq_norms
+from ..conv.norm_routes import grad_channel_stats, sq_norms
+from ..conv.settings import Autocast
+from ..layers import LayerRule, RuleSettings, run_rule, using
+from ..layers.operations import BoundOp, Broadcast, broadcast_ok, shell_rule
+from ..layers.standardise import weight_grads, weight_sq_norms
+from .generic import call_grad_sample, chunk_size
 from .probes import UNSPLIT, CallAxes
 
 
@@ -42,7 +42,7 @@ class LayerCall:
         output_elements: elements of the call's output (its tensor leaves).
         expected: the output leaves whose gradient will arrive.
         window: ``(first, last)`` autograd sequence numbers of the call's nodes.
-        autocast: the :class:`memconv.grad_sample.Autocast` state of the forward pass.
+        autocast: the :class:`memconv.conv.settings.Autocast` state of the forward pass.
         edges: ``(output leaf index, gradient edge)`` of the captured outputs.
         shared: local names of parameters that other calls' routes also compute
             (their per-sample gradients must be summed before taking norms).
@@ -150,7 +150,7 @@ class LayerCall:
 
 @dataclass(eq=False)
 class OpCall(LayerCall):
-    """One call of an operation with a rule (:mod:`memconv.layers.ops`) on parameters,
+    """One call of an operation with a rule (:mod:`memconv.layers.operations`) on parameters,
     or on functions of parameters alone (``w' = f(w)``), whatever module makes it.
 
     :attr:`module` is the operation's shell layer, whose rule serves the call; its

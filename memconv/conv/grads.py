@@ -13,57 +13,13 @@ during the backward pass.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from ._geometry import Operands, conv_spec, convolution_backward
-from .context import Settings
-from .strategies import Options, get_strategy
-
-
-@dataclass(frozen=True)
-class Autocast:
-    """The autocast state a layer's forward pass ran under (to re-run it alike).
-
-    Attributes:
-        device_type: ``"cpu"``, ``"cuda"``, ...
-        dtype: the autocast dtype, or ``None`` when autocast was off.
-    """
-
-    device_type: str
-    dtype: torch.dtype | None
-
-    @classmethod
-    def current(cls, device_type: str) -> Autocast:
-        """The state of ``torch.autocast`` for ``device_type`` right now."""
-        if torch.is_autocast_enabled(device_type):
-            return cls(device_type, torch.get_autocast_dtype(device_type))
-        return cls(device_type, None)
-
-    @classmethod
-    def of(cls, leaves) -> Autocast:
-        """The state right now for the device of the first tensor among ``leaves``
-        (``"cpu"`` if there is none)."""
-        device = next((t.device.type for t in leaves if isinstance(t, Tensor)), "cpu")
-        return cls.current(device)
-
-    def context(self):
-        """A ``torch.autocast`` block restoring this state."""
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)
-
-
-def own_trainable(module: nn.Module) -> dict[str, Tensor]:
-    """``{local name: parameter}`` of the module's own parameters that require grad."""
-    return {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
-
-
-def trainable(module: nn.Module, name: str) -> bool:
-    """Whether the module's attribute ``name`` is a parameter that requires grad (a
-    layer rule computes the quantities of those only)."""
-    p = getattr(module, name, None)
-    return isinstance(p, nn.Parameter) and p.requires_grad
+from ..strategies import Options, get_strategy
+from ..strategies.geometry import Operands, conv_spec, convolution_backward
+from .settings import Settings
 
 
 def weight_grad(ops: Operands, settings: Settings, per_sample: bool) -> Tensor:
@@ -73,7 +29,7 @@ def weight_grad(ops: Operands, settings: Settings, per_sample: bool) -> Tensor:
     any): the strategy gets what is left of it.
 
     Args:
-        ops: the operands (:meth:`memconv._geometry.ConvSpec.operands`).
+        ops: the operands (:meth:`memconv.strategies.geometry.ConvSpec.operands`).
         settings: strategy and options.
         per_sample: ``[N, *weight.shape]`` if True, else the sum over N.
     """
@@ -87,7 +43,7 @@ def weight_grad(ops: Operands, settings: Settings, per_sample: bool) -> Tensor:
 
 def summed_weight_grad(ops: Operands, weight: Tensor) -> Tensor:
     """The summed weight gradient by torch's own kernel
-    (:func:`memconv._geometry.convolution_backward`), from strategy operands."""
+    (:func:`memconv.strategies.geometry.convolution_backward`), from strategy operands."""
     return convolution_backward(ops.x, weight, ops.g, ops.geometry, weight_grad=True)[1]
 
 

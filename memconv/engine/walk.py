@@ -4,13 +4,13 @@ route: the layer's rule, the generic route, or the model route.
 How each trainable parameter is covered is **checked, not assumed**. The forward pass
 (:meth:`_BackwardWalk.forward`) records every call of a module that owns trainable
 parameters: its arguments, the batch axis of each argument and output (from a probe
-of one and two samples, :mod:`memconv.probes`, checked against it call by call), and
+of one and two samples, :mod:`memconv.engine.probes`, checked against it call by call), and
 the window of autograd nodes the call created (their sequence numbers), as a
-:class:`memconv.calls.LayerCall`; and every call of an operation with a rule on
-parameters (:class:`memconv.optrace.OpRecorder`) as a :class:`memconv.calls.OpCall`.
+:class:`memconv.engine.calls.LayerCall`; and every call of an operation with a rule on
+parameters (:class:`memconv.engine.recorder.OpRecorder`) as a :class:`memconv.engine.calls.OpCall`.
 Before the backward pass, every use of a parameter in the graph of the loss is
 attributed to the innermost call that can differentiate it, or to the model route
-(:mod:`memconv.coverage`). The backward pass then hands each call, once its output
+(:mod:`memconv.engine.coverage`). The backward pass then hands each call, once its output
 gradients have arrived, to the visitor (:class:`_Visits`), and the final checks
 (:meth:`_BackwardWalk.check`) raise for an output gradient that never arrived.
 Autograd itself computes no parameter gradient in the walk.
@@ -26,12 +26,12 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
+from ..conv.settings import Autocast
+from ..layers.base import own_trainable
+from ..layers.operations import BoundOp
 from .calls import LayerCall, OpCall, _op_call
 from .coverage import _assign, _claims, _covered_by_module, _deepest, _graph, _hooked, _rule_for
-from .grad_sample import Autocast, own_trainable
-from .layers.ops import BoundOp
 from .losses import PerSampleLoss
-from .optrace import OpRecorder, paused
 from .probes import (
     CallAxes,
     ProbeMismatch,
@@ -41,6 +41,7 @@ from .probes import (
     _unflatten,
     owner_names,
 )
+from .recorder import OpRecorder, paused
 
 
 class _Sequence:
@@ -91,14 +92,14 @@ def backward_walk(
 
     Args:
         model: the model.
-        loss_fn: the loss (or a :class:`memconv.losses.PerSampleLoss` of it), see
-            :func:`memconv.losses.per_sample_losses`.
+        loss_fn: the loss (or a :class:`memconv.engine.losses.PerSampleLoss` of it), see
+            :func:`memconv.engine.losses.per_sample_losses`.
         inputs: ``[m, ...]`` (detached for the pass).
         targets: ``[m, ...]``.
         names: ``{id(parameter): model name}`` of the trainable parameters.
-        axes: :func:`memconv.probes.call_axes` of the model's probe
-            (:meth:`memconv.planning.Profile.axes`).
-        visit: called with each :class:`memconv.calls.LayerCall` whose route computes at
+        axes: :func:`memconv.engine.probes.call_axes` of the model's probe
+            (:meth:`memconv.engine.planning.Profile.axes`).
+        visit: called with each :class:`memconv.engine.calls.LayerCall` whose route computes at
             least one parameter, during the backward pass, once the call's output
             gradients have arrived; it may return work to run once the call's
             backward node has run (see :class:`_Visits`).
@@ -106,7 +107,7 @@ def backward_walk(
         keep_graph: keep the graph for a second backward pass of the losses.
         prepare: called with the calls ``visit`` will get, in forward order, before
             the backward pass.
-        owners: :func:`memconv.probes.owner_names` of the model, if known.
+        owners: :func:`memconv.engine.probes.owner_names` of the model, if known.
 
     Returns:
         The :class:`Walk`.
@@ -138,7 +139,7 @@ class _BackwardWalk:
         visits: hands each call to the visitor.
         index: the number of calls counted so far (the next call's place in ``axes``).
         open_modules: the modules whose calls are open, innermost last.
-        covering: see :func:`memconv.coverage._covered_by_module`.
+        covering: see :func:`memconv.engine.coverage._covered_by_module`.
         grad_hooks: the handles of the hooks on the captured outputs, removed when
             the walk ends (a hook on an output that a node below the captured ones
             saved would otherwise keep that part of the graph, the visitor and
@@ -310,7 +311,7 @@ class _BackwardWalk:
 
     def attribute(self, losses: Tensor, walk: Walk) -> tuple[set, dict]:
         """Attribute every parameter use in the graph of ``losses`` to the calls or the
-        model route (:mod:`memconv.coverage`), into ``walk``; the calls with nothing to
+        model route (:mod:`memconv.engine.coverage`), into ``walk``; the calls with nothing to
         compute are released. Returns the graph's nodes and the parameters' uses."""
         reachable, uses = _graph(losses.grad_fn)
         claims = _claims([c for c in self.calls if isinstance(c, OpCall)], reachable, self.names)

@@ -12,7 +12,7 @@ with T×T Gram matrices per sample and group — never across groups (Goodfellow
 for convolutions). Two routes, chosen per layer by their cost models or forced:
 
 - ``"ghost"``: the Gram matrices, tiled so that their memory is bounded, without
-  im2col (:mod:`memconv.ghost`: ``A_γᵀA_γ`` as K strided windows of the input's
+  im2col (:mod:`memconv.conv.ghost`: ``A_γᵀA_γ`` as K strided windows of the input's
   Gram matrix over its positions, or as one product per kernel offset). Time ~
   N·G·(C_in/G·S² + C_out/G·T²), memory ~ one block;
 - ``"instantiate"``: per-sample gradients of a chunk of samples by a memconv
@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..strategies import Problem, get_strategy
+from ..strategies.base import cost_model, fastest_that_fits, numel
+from ..strategies.costs import time_coefficients
+from ..strategies.geometry import Operands, conv_spec
 from . import ghost
-from ._geometry import Operands, conv_spec
-from .context import DEFAULT_SETTINGS, Settings
-from .grad_sample import weight_grad
-from .strategies import Problem, get_strategy
-from .strategies.base import cost_model, fastest_that_fits, numel
-from .strategies.costs import time_coefficients
+from .grads import weight_grad
+from .settings import DEFAULT_SETTINGS, Settings
 
 ROUTES = ("ghost", "instantiate")
 #: Bytes a route may use for its temporaries when no budget is given.
@@ -94,14 +94,14 @@ def check_route(route, argument: str = "norm_route") -> None:
 
 # ----------------------------------------------------------------- ghost (conv)
 def ghost_cost(problem: Problem, budget: int) -> RouteCost:
-    """Cost of the ghost route for a convolution (:func:`memconv.ghost.choose_tiling`)."""
+    """Cost of the ghost route for a convolution (:func:`memconv.conv.ghost.choose_tiling`)."""
     chosen = ghost.choose_tiling(problem, budget)
     return RouteCost(route="ghost", memory=chosen.memory, time=chosen.time)
 
 
 def ghost_sq_norms(ops: Operands, budget: int) -> Tensor:
     """Squared per-sample norms ``[N]`` of a convolution's weight gradient, by Gram
-    matrices per group, tiled (:mod:`memconv.ghost`).
+    matrices per group, tiled (:mod:`memconv.conv.ghost`).
 
     Args:
         ops: the layer's strategy operands.
@@ -254,7 +254,7 @@ def conv_channel_stats(
     its norms.
 
     ``"instantiate"``: ``G_n`` a chunk of samples at a time. ``"ghost"``, without
-    ``G_n``: ``‖G_n,c‖²`` by the Gram blocks per channel (:func:`memconv.ghost.sq_norms`
+    ``G_n``: ``‖G_n,c‖²`` by the Gram blocks per channel (:func:`memconv.conv.ghost.sq_norms`
     with ``channels``), ``⟨G_n,c, ŵ_c⟩ = Σ_t b_c[t]·conv(x_n, ŵ)[c, t]`` (one forward
     convolution) and ``⟨G_n,c, 1⟩ = Σ_t b_c[t]·box_γ(x_n)[t]``, ``box_γ`` the input
     channels of ``c``'s group summed and filtered by a kernel of ones.

@@ -5,7 +5,7 @@
 :func:`memconv.clip_and_accumulate` on each batch. Between calls it keeps what the
 public functions work out before their passes — the model's checks, the probe of
 its layer calls and the memory plan — and makes them again only when something they
-depend on changed (:mod:`memconv.prepared` lists what). The numbers are those of
+depend on changed (:mod:`memconv.engine.prepared` lists what). The numbers are those of
 the plain functions, which make all of it afresh on every call.
 """
 
@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
+from ..conv.norm_routes import check_route
+from ..conv.settings import use_block_settings
+from ..engine.planning import Plan, check_budget, check_clip_route
+from ..engine.prepared import Prepared
+from ..engine.resources import AVAILABLE
 from .clipping import check_max_norm, clip_with, norms_with
-from .context import use_block_settings
-from .extraction import grads_with
-from .norms import check_route
-from .planning import Plan, check_budget, check_clip_route
-from .prepared import Prepared
-from .resources import AVAILABLE
+from .grads import grads_with
 
 
 class PrivateStep:

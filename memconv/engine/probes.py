@@ -2,7 +2,7 @@
 axis, told from forward passes of one and of two samples.
 
 :func:`recording_calls` records every call of a module owning trainable parameters
-(and of an operation with a rule on parameters, :class:`memconv.optrace.OpRecorder`)
+(and of an operation with a rule on parameters, :class:`memconv.engine.recorder.OpRecorder`)
 with the shapes of its leaves; :func:`call_axes` compares the records of the two
 passes (an axis that grew from 1 to 2 is the batch axis); a walk checks each call of
 its own pass against them (:func:`_check_axes`, :class:`ProbeMismatch`).
@@ -17,9 +17,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .grad_sample import own_trainable
-from .layers.ops import BoundOp
-from .optrace import OpRecorder, paused
+from ..layers.base import own_trainable
+from ..layers.operations import BoundOp
+from .recorder import OpRecorder, paused
 
 #: Marks a tensor whose batch axis cannot be told (it grew other than 1 → 2).
 UNSPLIT = -1
@@ -125,7 +125,7 @@ def recording_calls(model: nn.Module):
     arguments as the caller gave them, before the module's forward pre-hooks), and
     ``(function, [data argument's shape], output shapes, ids of the trainable
     parameters reaching it)`` of every call of an operation with a rule on parameters
-    (:class:`memconv.optrace.OpRecorder`).
+    (:class:`memconv.engine.recorder.OpRecorder`).
 
     Yields:
         The list the calls are appended to, in forward order.

@@ -30,7 +30,10 @@ import numbers
 import warnings
 from dataclasses import dataclass, field, replace
 
-from .strategies import NO_OPTIONS, Options, get_strategy, strategy_names
+import torch
+from torch import Tensor
+
+from ..strategies import NO_OPTIONS, Options, get_strategy, strategy_names
 
 #: The strategy per-sample computations use outside any ``save_memory`` block.
 DEFAULT_STRATEGY = "auto"
@@ -422,3 +425,34 @@ class per_sample(_Switch):
 
     def _should_warn(self) -> bool:
         return self._value
+
+
+@dataclass(frozen=True)
+class Autocast:
+    """The autocast state a layer's forward pass ran under (to re-run it alike).
+
+    Attributes:
+        device_type: ``"cpu"``, ``"cuda"``, ...
+        dtype: the autocast dtype, or ``None`` when autocast was off.
+    """
+
+    device_type: str
+    dtype: torch.dtype | None
+
+    @classmethod
+    def current(cls, device_type: str) -> Autocast:
+        """The state of ``torch.autocast`` for ``device_type`` right now."""
+        if torch.is_autocast_enabled(device_type):
+            return cls(device_type, torch.get_autocast_dtype(device_type))
+        return cls(device_type, None)
+
+    @classmethod
+    def of(cls, leaves) -> Autocast:
+        """The state right now for the device of the first tensor among ``leaves``
+        (``"cpu"`` if there is none)."""
+        device = next((t.device.type for t in leaves if isinstance(t, Tensor)), "cpu")
+        return cls.current(device)
+
+    def context(self):
+        """A ``torch.autocast`` block restoring this state."""
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)

@@ -5,7 +5,7 @@ a probe and of the walk (as torch's ExpandedWeights finds ``F.conv2d`` whatever 
 calls it). It follows which tensors are **functions of the parameters alone**: a
 parameter or buffer of the model, or the output of an operation whose tensor arguments
 are all such (the batch never enters them: the inputs come from outside). A call of an
-operation with a rule (:mod:`memconv.layers.ops`) whose data argument carries the batch
+operation with a rule (:mod:`memconv.layers.operations`) whose data argument carries the batch
 and whose parameter slots hold such tensors, one of them depending on a trainable
 parameter, is handed to ``on_call``.
 """
@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .layers.ops import SYMMETRIC, BoundOp, bind_op
-from .layers.standardise import Standardised, trace
+from ..layers.operations import SYMMETRIC, BoundOp, bind_op
+from ..layers.standardise import Standardised, trace
 
 
 def _tensors(args: tuple, kwargs: dict) -> list:

@@ -8,8 +8,8 @@ the innermost call that can differentiate it (:func:`_assign`):
   with positional tensors only, no hooks, batch axis first (or movable), for the
   layer's own parameters (:func:`_rule_for`);
 - an **operation call**: a call of an operation with a rule
-  (:mod:`memconv.layers.ops`) on parameters or on functions of parameters alone
-  (:class:`memconv.calls.OpCall`), for the uses inside its window and, for a computed
+  (:mod:`memconv.layers.operations`) on parameters or on functions of parameters alone
+  (:class:`memconv.engine.calls.OpCall`), for the uses inside its window and, for a computed
   weight, the uses in that weight's graph (:func:`_claims`);
 - a **generic call**: any other call of a parametrised module, for the parameters of
   its subtree;
@@ -26,10 +26,10 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.nn.modules import module as module_mod
 
+from ..layers import LayerRule, find_rule
+from ..layers.base import own_trainable
+from ..layers.operations import BoundOp
 from .calls import LayerCall, OpCall
-from .grad_sample import own_trainable
-from .layers import LayerRule, find_rule
-from .layers.ops import BoundOp
 from .probes import UNSPLIT
 
 
@@ -179,8 +179,8 @@ def _assign(calls: list[LayerCall], uses: dict, names: dict, claims: dict) -> tu
     rule call of a module owning the parameter, else the operation calls that account
     for the use, else the innermost generic call, else the model route.
 
-    Fills each call's :attr:`~memconv.calls.LayerCall.params` and
-    :attr:`~memconv.calls.LayerCall.shared`.
+    Fills each call's :attr:`~memconv.engine.calls.LayerCall.params` and
+    :attr:`~memconv.engine.calls.LayerCall.shared`.
 
     Returns:
         ``(model_params, calls_per_param)``: the model names of the parameters left to

@@ -1,9 +1,9 @@
 """Per-sample gradient norms and clipped sums (DP-SGD) without per-sample gradients.
 
 :func:`per_sample_norms` and :func:`clip_and_accumulate` run one forward and one
-backward pass (:func:`memconv.walk.backward_walk`) in which each parametrised
+backward pass (:func:`memconv.engine.walk.backward_walk`) in which each parametrised
 layer turns its input and output gradient into the squared norms of its per-sample
-gradients (:mod:`memconv.norms`: ghost norms or instantiated chunks, per layer), so
+gradients (:mod:`memconv.conv.norm_routes`: ghost norms or instantiated chunks, per layer), so
 that no layer's per-sample gradients need to exist at once. The clipped sum
 Σₙ min(1, C/‖gₙ‖)·gₙ then comes by one of two exact routes:
 
@@ -26,8 +26,14 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from .calls import LayerCall
-from .context import activate, use_block_settings
+from ..conv.norm_routes import DEFAULT_NORM_BUDGET, check_route, sq_norms
+from ..conv.settings import activate, use_block_settings
+from ..engine.calls import LayerCall
+from ..engine.passes import sample_by_sample, walk_micro_batches
+from ..engine.planning import CLIP_ROUTES, check_budget, check_clip_route  # noqa: F401 (CLIP_ROUTES: re-exported)
+from ..engine.prepared import Prepared, check_batch
+from ..engine.resources import AVAILABLE
+from ..layers import RuleSettings
 from .groups import (
     ALL,
     Grouping,
@@ -37,12 +43,6 @@ from .groups import (
     clip_factors,
     resolve_groups,
 )
-from .layers import RuleSettings
-from .norms import DEFAULT_NORM_BUDGET, check_route, sq_norms
-from .passes import sample_by_sample, walk_micro_batches
-from .planning import CLIP_ROUTES, check_budget, check_clip_route  # noqa: F401 (CLIP_ROUTES: re-exported)
-from .prepared import Prepared, check_batch
-from .resources import AVAILABLE
 
 
 def _unwrap(model):
@@ -93,7 +93,7 @@ class _Norms:
         per-sample gradients rather than their input and output gradient — whichever
         is smaller, an input that several calls read (a residual block's convolution
         and its projection shortcut) counted once. Calls clipped in the pass
-        (:class:`memconv.groups.OnePass`) keep nothing."""
+        (:class:`memconv.tasks.groups.OnePass`) keep nothing."""
         if self.onepass is not None:
             self.onepass.prepare(calls)
             calls = [c for c in calls if c not in self.onepass.calls]
@@ -125,7 +125,7 @@ class _Norms:
 
     def visit(self, call: LayerCall):
         """Take the call's norms; per-sample gradients to keep are returned as work
-        for after the call's backward node (see :func:`memconv.walk.backward_walk`)."""
+        for after the call's backward node (see :func:`memconv.engine.walk.backward_walk`)."""
         if self.onepass is not None and call in self.onepass.calls:
             self.sq.update(self.onepass.visit(call))
             return None
@@ -225,7 +225,7 @@ def per_sample_norms(
         memory_budget: bytes the whole call's peak memory increase may reach: the
             batch runs in micro-batches and each layer's norm computation within a
             budget, as :func:`memconv.plan` plans them; ``"available"`` (the default):
-            what the process can still use (:func:`memconv.resources.default_budget`);
+            what the process can still use (:func:`memconv.engine.resources.default_budget`);
             None: one pass, and 32 MiB per layer's norm temporaries.
         per_parameter: return ``{name: [N]}`` (each parameter's own norms) instead of
             the norm over all trainable parameters.
@@ -235,7 +235,7 @@ def per_sample_norms(
             the parameters each module owns directly, keyed by the module's name, ``""``
             for the model's own), ``"parameter"``, or a mapping ``{parameter name: group
             name}`` covering every trainable parameter: the norms of each group, as
-            :func:`clip_and_accumulate` clips them (:mod:`memconv.groups`).
+            :func:`clip_and_accumulate` clips them (:mod:`memconv.tasks.groups`).
 
     Returns:
         ``[N]`` norms (float32 or wider); ``{name: [N]}`` with ``per_parameter``;
@@ -245,7 +245,7 @@ def per_sample_norms(
         TypeError, ValueError: as :func:`memconv.per_sample_grads`; an unknown
             ``norm_route``; a non-positive or non-integer ``memory_budget``, or one below
             the smallest feasible budget (named); bad ``groups`` (see
-            :func:`memconv.groups.resolve_groups`), or ``groups`` with
+            :func:`memconv.tasks.groups.resolve_groups`), or ``groups`` with
             ``per_parameter``. Before any work.
     """
     return norms_with(
@@ -316,10 +316,10 @@ def _total(sq: dict, n: int) -> Tensor:
 
 
 def _walks(model, loss_fn, inputs, targets, rs, cp, clip_route, caller, onepass=None):
-    """The walks of the micro-batches of the plan ``cp`` (:class:`memconv.prepared.CallPlan`),
-    one at a time (:func:`memconv.passes.walk_micro_batches`), each gathering norms in a
+    """The walks of the micro-batches of the plan ``cp`` (:class:`memconv.engine.prepared.CallPlan`),
+    one at a time (:func:`memconv.engine.passes.walk_micro_batches`), each gathering norms in a
     :class:`_Norms` (and, for book-keeping, what the clipped sum needs; with
-    ``onepass``, which makes each walk's :class:`memconv.groups.OnePass`, the clipped
+    ``onepass``, which makes each walk's :class:`memconv.tasks.groups.OnePass`, the clipped
     sums of the calls it clips, added into its total)."""
     keep = clip_route == "book-keeping"
 
@@ -357,13 +357,13 @@ def clip_and_accumulate(
     With ``groups``, each group g of parameters is clipped on its own to its
     threshold C_g: the sum added is Σ_g Σₙ min(1, C_g/‖gₙ,g‖)·gₙ,g (McMahan et al.,
     ICLR 2018; He et al., ICLR 2023), and one sample moves it by at most
-    ``√(Σ_g C_g²)`` (:meth:`memconv.groups.Grouping.sensitivity`): the noise must
+    ``√(Σ_g C_g²)`` (:meth:`memconv.tasks.groups.Grouping.sensitivity`): the noise must
     scale with that, as Opacus' ``DPPerLayerOptimizer`` takes the L2 norm of its
     per-parameter thresholds. Where every parameter of a group lies in one layer call
     (``"layer"``, ``"parameter"``, no shared parameter), the call's clipped sum is
     added during the backward pass, as soon as its norms are known — one weight VJP
     with the output gradient scaled by the factors, nothing kept for later, no second
-    pass (:class:`memconv.groups.OnePass`); the other groups take ``clip_route``
+    pass (:class:`memconv.tasks.groups.OnePass`); the other groups take ``clip_route``
     (``"two-pass"``: one more backward pass per such group).
 
     With a ``DistributedDataParallel`` model, each rank clips its own samples and
@@ -397,7 +397,7 @@ def clip_and_accumulate(
     Raises:
         TypeError, ValueError: as :func:`per_sample_norms`; a threshold not a positive
             finite number; bad ``groups`` or a group without a threshold (see
-            :func:`memconv.groups.resolve_groups`); an unknown ``clip_route``. Before
+            :func:`memconv.tasks.groups.resolve_groups`); an unknown ``clip_route``. Before
             any work, every ``.grad`` unchanged.
     """
     return clip_with(
@@ -494,7 +494,7 @@ def _returned(grouping: Grouping, parts: list[dict]):
 
 def check_max_norm(max_norm) -> None:
     """Raise unless ``max_norm`` is a positive finite number or a mapping (whose
-    thresholds :func:`memconv.groups.resolve_groups` checks against the groups).
+    thresholds :func:`memconv.tasks.groups.resolve_groups` checks against the groups).
 
     Raises:
         TypeError: not a real number or a mapping.

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from .norms import DEFAULT_NORM_BUDGET, sq_norms
+from ..conv.norm_routes import DEFAULT_NORM_BUDGET, sq_norms
 
 #: The named groupings ``groups=`` takes (besides a mapping).
 GROUPINGS = ("all", "layer", "parameter")

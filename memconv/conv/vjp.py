@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ._geometry import ConvGeometry, check_grad_output, check_input, conv_spec
-from .context import Settings, use_block_settings
-from .grad_sample import conv_weight_grad
+from ..strategies.geometry import ConvGeometry, check_grad_output, check_input, conv_spec
+from .grads import conv_weight_grad
+from .settings import Settings, use_block_settings
 
 
 def check_settings(settings: Settings, geom: ConvGeometry) -> None:
