@@ -32,6 +32,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from ._torch import functorch_active, version
 from .conv.grads import bias_grad, capture, weight_grad
 from .conv.settings import DEFAULT_SETTINGS, Autocast, Recorded, record, warn_if_block_missed
 from .conv.vjp import check_settings
@@ -66,7 +67,7 @@ class _GradBatchState:
             grad is not None
             and self.grad is not None
             and self.grad() is grad
-            and grad._version == self.version
+            and version(grad) == self.version
         )
 
 
@@ -75,7 +76,7 @@ def _accumulated(param: Tensor) -> None:
     state.pending = False
     state.base = state.current = None
     state.grad = weakref.ref(param.grad) if param.grad is not None else None
-    state.version = param.grad._version if param.grad is not None else -1
+    state.version = version(param.grad) if param.grad is not None else -1
 
 
 def store_grad_batch(param: Tensor, batch: Tensor) -> None:
@@ -180,7 +181,7 @@ def _run_conv(layer, input: Tensor, weight: Tensor, bias, output_padding) -> Ten
     check_input(spec, input)
     if (
         not torch.is_grad_enabled()
-        or torch._C._are_functorch_transforms_active()
+        or functorch_active()
         or not (
             input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
@@ -287,7 +288,7 @@ class _PerSampleMixin:
         out = super().forward(input, *args, **kwargs)
         if (
             not torch.is_grad_enabled()
-            or torch._C._are_functorch_transforms_active()
+            or functorch_active()
             or not isinstance(out, Tensor)
             or not out.requires_grad
             or not own_trainable(self)

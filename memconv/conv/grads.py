@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from torch import Tensor
 
+from .._torch import is_view
 from ..strategies import Options, get_strategy
 from ..strategies.geometry import Operands, conv_spec, convolution_backward
 from .settings import Settings
@@ -99,7 +100,7 @@ def capture(output: Tensor, on_grad: Callable[[Tensor], None]) -> Tensor:
     Returns:
         The tensor the layer should return: ``output``, or its copy.
     """
-    if output._is_view():
+    if is_view(output):
         output = output.clone()
 
     def hook(grad):

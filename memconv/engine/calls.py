@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
+from .._torch import tree_flatten
 from ..conv.norm_routes import grad_channel_stats, sq_norms
 from ..conv.settings import Autocast
 from ..layers import LayerRule, RuleSettings, run_rule, using
-from ..layers.operations import BoundOp, Broadcast, broadcast_ok, shell_rule
+from ..layers.operations import BoundOp, shell_rule
 from ..layers.standardise import weight_grads, weight_sq_norms
 from .generic import call_grad_sample, chunk_size
 from .probes import UNSPLIT, CallAxes
@@ -434,10 +434,8 @@ def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, rec
     if maps:  # the same shell with the standardised slots frozen
         frozen = {k: nn.Parameter(params[k].detach(), requires_grad=False) for k in maps}
         partial = bound.shell({**params, **frozen})
-    if isinstance(shell, Broadcast) and not broadcast_ok(bound.data, params["weight"], out):
-        return None
     rule = shell_rule(shell)
-    if rule is None:
+    if rule is None or not rule.describes(shell, bound.data, out):
         return None
     if not (ax_in == 0 and ax_out == 0):
         if not rule.movable_batch_axis or any(a is None or a == UNSPLIT for a in (ax_in, ax_out)):

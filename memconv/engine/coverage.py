@@ -24,8 +24,8 @@ none is missed.
 from __future__ import annotations
 
 from torch import Tensor, nn
-from torch.nn.modules import module as module_mod
 
+from .._torch import global_module_hooks, module_hooks, sequence_nr
 from ..layers import LayerRule, find_rule
 from ..layers.base import own_trainable
 from ..layers.operations import BoundOp
@@ -35,9 +35,8 @@ from .probes import UNSPLIT
 
 def _hooked(module: nn.Module, ours) -> bool:
     """Whether hooks other than memconv's own may change the module's call."""
-    others = [k for k in module._forward_hooks if k not in ours]
-    others += [k for k in module._forward_pre_hooks if k not in ours]
-    return bool(others or module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks)
+    others = [k for k in module_hooks(module) if k not in ours]
+    return bool(others or global_module_hooks())
 
 
 def _rule_for(module, args, kwargs, in_axes, output, out_axes, ours) -> LayerRule | None:
@@ -71,7 +70,7 @@ def _graph(root) -> tuple[set, dict]:
                 continue
             variable = getattr(child, "variable", None)
             if variable is not None:
-                uses.setdefault(id(variable), []).append(node._sequence_nr())
+                uses.setdefault(id(variable), []).append(sequence_nr(node))
             if child not in reachable:
                 stack.append(child)
     return reachable, uses
@@ -136,7 +135,7 @@ def _claims(ops: list, reachable: set, names: dict) -> dict:
                             ok = False
                             break
                         leaves[id(v)] = v
-                        seqs.setdefault(id(v), set()).add(node._sequence_nr())
+                        seqs.setdefault(id(v), set()).add(sequence_nr(node))
                     elif child not in nodes:
                         stack.append(child)
             if ok:
@@ -153,7 +152,7 @@ def _claims(ops: list, reachable: set, names: dict) -> dict:
             for child, _ in node.next_functions:
                 if child is None or child not in inside:
                     continue
-                s = node._sequence_nr()
+                s = sequence_nr(node)
                 if not any(lo < s < hi for lo, hi in entries.get(child, ())):
                     bad.add(child)
         if not bad:

@@ -30,7 +30,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .._torch import tree_flatten, tree_unflatten
 
 logger = logging.getLogger("memconv")
 

@@ -17,8 +17,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules import module as module_mod
 
+from .._torch import global_module_hooks, module_hooks
 from .generic import quiet_fallbacks
 
 #: The smallest batch whose per-sample losses are vectorised.
@@ -78,14 +78,8 @@ def _plain_module(loss_fn) -> bool:
     """Whether calling the loss module is calling its function: no hooks of its own or
     global ones, no ``forward`` set on the instance."""
     return not (
-        loss_fn._forward_hooks
-        or loss_fn._forward_pre_hooks
-        or loss_fn._backward_hooks
-        or loss_fn._backward_pre_hooks
-        or module_mod._global_forward_hooks
-        or module_mod._global_forward_pre_hooks
-        or module_mod._global_backward_hooks
-        or module_mod._global_backward_pre_hooks
+        module_hooks(loss_fn, backward=True)
+        or global_module_hooks(backward=True)
         or "forward" in loss_fn.__dict__
     )
 

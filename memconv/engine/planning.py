@@ -34,8 +34,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
+from .._torch import storage_ptr, tree_flatten
 from ..conv.norm_routes import check_route
 from ..conv.settings import Settings, activate, use_block_settings
 from ..layers import RuleSettings, find_rule, using
@@ -133,7 +133,7 @@ def profile(model: nn.Module, example: Tensor) -> Profile:
     Returns:
         The :class:`Profile`.
     """
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    param_storages = {storage_ptr(p) for p in model.parameters()}
     leaves = [mod for mod in model.modules() if not list(mod.children()) or own_trainable(mod)]
     runs, owner_calls = [], []
     for m in (1, 2):
@@ -175,10 +175,9 @@ def _probe(model, x, leaves, param_storages):
 
     def pack(t):
         with paused():
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
+            ptr = storage_ptr(t)
             if ptr not in param_storages and ptr not in seen:
-                seen[ptr] = storage.nbytes()
+                seen[ptr] = t.untyped_storage().nbytes()
             return t.detach()  # not t itself: an output saved by its own node would form a cycle
 
     def hook(module, args, kwargs, output):

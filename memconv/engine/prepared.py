@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as module_mod
 
+from .._torch import compiled_inner, global_module_hooks, module_hooks
 from ..conv.settings import Autocast
 from ..layers import check_layer, find_rule
 from ..streaming import StreamingCNN
@@ -44,10 +44,8 @@ from .resources import AVAILABLE, guards, resolve_budget
 def unwrap_compiled(model):
     """The eager module a ``torch.compile``'d model (``OptimizedModule``) wraps: memconv
     runs its own forward and backward passes eagerly, with the same parameters."""
-    inner = getattr(model, "_orig_mod", None)
-    if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
-        return inner
-    return model
+    inner = compiled_inner(model)
+    return model if inner is None else inner
 
 
 def check_grad_mode() -> None:
@@ -120,18 +118,14 @@ class _ModelState:
 
     def __init__(self, model: nn.Module):
         self.modules = tuple(
-            (name, m, m.training, tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
-            for name, m in model.named_modules()
+            (name, m, m.training, module_hooks(m)) for name, m in model.named_modules()
         )
         named = list(model.named_parameters())
         self.params = tuple(p for _, p in named)
         self.attributes = tuple(
             (name, p.requires_grad, p.shape, p.dtype, p.device) for name, p in named
         )
-        self.hooks = (
-            tuple(module_mod._global_forward_hooks),
-            tuple(module_mod._global_forward_pre_hooks),
-        )
+        self.hooks = global_module_hooks()
 
     def __eq__(self, other) -> bool:
         return (

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .._torch import tree_flatten, tree_unflatten
 from ..layers.base import own_trainable
 from ..layers.operations import BoundOp
 from .recorder import OpRecorder, paused

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
-from ..layers.operations import SYMMETRIC, BoundOp, bind_op
+from .._torch import no_torch_function, tree_flatten
+from ..layers.operations import BoundOp, bind_op, symmetric
 from ..layers.standardise import Standardised, trace
 
 
@@ -51,7 +50,7 @@ def paused():
     """A block in which no operation is recorded, for memconv's own work during a
     recorded pass (its hooks): their tensor operations then cost what they cost
     outside the mode."""
-    return torch._C.DisableTorchFunction()
+    return no_torch_function()
 
 
 class OpRecorder(TorchFunctionMode):
@@ -151,7 +150,7 @@ class OpRecorder(TorchFunctionMode):
         return self.expanded.get(id(t)) if entry is not None and entry[0] is t else None
 
     def _bind(self, func, args, kwargs) -> BoundOp | None:
-        if func in SYMMETRIC and len(args) == 2 and self.is_pure(args[0]):
+        if len(args) == 2 and symmetric(func) and self.is_pure(args[0]):
             args = (args[1], args[0])
         bound = bind_op(func, args, kwargs, self._expanded)
         if bound is None or self.is_pure(bound.data):

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
+from .._torch import is_view, sequence_nr
 from ..conv.settings import Autocast
 from ..layers.base import own_trainable
 from ..layers.operations import BoundOp
@@ -52,7 +53,7 @@ class _Sequence:
 
     def now(self) -> int:
         with torch.enable_grad():
-            return (self.anchor * 1).grad_fn._sequence_nr()
+            return sequence_nr((self.anchor * 1).grad_fn)
 
 
 @dataclass
@@ -238,7 +239,7 @@ class _BackwardWalk:
             return out
         if bound.before is not None:  # in place: the data as it was, else no call
             data = bound.before(out)
-            if data is None or out._is_view():
+            if data is None or is_view(out):
                 return out
             bound = replace(bound, data=data)
         window = (start, self.seq.now())
@@ -246,7 +247,7 @@ class _BackwardWalk:
         if call is None:
             return out
         self.calls.append(call)
-        if out._is_view():
+        if is_view(out):
             out = out.clone()
         self.grad_hooks.append(out.register_hook(self.visits.hook(call, 0)))
         call.edges.append((0, get_gradient_edge(out)))
@@ -301,7 +302,7 @@ class _BackwardWalk:
         for j, t in enumerate(out_leaves):
             if not (isinstance(t, Tensor) and t.requires_grad):
                 continue
-            if t._is_view():  # an in-place op on a view would rebuild its graph
+            if is_view(t):  # an in-place op on a view would rebuild its graph
                 t = t.clone()
                 self.recorder.alias(t, out_leaves[j])
                 new_leaves[j] = t

@@ -17,10 +17,13 @@ through :mod:`~memconv.layers.operations`.
 Families: :mod:`~memconv.layers.conv` (convolutions, transposed convolutions),
 :mod:`~memconv.layers.linear`, :mod:`~memconv.layers.norm` (GroupNorm, LayerNorm,
 RMSNorm, InstanceNorm, BatchNorm in eval mode), :mod:`~memconv.layers.embedding`,
-:mod:`~memconv.layers.prelu`.
+:mod:`~memconv.layers.prelu`, :mod:`~memconv.layers.elementwise` (a parameter added to
+or multiplying the batch, a class token); :mod:`~memconv.layers.standardise` (a weight
+standardised per output channel, in closed form).
 """
 
-from . import conv, embedding, linear, norm, operations, prelu  # noqa: F401  (they register their rules)
+# the families register their rules and binders on import
+from . import conv, elementwise, embedding, linear, norm, prelu  # noqa: F401
 from .base import (
     LayerRule,
     RuleSettings,

@@ -151,6 +151,12 @@ class LayerRule:
         params = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
         return 2 * n * params * itemsize
 
+    def describes(self, module: nn.Module, data: Tensor, output: Tensor) -> bool:
+        """Whether the rule describes an operation call made through the shell
+        ``module`` on ``data`` with this ``output`` (batch axes first); a call it does
+        not describe takes the other routes. Default: True."""
+        return True
+
     def check_settings(self, module: nn.Module, settings: Settings) -> None:
         """Raise ``ValueError`` if the strategy settings cannot run on this layer."""
 

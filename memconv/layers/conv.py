@@ -1,4 +1,5 @@
-"""Convolutions and transposed convolutions (1d/2d/3d, torch's and memconv's classes).
+"""Convolutions and transposed convolutions (1d/2d/3d, torch's and memconv's classes),
+as modules and as operations (``F.conv*d``, ``F.conv_transpose*d``).
 
 Per-sample weight gradients by the weight-VJP strategy of the calling computation
 (:mod:`memconv.strategies`), squared norms by ghost norms or instantiated chunks
@@ -9,7 +10,7 @@ output gradient summed over space.
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..conv.grads import bias_grad, conv_weight_grad, summed_weight_grad
 from ..conv.memory import predict_memory
@@ -25,6 +26,7 @@ from ..conv.vjp import check_settings
 from ..strategies import get_strategy
 from ..strategies.geometry import conv_spec, layer_output_size
 from .base import LayerRule, register, rule_settings, trainable
+from .operations import BoundOp, bind_args, register_op, with_params
 
 TYPES = (
     nn.Conv1d,
@@ -112,3 +114,82 @@ class ConvRule(LayerRule):
 
     def check_settings(self, module, settings):
         check_settings(settings, conv_spec(module).geometry)
+
+
+# ------------------------------------------------------------------ operations
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_T_ARGS = (
+    "input",
+    "weight",
+    "bias",
+    "stride",
+    "padding",
+    "output_padding",
+    "groups",
+    "dilation",
+)
+_CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+_CONV_T_DEFAULTS = {**_CONV_DEFAULTS, "output_padding": 0}
+_CONV_TYPES = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+_CONV_T_TYPES = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+
+
+def _conv_args(names: tuple, args, kwargs, defaults) -> dict | None:
+    """The arguments of a (transposed) convolution call its shell describes."""
+    a = bind_args(names, args, kwargs, defaults, tensors=("input", "weight"))
+    if a is None or a["input"].dim() != a["weight"].dim() or a["weight"].dim() not in (3, 4, 5):
+        return None
+    if not (a["bias"] is None or isinstance(a["bias"], Tensor)):
+        return None
+    return a if isinstance(a["groups"], int) else None
+
+
+@register_op(torch.conv1d, torch.conv2d, torch.conv3d)
+def bind_conv(args, kwargs) -> BoundOp | None:
+    """``F.conv*d``: the shell is the ``nn.Conv*d`` of the call's geometry."""
+    a = _conv_args(_CONV_ARGS, args, kwargs, _CONV_DEFAULTS)
+    if a is None:
+        return None
+    w, groups = a["weight"], a["groups"]
+
+    def shell(params):
+        layer = _CONV_TYPES[w.dim() - 2](
+            w.shape[1] * groups,
+            w.shape[0],
+            tuple(w.shape[2:]),
+            stride=a["stride"],
+            padding=a["padding"],
+            dilation=a["dilation"],
+            groups=groups,
+            bias=a["bias"] is not None,
+            device="meta",
+        )
+        return with_params(layer, params)
+
+    return BoundOp(a["input"], {"weight": w, "bias": a["bias"]}, shell)
+
+
+@register_op(torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d)
+def bind_conv_transpose(args, kwargs) -> BoundOp | None:
+    """``F.conv_transpose*d``: the shell is the ``nn.ConvTranspose*d`` of the call."""
+    a = _conv_args(_CONV_T_ARGS, args, kwargs, _CONV_T_DEFAULTS)
+    if a is None:
+        return None
+    w, groups = a["weight"], a["groups"]
+
+    def shell(params):
+        layer = _CONV_T_TYPES[w.dim() - 2](
+            w.shape[0],
+            w.shape[1] * groups,
+            tuple(w.shape[2:]),
+            stride=a["stride"],
+            padding=a["padding"],
+            output_padding=a["output_padding"],
+            groups=groups,
+            bias=a["bias"] is not None,
+            dilation=a["dilation"],
+            device="meta",
+        )
+        return with_params(layer, params)
+
+    return BoundOp(a["input"], {"weight": w, "bias": a["bias"]}, shell)

@@ -1,4 +1,4 @@
-"""``Embedding``: per-sample gradients by scattering the output gradient into rows.
+"""``Embedding`` (a module, or ``F.embedding``): per-sample gradients by scattering the output gradient into rows.
 
 Squared norms without the ``[N, V, D]`` per-sample gradients: ghost norms over the
 positions, ``Σ_{t,t'} [i_t = i_t'] g_t·g_t'`` (Li et al. 2022), whose memory is
@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule, register
+from .operations import BoundOp, bind_args, register_op, with_params
 
 
 def _rows(module, idx, g):
@@ -72,3 +74,39 @@ class EmbeddingRule(LayerRule):
         if task == "norms":
             return 2 * n * length * length * itemsize
         return n * module.weight.numel() * itemsize
+
+
+_EMBEDDING_ARGS = (
+    "input",
+    "weight",
+    "padding_idx",
+    "max_norm",
+    "norm_type",
+    "scale_grad_by_freq",
+    "sparse",
+)
+_EMBEDDING_DEFAULTS = {
+    "padding_idx": None,
+    "max_norm": None,
+    "norm_type": 2.0,
+    "scale_grad_by_freq": False,
+    "sparse": False,
+}
+
+
+@register_op(F.embedding)
+def bind_embedding(args, kwargs) -> BoundOp | None:
+    """``F.embedding`` without ``max_norm`` (which renormalises the weight in place) and
+    ``scale_grad_by_freq`` (which mixes the samples)."""
+    a = bind_args(_EMBEDDING_ARGS, args, kwargs, _EMBEDDING_DEFAULTS, ("input", "weight"))
+    if a is None or a["max_norm"] is not None or a["scale_grad_by_freq"]:
+        return None
+    w = a["weight"]
+    if w.dim() != 2:
+        return None
+
+    def shell(params):
+        layer = nn.Embedding(w.shape[0], w.shape[1], padding_idx=a["padding_idx"], device="meta")
+        return with_params(layer, params)
+
+    return BoundOp(a["input"], {"weight": w}, shell)

@@ -1,4 +1,5 @@
-"""``Linear``, with or without sequence axes (``[N, *, in]``).
+"""``Linear``, with or without sequence axes (``[N, *, in]``), as a module and as
+``F.linear``.
 
 Per-sample gradients ``gᵀa`` summed over the sequence; squared norms ``‖g‖²·‖a‖²``
 without a sequence axis, else ghost norms over the sequence (``⟨aaᵀ, ggᵀ⟩``,
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 import math
 
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from ..conv.norm_routes import sq_norms
 from .base import LayerRule, register, rule_settings, trainable
+from .operations import BoundOp, bind_args, register_op, with_params
 
 
 def _flat(x, g):
@@ -72,3 +75,20 @@ class LinearRule(LayerRule):
         n = input_shapes[0][0]
         params = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
         return n * params * itemsize
+
+
+@register_op(F.linear)
+def bind_linear(args, kwargs) -> BoundOp | None:
+    """``F.linear``: the shell is the ``nn.Linear`` of the weight's shape."""
+    a = bind_args(("input", "weight", "bias"), args, kwargs, {"bias": None}, ("input", "weight"))
+    if a is None or a["weight"].dim() != 2:
+        return None
+    if not (a["bias"] is None or isinstance(a["bias"], Tensor)):
+        return None
+    w = a["weight"]
+
+    def shell(params):
+        layer = nn.Linear(w.shape[1], w.shape[0], bias=a["bias"] is not None, device="meta")
+        return with_params(layer, params)
+
+    return BoundOp(a["input"], {"weight": w, "bias": a["bias"]}, shell)

@@ -1,4 +1,5 @@
-"""Normalisation layers: GroupNorm, LayerNorm, RMSNorm, InstanceNorm, BatchNorm (eval).
+"""Normalisation layers: GroupNorm, LayerNorm, RMSNorm, InstanceNorm, BatchNorm (eval), as
+modules and as operations (``F.group_norm``, ``F.layer_norm``, ...).
 
 Their output is ``x̂·weight + bias``, so the per-sample gradients are ``Σ g·x̂`` and
 ``Σ g`` over the axes the affine parameters are shared along, with the normalised
@@ -13,9 +14,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from .base import LayerRule, register, rule_settings, trainable
+from .operations import BoundOp, bind_args, register_op, with_params
 
 
 class AffineNormRule(LayerRule):
@@ -135,3 +137,151 @@ class BatchNormRule(AffineNormRule):
         shape = (1, -1) + (1,) * (x.dim() - 2)
         mean = module.running_mean.reshape(shape)
         return (x - mean) / torch.sqrt(module.running_var.reshape(shape) + module.eps)
+
+
+# ------------------------------------------------------------------ operations
+_AFFINE_DEFAULTS = {"weight": None, "bias": None, "eps": 1e-5}
+_STATS_ARGS = ("running_mean", "running_var")
+_INSTANCE_ARGS = (
+    "input",
+    "running_mean",
+    "running_var",
+    "weight",
+    "bias",
+    "use_input_stats",
+    "momentum",
+    "eps",
+)
+_INSTANCE_DEFAULTS = {
+    "running_mean": None,
+    "running_var": None,
+    "weight": None,
+    "bias": None,
+    "use_input_stats": True,
+    "momentum": 0.1,
+    "eps": 1e-5,
+}
+#: ``F.batch_norm``'s signature (the running statistics may be None).
+BATCH_NORM_ARGS = (
+    "input",
+    "running_mean",
+    "running_var",
+    "weight",
+    "bias",
+    "training",
+    "momentum",
+    "eps",
+)
+BATCH_NORM_DEFAULTS = {
+    "running_mean": None,
+    "running_var": None,
+    "weight": None,
+    "bias": None,
+    "training": False,
+    "momentum": 0.1,
+    "eps": 1e-5,
+}
+_INSTANCE_TYPES = {3: nn.InstanceNorm1d, 4: nn.InstanceNorm2d, 5: nn.InstanceNorm3d}
+
+
+def _affine(a: dict | None, *names: str) -> bool:
+    """Whether ``a`` holds the call's arguments with tensors or None in ``names``."""
+    return a is not None and all(a[n] is None or isinstance(a[n], Tensor) for n in names)
+
+
+def _bound(a: dict, shell) -> BoundOp:
+    return BoundOp(a["input"], {"weight": a["weight"], "bias": a["bias"]}, shell)
+
+
+@register_op(F.layer_norm)
+def bind_layer_norm(args, kwargs) -> BoundOp | None:
+    """``F.layer_norm``: the shell is the ``nn.LayerNorm`` of ``normalized_shape``."""
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    a = bind_args(names, args, kwargs, _AFFINE_DEFAULTS)
+    if not _affine(a, "weight", "bias"):
+        return None
+
+    def shell(params):
+        layer = nn.LayerNorm(a["normalized_shape"], eps=a["eps"], device="meta")
+        return with_params(layer, params)
+
+    return _bound(a, shell)
+
+
+@register_op(F.group_norm)
+def bind_group_norm(args, kwargs) -> BoundOp | None:
+    """``F.group_norm``: the shell is the ``nn.GroupNorm`` of the call."""
+    names = ("input", "num_groups", "weight", "bias", "eps")
+    a = bind_args(names, args, kwargs, _AFFINE_DEFAULTS)
+    if not _affine(a, "weight", "bias") or a["input"].dim() < 2:
+        return None
+
+    def shell(params):
+        layer = nn.GroupNorm(a["num_groups"], a["input"].shape[1], eps=a["eps"], device="meta")
+        return with_params(layer, params)
+
+    return _bound(a, shell)
+
+
+if hasattr(F, "rms_norm") and hasattr(nn, "RMSNorm"):  # torch >= 2.4
+
+    @register_op(F.rms_norm)
+    def bind_rms_norm(args, kwargs) -> BoundOp | None:
+        """``F.rms_norm``: the shell is the ``nn.RMSNorm`` of ``normalized_shape``."""
+        names = ("input", "normalized_shape", "weight", "eps")
+        a = bind_args(names, args, kwargs, {"weight": None, "eps": None})
+        if not _affine(a, "weight"):
+            return None
+
+        def shell(params):
+            layer = nn.RMSNorm(a["normalized_shape"], eps=a["eps"], device="meta")
+            return with_params(layer, params)
+
+        return BoundOp(a["input"], {"weight": a["weight"]}, shell)
+
+
+@register_op(F.instance_norm)
+def bind_instance_norm(args, kwargs) -> BoundOp | None:
+    """``F.instance_norm``, with each sample's statistics or the running ones."""
+    a = bind_args(_INSTANCE_ARGS, args, kwargs, _INSTANCE_DEFAULTS)
+    if not _affine(a, "weight", "bias", *_STATS_ARGS) or a["input"].dim() not in _INSTANCE_TYPES:
+        return None
+    stats = not a["use_input_stats"]
+    if stats and (a["running_mean"] is None or a["running_var"] is None):
+        return None
+    kind = _INSTANCE_TYPES[a["input"].dim()]
+
+    def shell(params):
+        # the statistics of each sample, or the running ones (the shell never updates them)
+        layer = kind(
+            a["input"].shape[1],
+            eps=a["eps"],
+            affine=True,
+            track_running_stats=stats,
+            device="meta",
+        )
+        if stats:
+            layer.running_mean = a["running_mean"].detach()
+            layer.running_var = a["running_var"].detach()
+        return with_params(layer.train(not stats), params)
+
+    return _bound(a, shell)
+
+
+@register_op(F.batch_norm)
+def bind_batch_norm(args, kwargs) -> BoundOp | None:
+    """``F.batch_norm`` with running statistics, not in training mode (otherwise it
+    mixes the samples)."""
+    a = bind_args(BATCH_NORM_ARGS, args, kwargs, BATCH_NORM_DEFAULTS)
+    if not _affine(a, "weight", "bias", *_STATS_ARGS) or a["training"]:
+        return None
+    if a["running_mean"] is None or a["running_var"] is None or a["input"].dim() < 2:
+        return None
+
+    def shell(params):
+        layer = nn.BatchNorm2d(a["input"].shape[1], eps=a["eps"], device="meta").eval()
+        layer.running_mean = a["running_mean"].detach()
+        layer.running_var = a["running_var"].detach()
+        return with_params(layer, params)
+
+    return _bound(a, shell)

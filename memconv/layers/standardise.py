@@ -43,7 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .operations import _fill
+from .._torch import version as _version
+from .norm import BATCH_NORM_ARGS, BATCH_NORM_DEFAULTS
+from .operations import bind_args
 
 
 @dataclass(frozen=True)
@@ -109,14 +111,6 @@ class Form(NamedTuple):
     total: Tensor
 
 
-def _version(t: Tensor) -> int | None:
-    """``t``'s version counter (None for an inference tensor, which has none)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
 def _intact(versions: tuple) -> bool:
     return all(v is not None and _version(t) == v for t, v in versions)
 
@@ -125,13 +119,6 @@ def _intact(versions: tuple) -> bool:
 _RESHAPES = frozenset(
     {Tensor.reshape, Tensor.view, Tensor.reshape_as, Tensor.view_as, torch.reshape}
 )
-_BATCH_NORM = (
-    "input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps",
-)  # fmt: skip
-_BATCH_NORM_DEFAULTS = {
-    "running_mean": None, "running_var": None, "weight": None, "bias": None,
-    "training": False, "momentum": 0.1, "eps": 1e-5,
-}  # fmt: skip
 
 
 def trace(
@@ -170,7 +157,7 @@ def trace(
 
 
 def _trace_batch_norm(args, kwargs, out, recipe, depends):
-    a = _fill(_BATCH_NORM, args, kwargs, _BATCH_NORM_DEFAULTS)
+    a = bind_args(BATCH_NORM_ARGS, args, kwargs, BATCH_NORM_DEFAULTS, tensors=())
     if a is None or a["running_mean"] is not None or a["running_var"] is not None:
         return None
     if a["training"] is not True or a["bias"] is not None:

@@ -26,6 +26,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
+from .._torch import storage_key
 from ..conv.norm_routes import DEFAULT_NORM_BUDGET, check_route, sq_norms
 from ..conv.settings import activate, use_block_settings
 from ..engine.calls import LayerCall
@@ -110,7 +111,7 @@ class _Norms:
                     self.keep_grads.add(call)
                 continue
             x = call.args[0]
-            key = (x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride())
+            key = storage_key(x)
             readers.setdefault(key, []).append((call, grads, x.numel()))
         for group in readers.values():
             # per-sample gradients for all, or the input once and, for each call, the

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
+from .._torch import storage_ptr, tree_flatten, view_base
 from ..conv.settings import activate, use_block_settings
 from ..engine.calls import LayerCall
 from ..engine.passes import sample_by_sample, walk_micro_batches
@@ -177,7 +177,7 @@ def _storages(call: LayerCall) -> set:
     if not all(isinstance(t, Tensor) or t is None or isinstance(t, (int, float)) for t in leaves):
         leaves = tree_flatten((call.args, call.kwargs))[0]
     leaves += call.grads
-    return {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, Tensor)}
+    return {storage_ptr(t) for t in leaves if isinstance(t, Tensor)}
 
 
 def _own_tensor(v: Tensor, like: Tensor, taken: set | None) -> bool:
@@ -188,10 +188,10 @@ def _own_tensor(v: Tensor, like: Tensor, taken: set | None) -> bool:
         v.shape == like.shape
         and v.dtype == like.dtype
         and v.device == like.device
-        and v._base is None
+        and view_base(v) is None
         and v.is_contiguous()
         and not v.requires_grad
-        and (taken is None or v.untyped_storage().data_ptr() not in taken)
+        and (taken is None or storage_ptr(v) not in taken)
     )
 
 

@@ -17,7 +17,6 @@ Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
 
 from __future__ import annotations
 
-import torch
 from backpack.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from backpack.extensions.firstorder.batch_grad.batch_grad_base import BatchGradBase
 from backpack.extensions.firstorder.batch_l2_grad.batch_l2_base import BatchL2Base
@@ -26,6 +25,7 @@ from backpack.extensions.firstorder.sum_grad_squared.sgs_base import SGSBase
 from backpack.extensions.firstorder.variance.variance_base import VarianceBaseModule
 from torch import nn
 
+from ..._torch import graph_task_id
 from ...conv.norm_routes import conv_weight_sq_norms
 from . import derivatives
 
@@ -102,9 +102,7 @@ class _Tied:
 
 def _graph_task():
     """The id of the backward pass running (autograd's graph task), or None."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    task = current() if current is not None else -1
-    return None if task == -1 else task
+    return graph_task_id()
 
 
 def _tied(cls):

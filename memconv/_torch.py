@@ -1,0 +1,133 @@
+"""Every internal of torch memconv reads, behind one adapter.
+
+memconv reads a few things torch does not promise to keep: autograd nodes' sequence
+numbers, a tensor's view and version state and its storage address, the saved inputs
+of a node, the module hook dictionaries, and pytree. Each is read here and only here,
+so that a torch release that moves one touches this file alone; every function says
+what it stands for in torch's public terms.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as _module
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = [
+    "compiled_inner",
+    "functorch_active",
+    "global_module_hooks",
+    "graph_task_id",
+    "is_view",
+    "module_hooks",
+    "no_torch_function",
+    "saved_self",
+    "sequence_nr",
+    "storage_key",
+    "storage_ptr",
+    "tree_flatten",
+    "tree_unflatten",
+    "version",
+    "view_base",
+]
+
+
+def sequence_nr(node) -> int:
+    """An autograd node's sequence number: nodes made later in a thread have larger ones
+    (the order autograd's engine uses to run ready nodes)."""
+    return node._sequence_nr()
+
+
+def is_view(t: Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor (an in-place operation on it rebuilds
+    its graph, so hooks on it are lost)."""
+    return t._is_view()
+
+
+def view_base(t: Tensor) -> Tensor | None:
+    """The tensor ``t`` is a view of, or None."""
+    return t._base
+
+
+def version(t: Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place change); None for an inference
+    tensor, which has none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def storage_ptr(t: Tensor) -> int:
+    """The address of ``t``'s storage (tensors that share memory share it)."""
+    return t.untyped_storage().data_ptr()
+
+
+def storage_key(t: Tensor) -> tuple:
+    """``(storage address, offset, shape, strides)``: equal for two tensors that are the
+    same view of the same memory."""
+    return (storage_ptr(t), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+def saved_self(out: Tensor) -> Tensor | None:
+    """The first factor of ``x.mul_(w)`` before the call: the copy autograd saved of it
+    for ``w``'s gradient (``grad_fn._saved_self``, documented in torch's "Autograd
+    mechanics", saved tensors), None where there is none."""
+    node = out.grad_fn
+    if node is None or type(node).__name__ != "MulBackward0":
+        return None
+    try:
+        saved = node._saved_self
+    except RuntimeError:  # freed, or not saved
+        return None
+    if not isinstance(saved, Tensor) or saved.shape != out.shape or saved.dtype != out.dtype:
+        return None
+    return saved
+
+
+def module_hooks(module: nn.Module, backward: bool = False) -> tuple:
+    """The ids of ``module``'s forward hooks and forward pre-hooks (and, with
+    ``backward``, its backward hooks), in registration order."""
+    ids = (*module._forward_hooks, *module._forward_pre_hooks)
+    if backward:
+        ids += (*module._backward_hooks, *module._backward_pre_hooks)
+    return ids
+
+
+def global_module_hooks(backward: bool = False) -> tuple:
+    """The global module hooks (``nn.modules.module.register_module_forward_hook`` and
+    its pre-hook; with ``backward``, the backward ones)."""
+    hooks = (*_module._global_forward_hooks.values(), *_module._global_forward_pre_hooks.values())
+    if backward:
+        hooks += (
+            *_module._global_backward_hooks.values(),
+            *_module._global_backward_pre_hooks.values(),
+        )
+    return hooks
+
+
+def compiled_inner(model) -> nn.Module | None:
+    """The eager module a ``torch.compile``'d model (``OptimizedModule``) wraps, or None."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
+        return inner
+    return None
+
+
+def no_torch_function():
+    """A block in which no ``__torch_function__`` mode or override runs."""
+    return torch._C.DisableTorchFunction()
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad) is running."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def graph_task_id() -> int | None:
+    """An id of the backward pass running now (None outside one, or where torch has
+    no such id)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    task = current() if current is not None else -1
+    return None if task == -1 else task
