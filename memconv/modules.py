@@ -36,8 +36,15 @@ from ._torch import functorch_active, version
 from .conv.grads import bias_grad, capture, weight_grad
 from .conv.settings import DEFAULT_SETTINGS, Autocast, Recorded, record, warn_if_block_missed
 from .conv.vjp import check_settings
-from .layers import RuleSettings, check_layer, find_rule, register_like, run_rule, using
-from .layers.base import own_trainable
+from .layers import (
+    RuleSettings,
+    check_layer,
+    find_rule,
+    own_trainable,
+    register_like,
+    run_rule,
+    using,
+)
 from .strategies.geometry import (
     ConvSpec,
     check_input,
@@ -304,7 +311,7 @@ class _PerSampleMixin:
 
         def on_grad(g):
             with using(settings):
-                grads = run_rule(rule, "grad_sample", self, (x,), g)
+                grads = run_rule(rule, "grad_sample", self, (x,), g, where=_describe(self))
             for name, batch in grads.items():
                 param = getattr(self, name)
                 store_grad_batch(param, batch.to(param.dtype))

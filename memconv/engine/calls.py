@@ -20,6 +20,7 @@ from .._torch import tree_flatten
 from ..conv.norm_routes import grad_channel_stats, sq_norms
 from ..conv.settings import Autocast
 from ..layers import LayerRule, RuleSettings, run_rule, using
+from ..layers.dispatch import rule_channel_stats
 from ..layers.operations import BoundOp, shell_rule
 from ..layers.standardise import weight_grads, weight_sq_norms
 from .generic import call_grad_sample, chunk_size
@@ -99,7 +100,7 @@ class LayerCall:
         if self.rule is not None:
             inputs, g = self.rule_inputs()
             with using(self.settings(rs)):
-                out = run_rule(self.rule, "grad_sample", self.module, inputs, g)
+                out = self._run("grad_sample", inputs, g)
             return self._typed({k: v for k, v in out.items() if k in self.params})
         leaves = tree_flatten((self.args, self.kwargs))[0]
         per = sum(p.numel() for k, p in self._named().items() if k in self.params)
@@ -118,7 +119,7 @@ class LayerCall:
         if self.rule is not None:
             inputs, g = self.rule_inputs()
             with using(self.settings(rs)):
-                out = run_rule(self.rule, "sq_norms", self.module, inputs, g)
+                out = self._run("sq_norms", inputs, g)
             out = {k: v for k, v in out.items() if k in self.params}
         else:
             out = {k: sq_norms(v) for k, v in self.grad_sample(rs).items()}
@@ -130,8 +131,19 @@ class LayerCall:
         shape = (-1,) + (1,) * (g.dim() - 1)
         g = g * scale.to(g.dtype).reshape(shape)
         with using(self.settings(rs)):
-            out = run_rule(self.rule, "summed_grad", self.module, inputs, g)
+            out = self._run("summed_grad", inputs, g)
         return self._typed({k: v for k, v in out.items() if k in self.params})
+
+    def _run(self, method: str, inputs: tuple, g: Tensor, module: nn.Module | None = None):
+        """The rule's ``method`` on this call (or on ``module``, a variant of its
+        shell), its result checked (:func:`memconv.layers.dispatch.run_rule`): every
+        parameter the call's route computes."""
+        module = self.module if module is None else module
+        expected = self._expected()
+        return run_rule(self.rule, method, module, inputs, g, expected=expected, where=self.what)
+
+    def _expected(self):
+        return self.params
 
     def _named(self) -> dict[str, Tensor]:
         """``{name in module: parameter}`` over the module's subtree (duplicates kept)."""
@@ -198,7 +210,10 @@ class OpCall(LayerCall):
         if g is not None:
             grad = g
         with using(self.settings(rs)):
-            return run_rule(self.rule, method, self.module, inputs, grad)
+            return self._run(method, inputs, grad)
+
+    def _expected(self):
+        return None  # the shell's trainable slots
 
     def _chain(self, slot: str, grads: Tensor, batched: bool) -> dict[str, Tensor]:
         """``{model name: vjp}`` of the slot's gradients to the parameters under it."""
@@ -319,9 +334,7 @@ class OpCall(LayerCall):
         for i in range(0, n, step):
             rows = slice(i, i + step)
             with using(self.settings(rs)):
-                slots = run_rule(
-                    self.rule, "grad_sample", self.module, tuple(a[rows] for a in inputs), g[rows]
-                )
+                slots = self._run("grad_sample", tuple(a[rows] for a in inputs), g[rows])
             for slot, (recipe, gain) in closed.items():
                 form = forms[slot]
                 stats = grad_channel_stats(slots.pop(slot), form.w_hat)
@@ -355,12 +368,14 @@ class OpCall(LayerCall):
             for slot, (recipe, gain) in closed.items():
                 form = recipe.form()
                 with torch.no_grad():
-                    stats = self.rule.channel_stats(self.module, inputs, g, slot, form.w_hat)
+                    stats = rule_channel_stats(
+                        self.rule, self.module, inputs, g, slot, form.w_hat, where=self.what
+                    )
                 out[self.model_names[id(recipe.weight)]] = weight_sq_norms(stats, form)
                 for k, v in self._gain_grads(slot, gain, stats[2]).items():
                     out[k] = sq_norms(v.to(self._named()[k].dtype))
             if len(closed) < len(self.sources):
-                rest = run_rule(self.rule, "sq_norms", self.partial, inputs, g)
+                rest = self._run("sq_norms", inputs, g, self.partial)
                 for slot, v in rest.items():
                     if slot in self.sources and slot not in closed:
                         out[self.params_of(slot)] = v

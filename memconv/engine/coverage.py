@@ -26,8 +26,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from .._torch import global_module_hooks, module_hooks, sequence_nr
-from ..layers import LayerRule, find_rule
-from ..layers.base import own_trainable
+from ..layers import LayerRule, find_rule, own_trainable
 from ..layers.operations import BoundOp
 from .calls import LayerCall, OpCall
 from .probes import UNSPLIT

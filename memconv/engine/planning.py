@@ -38,8 +38,8 @@ from torch import Tensor, nn
 from .._torch import storage_ptr, tree_flatten
 from ..conv.norm_routes import check_route
 from ..conv.settings import Settings, activate, use_block_settings
-from ..layers import RuleSettings, find_rule, using
-from ..layers.base import own_trainable
+from ..layers import RuleSettings, find_rule, own_trainable, using
+from ..layers.dispatch import rule_memory
 from .probes import call_axes, keep_rng, recording_calls
 from .recorder import paused
 from .resources import AVAILABLE, resolve_budget
@@ -278,7 +278,9 @@ def _layer_temporaries(layer: LayerProfile, m: int, task: str, settings: Setting
         )
     kind = "grads" if task == "grads" else "norms"
     with using(RuleSettings(settings, route, budget)):
-        return rule.memory(layer.module, (shape,), layer.itemsize, kind)
+        return rule_memory(
+            rule, layer.module, (shape,), layer.itemsize, kind, where=f"layer {layer.name!r}"
+        )
 
 
 def predict(

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .._torch import tree_flatten, tree_unflatten
-from ..layers.base import own_trainable
+from ..layers import own_trainable
 from ..layers.operations import BoundOp
 from .recorder import OpRecorder, paused
 

@@ -28,7 +28,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from .._torch import is_view, sequence_nr
 from ..conv.settings import Autocast
-from ..layers.base import own_trainable
+from ..layers import own_trainable
 from ..layers.operations import BoundOp
 from .calls import LayerCall, OpCall, _op_call
 from .coverage import _assign, _claims, _covered_by_module, _deepest, _graph, _hooked, _rule_for

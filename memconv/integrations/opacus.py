@@ -91,8 +91,7 @@ import torch
 from torch import Tensor, nn
 
 from ..conv import settings as context
-from ..layers import RuleSettings, find_rule, registered, run_rule, using
-from ..layers.base import own_trainable
+from ..layers import RuleSettings, find_rule, own_trainable, registered, run_rule, using
 
 
 def classes() -> tuple[type, ...]:

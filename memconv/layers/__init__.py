@@ -33,16 +33,18 @@ from .base import (
     register_like,
     registered,
     rule_settings,
-    run_rule,
     unregister,
     using,
 )
+from .dispatch import run_rule
+from .results import own_trainable
 
 __all__ = [
     "LayerRule",
     "RuleSettings",
     "check_layer",
     "find_rule",
+    "own_trainable",
     "register",
     "register_like",
     "registered",

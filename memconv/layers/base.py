@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from ..conv.norm_routes import grad_channel_stats, sq_norms
 from ..conv.settings import DEFAULT_SETTINGS, Autocast, Settings
+from .results import check_result
 
 _RULES: dict[type, LayerRule] = {}
 #: Bytes of per-sample gradients :meth:`LayerRule.channel_stats` holds at once by default.
@@ -109,7 +110,7 @@ class LayerRule:
     ) -> dict[str, Tensor]:
         """Squared norms ``{local name: [N]}`` of the per-sample gradients (default:
         from :meth:`grad_sample`)."""
-        return {k: sq_norms(v) for k, v in self.grad_sample(module, inputs, grad_output).items()}
+        return {k: sq_norms(v) for k, v in self._checked_grads(module, inputs, grad_output).items()}
 
     def channel_stats(
         self, module: nn.Module, inputs: tuple[Tensor, ...], grad_output: Tensor, name: str,
@@ -127,7 +128,7 @@ class LayerRule:
         parts = []
         for i in range(0, n, step):
             rows = slice(i, i + step)
-            grads = self.grad_sample(module, tuple(a[rows] for a in inputs), grad_output[rows])
+            grads = self._checked_grads(module, tuple(a[rows] for a in inputs), grad_output[rows])
             parts.append(grad_channel_stats(grads[name], w_hat))
             del grads
         return tuple(torch.cat(p) for p in zip(*parts))
@@ -138,7 +139,14 @@ class LayerRule:
         """The gradient summed over the batch ``{local name: param.shape}`` for this
         output gradient (DP-SGD's book-keeping calls it with each sample's output
         gradient scaled by its clip factor). Default: :meth:`grad_sample` summed."""
-        return {k: v.sum(0) for k, v in self.grad_sample(module, inputs, grad_output).items()}
+        return {k: v.sum(0) for k, v in self._checked_grads(module, inputs, grad_output).items()}
+
+    def _checked_grads(self, module, inputs, grad_output) -> dict[str, Tensor]:
+        """:meth:`grad_sample`, checked (:func:`memconv.layers.results.check_result`):
+        the defaults derive their results from it."""
+        out = self.grad_sample(module, inputs, grad_output)
+        check_result(self, "grad_sample", module, out, grad_output.shape[0])
+        return out
 
     def memory(
         self, module: nn.Module, input_shapes: tuple[tuple[int, ...], ...], itemsize: int, task: str
@@ -165,36 +173,11 @@ class LayerRule:
         samples of a batch, so that per-sample gradients are undefined."""
 
 
-def own_trainable(module: nn.Module) -> dict[str, Tensor]:
-    """``{local name: parameter}`` of the module's own parameters that require grad."""
-    return {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
-
-
 def trainable(module: nn.Module, name: str) -> bool:
     """Whether the module's attribute ``name`` is a parameter that requires grad (a
     layer rule computes the quantities of those only)."""
     p = getattr(module, name, None)
     return isinstance(p, nn.Parameter) and p.requires_grad
-
-
-def run_rule(
-    rule: LayerRule, method: str, module: nn.Module, inputs: tuple, grad_output: Tensor
-) -> dict[str, Tensor]:
-    """Call a rule's ``grad_sample``, ``sq_norms`` or ``summed_grad`` under
-    ``torch.no_grad``; an empty batch (N = 0) gets empty results without calling it.
-
-    Returns:
-        ``{local name: tensor}`` for the layer's trainable parameters the rule covers.
-    """
-    if grad_output.shape[0] == 0:
-        own = {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
-        if method == "grad_sample":
-            return {k: p.new_zeros(0, *p.shape) for k, p in own.items()}
-        if method == "sq_norms":
-            return {k: p.new_zeros(0) for k, p in own.items()}
-        return {k: torch.zeros_like(p) for k, p in own.items()}
-    with torch.no_grad():
-        return getattr(rule, method)(module, inputs, grad_output)
 
 
 def register(*types: type):
