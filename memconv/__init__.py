@@ -41,8 +41,9 @@ from .modules import (
 )
 from .tasks import groups
 from .tasks.adaptive import AdaptiveClipping
-from .tasks.clipping import clip_and_accumulate, per_sample_norms
+from .tasks.clipping import clip_and_accumulate
 from .tasks.grads import per_sample_grads
+from .tasks.norms import per_sample_norms
 from .tasks.step import PrivateStep
 
 __all__ = [

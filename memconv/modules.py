@@ -32,6 +32,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from ._checks import check_conv_input as check_input
 from ._torch import functorch_active, version
 from .conv.grads import bias_grad, capture, weight_grad
 from .conv.settings import DEFAULT_SETTINGS, Autocast, Recorded, record, warn_if_block_missed
@@ -47,7 +48,6 @@ from .layers import (
 )
 from .strategies.geometry import (
     ConvSpec,
-    check_input,
     conv_function,
     conv_spec,
     conv_transpose_function,

@@ -16,7 +16,7 @@ from torch import nn
 
 import memconv
 from memconv.engine.prepared import Prepared
-from memconv.tasks import clipping
+from memconv.tasks import clipping, norms
 from memconv.tasks.groups import resolve_groups
 
 TOL = 1e-10
@@ -138,7 +138,7 @@ def test_groups_within_layers_take_one_pass(groups, monkeypatch):
     grouping = resolve_groups(model, groups)
     _, sums, max_norm = reference(model, loss_fn, x, y, grouping.of)
     kept = []
-    original = clipping._Norms.add_clipped_sums
+    original = norms.NormGatherer.add_clipped_sums
 
     def spy(self, c, total):
         kept.append((dict(c), list(self.io), dict(self.grads)))
@@ -147,7 +147,7 @@ def test_groups_within_layers_take_one_pass(groups, monkeypatch):
     def no_second_pass(*args, **kwargs):
         raise AssertionError("a second backward pass ran")
 
-    monkeypatch.setattr(clipping._Norms, "add_clipped_sums", spy)
+    monkeypatch.setattr(norms.NormGatherer, "add_clipped_sums", spy)
     monkeypatch.setattr(clipping, "_second_pass", no_second_pass)
     for clip_route in ("book-keeping", "two-pass"):
         model.zero_grad(set_to_none=True)

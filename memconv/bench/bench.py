@@ -366,7 +366,7 @@ def cost_model_rows(config: dict) -> dict:
     the layer's shapes. Meant to run in a fresh process (the ``"standard"`` strategy
     allocates gigabytes on the seed CNN at 112²).
     """
-    from ..strategies.geometry import CONV_TYPES
+    from .._checks import CONV_TYPES
     from .cases import build_case
     from .measure import peak_allocated
 

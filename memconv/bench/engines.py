@@ -10,7 +10,7 @@ reduction), or, for the ``"autograd"`` floor, the summed gradient ``{name: Tenso
 ``{parameter name: Tensor [*shape]}`` with the clipped sum and, under
 :data:`NORMS`, the per-sample norms ``[N]`` before clipping; the ``"non-private"``
 floor returns the plain summed gradient. Every engine uses the same clip factor
-(:func:`memconv.tasks.clipping.clip_factors`), so that results agree to round-off (Opacus'
+(:func:`memconv.tasks.groups.clip_factors`), so that results agree to round-off (Opacus'
 own factor, ``C/(‖gₙ‖ + 1e-6)``, differs by about 1e-6 relative and costs the same).
 
 ``"clip-layer"``: per-layer clipping, Σ_p Σₙ min(1, C/‖gₙ,p‖)·gₙ,p with the threshold C
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import memconv
-from memconv.tasks.clipping import clip_factors
+from memconv.tasks.groups import clip_factors
 
 TASKS = ("grads", "clip", "clip-layer")
 #: Key of the per-sample norms in a clipping engine's result.

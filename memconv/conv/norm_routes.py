@@ -40,7 +40,6 @@ from . import ghost
 from .grads import weight_grad
 from .settings import DEFAULT_SETTINGS, Settings
 
-ROUTES = ("ghost", "instantiate")
 #: Bytes a route may use for its temporaries when no budget is given.
 DEFAULT_NORM_BUDGET = 32 * 2**20
 
@@ -80,16 +79,6 @@ class RouteCost:
     route: str
     memory: int
     time: float
-
-
-def check_route(route, argument: str = "norm_route") -> None:
-    """Raise unless ``route`` is None or one of :data:`ROUTES`.
-
-    Raises:
-        ValueError: naming the accepted routes.
-    """
-    if route is not None and route not in ROUTES:
-        raise ValueError(f"unknown {argument} {route!r}; accepted: {', '.join(ROUTES)} or None")
 
 
 # ----------------------------------------------------------------- ghost (conv)

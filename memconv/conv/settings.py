@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import numbers
 import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
+from .._checks import check_positive_int, check_strategy_name, check_tile_size
 from ..strategies import NO_OPTIONS, Options, get_strategy, strategy_names
 
 #: The strategy per-sample computations use outside any ``save_memory`` block.
@@ -216,53 +216,14 @@ def warn_if_block_missed(recorded: Recorded, layer) -> None:
         )
 
 
-def _check_positive_int(value, argument: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{argument} must be a positive int or None, got {type(value).__name__} {value!r}"
-        )
-    if value <= 0:
-        raise ValueError(f"{argument} must be a positive int or None, got {value}")
-
-
-def check_tile_size(tile_size, argument: str = "tile_size") -> None:
-    """Raise unless ``tile_size`` is None, a positive int or a tuple of them.
-
-    Raises:
-        TypeError: on a non-integer value.
-        ValueError: on a non-positive value or an empty tuple.
-    """
-    if tile_size is None:
-        return
-    if isinstance(tile_size, (tuple, list)):
-        if not tile_size:
-            raise ValueError(f"{argument} must not be empty")
-        for v in tile_size:
-            _check_positive_int(v, argument)
-        return
-    _check_positive_int(tile_size, argument)
-
-
 def resolve_strategy_name(strategy, argument: str = "strategy") -> str:
-    """Map ``True``/``False`` to ``"rochette"``/``"standard"`` and check the name.
+    """The registered name of ``strategy`` (``True``/``False``: ``"rochette"``/``"standard"``).
 
     Raises:
         TypeError: if ``strategy`` is neither a bool nor a str.
         ValueError: if the name is not registered.
     """
-    if strategy is True:
-        return "rochette"
-    if strategy is False:
-        return "standard"
-    if not isinstance(strategy, str):
-        raise TypeError(
-            f"{argument} must be a bool or one of {strategy_names()}, got {type(strategy).__name__}"
-        )
-    if strategy not in strategy_names():
-        raise ValueError(
-            f"unknown {argument} {strategy!r}; accepted: {', '.join(strategy_names())}"
-        )
-    return strategy
+    return check_strategy_name(strategy, strategy_names(), argument)
 
 
 def make_settings(strategy=DEFAULT_STRATEGY, *, tile_size=None, memory_budget=None, inner=None):
@@ -274,7 +235,7 @@ def make_settings(strategy=DEFAULT_STRATEGY, *, tile_size=None, memory_budget=No
     name = resolve_strategy_name(strategy)
     check_tile_size(tile_size)
     if memory_budget is not None:
-        _check_positive_int(memory_budget, "memory_budget")
+        check_positive_int(memory_budget, "memory_budget")
     if inner is not None:
         inner = resolve_strategy_name(inner, "inner")
         if get_strategy(inner).composite:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..strategies.geometry import ConvGeometry, check_grad_output, check_input, conv_spec
+from .._checks import check_conv_grad_output as check_grad_output
+from .._checks import check_conv_input as check_input
+from ..strategies.geometry import ConvGeometry, conv_spec
 from .grads import conv_weight_grad
 from .settings import Settings, use_block_settings
 

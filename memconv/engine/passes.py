@@ -22,6 +22,7 @@ from ..layers import RuleSettings
 from .generic import chunk_size, model_grad_sample
 from .losses import per_sample_losses
 from .prepared import CallPlan
+from .request import Batch
 from .resources import process_budget
 from .walk import backward_walk
 
@@ -42,16 +43,7 @@ class MicroBatch(NamedTuple):
 
 
 def walk_micro_batches(
-    model,
-    loss_fn,
-    inputs: Tensor,
-    targets,
-    cp: CallPlan,
-    rs: RuleSettings,
-    visitor: Callable[[slice], object],
-    *,
-    caller: str,
-    keep_graph: bool = False,
+    batch: Batch, cp: CallPlan, *, visitor: Callable[[slice], object], keep_graph: bool = False
 ):
     """Yield a :class:`MicroBatch` for each micro-batch of the plan ``cp`` in turn (the
     next one is walked once the last is consumed; nothing of it is kept here), under
@@ -59,76 +51,77 @@ def walk_micro_batches(
     (:func:`memconv.engine.resources.process_budget`).
 
     Args:
-        model, loss_fn, inputs, targets: the call's.
+        batch: the call's model, loss and samples.
         cp: the plan of the call (:class:`memconv.engine.prepared.CallPlan`).
-        rs: the rule settings of the model route.
         visitor: called with a micro-batch's rows before its walk; returns what
             visits its calls: an object with ``visit`` and ``prepare`` (None: nothing
             to prepare), as :func:`memconv.engine.walk.backward_walk` takes them, and
             ``from_model_route(name, grads)``, called with the per-sample gradients
             ``[m, ...]`` of each parameter the walk left to the model route.
-        caller: the public function's name, for messages.
         keep_graph: keep each walk's graph for a second backward pass of its losses.
     """
-    n, m = len(inputs), cp.plan.micro_batch
+    n, m = batch.n, cp.plan.micro_batch
     # a budget holds for the process too (glibc's heap), see memconv.engine.resources
-    with process_budget(inputs.device) if cp.guard else nullcontext():
+    with process_budget(batch.inputs.device) if cp.guard else nullcontext():
         for i0 in range(0, n, m):
             rows = slice(i0, min(n, i0 + m))
-            yield _walk(
-                model, loss_fn, inputs, targets, rows, cp, rs, visitor(rows), caller, keep_graph
-            )
+            yield _walk(batch.rows(rows), cp, rows=rows, visitor=visitor(rows), keep=keep_graph)
 
 
-def _walk(model, loss_fn, inputs, targets, rows, cp, rs, visitor, caller, keep_graph):
+def _walk(part: Batch, cp: CallPlan, *, rows: slice, visitor, keep: bool) -> MicroBatch:
     with activate(None, False):  # the user's blocks do not reach the model's own layers
         walk = backward_walk(
-            model,
+            part.model,
             cp.loss,
-            inputs[rows],
-            targets[rows],
+            part.inputs,
+            part.targets,
             cp.names,
             cp.axes,
             visitor.visit,
-            caller=caller,
-            keep_graph=keep_graph,
+            caller=cp.request.caller,
+            keep_graph=keep,
             prepare=visitor.prepare,
             owners=cp.owners,
         )
-    for name, grads in model_route(model, loss_fn, inputs[rows], targets[rows], walk, rs).items():
+    for name, grads in model_route(part, walk, cp.rule_settings).items():
         visitor.from_model_route(name, grads)
     return MicroBatch(rows=rows, visitor=visitor, losses=walk.losses)
 
 
-def model_route(model, loss_fn, inputs, targets, walk, rs: RuleSettings) -> dict[str, Tensor]:
+def model_route(part: Batch, walk, rs: RuleSettings) -> dict[str, Tensor]:
     """Per-sample gradients ``{model name: [m, ...]}`` of the parameters the walk left
     to the model route (none: ``{}``)."""
     if not walk.model_params:
         return {}
-    named = dict(model.named_parameters())
+    named = dict(part.model.named_parameters())
     per = sum(named[k].numel() * named[k].element_size() for k in walk.model_params)
+    inputs = part.inputs
     per += inputs[:1].numel() * inputs.element_size() * 8  # a sample's activations, roughly
     with activate(None, False):
         return model_grad_sample(
-            model, loss_fn, inputs, targets, walk.model_params,
+            part.model,
+            part.loss_fn,
+            inputs,
+            part.targets,
+            walk.model_params,
             chunk=chunk_size(len(inputs), per, rs.budget),
-        )  # fmt: skip
+        )
 
 
-def sample_by_sample(model, loss_fn, inputs, targets, params: dict):
+def sample_by_sample(batch: Batch, params: dict):
     """Yield ``(n, {name: gradient})`` for one sample at a time, by autograd.
 
-    The route for models that stream (:func:`memconv.engine.prepared.model_streams`): one
-    sample's forward and backward pass at a time, its gradient gathered tile by tile by
-    :class:`memconv.streaming.StreamingCNN`, so memory is that of one streamed sample
+    The route for models that stream (:func:`memconv.engine.prepared.model_streams`):
+    one sample's forward and backward pass at a time, its gradient gathered tile by tile
+    by :class:`memconv.streaming.StreamingCNN`, so memory is that of one streamed sample
     whatever the image size. The strategy of the open block applies to the streamed
     convolutions (the caller opens it).
     """
     names = list(params)
-    for i in range(len(inputs)):
-        loss = per_sample_losses(
-            loss_fn, model(inputs[i : i + 1].detach()), targets[i : i + 1], vectorise=False
-        )[0]
+    for i in range(batch.n):
+        one = batch.rows(slice(i, i + 1))
+        output = batch.model(one.inputs.detach())
+        loss = per_sample_losses(batch.loss_fn, output, one.targets, vectorise=False)[0]
         grads = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
         yield (
             i,

@@ -29,26 +29,30 @@ large to keep (huge images) is :class:`memconv.streaming.StreamingCNN`'s job.
 from __future__ import annotations
 
 import logging
-import numbers
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
 
+from .._checks import (
+    AVAILABLE,
+    check_budget,
+    check_clip_route,
+    check_route,
+    check_task,
+    check_tensor,
+)
 from .._torch import storage_ptr, tree_flatten
-from ..conv.norm_routes import check_route
-from ..conv.settings import Settings, activate, use_block_settings
+from ..conv.settings import activate, use_block_settings
 from ..layers import RuleSettings, find_rule, own_trainable, using
 from ..layers.dispatch import rule_memory
 from .probes import call_axes, keep_rng, recording_calls
 from .recorder import paused
-from .resources import AVAILABLE, resolve_budget
+from .request import Request
+from .resources import resolve_budget
 
 logger = logging.getLogger("memconv")
 
-TASKS = ("grads", "norms", "clip")
-#: The clipping routes of :func:`memconv.clip_and_accumulate`.
-CLIP_ROUTES = ("book-keeping", "two-pass")
 #: The smallest per-layer budget a plan gives a layer's temporaries (bytes).
 MIN_LAYER_BUDGET = 64 * 1024
 
@@ -265,10 +269,11 @@ class Plan:
         )
 
 
-def _layer_temporaries(layer: LayerProfile, m: int, task: str, settings: Settings, budget, route):
+def _layer_temporaries(layer: LayerProfile, request: Request, *, m: int, kind: str, budget):
     """Bytes of a parametrised layer's temporaries for m samples within ``budget``: its
-    rule's memory model, or the generic route's (per-sample gradients, their squares,
-    and a chunk's activations re-run by ``torch.func``)."""
+    rule's memory model (``kind``: ``"grads"`` or ``"norms"``), or the generic route's
+    (per-sample gradients, their squares, and a chunk's activations re-run by
+    ``torch.func``)."""
     rule = find_rule(layer.module)
     shape = (m, *layer.input_shape[1:])
     if rule is None:
@@ -276,28 +281,19 @@ def _layer_temporaries(layer: LayerProfile, m: int, task: str, settings: Setting
         return (
             2 * per_sample + 4 * m * (layer.input_elements + layer.output_elements) * layer.itemsize
         )
-    kind = "grads" if task == "grads" else "norms"
-    with using(RuleSettings(settings, route, budget)):
-        return rule_memory(
-            rule, layer.module, (shape,), layer.itemsize, kind, where=f"layer {layer.name!r}"
-        )
+    with using(RuleSettings(request.settings, request.norm_route, budget)):
+        where = f"layer {layer.name!r}"
+        return rule_memory(rule, layer.module, (shape,), layer.itemsize, kind, where=where)
 
 
-def predict(
-    prof: Profile,
-    n: int,
-    m: int,
-    task: str,
-    settings: Settings,
-    layer_budget: int | None,
-    clip_route: str | None = None,
-    norm_route: str | None = None,
-) -> tuple[int, dict]:
-    """Predicted peak bytes of a call on N samples in micro-batches of m.
+def predict(prof: Profile, request: Request, *, m: int, layer_budget: int | None):
+    """Predicted peak bytes of ``request`` on its N samples in micro-batches of m, each
+    layer's temporaries within ``layer_budget``.
 
     Returns:
         ``(peak, breakdown)``, see :class:`Plan`.
     """
+    n, task, clip_route = request.n, request.task, request.clip_route
     a0, a1 = prof.activations
     activations = a0 + a1 * m
     if task == "grads":  # preallocated, filled micro-batch by micro-batch
@@ -319,8 +315,9 @@ def predict(
         backward = max(backward, alive + layer.grad_bytes(m) + kept + weight)
         if layer.params:  # the route, before the node (after it, if it keeps a result)
             kept_grads = keeping and m * layer.params < layer.input_elements + layer.output_elements
-            kind = "grads" if kept_grads else task  # book-keeping instantiates these
-            temp = _layer_temporaries(layer, m, kind, settings, layer_budget, norm_route)
+            # book-keeping instantiates these
+            kind = "grads" if kept_grads or task == "grads" else "norms"
+            temp = _layer_temporaries(layer, request, m=m, kind=kind, budget=layer_budget)
             backward = max(backward, alive + layer.grad_bytes(m) + temp + kept)
             if keeping:
                 io = m * (layer.input_elements + layer.output_elements) * layer.itemsize
@@ -342,55 +339,54 @@ def predict(
     return int(peak), breakdown
 
 
-def check_budget(memory_budget, argument: str = "memory_budget") -> None:
-    """Raise unless ``memory_budget`` is ``"available"``, None or a positive int (bytes).
-
-    Raises:
-        TypeError: a non-integer other than ``"available"``.
-        ValueError: a non-positive value, or another string.
-    """
-    accepted = "a positive int (bytes), 'available' or None"
-    if memory_budget is None or memory_budget == AVAILABLE:
-        return
-    if isinstance(memory_budget, str):
-        raise ValueError(f"{argument} must be {accepted}, got {memory_budget!r}")
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral):
-        raise TypeError(f"{argument} must be {accepted}, got {memory_budget!r}")
-    if memory_budget <= 0:
-        raise ValueError(f"{argument} must be {accepted}, got {memory_budget}")
-
-
-def check_clip_route(clip_route) -> None:
-    """Raise unless ``clip_route`` is one of :data:`CLIP_ROUTES` or None.
-
-    Raises:
-        ValueError: naming the accepted routes.
-    """
-    if clip_route is not None and clip_route not in CLIP_ROUTES:
-        raise ValueError(
-            f"unknown clip_route {clip_route!r}; accepted: {', '.join(CLIP_ROUTES)} or None"
-        )
-
-
-def make_plan(
-    prof: Profile,
-    n: int,
-    task: str,
-    settings: Settings,
-    memory_budget: int | None,
-    clip_route: str | None = None,
-    norm_route: str | None = None,
-) -> Plan:
-    """The plan for a profiled model (see :func:`plan`).
+def make_plan(prof: Profile, request: Request, *, budget: int | None) -> Plan:
+    """The plan of ``request`` on a profiled model within ``budget`` (bytes, resolved;
+    None: one pass), see :func:`plan`.
 
     Raises:
         ValueError: if even one sample with the leanest per-layer budget does not fit
-            ``memory_budget`` (the message names the smallest feasible budget).
+            ``budget`` (the message names the smallest feasible budget).
     """
-    route = clip_route or ("book-keeping" if task == "clip" else None)
-    routes = [route] if (task != "clip" or clip_route) else ["book-keeping", "two-pass"]
+    n, task = request.n, request.task
+    route = request.clip_route or ("book-keeping" if task == "clip" else None)
+    fixed = task != "clip" or request.clip_route
+    candidates = (
+        [request.routed(route)]
+        if fixed
+        else [
+            request.routed("book-keeping"),
+            request.routed("two-pass"),
+        ]
+    )
+    # predictions grow with the micro-batch except for the two-pass running total
+    smallest = min(
+        predict(prof, r, m=m, layer_budget=MIN_LAYER_BUDGET)[0]
+        for r in candidates
+        for m in {1, max(n, 1)}
+    )
+    more = {"smallest_budget": smallest, "generic_layers": _generic_layers(prof)}
+    if budget is None or n == 0:
+        one_pass = request.routed(route)
+        return _predicted_plan(
+            prof, one_pass, m=max(n, 1), layer_budget=None, budget=budget, **more
+        )
+    best = None
+    for r in candidates:
+        candidate = _best_for_route(prof, r, budget=budget)
+        if candidate is not None and (best is None or candidate.micro_batch > best.micro_batch):
+            best = candidate
+    if best is None:
+        _raise_too_small(prof, request, budget=budget, smallest=smallest)
+    best = replace(best, **more)
+    logger.info("memconv plan: %s", best)
+    return best
+
+
+def _generic_layers(prof: Profile) -> tuple[str, ...]:
+    """Names of the parametrised layers without a rule whose parameters do not all reach
+    operations with a rule (see :attr:`Plan.generic_layers`)."""
     by_ops = prof.reached_by_ops()
-    generic = tuple(
+    return tuple(
         dict.fromkeys(
             layer.name or "(model)"
             for layer in prof.layers
@@ -399,44 +395,29 @@ def make_plan(
             and not all(id(p) in by_ops for p in own_trainable(layer.module).values())
         )
     )
-    # predictions grow with the micro-batch except for the two-pass running total
-    smallest = min(
-        predict(prof, n, m, task, settings, MIN_LAYER_BUDGET, r, norm_route)[0]
-        for r in routes
-        for m in {1, max(n, 1)}
-    )
-    if memory_budget is None or n == 0:
-        more = {"smallest_budget": smallest, "generic_layers": generic}
-        return _predicted_plan(
-            prof, n, max(n, 1), task, settings, None, route, norm_route, memory_budget, **more
-        )
-    best = None
-    for r in routes:
-        candidate = _best_for_route(prof, n, task, settings, memory_budget, r, norm_route)
-        if candidate is not None and (best is None or candidate.micro_batch > best.micro_batch):
-            best = candidate
-    if best is None and task == "grads" and prof.param_bytes:
+
+
+def _raise_too_small(prof: Profile, request: Request, *, budget: int, smallest: int):
+    """The ``ValueError`` of a budget no plan fits, naming what would."""
+    n, mib = request.n, 2**20
+    if request.task == "grads" and prof.param_bytes:
         # the per-sample result alone grows with N: name the largest batch that fits
         rest = smallest - n * prof.param_bytes
-        largest = max(int((memory_budget - rest) // prof.param_bytes), 0)
+        largest = max(int((budget - rest) // prof.param_bytes), 0)
         if 0 < largest < n:  # (not even one sample: the message below)
             raise ValueError(
-                f"memory_budget={memory_budget} bytes ({memory_budget / 2**20:,.1f} MiB) cannot "
-                f"hold the per-sample gradients of N={n} samples ({n * prof.param_bytes / 2**20:,.1f}"
-                f" MiB of result besides the pass itself); the largest batch that fits is "
+                f"memory_budget={budget} bytes ({budget / mib:,.1f} MiB) cannot hold the "
+                f"per-sample gradients of N={n} samples ({n * prof.param_bytes / mib:,.1f} "
+                f"MiB of result besides the pass itself); the largest batch that fits is "
                 f"{largest}. Split the batch, or use per_sample_norms/clip_and_accumulate, "
                 "which do not keep per-sample gradients."
             )
-    if best is None:
-        raise ValueError(
-            f"memory_budget={memory_budget} bytes ({memory_budget / 2**20:,.1f} MiB) is below "
-            f"what this model needs for one sample; the smallest feasible budget is about "
-            f"{smallest} bytes ({smallest / 2**20:,.1f} MiB). For images too large for one "
-            "sample's activations, stream the convolutions with memconv.streaming.StreamingCNN."
-        )
-    best = replace(best, smallest_budget=smallest, generic_layers=generic)
-    logger.info("memconv plan: %s", best)
-    return best
+    raise ValueError(
+        f"memory_budget={budget} bytes ({budget / mib:,.1f} MiB) is below what this model "
+        f"needs for one sample; the smallest feasible budget is about {smallest} bytes "
+        f"({smallest / mib:,.1f} MiB). For images too large for one sample's activations, "
+        "stream the convolutions with memconv.streaming.StreamingCNN."
+    )
 
 
 #: A micro-batch is halved rather than leave its layers less than this (bytes): tiny
@@ -444,19 +425,18 @@ def make_plan(
 COMFORTABLE_LAYER_BUDGET = 4 * 2**20
 
 
-def _best_for_route(prof, n, task, settings, memory_budget, route, norm_route=None):
+def _best_for_route(prof: Profile, request: Request, *, budget: int) -> Plan | None:
     """One pass with the layers' own defaults if that fits (the budget then changes
     nothing: the call runs as without one); else the largest micro-batch that fits with a
     comfortable per-layer budget (or, if none does, the largest that fits at all), with
-    the largest per-layer budget."""
+    the largest per-layer budget. None if not even one sample fits."""
+    n = request.n
 
     def fits(m, layer_budget):
-        return (
-            predict(prof, n, m, task, settings, layer_budget, route, norm_route)[0] <= memory_budget
-        )
+        return predict(prof, request, m=m, layer_budget=layer_budget)[0] <= budget
 
-    one_pass = _predicted_plan(prof, n, n, task, settings, None, route, norm_route, memory_budget)
-    if one_pass.predicted_peak <= memory_budget:
+    one_pass = _predicted_plan(prof, request, m=n, layer_budget=None, budget=budget)
+    if one_pass.predicted_peak <= budget:
         return one_pass
 
     def largest(layer_budget):  # predictions grow with m: a bisection
@@ -478,30 +458,28 @@ def _best_for_route(prof, n, task, settings, memory_budget, route, norm_route=No
     if m == 0:
         return None
     # the largest per-layer budget that still fits (halving from the whole budget)
-    layer_budget = memory_budget
+    layer_budget = budget
     while layer_budget > MIN_LAYER_BUDGET and not fits(m, layer_budget):
         layer_budget //= 2
     layer_budget = max(layer_budget, MIN_LAYER_BUDGET)
-    return _predicted_plan(
-        prof, n, m, task, settings, layer_budget, route, norm_route, memory_budget
-    )
+    return _predicted_plan(prof, request, m=m, layer_budget=layer_budget, budget=budget)
 
 
 def _predicted_plan(
-    prof, n, m, task, settings, layer_budget, route, norm_route, memory_budget, **more
+    prof: Profile, request: Request, *, m: int, layer_budget: int | None, budget, **more
 ) -> Plan:
     """The plan of micro-batches of ``m`` samples with ``layer_budget``, its peak and
     breakdown predicted (:func:`predict`); ``more``: the plan's other fields."""
-    peak, parts = predict(prof, n, m, task, settings, layer_budget, route, norm_route)
+    peak, parts = predict(prof, request, m=m, layer_budget=layer_budget)
     return Plan(
-        task=task,
-        batch=n,
+        task=request.task,
+        batch=request.n,
         micro_batch=m,
         layer_budget=layer_budget,
         predicted_peak=peak,
-        memory_budget=memory_budget,
+        memory_budget=budget,
         breakdown=parts,
-        clip_route=route if task == "clip" else None,
+        clip_route=request.clip_route if request.task == "clip" else None,
         **more,
     )
 
@@ -543,13 +521,11 @@ def plan(
         TypeError, ValueError: a bad ``task``, ``memory_budget`` or ``inputs``; a budget
             below the smallest feasible one (named in the message).
     """
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; accepted: {', '.join(TASKS)}")
+    check_task(task)
     check_budget(memory_budget)
     check_route(norm_route)
     check_clip_route(clip_route)
-    if not isinstance(inputs, Tensor):
-        raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
+    check_tensor(inputs, "inputs")
     settings = use_block_settings(strategy)
     memory_budget = resolve_budget(memory_budget, inputs.device)
     n = len(inputs)
@@ -563,6 +539,13 @@ def plan(
             memory_budget=memory_budget,
             breakdown={},
         )
-    return make_plan(
-        profile(model, inputs), n, task, settings, memory_budget, clip_route, norm_route
+    request = Request(
+        task=task,
+        n=n,
+        settings=settings,
+        memory_budget=memory_budget,
+        norm_route=norm_route,
+        clip_route=clip_route,
+        caller="memconv.plan",
     )
+    return make_plan(profile(model, inputs), request, budget=memory_budget)

@@ -28,17 +28,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
 from torch import Tensor, nn
 
+from .._checks import AVAILABLE, check_grad_mode
 from .._torch import compiled_inner, global_module_hooks, module_hooks
 from ..conv.settings import Autocast
-from ..layers import check_layer, find_rule
+from ..layers import RuleSettings, check_layer, find_rule
 from ..streaming import StreamingCNN
 from .losses import PerSampleLoss
 from .planning import Plan, Profile, make_plan, profile
 from .probes import ProbeMismatch, owner_names
-from .resources import AVAILABLE, guards, resolve_budget
+from .request import Batch, Request
+from .resources import guards, resolve_budget
 
 
 def unwrap_compiled(model):
@@ -46,19 +47,6 @@ def unwrap_compiled(model):
     runs its own forward and backward passes eagerly, with the same parameters."""
     inner = compiled_inner(model)
     return model if inner is None else inner
-
-
-def check_grad_mode() -> None:
-    """Raise under ``torch.no_grad()`` or ``torch.inference_mode()``.
-
-    Raises:
-        RuntimeError: there.
-    """
-    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
-        raise RuntimeError(
-            "memconv runs its own forward and backward passes, which need gradients: it "
-            "cannot run under torch.no_grad() or torch.inference_mode(); call it outside them"
-        )
 
 
 def check_per_sample_model(model: nn.Module, argument: str = "model", settings=None) -> nn.Module:
@@ -95,22 +83,6 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters() if p.requires_grad}
 
 
-def check_batch(inputs, targets) -> int:
-    """Raise unless ``inputs`` is a tensor and ``targets`` has its length; returns N.
-
-    Raises:
-        TypeError: if ``inputs`` is not a tensor.
-        ValueError: if the lengths differ.
-    """
-    if not isinstance(inputs, Tensor):
-        raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
-    if len(inputs) != len(targets):
-        raise ValueError(
-            f"inputs and targets must have the same length N, got {len(inputs)} and {len(targets)}"
-        )
-    return len(inputs)
-
-
 class _ModelState:
     """What of a model the probe and the plan depend on (see the module docstring);
     two states are equal when their modules and parameters are the same objects with
@@ -143,6 +115,7 @@ class CallPlan:
     """How one call runs.
 
     Attributes:
+        request: what the call asks for.
         plan: the :class:`memconv.Plan` (micro-batch, per-layer budget, clip route).
         guard: whether :func:`memconv.engine.resources.process_budget` guards the call.
         axes: the batch axes of the parametrised calls (:func:`memconv.engine.probes.call_axes`).
@@ -152,6 +125,7 @@ class CallPlan:
         params: ``{name: parameter}`` of the trainable parameters.
     """
 
+    request: Request
     plan: Plan
     guard: bool
     axes: list
@@ -159,6 +133,13 @@ class CallPlan:
     loss: PerSampleLoss
     owners: dict
     params: dict
+
+    @property
+    def rule_settings(self) -> RuleSettings:
+        """What the call's rules read (:func:`memconv.layers.rule_settings`): the
+        strategy, the norm route and the plan's per-layer budget."""
+        r = self.request
+        return RuleSettings(r.settings, r.norm_route, self.plan.layer_budget)
 
 
 class Prepared:
@@ -239,39 +220,32 @@ class Prepared:
         (:func:`model_streams`)."""
         return self._streams
 
-    def call_plan(
-        self, model, loss_fn, inputs: Tensor, task, settings, memory_budget, clip_route=None,
-        norm_route=None,
-    ) -> CallPlan:  # fmt: skip
-        """The plan of a call on ``inputs`` (after :meth:`check_model` of ``model``)."""
+    def call_plan(self, batch: Batch, request: Request) -> CallPlan:
+        """The plan of ``request`` on ``batch`` (after :meth:`check_model` of its model):
+        the probe and the plan kept from the last call where nothing they depend on
+        changed, new ones otherwise."""
+        inputs = batch.inputs
         device = inputs.device
         autocast = Autocast.current(device.type)
         probe_key = (self._model_key, tuple(inputs.shape[1:]), inputs.dtype, device, autocast)
         self.reused = probe_key == self._probe_key
         if not self.reused:
-            self._profile = profile(model, inputs)
-            self._axes = self._profile.axes()
-            self._names = parameter_names(model)
-            self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-            self._owners = owner_names(model)
-            self.probes += 1
+            self._probe(batch.model, inputs)
             self._probe_key = probe_key
-            self._plans = {}
-        if self._loss is None or self._loss.loss_fn is not loss_fn:
-            self._loss = PerSampleLoss(loss_fn)
-        n = len(inputs)
-        budget = resolve_budget(memory_budget, device)
-        exact = budget if memory_budget != AVAILABLE else AVAILABLE
-        plan_key = (n, settings, clip_route, norm_route, exact, loss_fn)
-        kept_key, self._plan = self._plans.get(task, (None, None))
-        if plan_key != kept_key or not self._still_fits(budget, memory_budget, clip_route):
-            self._plan = make_plan(self._profile, n, task, settings, budget, clip_route, norm_route)
-            self._plans[task] = (plan_key, self._plan)
+        if self._loss is None or self._loss.loss_fn is not batch.loss_fn:
+            self._loss = PerSampleLoss(batch.loss_fn)
+        budget = resolve_budget(request.memory_budget, device)
+        plan_key = (replace(request, caller=""), batch.loss_fn)
+        kept_key, self._plan = self._plans.get(request.task, (None, None))
+        if plan_key != kept_key or not self._still_fits(budget, request):
+            self._plan = make_plan(self._profile, request, budget=budget)
+            self._plans[request.task] = (plan_key, self._plan)
             self.plans += 1
         plan = self._plan if budget is None else replace(self._plan, memory_budget=budget)
         return CallPlan(
+            request=request,
             plan=plan,
-            guard=guards(memory_budget, plan if budget is not None else None),
+            guard=guards(request.memory_budget, plan if budget is not None else None),
             axes=self._axes,
             names=self._names,
             loss=self._loss,
@@ -279,10 +253,21 @@ class Prepared:
             params=self._params,
         )
 
-    def _still_fits(self, budget, memory_budget, clip_route) -> bool:
+    def _probe(self, model: nn.Module, inputs: Tensor) -> None:
+        """Probe ``model`` on ``inputs`` (:func:`memconv.engine.planning.profile`), and
+        forget the plans made on the last probe."""
+        self._profile = profile(model, inputs)
+        self._axes = self._profile.axes()
+        self._names = parameter_names(model)
+        self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self._owners = owner_names(model)
+        self.probes += 1
+        self._plans = {}
+
+    def _still_fits(self, budget, request: Request) -> bool:
         """Whether the plan a fresh one would be is the kept one (an ``"available"``
         budget, read again: the kept plan, one pass with the layers' defaults, fits)."""
-        if memory_budget != AVAILABLE:
+        if request.memory_budget != AVAILABLE:
             return True
         p = self._plan
         return (
@@ -290,5 +275,7 @@ class Prepared:
             and p.micro_batch == p.batch
             and p.layer_budget is None
             and p.predicted_peak <= budget
-            and (p.task != "clip" or clip_route is not None or p.clip_route == "book-keeping")
+            and (
+                p.task != "clip" or request.clip_route is not None or p.clip_route == "book-keeping"
+            )
         )

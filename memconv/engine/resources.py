@@ -34,10 +34,11 @@ import threading
 
 import torch
 
+from .._checks import AVAILABLE
+
 logger = logging.getLogger("memconv")
 
 #: ``memory_budget`` meaning: plan against :func:`default_budget`.
-AVAILABLE = "available"
 #: Headroom kept off the available memory: this fraction of it, at least
 #: :data:`MIN_HEADROOM` bytes (torch's allocator caches, the interpreter, other threads).
 HEADROOM_FRACTION = 0.15

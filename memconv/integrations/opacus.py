@@ -464,7 +464,7 @@ def _check_private_args(privacy_engine, module, optimizer, max_grad_norm, clippi
 
     from opacus import PrivacyEngine
 
-    from ..tasks.groups import check_threshold
+    from .._checks import check_threshold
 
     if not isinstance(privacy_engine, PrivacyEngine):
         raise TypeError(
@@ -779,10 +779,8 @@ def make_private(
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..conv.norm_routes import check_route
-    from ..engine.planning import check_budget
+    from .._checks import CLIP_ROUTES, check_budget, check_route
     from ..tasks.adaptive import AdaptiveClipping
-    from ..tasks.clipping import CLIP_ROUTES
 
     check_budget(memory_budget)
     check_route(norm_route)

@@ -22,9 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-CONV_TRANSPOSE_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+from .._checks import CONV_TRANSPOSE_TYPES, check_conv_module
 
 
 @dataclass(frozen=True)
@@ -143,6 +141,13 @@ class ConvSpec:
     pad_mode: str
     transposed: bool = False
 
+    def padded_size(self, size: tuple[int, ...]) -> tuple[int, ...]:
+        """Spatial size after the pre-padding."""
+        if self.pre_pad is None:
+            return tuple(size)
+        pairs = pad_pairs(self.pre_pad)
+        return tuple(s + lo + hi for s, (lo, hi) in zip(size, pairs))
+
     def normalize_input(self, x: Tensor) -> Tensor:
         """Apply the pre-padding (if any) to a convolution's input."""
         if self.pre_pad is None:
@@ -187,26 +192,6 @@ class ConvSpec:
         x = F.pad(grad_output, torch_pad_argument(pairs))
         copied = x.numel() if any(p for p, _ in pairs) else 0
         return Operands(x, input, geom.with_padding(padding), copied)
-
-
-def check_conv_module(module, argument: str = "module") -> None:
-    """Raise unless ``module`` is a supported convolution or transposed convolution.
-
-    Raises:
-        TypeError: for any other object, lazy modules included.
-        ValueError: for an unknown ``padding_mode``.
-    """
-    if not isinstance(module, CONV_TYPES + CONV_TRANSPOSE_TYPES) or isinstance(
-        module, nn.modules.lazy.LazyModuleMixin
-    ):
-        raise TypeError(
-            f"{argument} must be a torch.nn.Conv1d/2d/3d or ConvTranspose1d/2d/3d (or a "
-            f"memconv subclass of one), got {type(module).__name__}"
-        )
-    if module.padding_mode not in PADDING_MODES:
-        raise ValueError(
-            f"{argument}.padding_mode must be one of {PADDING_MODES}, got {module.padding_mode!r}"
-        )
 
 
 def conv_spec(module: nn.Module) -> ConvSpec:
@@ -265,46 +250,6 @@ def _normal_padding(module, dims: int):
     return (0,) * dims, pre_pad, module.padding_mode
 
 
-def check_input(spec: ConvSpec, x, argument: str = "input") -> None:
-    """Raise unless ``x`` is a floating tensor ``[N, C_in, *S]`` for this layer.
-
-    For a transposed convolution ``C_in`` is the module's ``in_channels`` (the
-    equivalent convolution's ``C_out``).
-
-    Raises:
-        TypeError: if ``x`` is not a floating-point tensor.
-        ValueError: on a wrong number of dimensions or channels, or a spatial size
-            too small for the kernel.
-    """
-    geom = spec.geometry
-    channels = geom.out_channels if spec.transposed else geom.in_channels
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{argument} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{argument} must be floating point, got dtype {x.dtype}")
-    if x.dim() != geom.dims + 2 or x.shape[1] != channels:
-        raise ValueError(
-            f"{argument} must have shape [N, C_in={channels}, "
-            f"{geom.dims} spatial dims], got {tuple(x.shape)}"
-        )
-    if spec.transposed:
-        return
-    size = padded_spatial(spec, tuple(x.shape[2:]))
-    if any(t < 1 for t in geom.output_size(size)):
-        raise ValueError(
-            f"{argument} spatial size {tuple(x.shape[2:])} is smaller than the "
-            f"dilated kernel {geom.kernel_size} (dilation {geom.dilation})"
-        )
-
-
-def padded_spatial(spec: ConvSpec, size: tuple[int, ...]) -> tuple[int, ...]:
-    """Spatial size after the pre-padding of ``spec``."""
-    if spec.pre_pad is None:
-        return tuple(size)
-    pairs = pad_pairs(spec.pre_pad)
-    return tuple(s + lo + hi for s, (lo, hi) in zip(size, pairs))
-
-
 def layer_output_size(spec: ConvSpec, module: nn.Module, size: tuple[int, ...]):
     """Spatial size of the layer's output for an input spatial size ``size``.
 
@@ -313,52 +258,13 @@ def layer_output_size(spec: ConvSpec, module: nn.Module, size: tuple[int, ...]):
     """
     geom = spec.geometry
     if not spec.transposed:
-        return geom.output_size(padded_spatial(spec, size))
+        return geom.output_size(spec.padded_size(size))
     return tuple(
         (s - 1) * st - 2 * p + span(k, d) + op
         for s, st, p, k, d, op in zip(
             size, geom.stride, geom.padding, geom.kernel_size, geom.dilation, module.output_padding
         )
     )
-
-
-def check_grad_output(spec: ConvSpec, x_shape, g, argument: str = "grad_output") -> None:
-    """Raise unless ``g`` has the shape of the convolution's output for input ``x_shape``.
-
-    For a transposed convolution any ``output_padding`` (0 ≤ it < max(stride,
-    dilation), as PyTorch allows) is accepted.
-
-    Raises:
-        TypeError: if ``g`` is not a tensor.
-        ValueError: if its shape is not ``[N, C_out, *T]``.
-    """
-    geom = spec.geometry
-    if not isinstance(g, Tensor):
-        raise TypeError(f"{argument} must be a torch.Tensor, got {type(g).__name__}")
-    if spec.transposed:
-        low = geom.needed_input_size(tuple(x_shape[2:]))
-        slack = [max(s, d) for s, d in zip(geom.stride, geom.dilation)]
-        ok = (
-            g.dim() == len(x_shape)
-            and tuple(g.shape[:2]) == (x_shape[0], geom.in_channels)
-            and all(lo <= t < lo + sl for t, lo, sl in zip(g.shape[2:], low, slack))
-        )
-        if not ok:
-            raise ValueError(
-                f"{argument} must have shape ({x_shape[0]}, {geom.in_channels}, *T) with T "
-                f"from {low} (+ output_padding) for input {tuple(x_shape)}, got {tuple(g.shape)}"
-            )
-        return
-    expected = (
-        x_shape[0],
-        geom.out_channels,
-        *geom.output_size(padded_spatial(spec, tuple(x_shape[2:]))),
-    )
-    if tuple(g.shape) != expected:
-        raise ValueError(
-            f"{argument} must have shape {expected} (the output of the convolution "
-            f"for input {tuple(x_shape)}), got {tuple(g.shape)}"
-        )
 
 
 def conv_function(dims: int):

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 
 import torch
 from torch import Tensor, nn
 
+from .._checks import check_tile, check_tile_argument
 from ..conv.settings import activate, record
 from .plan import Node, NotStreamableError, analyse, crop, starts
 
@@ -98,7 +98,7 @@ class StreamingCNN(nn.Module):
             raise TypeError(
                 f"stream_layers must be an nn.Module, got {type(stream_layers).__name__}"
             )
-        tile_size = _tile_argument(tile_size, tile_shape)
+        tile_size = check_tile_argument(tile_size, tile_shape)
         plan = analyse(stream_layers)
         windows = plan.windows()
         dims_found = {len(w.kernel) for w in windows}
@@ -108,7 +108,7 @@ class StreamingCNN(nn.Module):
         self.stream_layers = stream_layers
         self.plan = plan
         self.dims = dims
-        self.tile_size = _check_tile(tile_size, dims)
+        self.tile_size = check_tile(tile_size, dims)
         self.tile_device = torch.device(tile_device) if tile_device is not None else None
         self.receptive_field, self.output_stride = receptive_field(plan, dims)
         minimum = tuple(max(r, j) for r, j in zip(self.receptive_field, self.output_stride))
@@ -294,36 +294,6 @@ class _StreamFunction(torch.autograd.Function):
             gx, grads = ctx.stream.stream_backward(x, grad, ctx.needs_input_grad[1], needed)
         by_id = {id(p): g for p, g in zip(needed, grads)}
         return (None, gx, *(by_id.get(id(p)) for p in params))
-
-
-def _check_tile(tile_size, dims: int) -> tuple[int, ...]:
-    values = tile_size if isinstance(tile_size, (tuple, list)) else (tile_size,) * dims
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise TypeError(
-                f"tile_size must be a positive int or a tuple of them, got {tile_size!r}"
-            )
-        if v <= 0:
-            raise ValueError(f"tile_size must be positive, got {tile_size!r}")
-    if len(values) != dims:
-        raise ValueError(f"tile_size {tile_size!r} must have {dims} entries (one per spatial axis)")
-    return tuple(int(v) for v in values)
-
-
-def _tile_argument(tile_size, tile_shape):
-    """The spatial tile size from ``tile_size`` or Lightstream's ``tile_shape``."""
-    if (tile_size is None) == (tile_shape is None):
-        raise ValueError(
-            "give exactly one of tile_size (input pixels per spatial axis) and tile_shape "
-            "((N, C, *spatial) of one input tile, Lightstream's spelling)"
-        )
-    if tile_size is not None:
-        return tile_size
-    if not isinstance(tile_shape, (tuple, list, torch.Size)) or len(tile_shape) < 3:
-        raise ValueError(
-            f"tile_shape must be (N, C, *spatial) with at least one spatial size, got {tile_shape!r}"
-        )
-    return tuple(tile_shape[2:])
 
 
 def _tile_dims(tile_size) -> int:

@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._checks import CONV_TYPES
 from ..conv.settings import record
 from ..modules import apply_conv
 from ..strategies.geometry import (
-    CONV_TYPES,
     ConvSpec,
     compose_receptive_field,
     conv_spec,

@@ -30,19 +30,12 @@ One step of a DP optimizer with :class:`AdaptiveClipping` ``state``::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .groups import check_threshold
-
-
-def _real(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"{what} must be a finite number, got {value!r}")
-    return float(value)
+from .._checks import check_finite_number, check_threshold
 
 
 @dataclass
@@ -83,9 +76,9 @@ class AdaptiveClipping:
         self.max_clipbound = check_threshold(self.max_clipbound, "max_clipbound")
         self.min_clipbound = check_threshold(self.min_clipbound, "min_clipbound")
         for name in ("noise_multiplier", "target_unclipped_quantile"):
-            setattr(self, name, _real(getattr(self, name), name))
+            setattr(self, name, check_finite_number(getattr(self, name), name))
         for name in ("clipbound_learning_rate", "unclipped_num_std"):
-            setattr(self, name, _real(getattr(self, name), name))
+            setattr(self, name, check_finite_number(getattr(self, name), name))
         if self.max_clipbound <= self.min_clipbound:
             raise ValueError("max_clipbound must be larger than min_clipbound")
         if not 0 <= self.target_unclipped_quantile <= 1:

@@ -15,21 +15,15 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
+from .._checks import AVAILABLE
 from .._torch import storage_ptr, tree_flatten, view_base
-from ..conv.settings import activate, use_block_settings
+from ..conv.settings import activate
 from ..engine.calls import LayerCall
 from ..engine.passes import sample_by_sample, walk_micro_batches
-from ..engine.planning import check_budget
-from ..engine.prepared import (  # noqa: F401 (check_per_sample_model, unwrap_compiled: re-exported)
-    Prepared,
-    check_batch,
-    check_per_sample_model,
-    model_streams,
-    parameter_names,
-    unwrap_compiled,
-)
-from ..engine.resources import AVAILABLE
+from ..engine.prepared import CallPlan, Prepared
+from ..engine.request import Batch
 from ..layers import RuleSettings
+from .arguments import check_call
 
 
 def per_sample_grads(
@@ -97,37 +91,48 @@ def per_sample_grads(
 
 
 def grads_with(prepared: Prepared, model, loss_fn, inputs, targets, *, strategy, memory_budget):
-    """:func:`per_sample_grads`, reusing what ``prepared`` kept from the last call."""
-    settings = use_block_settings(strategy)
-    model = prepared.check_model(model, settings)
-    n = check_batch(inputs, targets)
-    check_budget(memory_budget)
+    """:func:`per_sample_grads`, reusing what ``prepared`` kept from the last call: the
+    arguments checked, then the result allocated and filled micro-batch by micro-batch
+    of the plan (the plan raises before any work if the result cannot fit)."""
+    request, batch, _ = check_call(
+        prepared,
+        task="grads",
+        caller="memconv.per_sample_grads",
+        model=model,
+        loss_fn=loss_fn,
+        inputs=inputs,
+        targets=targets,
+        strategy=strategy,
+        memory_budget=memory_budget,
+    )
     params = prepared.trainable()
-    if n == 0 or prepared.streams:
-        out = {name: p.new_zeros(n, *p.shape) for name, p in params.items()}
-        # a model that streams hides its layers from the hooks: one sample at a time
-        with activate(settings):
-            for i, grads in sample_by_sample(model, loss_fn, inputs, targets, params):
-                for name, g in grads.items():
-                    out[name][i] = g
-        return out
+    if request.n == 0 or prepared.streams:
+        return _sample_by_sample(batch, params, request)
+    return prepared.run(lambda: _walked(prepared.call_plan(batch, request), batch, params))
 
-    def run():  # raises before any work if the result cannot fit
-        cp = prepared.call_plan(model, loss_fn, inputs, "grads", settings, memory_budget)
-        out = {name: p.new_empty(n, *p.shape) for name, p in params.items()}
-        rs = RuleSettings(settings=settings, budget=cp.plan.layer_budget)
 
-        def for_rows(rows: slice) -> _Rows:
-            return _Rows(out, rows, rs, whole=cp.plan.micro_batch >= n)
+def _walked(cp: CallPlan, batch: Batch, params: dict) -> dict[str, Tensor]:
+    """The per-sample gradients of every micro-batch of the plan, written into the result."""
+    n = batch.n
+    out = {name: p.new_empty(n, *p.shape) for name, p in params.items()}
 
-        walks = walk_micro_batches(
-            model, loss_fn, inputs, targets, cp, rs, for_rows, caller="memconv.per_sample_grads"
-        )
-        for _, written, _ in walks:
-            written.zero_rest()
-        return out
+    def for_rows(rows: slice) -> _Rows:
+        return _Rows(out, rows, cp.rule_settings, whole=cp.plan.micro_batch >= n)
 
-    return prepared.run(run)
+    for part in walk_micro_batches(batch, cp, visitor=for_rows):
+        part.visitor.zero_rest()
+    return out
+
+
+def _sample_by_sample(batch: Batch, params: dict, request) -> dict[str, Tensor]:
+    """A model that streams hides its layers from the hooks: one sample at a time (an
+    empty batch: no sample)."""
+    out = {name: p.new_zeros(batch.n, *p.shape) for name, p in params.items()}
+    with activate(request.settings):
+        for i, grads in sample_by_sample(batch, params):
+            for name, g in grads.items():
+                out[name][i] = g
+    return out
 
 
 class _Rows:
@@ -193,9 +198,3 @@ def _own_tensor(v: Tensor, like: Tensor, taken: set | None) -> bool:
         and not v.requires_grad
         and (taken is None or storage_ptr(v) not in taken)
     )
-
-
-def streams(model: nn.Module) -> bool:
-    """Whether ``model`` holds a :class:`memconv.streaming.StreamingCNN`, whose layers
-    run inside its own autograd Function, out of reach of the per-layer hooks."""
-    return model_streams(model)

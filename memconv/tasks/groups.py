@@ -23,17 +23,15 @@ after the backward pass and no second pass runs.
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
+from .._checks import check_groups, check_thresholds
 from ..conv.norm_routes import DEFAULT_NORM_BUDGET, sq_norms
 
 #: The named groupings ``groups=`` takes (besides a mapping).
-GROUPINGS = ("all", "layer", "parameter")
 #: The group's name with ``groups="all"``.
 ALL = "all"
 
@@ -44,7 +42,7 @@ def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
     return torch.where(norms > max_norm, max_norm / safe, torch.ones_like(norms))
 
 
-def check_finite(norms: Tensor, caller: str) -> None:
+def ensure_finite(norms: Tensor, caller: str) -> None:
     """Raise if a per-sample norm is NaN or infinite, naming the samples.
 
     Raises:
@@ -58,20 +56,6 @@ def check_finite(norms: Tensor, caller: str) -> None:
             "(NaN or inf), so their clip factors are undefined; nothing was added to .grad. "
             "Check those inputs and the loss (overflow in float16/bfloat16, log of 0)."
         )
-
-
-def check_threshold(value, what: str) -> float:
-    """``value`` as a float if it is a positive finite number.
-
-    Raises:
-        TypeError: not a real number (a bool included).
-        ValueError: not positive and finite.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{what} must be a positive finite number, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -128,41 +112,16 @@ def resolve_groups(model: nn.Module, groups, max_norm=None) -> Grouping:
             threshold or a threshold for no group.
     """
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    if isinstance(groups, str):
-        if groups not in GROUPINGS:
-            raise ValueError(
-                f"unknown groups {groups!r}; accepted: {', '.join(GROUPINGS)} or a mapping "
-                "from parameter name to group name"
-            )
-        kind = groups
-        if groups == "all":
-            of = {n: ALL for n in names}
-        elif groups == "layer":
-            of = {n: n.rpartition(".")[0] for n in names}
-        else:
-            of = {n: n for n in names}
-    elif isinstance(groups, Mapping):
-        kind = "mapping"
-        bad = [k for k, v in groups.items() if not (isinstance(k, str) and isinstance(v, str))]
-        if bad:
-            raise TypeError(
-                f"groups must map parameter names to group names (strings), got {bad[0]!r}"
-            )
-        unknown = [k for k in groups if k not in names]
-        if unknown:
-            raise ValueError(f"groups names {unknown[0]!r}, which is no trainable parameter")
-        missing = [n for n in names if n not in groups]
-        if missing:
-            raise ValueError(
-                f"groups leaves the trainable parameter(s) {missing[:5]} out; every trainable "
-                "parameter needs a group"
-            )
-        of = {n: groups[n] for n in names}
+    check_groups(groups, names)
+    if groups == "all":
+        of = {n: ALL for n in names}
+    elif groups == "layer":
+        of = {n: n.rpartition(".")[0] for n in names}
+    elif groups == "parameter":
+        of = {n: n for n in names}
     else:
-        raise TypeError(
-            f"groups must be one of {', '.join(GROUPINGS)} or a mapping from parameter name "
-            f"to group name, got {type(groups).__name__}"
-        )
+        of = {n: groups[n] for n in names}
+    kind = groups if isinstance(groups, str) else "mapping"
     members: dict = {}
     for n in names:
         members.setdefault(of[n], []).append(n)
@@ -171,18 +130,7 @@ def resolve_groups(model: nn.Module, groups, max_norm=None) -> Grouping:
         members = {ALL: ()}
     if max_norm is None:
         return Grouping(kind, of, members)
-    if isinstance(max_norm, Mapping):
-        thresholds = {g: check_threshold(c, f"max_norm[{g!r}]") for g, c in max_norm.items()}
-        missing = [g for g in members if g not in thresholds]
-        if missing:
-            raise ValueError(f"max_norm has no threshold for the group(s) {missing[:5]}")
-        extra = [g for g in thresholds if g not in members]
-        if extra:
-            raise ValueError(f"max_norm names {extra[0]!r}, which is no group")
-    else:
-        c = check_threshold(max_norm, "max_norm")
-        thresholds = {g: c for g in members}
-    return Grouping(kind, of, members, thresholds)
+    return Grouping(kind, of, members, check_thresholds(max_norm, members))
 
 
 def _small_grads(call) -> bool:
@@ -263,7 +211,7 @@ class OnePass:
         n = next(iter(sq.values())).shape[0] if sq else 0
         for g, keys in local.items():
             norm = self.grouping.norm(g, full, n).detach()
-            check_finite(norm, self.caller)
+            ensure_finite(norm, self.caller)
             c = clip_factors(norm, self.grouping.max_norm[g])
             if grads is None:
                 sums = call.summed_grad(self.rs, c)

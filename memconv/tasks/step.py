@@ -15,13 +15,20 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from ..conv.norm_routes import check_route
+from .._checks import (
+    AVAILABLE,
+    check_budget,
+    check_callable,
+    check_clip_route,
+    check_module,
+    check_route,
+)
 from ..conv.settings import use_block_settings
-from ..engine.planning import Plan, check_budget, check_clip_route
+from ..engine.planning import Plan
 from ..engine.prepared import Prepared
-from ..engine.resources import AVAILABLE
-from .clipping import check_max_norm, clip_with, norms_with
+from .clipping import clip_with
 from .grads import grads_with
+from .norms import norms_with
 
 
 class PrivateStep:
@@ -66,10 +73,8 @@ class PrivateStep:
         norm_route: str | None = None,
         clip_route: str | None = None,
     ):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        check_module(model)
+        check_callable(loss_fn, "loss_fn")
         use_block_settings(strategy)
         check_budget(memory_budget)
         check_route(norm_route)
@@ -112,9 +117,14 @@ class PrivateStep:
             As :func:`memconv.per_sample_grads`.
         """
         return grads_with(
-            self._prepared, self.model, self.loss_fn, inputs, targets,
-            strategy=self.strategy, memory_budget=self.memory_budget,
-        )  # fmt: skip
+            self._prepared,
+            self.model,
+            self.loss_fn,
+            inputs,
+            targets,
+            strategy=self.strategy,
+            memory_budget=self.memory_budget,
+        )
 
     def per_sample_norms(
         self, inputs: Tensor, targets: Tensor, *, per_parameter: bool = False, groups="all"
@@ -135,10 +145,17 @@ class PrivateStep:
             As :func:`memconv.per_sample_norms`.
         """
         return norms_with(
-            self._prepared, self.model, self.loss_fn, inputs, targets, strategy=self.strategy,
-            memory_budget=self.memory_budget, per_parameter=per_parameter,
-            norm_route=self.norm_route, groups=groups,
-        )  # fmt: skip
+            self._prepared,
+            self.model,
+            self.loss_fn,
+            inputs,
+            targets,
+            strategy=self.strategy,
+            memory_budget=self.memory_budget,
+            per_parameter=per_parameter,
+            norm_route=self.norm_route,
+            groups=groups,
+        )
 
     def clip_and_accumulate(
         self, inputs: Tensor, targets: Tensor, *, max_norm: float | dict, groups="all"
@@ -158,9 +175,16 @@ class PrivateStep:
         Raises:
             As :func:`memconv.clip_and_accumulate`.
         """
-        check_max_norm(max_norm)
         return clip_with(
-            self._prepared, self.model, self.loss_fn, inputs, targets, max_norm=max_norm,
-            strategy=self.strategy, memory_budget=self.memory_budget,
-            norm_route=self.norm_route, clip_route=self.clip_route, groups=groups,
-        )  # fmt: skip
+            self._prepared,
+            self.model,
+            self.loss_fn,
+            inputs,
+            targets,
+            max_norm=max_norm,
+            strategy=self.strategy,
+            memory_budget=self.memory_budget,
+            norm_route=self.norm_route,
+            clip_route=self.clip_route,
+            groups=groups,
+        )

@@ -36,12 +36,12 @@ import weakref
 
 from torch import nn
 
+from ..._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES, check_batch
 from ...conv import settings as context
 from ...conv.vjp import check_settings
 from ...engine.losses import per_sample_losses
+from ...engine.prepared import check_per_sample_model, parameter_names
 from ...modules import CONVERSIONS, convert
-from ...strategies.geometry import CONV_TRANSPOSE_TYPES, CONV_TYPES
-from ...tasks.grads import check_batch, check_per_sample_model, parameter_names
 
 #: Module extensions each installed extension object had before, to give back exactly.
 _previous: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -1,0 +1,419 @@
+"""Every argument check of memconv's public functions, in one place (as jax_privacy's
+``_validate.py``), with the names of the values they accept.
+
+A check raises before any work, with the argument's name and what is accepted:
+``TypeError`` for a value of the wrong kind, ``ValueError`` for a value of the right
+kind out of range. Checks of what memconv computes (a rule's results, a non-finite
+norm, a probe that no longer fits) live where the computation is, not here.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor, nn
+
+#: What a whole-model call computes: per-sample gradients, their norms, clipped sums.
+Task = Literal["grads", "norms", "clip"]
+TASKS: tuple[str, ...] = get_args(Task)
+#: How a convolution's or Linear layer's per-sample norms are taken.
+NormRoute = Literal["ghost", "instantiate"]
+NORM_ROUTES: tuple[str, ...] = get_args(NormRoute)
+#: How :func:`memconv.clip_and_accumulate` makes the clipped sum.
+ClipRoute = Literal["book-keeping", "two-pass"]
+CLIP_ROUTES: tuple[str, ...] = get_args(ClipRoute)
+#: The named parameter groupings of clipping (or a mapping).
+GroupKind = Literal["all", "layer", "parameter"]
+GROUPINGS: tuple[str, ...] = get_args(GroupKind)
+#: ``memory_budget="available"``: what the process can still use.
+AVAILABLE = "available"
+#: The padding modes of torch's convolutions.
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+#: The convolutions and transposed convolutions memconv's strategies run on.
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+CONV_TRANSPOSE_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_choice(value, accepted: tuple, argument: str, *, none: bool = True) -> None:
+    """Raise unless ``value`` is one of ``accepted`` (or None, with ``none``).
+
+    Raises:
+        ValueError: naming the accepted values.
+    """
+    if (value is None and none) or value in accepted:
+        return
+    listed = ", ".join(accepted) + (" or None" if none else "")
+    raise ValueError(f"unknown {argument} {value!r}; accepted: {listed}")
+
+
+def check_task(task) -> None:
+    """Raise unless ``task`` is one of :data:`TASKS`."""
+    check_choice(task, TASKS, "task", none=False)
+
+
+def check_route(route, argument: str = "norm_route") -> None:
+    """Raise unless ``route`` is None or one of :data:`NORM_ROUTES`.
+
+    Raises:
+        ValueError: naming the accepted routes.
+    """
+    check_choice(route, NORM_ROUTES, argument)
+
+
+def check_clip_route(clip_route) -> None:
+    """Raise unless ``clip_route`` is None or one of :data:`CLIP_ROUTES`.
+
+    Raises:
+        ValueError: naming the accepted routes.
+    """
+    check_choice(clip_route, CLIP_ROUTES, "clip_route")
+
+
+def check_module(value, argument: str = "model") -> None:
+    """Raise ``TypeError`` unless ``value`` is an ``nn.Module``."""
+    if not isinstance(value, nn.Module):
+        raise TypeError(f"{argument} must be a torch.nn.Module, got {type(value).__name__}")
+
+
+def check_callable(value, argument: str) -> None:
+    """Raise ``TypeError`` unless ``value`` is callable."""
+    if not callable(value):
+        raise TypeError(f"{argument} must be callable, got {type(value).__name__}")
+
+
+def check_tensor(value, argument: str) -> None:
+    """Raise ``TypeError`` unless ``value`` is a tensor."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{argument} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def check_positive_int(value, argument: str) -> None:
+    """Raise unless ``value`` is a positive int (a bool is not).
+
+    Raises:
+        TypeError: not an int.
+        ValueError: not positive.
+    """
+    if not _is_int(value):
+        raise TypeError(
+            f"{argument} must be a positive int or None, got {type(value).__name__} {value!r}"
+        )
+    if value <= 0:
+        raise ValueError(f"{argument} must be a positive int or None, got {value}")
+
+
+def check_budget(memory_budget, argument: str = "memory_budget") -> None:
+    """Raise unless ``memory_budget`` is ``"available"``, None or a positive int (bytes).
+
+    Raises:
+        TypeError: a non-integer other than ``"available"``.
+        ValueError: a non-positive value, or another string.
+    """
+    accepted = "a positive int (bytes), 'available' or None"
+    if memory_budget is None or memory_budget == AVAILABLE:
+        return
+    if isinstance(memory_budget, str):
+        raise ValueError(f"{argument} must be {accepted}, got {memory_budget!r}")
+    if not _is_int(memory_budget):
+        raise TypeError(f"{argument} must be {accepted}, got {memory_budget!r}")
+    if memory_budget <= 0:
+        raise ValueError(f"{argument} must be {accepted}, got {memory_budget}")
+
+
+def check_threshold(value, what: str) -> float:
+    """``value`` as a float if it is a positive finite number.
+
+    Raises:
+        TypeError: not a real number (a bool included).
+        ValueError: not positive and finite.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a positive finite number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def check_max_norm(max_norm) -> None:
+    """Raise unless ``max_norm`` is a positive finite number or a mapping (whose
+    thresholds :func:`memconv.tasks.groups.resolve_groups` checks against the groups).
+
+    Raises:
+        TypeError: not a real number or a mapping.
+        ValueError: not positive and finite.
+    """
+    if not isinstance(max_norm, Mapping):
+        check_threshold(max_norm, "max_norm")
+
+
+def check_finite_number(value, what: str) -> float:
+    """``value`` as a float if it is a finite int or float (a bool is not).
+
+    Raises:
+        TypeError: otherwise.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def check_groups(groups, names: list) -> None:
+    """Raise unless ``groups`` is one of :data:`GROUPINGS` or a mapping ``{parameter name:
+    group name}`` covering exactly the trainable parameters ``names``.
+
+    Raises:
+        TypeError: neither a known name nor a mapping of strings.
+        ValueError: an unknown grouping; a mapping naming no trainable parameter or
+            leaving one out.
+    """
+    if isinstance(groups, str):
+        if groups not in GROUPINGS:
+            raise ValueError(
+                f"unknown groups {groups!r}; accepted: {', '.join(GROUPINGS)} or a mapping "
+                "from parameter name to group name"
+            )
+        return
+    if not isinstance(groups, Mapping):
+        raise TypeError(
+            f"groups must be one of {', '.join(GROUPINGS)} or a mapping from parameter name "
+            f"to group name, got {type(groups).__name__}"
+        )
+    bad = [k for k, v in groups.items() if not (isinstance(k, str) and isinstance(v, str))]
+    if bad:
+        raise TypeError(f"groups must map parameter names to group names (strings), got {bad[0]!r}")
+    unknown = [k for k in groups if k not in names]
+    if unknown:
+        raise ValueError(f"groups names {unknown[0]!r}, which is no trainable parameter")
+    missing = [n for n in names if n not in groups]
+    if missing:
+        raise ValueError(
+            f"groups leaves the trainable parameter(s) {missing[:5]} out; every trainable "
+            "parameter needs a group"
+        )
+
+
+def check_thresholds(max_norm, groups) -> dict[str, float]:
+    """``{group: threshold}`` from ``max_norm``: one threshold for every group, or a
+    mapping ``{group name: threshold}`` with exactly the names ``groups``.
+
+    Raises:
+        TypeError: ``max_norm`` neither a number nor a mapping; a threshold not a number.
+        ValueError: a threshold ≤ 0 or not finite; a group without a threshold or a
+            threshold for no group.
+    """
+    if not isinstance(max_norm, Mapping):
+        c = check_threshold(max_norm, "max_norm")
+        return {g: c for g in groups}
+    thresholds = {g: check_threshold(c, f"max_norm[{g!r}]") for g, c in max_norm.items()}
+    missing = [g for g in groups if g not in thresholds]
+    if missing:
+        raise ValueError(f"max_norm has no threshold for the group(s) {missing[:5]}")
+    extra = [g for g in thresholds if g not in groups]
+    if extra:
+        raise ValueError(f"max_norm names {extra[0]!r}, which is no group")
+    return thresholds
+
+
+def check_tile_size(tile_size, argument: str = "tile_size") -> None:
+    """Raise unless ``tile_size`` is None, a positive int or a tuple of them.
+
+    Raises:
+        TypeError: on a non-integer value.
+        ValueError: on a non-positive value or an empty tuple.
+    """
+    if tile_size is None:
+        return
+    if isinstance(tile_size, (tuple, list)):
+        if not tile_size:
+            raise ValueError(f"{argument} must not be empty")
+        for v in tile_size:
+            check_positive_int(v, argument)
+        return
+    check_positive_int(tile_size, argument)
+
+
+def check_tile(tile_size, dims: int) -> tuple[int, ...]:
+    """A streamed tile's size ``(t_1, ..., t_dims)``: a positive int for every spatial
+    axis, or one for all.
+
+    Raises:
+        TypeError: a value that is not an int.
+        ValueError: a non-positive value, or a tuple of another length.
+    """
+    values = tile_size if isinstance(tile_size, (tuple, list)) else (tile_size,) * dims
+    for v in values:
+        if not _is_int(v):
+            raise TypeError(
+                f"tile_size must be a positive int or a tuple of them, got {tile_size!r}"
+            )
+        if v <= 0:
+            raise ValueError(f"tile_size must be positive, got {tile_size!r}")
+    if len(values) != dims:
+        raise ValueError(f"tile_size {tile_size!r} must have {dims} entries (one per spatial axis)")
+    return tuple(int(v) for v in values)
+
+
+def check_tile_argument(tile_size, tile_shape):
+    """The spatial tile size from ``tile_size`` or Lightstream's ``tile_shape``.
+
+    Raises:
+        ValueError: both or neither given, or a ``tile_shape`` without spatial sizes.
+    """
+    if (tile_size is None) == (tile_shape is None):
+        raise ValueError(
+            "give exactly one of tile_size (input pixels per spatial axis) and tile_shape "
+            "((N, C, *spatial) of one input tile, Lightstream's spelling)"
+        )
+    if tile_size is not None:
+        return tile_size
+    if not isinstance(tile_shape, (tuple, list, torch.Size)) or len(tile_shape) < 3:
+        raise ValueError(
+            f"tile_shape must be (N, C, *spatial) with at least one spatial size, got {tile_shape!r}"
+        )
+    return tuple(tile_shape[2:])
+
+
+def check_strategy_name(strategy, names: tuple, argument: str = "strategy") -> str:
+    """The strategy's name: ``True``/``False`` are ``"rochette"``/``"standard"``
+    (BackPACK's ``save_memory(True/False)``), a string must be one of ``names``.
+
+    Raises:
+        TypeError: if ``strategy`` is neither a bool nor a str.
+        ValueError: if the name is not registered.
+    """
+    if strategy is True:
+        return "rochette"
+    if strategy is False:
+        return "standard"
+    if not isinstance(strategy, str):
+        raise TypeError(
+            f"{argument} must be a bool or one of {names}, got {type(strategy).__name__}"
+        )
+    check_choice(strategy, names, argument, none=False)
+    return strategy
+
+
+def check_grad_mode() -> None:
+    """Raise under ``torch.no_grad()`` or ``torch.inference_mode()``.
+
+    Raises:
+        RuntimeError: there.
+    """
+    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+        raise RuntimeError(
+            "memconv runs its own forward and backward passes, which need gradients: it "
+            "cannot run under torch.no_grad() or torch.inference_mode(); call it outside them"
+        )
+
+
+def check_batch(inputs, targets) -> int:
+    """Raise unless ``inputs`` is a tensor and ``targets`` has its length; returns N.
+
+    Raises:
+        TypeError: if ``inputs`` is not a tensor.
+        ValueError: if the lengths differ.
+    """
+    check_tensor(inputs, "inputs")
+    if len(inputs) != len(targets):
+        raise ValueError(
+            f"inputs and targets must have the same length N, got {len(inputs)} and {len(targets)}"
+        )
+    return len(inputs)
+
+
+def check_conv_module(module, argument: str = "module") -> None:
+    """Raise unless ``module`` is a supported convolution or transposed convolution.
+
+    Raises:
+        TypeError: for any other object, lazy modules included.
+        ValueError: for an unknown ``padding_mode``.
+    """
+    if not isinstance(module, CONV_TYPES + CONV_TRANSPOSE_TYPES) or isinstance(
+        module, nn.modules.lazy.LazyModuleMixin
+    ):
+        raise TypeError(
+            f"{argument} must be a torch.nn.Conv1d/2d/3d or ConvTranspose1d/2d/3d (or a "
+            f"memconv subclass of one), got {type(module).__name__}"
+        )
+    if module.padding_mode not in PADDING_MODES:
+        raise ValueError(
+            f"{argument}.padding_mode must be one of {PADDING_MODES}, got {module.padding_mode!r}"
+        )
+
+
+def check_conv_input(spec, x, argument: str = "input") -> None:
+    """Raise unless ``x`` is a floating tensor ``[N, C_in, *S]`` for the layer of
+    ``spec`` (a :class:`memconv.strategies.geometry.ConvSpec`).
+
+    For a transposed convolution ``C_in`` is the module's ``in_channels`` (the
+    equivalent convolution's ``C_out``).
+
+    Raises:
+        TypeError: if ``x`` is not a floating-point tensor.
+        ValueError: on a wrong number of dimensions or channels, or a spatial size
+            too small for the kernel.
+    """
+    geom = spec.geometry
+    channels = geom.out_channels if spec.transposed else geom.in_channels
+    check_tensor(x, argument)
+    if not x.is_floating_point():
+        raise TypeError(f"{argument} must be floating point, got dtype {x.dtype}")
+    if x.dim() != geom.dims + 2 or x.shape[1] != channels:
+        raise ValueError(
+            f"{argument} must have shape [N, C_in={channels}, "
+            f"{geom.dims} spatial dims], got {tuple(x.shape)}"
+        )
+    if spec.transposed:
+        return
+    size = spec.padded_size(tuple(x.shape[2:]))
+    if any(t < 1 for t in geom.output_size(size)):
+        raise ValueError(
+            f"{argument} spatial size {tuple(x.shape[2:])} is smaller than the "
+            f"dilated kernel {geom.kernel_size} (dilation {geom.dilation})"
+        )
+
+
+def check_conv_grad_output(spec, x_shape, g, argument: str = "grad_output") -> None:
+    """Raise unless ``g`` has the shape of the convolution's output for input ``x_shape``.
+
+    For a transposed convolution any ``output_padding`` (0 ≤ it < max(stride,
+    dilation), as PyTorch allows) is accepted.
+
+    Raises:
+        TypeError: if ``g`` is not a tensor.
+        ValueError: if its shape is not ``[N, C_out, *T]``.
+    """
+    geom = spec.geometry
+    check_tensor(g, argument)
+    if spec.transposed:
+        low = geom.needed_input_size(tuple(x_shape[2:]))
+        slack = [max(s, d) for s, d in zip(geom.stride, geom.dilation)]
+        ok = (
+            g.dim() == len(x_shape)
+            and tuple(g.shape[:2]) == (x_shape[0], geom.in_channels)
+            and all(lo <= t < lo + sl for t, lo, sl in zip(g.shape[2:], low, slack))
+        )
+        if not ok:
+            raise ValueError(
+                f"{argument} must have shape ({x_shape[0]}, {geom.in_channels}, *T) with T "
+                f"from {low} (+ output_padding) for input {tuple(x_shape)}, got {tuple(g.shape)}"
+            )
+        return
+    expected = (
+        x_shape[0],
+        geom.out_channels,
+        *geom.output_size(spec.padded_size(tuple(x_shape[2:]))),
+    )
+    if tuple(g.shape) != expected:
+        raise ValueError(
+            f"{argument} must have shape {expected} (the output of the convolution "
+            f"for input {tuple(x_shape)}), got {tuple(g.shape)}"
+        )

@@ -1,0 +1,102 @@
+"""A whole-model call's arguments, checked before any work and gathered into the
+engine's records (:class:`memconv.engine.request.Request`, :class:`~memconv.engine.request.Batch`).
+
+Every public function of :mod:`memconv.tasks` starts here: the argument checks
+(:mod:`memconv._checks`), the model's (:meth:`memconv.engine.prepared.Prepared.check_model`:
+each layer's rule says whether it mixes samples), and the strategy of the open
+:class:`memconv.save_memory` block or of ``strategy``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import nn
+
+from .._checks import check_batch, check_budget, check_clip_route, check_route
+from ..conv.settings import use_block_settings
+from ..engine.prepared import Prepared
+from ..engine.request import Batch, Request
+
+
+class Checked(NamedTuple):
+    """A call's arguments, checked.
+
+    Attributes:
+        request: what the call computes.
+        batch: on what (the model unwrapped from ``torch.compile`` and, where asked,
+            from ``DistributedDataParallel``).
+        ddp: the ``DistributedDataParallel`` wrapper that was taken off, or None.
+    """
+
+    request: Request
+    batch: Batch
+    ddp: nn.Module | None
+
+
+def unwrap_ddp(model):
+    """``(module, wrapper)``: the module a ``DistributedDataParallel`` wraps (the walk
+    runs on it) and the wrapper, or ``(model, None)``.
+
+    Raises:
+        ValueError: for Opacus' ``DPDDP``, whose ranks memconv would not sum.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if type(model).__name__ in ("DPDDP", "DifferentiallyPrivateDistributedDataParallel"):
+        raise ValueError(
+            "model is Opacus' DPDDP: memconv sums the ranks' clipped sums itself; wrap the "
+            "model in torch.nn.parallel.DistributedDataParallel instead"
+        )
+    return (model.module, model) if isinstance(model, DistributedDataParallel) else (model, None)
+
+
+def check_call(
+    prepared: Prepared,
+    *,
+    task: str,
+    caller: str,
+    model,
+    loss_fn,
+    inputs,
+    targets,
+    strategy,
+    memory_budget,
+    norm_route=None,
+    clip_route=None,
+    unwrap: bool = False,
+) -> Checked:
+    """Check a call's arguments (before any work) and gather them into records.
+
+    Args:
+        prepared: what the last call kept (the model's checks are run again only when
+            the model or the settings changed).
+        task: ``"grads"``, ``"norms"`` or ``"clip"``.
+        caller: the public function's name, for messages.
+        model, loss_fn, inputs, targets, strategy, memory_budget, norm_route,
+            clip_route: the call's.
+        unwrap: take a ``DistributedDataParallel`` wrapper off (norms and clipping
+            run on the local samples; clipping sums the ranks itself).
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as the public functions document.
+    """
+    settings = use_block_settings(strategy)
+    ddp = None
+    if unwrap:
+        model, ddp = unwrap_ddp(model)
+    check_clip_route(clip_route)
+    model = prepared.check_model(model, settings)
+    n = check_batch(inputs, targets)
+    check_budget(memory_budget)
+    check_route(norm_route)
+    request = Request(
+        task=task,
+        n=n,
+        settings=settings,
+        memory_budget=memory_budget,
+        norm_route=norm_route,
+        clip_route=clip_route,
+        caller=caller,
+    )
+    return Checked(request, Batch(model, loss_fn, inputs, targets), ddp)

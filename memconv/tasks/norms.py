@@ -1,0 +1,341 @@
+"""Per-sample gradient norms without per-sample gradients, gathered call by call.
+
+:func:`per_sample_norms` runs one forward and one backward pass per micro-batch
+(:func:`memconv.engine.passes.walk_micro_batches`) in which each parametrised layer
+turns its input and output gradient into the squared norms of its per-sample gradients
+(its rule's ``sq_norms``: ghost norms or instantiated chunks for convolutions, per
+layer), so that no layer's per-sample gradients need to exist at once. The
+:class:`NormGatherer` that collects them is also the first step of
+:func:`memconv.clip_and_accumulate`, which with book-keeping has it keep what the
+clipped sum needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor, nn
+
+from .._checks import AVAILABLE
+from .._torch import storage_key
+from ..conv.norm_routes import DEFAULT_NORM_BUDGET, sq_norms
+from ..conv.settings import activate
+from ..engine.calls import LayerCall
+from ..engine.passes import sample_by_sample, walk_micro_batches
+from ..engine.prepared import CallPlan, Prepared
+from ..engine.request import Batch
+from ..layers import RuleSettings
+from .arguments import check_call
+from .groups import ALL, Grouping, OnePass, ensure_finite, resolve_groups
+
+
+class NormGatherer:
+    """Squared per-sample norms per parameter, gathered call by call; with
+    book-keeping, also what the clipped sum needs of each call.
+
+    A parameter that several calls' routes compute (shared between layers, or a layer
+    called twice) has its per-sample gradients summed over them first, since the norm
+    of a sum is not the sum of norms. With book-keeping a rule call keeps its
+    per-sample gradients where they are smaller than its input and output gradient
+    (:meth:`prepare`), else the latter (and its norms come from the rule's lean route);
+    a generic call keeps its per-sample gradients.
+    """
+
+    def __init__(self, n: int, rs: RuleSettings, keep: bool, onepass: OnePass | None = None):
+        self.n, self.rs, self.keep, self.onepass = n, rs, keep, onepass
+        self.sq: dict[str, Tensor] = {}
+        self.grads: dict[str, Tensor] = {}  # per-sample gradients kept (or shared)
+        self.io: list[LayerCall] = []  # calls kept as inputs and output gradient
+        self.keep_grads: set = set()  # rule calls that keep per-sample gradients
+
+    def prepare(self, calls: list[LayerCall]) -> None:
+        """Book-keeping: decide, before the backward pass, which rule calls keep their
+        per-sample gradients rather than their input and output gradient — whichever
+        is smaller, an input that several calls read (a residual block's convolution
+        and its projection shortcut) counted once. Calls clipped in the pass
+        (:class:`memconv.tasks.groups.OnePass`) keep nothing."""
+        if self.onepass is not None:
+            self.onepass.prepare(calls)
+            calls = [c for c in calls if c not in self.onepass.calls]
+        if not self.keep:
+            return
+        readers: dict = {}  # one input tensor (its storage view) -> the calls reading it
+        for call in calls:
+            if call.rule is None or call.shared:
+                continue
+            named = call._named()
+            grads = self.n * sum(named[k].numel() for k in call.params)
+            if len(call.args) != 1:  # each call on its own
+                if grads < sum(a.numel() for a in call.args) + call.output_elements:
+                    self.keep_grads.add(call)
+                continue
+            x = call.args[0]
+            key = storage_key(x)
+            readers.setdefault(key, []).append((call, grads, x.numel()))
+        for group in readers.values():
+            # per-sample gradients for all, or the input once and, for each call, the
+            # smaller of its output gradient and its per-sample gradients (the input
+            # only pays off if some call prefers its output gradient)
+            size = group[0][2]
+            all_grads = sum(grads for _, grads, _ in group)
+            with_io = size + sum(min(c.output_elements, grads) for c, grads, _ in group)
+            self.keep_grads.update(
+                c for c, grads, _ in group if all_grads <= with_io or grads <= c.output_elements
+            )
+
+    def visit(self, call: LayerCall):
+        """Take the call's norms; per-sample gradients to keep are returned as work
+        for after the call's backward node (see :func:`memconv.engine.walk.backward_walk`)."""
+        if self.onepass is not None and call in self.onepass.calls:
+            self.sq.update(self.onepass.visit(call))
+            return None
+        instantiate = bool(call.shared) or call.rule is None or call in self.keep_grads
+        if instantiate:  # the route's temporaries within the layer's budget
+
+            def work():
+                budget = self.rs.budget or DEFAULT_NORM_BUDGET
+                grads = call.grad_sample(replace(self.rs, budget=budget))
+                for k, v in grads.items():
+                    self.add_grads(call.params[k], v, keep=k in call.shared or self.keep)
+
+            if self.keep or call.shared:
+                return work
+            work()
+            return None
+        for k, v in call.sq_norms(self.rs).items():
+            self.sq[call.params[k]] = v
+        if self.keep:
+            call.kept = True
+            self.io.append(call)
+        return None
+
+    def from_model_route(self, name: str, grads: Tensor) -> None:
+        """Per-sample gradients of a parameter the walk left to the model route."""
+        self.add_grads(name, grads, keep=self.keep)
+
+    def add_grads(self, name: str, grads: Tensor, keep: bool) -> None:
+        """Per-sample gradients of a parameter: kept (summed over routes) or squared."""
+        if keep:
+            self.grads[name] = grads if name not in self.grads else self.grads[name] + grads
+        else:
+            self.sq[name] = squared(grads)
+
+    def result(self, params: dict) -> dict[str, Tensor]:
+        out = {}
+        for name, p in params.items():
+            if name in self.grads:
+                out[name] = squared(self.grads[name])
+            elif name in self.sq:
+                out[name] = self.sq[name]
+            else:  # does not influence the loss
+                out[name] = p.new_zeros(self.n, dtype=torch.promote_types(p.dtype, torch.float32))
+        return out
+
+    def add_clipped_sums(self, c: dict, total: dict) -> None:
+        """Add Σₙ cₙ·gₙ per parameter into ``total`` (``c``: the clip factors ``[n]``
+        of each parameter's group, by model name): kept per-sample gradients weighted,
+        and one summed VJP per call and factor kept as inputs and output gradient
+        (each call's share added, and released, as it goes)."""
+        for full in list(self.grads):
+            grads = self.grads.pop(full)
+            add_into(total, full, torch.einsum("n,n...->...", c[full].to(grads.dtype), grads))
+        while self.io:
+            call = self.io.pop(0)
+            factors = {id(c[full]): c[full] for full in call.params.values()}
+            for factor in factors.values():  # one VJP per group of the call
+                for k, v in call.summed_grad(self.rs, factor).items():
+                    if c[call.params[k]] is factor:
+                        add_into(total, call.params[k], v)
+            call.release()
+
+
+def add_into(total: dict, name: str, value: Tensor) -> None:
+    total[name] = value if name not in total else total[name].add_(value)
+
+
+def squared(grads: Tensor) -> Tensor:
+    return sq_norms(grads).to(torch.promote_types(grads.dtype, torch.float32))
+
+
+def per_sample_norms(
+    model: nn.Module,
+    loss_fn,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    strategy: str | bool | None = None,
+    memory_budget: int | str | None = AVAILABLE,
+    per_parameter: bool = False,
+    norm_route: str | None = None,
+    groups: str | dict = "all",
+):
+    """L2 norms of each sample's gradient, without holding per-sample gradients.
+
+    The per-sample loss is the one of :func:`memconv.per_sample_grads`:
+    ``loss_fn(model(inputs[n:n+1]), targets[n:n+1])``.
+
+    Args:
+        model: as :func:`memconv.per_sample_grads` (a ``DistributedDataParallel``
+            wrapper is unwrapped: the norms are of the local samples).
+        loss_fn: returns a scalar for one sample.
+        inputs: ``[N, ...]``.
+        targets: ``[N, ...]``.
+        strategy: weight-VJP strategy of the instantiating route (name or bool);
+            ``None``: the open :class:`memconv.save_memory` block's, or ``"auto"``.
+        memory_budget: bytes the whole call's peak memory increase may reach: the
+            batch runs in micro-batches and each layer's norm computation within a
+            budget, as :func:`memconv.plan` plans them; ``"available"`` (the default):
+            what the process can still use (:func:`memconv.engine.resources.default_budget`);
+            None: one pass, and 32 MiB per layer's norm temporaries.
+        per_parameter: return ``{name: [N]}`` (each parameter's own norms) instead of
+            the norm over all trainable parameters.
+        norm_route: ``"ghost"`` or ``"instantiate"`` for every convolution and Linear
+            layer, or None to choose per layer by the cost models.
+        groups: ``"all"`` (the norm over all trainable parameters), ``"layer"`` (over
+            the parameters each module owns directly, keyed by the module's name, ``""``
+            for the model's own), ``"parameter"``, or a mapping ``{parameter name: group
+            name}`` covering every trainable parameter: the norms of each group, as
+            :func:`clip_and_accumulate` clips them (:mod:`memconv.tasks.groups`).
+
+    Returns:
+        ``[N]`` norms (float32 or wider); ``{name: [N]}`` with ``per_parameter``;
+        ``{group: [N]}`` with ``groups`` other than ``"all"``.
+
+    Raises:
+        TypeError, ValueError: as :func:`memconv.per_sample_grads`; an unknown
+            ``norm_route``; a non-positive or non-integer ``memory_budget``, or one below
+            the smallest feasible budget (named); bad ``groups`` (see
+            :func:`memconv.tasks.groups.resolve_groups`), or ``groups`` with
+            ``per_parameter``. Before any work.
+    """
+    return norms_with(
+        Prepared(),
+        model,
+        loss_fn,
+        inputs,
+        targets,
+        strategy=strategy,
+        memory_budget=memory_budget,
+        per_parameter=per_parameter,
+        norm_route=norm_route,
+        groups=groups,
+    )
+
+
+def norms_with(
+    prepared: Prepared,
+    model,
+    loss_fn,
+    inputs,
+    targets,
+    *,
+    strategy,
+    memory_budget,
+    per_parameter,
+    norm_route,
+    groups="all",
+):
+    """:func:`per_sample_norms`, reusing what ``prepared`` kept from the last call."""
+    request, batch, _ = check_call(
+        prepared,
+        task="norms",
+        caller="memconv.per_sample_norms",
+        model=model,
+        loss_fn=loss_fn,
+        inputs=inputs,
+        targets=targets,
+        strategy=strategy,
+        memory_budget=memory_budget,
+        norm_route=norm_route,
+        unwrap=True,
+    )
+    grouping = resolve_groups(batch.model, groups)
+    if per_parameter and grouping.kind != "all":
+        raise ValueError("per_parameter=True is groups='parameter'; pass one of them")
+    params = prepared.trainable()
+    if request.n == 0:
+        return _empty(grouping, params, per_parameter, inputs)
+    if prepared.streams:  # one sample at a time, by autograd (its layers are hidden)
+        with activate(request.settings):
+            parts = [
+                ({name: squared(g.unsqueeze(0)) for name, g in grads.items()}, slice(i, i + 1))
+                for i, grads in sample_by_sample(batch, params)
+            ]
+    else:
+
+        def run():
+            cp = prepared.call_plan(batch, request)
+            return [(part.visitor.result(cp.params), part.rows) for part in gather_norms(batch, cp)]
+
+        parts = prepared.run(run)
+    if grouping.kind != "all":
+        out = {
+            g: torch.cat([grouping.norm(g, sq, _len(rows)) for sq, rows in parts])
+            for g in grouping.members
+        }
+        for norms in out.values():
+            ensure_finite(norms, request.caller)
+        return out
+    total = torch.cat([total_sq(sq, _len(rows)) for sq, rows in parts]).sqrt()
+    ensure_finite(total, request.caller)
+    if per_parameter:
+        return {name: torch.cat([sq[name] for sq, _ in parts]).sqrt() for name in params}
+    return total
+
+
+def _len(rows: slice) -> int:
+    return rows.stop - rows.start
+
+
+def _empty(grouping: Grouping, params: dict, per_parameter: bool, inputs: Tensor):
+    """The norms of an empty batch, as :func:`per_sample_norms` returns them."""
+    if grouping.kind != "all":
+        return {g: inputs.new_zeros(0, dtype=torch.float32) for g in grouping.members}
+    if per_parameter:
+        return {
+            name: p.new_zeros(0, dtype=torch.promote_types(p.dtype, torch.float32))
+            for name, p in params.items()
+        }
+    return inputs.new_zeros(0, dtype=torch.float32)
+
+
+def gather_norms(batch: Batch, cp: CallPlan, onepass=None):
+    """The walks of the micro-batches of the plan ``cp``, one at a time
+    (:func:`memconv.engine.passes.walk_micro_batches`), each gathering norms in a
+    :class:`NormGatherer` (and, for book-keeping, what the clipped sum needs; with
+    ``onepass``, which makes each walk's :class:`memconv.tasks.groups.OnePass`, the
+    clipped sums of the calls it clips, added into its total)."""
+    route = cp.plan.clip_route
+    rs = cp.rule_settings
+
+    def gatherer(rows: slice) -> NormGatherer:
+        keep = route == "book-keeping"
+        return NormGatherer(_len(rows), rs, keep=keep, onepass=onepass and onepass())
+
+    return walk_micro_batches(batch, cp, visitor=gatherer, keep_graph=route == "two-pass")
+
+
+def group_norms(grouping: Grouping, sq: dict, n: int, caller: str) -> dict[str, Tensor]:
+    """``{group: norms [n]}`` (detached, checked finite) from squared norms per
+    parameter."""
+    if grouping.kind == "all":
+        norms = {ALL: total_sq(sq, n).sqrt().detach()}
+    else:
+        norms = {g: v.detach() for g, v in grouping.norms(sq, n).items()}
+    for v in norms.values():
+        ensure_finite(v, caller)
+    return norms
+
+
+def joined(grouping: Grouping, parts: list[dict]):
+    """The norms of the micro-batches joined: ``[N]`` for ``"all"``, else by group."""
+    out = {g: torch.cat([p[g] for p in parts]) for g in parts[0]}
+    if grouping.kind != "all":
+        return out
+    return out[ALL]
+
+
+def total_sq(sq: dict, n: int) -> Tensor:
+    """Squared norms over all parameters ``[n]``."""
+    return torch.stack(list(sq.values())).sum(0) if sq else torch.zeros(n)
