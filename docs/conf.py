@@ -97,7 +97,7 @@ def _write_cli_help() -> None:
     """Write the help of every ``memconv`` command to ``_generated/`` (included by
     ``cli.md``), so that the site always shows what the installed CLI prints."""
     os.environ["COLUMNS"] = "88"
-    from memconv.cli import build_parser
+    from memconv.bench.cli import build_parser
 
     out = DOCS / "_generated"
     out.mkdir(exist_ok=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import memconv
-from memconv import cli
+from memconv.bench import cli
 from memconv.bench.cases import CASES
 from memconv.bench.data import SOURCES
 from memconv.bench.engines import ENGINES, TASKS

@@ -11,7 +11,7 @@ The order (docs/design.md, "Layout"):
 6. ``engine/``: one model (recorder, probes, calls, coverage, walk, plans, passes);
 7. ``tasks/``: the whole-model calls (per-sample gradients, norms, clipping);
 8. ``integrations/``: BackPACK and Opacus;
-9. ``bench/``, ``cli``, ``__main__`` and the package itself.
+9. ``bench/`` (the measurements and the command line), ``__main__`` and the package itself.
 
 The imports are read from the source (every ``import`` and ``from ... import``, those
 inside functions included), so a deferred import cannot hide a step back up.
@@ -37,7 +37,7 @@ LEVELS = (
     ("engine",),
     ("tasks",),
     ("integrations",),
-    ("bench", "cli", "__main__", "__init__"),
+    ("bench", "__main__", "__init__"),
 )
 LEVEL = {part: i for i, parts in enumerate(LEVELS) for part in parts}
 

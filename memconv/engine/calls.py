@@ -27,48 +27,93 @@ from .generic import call_grad_sample, chunk_size
 from .probes import UNSPLIT, CallAxes
 
 
-@dataclass(eq=False)
-class LayerCall:
-    """One forward call of a parametrised module, and what its route needs.
+@dataclass(frozen=True)
+class CallRecord:
+    """What the forward pass saw of one call (it never changes afterwards).
 
     Attributes:
-        module: the layer.
-        name: its name in the model.
+        module: the layer (for an operation: its shell layer).
+        name: its name in the model (for an operation: where it was called, and the
+            function).
         rule: its rule if the call is a rule call, else None (generic route).
-        params: ``{name in module: name in model}`` of the parameters this call's
-            route computes (filled before the backward pass).
-        args, kwargs: the call's arguments (tensors detached).
-        in_axes, out_axes: batch axes of their leaves and of the output's leaves.
-        grads: the gradient of each output leaf as it arrives (None: not yet).
-        output_elements: elements of the call's output (its tensor leaves).
-        expected: the output leaves whose gradient will arrive.
+        in_axes, out_axes: batch axes of the leaves of its arguments and output.
         window: ``(first, last)`` autograd sequence numbers of the call's nodes.
         autocast: the :class:`memconv.conv.settings.Autocast` state of the forward pass.
-        edges: ``(output leaf index, gradient edge)`` of the captured outputs.
-        shared: local names of parameters that other calls' routes also compute
-            (their per-sample gradients must be summed before taking norms).
-        done: whether the route ran (or had nothing to do).
-        kept: set by a visitor that keeps the call's tensors for later.
+        output_elements: elements of the call's output (its tensor leaves).
     """
 
     module: nn.Module
     name: str
     rule: LayerRule | None
-    args: tuple
-    kwargs: dict
     in_axes: tuple
     out_axes: tuple
     window: tuple[int, int]
     autocast: Autocast
-    params: dict = field(default_factory=dict)
+    output_elements: int
+
+
+@dataclass(eq=False)
+class WalkState:
+    """What the walk (:mod:`memconv.engine.walk`) learns of a call as the backward pass
+    goes; the walk writes it, and nothing else does.
+
+    Attributes:
+        grads: the gradient of each output leaf as it arrives (None: not yet).
+        expected: the output leaves whose gradient will arrive.
+        edges: ``(output leaf index, gradient edge)`` of the captured outputs.
+        done: whether the route ran (or had nothing to do).
+        kept: whether the visitor keeps the call's tensors for later
+            (:meth:`LayerCall.keep`), so the walk does not release them.
+    """
+
     grads: list = field(default_factory=list)
-    output_elements: int = 0
     expected: set = field(default_factory=set)
     edges: list = field(default_factory=list)
-    shared: set = field(default_factory=set)
     done: bool = False
     kept: bool = False
+
+
+@dataclass(eq=False)
+class LayerCall:
+    """One forward call of a parametrised module, and what its route needs.
+
+    Attributes:
+        record: what the forward pass saw (:class:`CallRecord`; its fields are also
+            read as the call's own: ``call.module``, ``call.rule``, ...).
+        args, kwargs: the call's arguments (tensors detached; dropped by
+            :meth:`release`).
+        params: ``{name in module: name in model}`` of the parameters this call's
+            route computes (the coverage's assignment, before the backward pass).
+        shared: local names of parameters that other calls' routes also compute
+            (their per-sample gradients must be summed before taking norms).
+        state: the walk's (:class:`WalkState`).
+    """
+
+    record: CallRecord
+    args: tuple
+    kwargs: dict
+    params: dict = field(default_factory=dict)
+    shared: set = field(default_factory=set)
+    state: WalkState = field(default_factory=WalkState)
     named: dict | None = None
+
+    module = property(lambda self: self.record.module)
+    name = property(lambda self: self.record.name)
+    rule = property(lambda self: self.record.rule)
+    in_axes = property(lambda self: self.record.in_axes)
+    out_axes = property(lambda self: self.record.out_axes)
+    window = property(lambda self: self.record.window)
+    autocast = property(lambda self: self.record.autocast)
+    output_elements = property(lambda self: self.record.output_elements)
+
+    @property
+    def grads(self) -> list:
+        """The output gradients that arrived (:attr:`WalkState.grads`)."""
+        return self.state.grads
+
+    def keep(self) -> None:
+        """Keep the call's tensors after its visit (the visitor releases them)."""
+        self.state.kept = True
 
     @property
     def what(self) -> str:
@@ -157,7 +202,7 @@ class LayerCall:
 
     def release(self) -> None:
         """Drop the tensors kept for the route."""
-        self.args, self.kwargs, self.grads = (), {}, []
+        self.args, self.kwargs, self.state.grads = (), {}, []
 
 
 @dataclass(eq=False)
@@ -455,16 +500,21 @@ def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, rec
     if not (ax_in == 0 and ax_out == 0):
         if not rule.movable_batch_axis or any(a is None or a == UNSPLIT for a in (ax_in, ax_out)):
             return None
-    call = OpCall(
+    record = CallRecord(
         module=shell,
         name=name,
         rule=rule,
-        args=(bound.data.detach(),),
-        kwargs={},
         in_axes=(ax_in,),
         out_axes=(ax_out,),
         window=window,
         autocast=Autocast.current(out.device.type),
+        output_elements=out.numel(),
+    )
+    call = OpCall(
+        record=record,
+        args=(bound.data.detach(),),
+        kwargs={},
+        state=WalkState(grads=[None]),
         sources=sources,
         direct=direct,
         roots=roots,
@@ -472,6 +522,4 @@ def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, rec
         maps=maps,
         partial=partial,
     )
-    call.grads = [None]
-    call.output_elements = out.numel()
     return call

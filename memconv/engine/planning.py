@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -120,7 +121,7 @@ class Profile:
     def reached_by_ops(self) -> frozenset:
         """Ids of the trainable parameters that reach operations with a rule
         (:mod:`memconv.layers.operations`), directly or through parameter-only computations."""
-        return frozenset().union(*(c[3] for c in self.owner_calls[0] if len(c) == 4))
+        return frozenset().union(*(c.reached for c in self.owner_calls[0] if c.reached is not None))
 
 
 def _fit(one: float, two: float) -> tuple[float, float]:
@@ -145,25 +146,25 @@ def profile(model: nn.Module, example: Tensor) -> Profile:
         with recording_calls(model) as calls:
             runs.append(_probe(model, x, leaves, param_storages))
         owner_calls.append(calls)
-    (s1, out1, calls1), (s2, _, calls2) = runs
+    one, two = runs
     names = {mod: n for n, mod in model.named_modules()}
     layers = [
         LayerProfile(
-            name=names.get(module, type(module).__name__),
-            module=module,
-            input_elements=n_in,
-            output_elements=n_out,
-            input_shape=shape_in,
-            itemsize=itemsize,
-            saved=_fit(c1, c2),
-            params=sum(p.numel() for p in own_trainable(module).values()),
+            name=names.get(a.module, type(a.module).__name__),
+            module=a.module,
+            input_elements=a.input_elements,
+            output_elements=a.output_elements,
+            input_shape=a.input_shape,
+            itemsize=a.itemsize,
+            saved=_fit(a.saved, b.saved),
+            params=sum(p.numel() for p in own_trainable(a.module).values()),
         )
-        for (module, n_in, n_out, shape_in, itemsize, c1), (*_, c2) in zip(calls1, calls2)
+        for a, b in zip(one.calls, two.calls)
     ]
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     return Profile(
-        activations=_fit(s1, s2),
-        output=out1,
+        activations=_fit(one.saved, two.saved),
+        output=one.output,
         layers=layers,
         params=sum(p.numel() for p in params.values()),
         param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
@@ -171,7 +172,29 @@ def profile(model: nn.Module, example: Tensor) -> Profile:
     )
 
 
-def _probe(model, x, leaves, param_storages):
+class _LeafCall(NamedTuple):
+    """One call of a leaf layer in a probe pass: elements of its input and output per
+    sample, its input's shape (one sample), bytes per element, and the bytes autograd
+    had saved when it returned."""
+
+    module: nn.Module
+    input_elements: int
+    output_elements: int
+    input_shape: tuple
+    itemsize: int
+    saved: int
+
+
+class _ProbePass(NamedTuple):
+    """One probe forward pass: bytes saved for the backward pass, output bytes per
+    sample, and the leaf calls."""
+
+    saved: int
+    output: int
+    calls: list
+
+
+def _probe(model, x, leaves, param_storages) -> _ProbePass:
     """One forward pass: saved bytes, output bytes per sample, and the leaf calls."""
     m = len(x)
     seen: dict[int, int] = {}
@@ -193,10 +216,15 @@ def _probe(model, x, leaves, param_storages):
         out = next((t for t in tree_flatten(output)[0] if isinstance(t, Tensor)), None)
         if first is None or out is None or not first.dim() or not out.dim():
             return
-        calls.append(
-            (module, first[0].numel(), out[0].numel(), (1, *first.shape[1:]),
-             out.element_size(), sum(seen.values()))
-        )  # fmt: skip
+        leaf = _LeafCall(
+            module=module,
+            input_elements=first[0].numel(),
+            output_elements=out[0].numel(),
+            input_shape=(1, *first.shape[1:]),
+            itemsize=out.element_size(),
+            saved=sum(seen.values()),
+        )
+        calls.append(leaf)
 
     handles = [leaf.register_forward_hook(hook, with_kwargs=True) for leaf in leaves]
     try:
@@ -210,7 +238,9 @@ def _probe(model, x, leaves, param_storages):
     finally:
         for h in handles:
             h.remove()
-    return sum(seen.values()), out.numel() * out.element_size() // m, calls
+    return _ProbePass(
+        saved=sum(seen.values()), output=out.numel() * out.element_size() // m, calls=calls
+    )
 
 
 @dataclass(frozen=True)

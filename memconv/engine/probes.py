@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -113,6 +114,25 @@ def _grown(shape, ax, m: int):
     return (*shape[:ax], m, *shape[ax + 1 :])
 
 
+class ProbedCall(NamedTuple):
+    """One call seen by :func:`recording_calls`.
+
+    Attributes:
+        caller: the module (a layer owning trainable parameters) or the operation's
+            function.
+        inputs: the shapes of the leaves of ``(args, kwargs)`` (None for a leaf that is
+            not a tensor); for an operation, ``[data argument's shape]``.
+        outputs: the shapes of the output's leaves.
+        reached: for an operation, the ids of the trainable parameters reaching its
+            parameter slots; None for a module.
+    """
+
+    caller: object
+    inputs: list
+    outputs: list
+    reached: frozenset | None = None
+
+
 class ProbeMismatch(RuntimeError):
     """A layer call differs from the probe's (data-dependent control flow, or a model
     changed since a probe was made)."""
@@ -120,12 +140,10 @@ class ProbeMismatch(RuntimeError):
 
 @contextlib.contextmanager
 def recording_calls(model: nn.Module):
-    """Record ``(module, argument shapes, output shapes)`` of every call of a module
-    owning trainable parameters during the forward passes run inside the block (the
-    arguments as the caller gave them, before the module's forward pre-hooks), and
-    ``(function, [data argument's shape], output shapes, ids of the trainable
-    parameters reaching it)`` of every call of an operation with a rule on parameters
-    (:class:`memconv.engine.recorder.OpRecorder`).
+    """Record a :class:`ProbedCall` of every call of a module owning trainable
+    parameters during the forward passes run inside the block (the arguments as the
+    caller gave them, before the module's forward pre-hooks), and of every call of an
+    operation with a rule on parameters (:class:`memconv.engine.recorder.OpRecorder`).
 
     Yields:
         The list the calls are appended to, in forward order.
@@ -139,12 +157,12 @@ def recording_calls(model: nn.Module):
 
     def hook(module, args, kwargs, output):
         with paused():
-            calls.append((module, given[module].pop(), _shapes(output)))
+            calls.append(ProbedCall(module, given[module].pop(), _shapes(output)))
 
     def on_op(func, bound: BoundOp, run):
         out = run()
         reached = frozenset().union(*(recorder.depends(t) for t in bound.slots.values()))
-        calls.append((func, [tuple(bound.data.shape)], _shapes(out), reached))
+        calls.append(ProbedCall(func, [tuple(bound.data.shape)], _shapes(out), reached))
         return out
 
     handles = []
@@ -169,19 +187,23 @@ def call_axes(one: list, two: list) -> list[CallAxes]:
         RuntimeError: if the two passes call different layers (data-dependent
             control flow).
     """
-    if len(one) != len(two) or any(a[0] is not b[0] for a, b in zip(one, two)):
+    if len(one) != len(two) or any(a.caller is not b.caller for a, b in zip(one, two)):
         raise RuntimeError(
             "the model calls its layers differently for one sample than for two (data-"
             "dependent control flow), so memconv cannot tell their batch axes"
         )
     return [
         CallAxes(
-            module=module,
-            inputs=tuple(_axis(u, v) if u is not None else None for u, v in zip(in1, in2)),
-            outputs=tuple(_axis(u, v) if u is not None else None for u, v in zip(out1, out2)),
-            shapes=(tuple(in1), tuple(out1)),
+            module=a.caller,
+            inputs=tuple(
+                _axis(u, v) if u is not None else None for u, v in zip(a.inputs, b.inputs)
+            ),
+            outputs=tuple(
+                _axis(u, v) if u is not None else None for u, v in zip(a.outputs, b.outputs)
+            ),
+            shapes=(tuple(a.inputs), tuple(a.outputs)),
         )
-        for (module, in1, out1, *_), (_, in2, out2, *_) in zip(one, two)
+        for a, b in zip(one, two)
     ]
 
 

@@ -30,7 +30,7 @@ from .._torch import is_view, sequence_nr
 from ..conv.settings import Autocast
 from ..layers import own_trainable
 from ..layers.operations import BoundOp
-from .calls import LayerCall, OpCall, _op_call
+from .calls import CallRecord, LayerCall, OpCall, WalkState, _op_call
 from .coverage import _assign, _claims, _covered_by_module, _deepest, _graph, _hooked, _rule_for
 from .losses import PerSampleLoss
 from .probes import (
@@ -185,7 +185,7 @@ class _BackwardWalk:
             return walk
         reachable, uses = self.attribute(losses, walk)
         if prepare is not None:
-            prepare([c for c in self.calls if not c.done])
+            prepare([c for c in self.calls if not c.state.done])
         self.backward(losses, reachable, keep_graph)
         self.check(uses)
         return walk
@@ -250,7 +250,7 @@ class _BackwardWalk:
         if is_view(out):
             out = out.clone()
         self.grad_hooks.append(out.register_hook(self.visits.hook(call, 0)))
-        call.edges.append((0, get_gradient_edge(out)))
+        call.state.edges.append((0, get_gradient_edge(out)))
         return out
 
     def forward_hook(self, module, args, kwargs, output):
@@ -284,19 +284,18 @@ class _BackwardWalk:
         rule = _rule_for(
             module, args, kwargs, call_axes.inputs, output, call_axes.outputs, self.ours
         )
-        call = LayerCall(
+        record = CallRecord(
             module=module,
             name=name,
             rule=rule,
-            args=detached_args,
-            kwargs=detached_kwargs,
             in_axes=call_axes.inputs,
             out_axes=call_axes.outputs,
             window=(start, end),
             autocast=Autocast.of(out_leaves),
+            output_elements=sum(t.numel() for t in out_leaves if isinstance(t, Tensor)),
         )
-        call.grads = [None] * len(out_leaves)
-        call.output_elements = sum(t.numel() for t in out_leaves if isinstance(t, Tensor))
+        state = WalkState(grads=[None] * len(out_leaves))
+        call = LayerCall(record=record, args=detached_args, kwargs=detached_kwargs, state=state)
         self.calls.append(call)
         new_leaves = list(out_leaves)
         for j, t in enumerate(out_leaves):
@@ -307,7 +306,7 @@ class _BackwardWalk:
                 self.recorder.alias(t, out_leaves[j])
                 new_leaves[j] = t
             self.grad_hooks.append(t.register_hook(self.visits.hook(call, j)))
-            call.edges.append((j, get_gradient_edge(t)))
+            call.state.edges.append((j, get_gradient_edge(t)))
         return _unflatten(new_leaves, out_spec, isinstance(output, Tensor))
 
     def attribute(self, losses: Tensor, walk: Walk) -> tuple[set, dict]:
@@ -318,16 +317,16 @@ class _BackwardWalk:
         claims = _claims([c for c in self.calls if isinstance(c, OpCall)], reachable, self.names)
         walk.model_params, walk.calls_per_param = _assign(self.calls, uses, self.names, claims)
         for call in self.calls:
-            call.expected = {j for j, e in call.edges if e.node in reachable}
-            if not call.params or not call.expected:
+            call.state.expected = {j for j, e in call.state.edges if e.node in reachable}
+            if not call.params or not call.state.expected:
                 call.release()
-                call.done = True
+                call.state.done = True
         return reachable, uses
 
     def backward(self, losses: Tensor, reachable: set, keep_graph: bool) -> None:
         """The backward pass down to the deepest captured outputs, each call visited as
         its output gradients arrive."""
-        wanted = {e.node: e for c in self.calls if not c.done for _, e in c.edges}
+        wanted = {e.node: e for c in self.calls if not c.state.done for _, e in c.state.edges}
         deepest = _deepest(set(wanted), reachable)
         edges = [wanted[n] for n in deepest]
         if edges:
@@ -337,7 +336,7 @@ class _BackwardWalk:
     def check(self, uses: dict) -> None:
         """Raise for a call whose output gradient never arrived; warn of layers that ran
         with gradients disabled and whose parameters no call covers."""
-        missed = [c for c in self.calls if not c.done]
+        missed = [c for c in self.calls if not c.state.done]
         if missed:
             raise RuntimeError(
                 f"{self.caller}: the output gradient of {missed[0].what} influences the loss "
@@ -381,19 +380,20 @@ class _Visits:
 
     def hook(self, call: LayerCall, j: int):
         def on_grad(grad):
-            if not self.active or call.done:  # a second backward pass of a kept graph
+            state = call.state
+            if not self.active or state.done:  # a second backward pass of a kept graph
                 return
-            call.grads[j] = grad
-            if not all(call.grads[k] is not None for k in call.expected):
+            state.grads[j] = grad
+            if not all(state.grads[k] is not None for k in state.expected):
                 return
-            call.done = True
+            state.done = True
             work = self.visit(call)
             if work is None:
-                if not call.kept:  # a visitor that keeps the call releases it itself
+                if not state.kept:  # a visitor that keeps the call releases it itself
                     call.release()
                 return
             entry = [call, work, None]
-            node = dict(call.edges)[j].node  # the node that produced this output
+            node = dict(state.edges)[j].node  # the node that produced this output
             entry[2] = node.register_hook(lambda grad_inputs, grad_outputs: self._run(entry))
             self.later.append(entry)
 
@@ -404,7 +404,7 @@ class _Visits:
         if work is not None:
             entry[1] = None
             work()
-            if not call.kept:
+            if not call.state.kept:
                 call.release()
 
     def finish(self) -> None:

@@ -106,7 +106,7 @@ class NormGatherer:
         for k, v in call.sq_norms(self.rs).items():
             self.sq[call.params[k]] = v
         if self.keep:
-            call.kept = True
+            call.keep()
             self.io.append(call)
         return None
 

@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``memconv`` argument parser with its sub-commands."""
     import memconv
 
-    from .bench import bench, calibrate, compare, suite
+    from . import bench, calibrate, compare, suite
 
     parser = argparse.ArgumentParser(
         prog="memconv",
@@ -57,9 +57,9 @@ def list_names(args) -> int:
     """``memconv list``: every accepted name, with a line on each."""
     import memconv
 
-    from .bench.cases import CASES, describe
-    from .bench.data import SOURCE_SUMMARIES, SOURCES
-    from .bench.engines import ENGINES, available
+    from .cases import CASES, describe
+    from .data import SOURCE_SUMMARIES, SOURCES
+    from .engines import ENGINES, available
 
     print("tasks (memconv bench --task):")
     print("  grads       per-sample gradients")
