@@ -126,9 +126,15 @@ class _ConvFunction(torch.autograd.Function):
         geom = spec.geometry
         if spec.transposed:
             return conv_transpose_function(geom.dims)(
-                x, weight, bias, geom.stride, geom.padding, output_padding, geom.groups,
-                geom.dilation,
-            )  # fmt: skip
+                x,
+                weight,
+                bias,
+                stride=geom.stride,
+                padding=geom.padding,
+                output_padding=output_padding,
+                groups=geom.groups,
+                dilation=geom.dilation,
+            )
         return conv_function(geom.dims)(
             x, weight, bias, geom.stride, geom.padding, geom.dilation, geom.groups
         )
@@ -173,8 +179,10 @@ def _autocast_operands(input: Tensor, weight: Tensor, bias):
     state = Autocast.current(input.device.type)
     if state.dtype is None:
         return input, weight, bias, state
-    cast = [t if t is None or not t.is_floating_point() else t.to(state.dtype)
-            for t in (input, weight, bias)]  # fmt: skip
+    cast = [
+        t if t is None or not t.is_floating_point() else t.to(state.dtype)
+        for t in (input, weight, bias)
+    ]
     return (*cast, state)
 
 

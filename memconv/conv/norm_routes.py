@@ -235,9 +235,14 @@ _CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 def conv_channel_stats(
-    module, x: Tensor, g: Tensor, w_hat: Tensor, settings: Settings, route: str | None,
+    module,
+    x: Tensor,
+    g: Tensor,
+    w_hat: Tensor,
+    settings: Settings,
+    route: str | None,
     budget: int | None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`grad_channel_stats` of a convolution's per-sample weight gradients
     ``G_n``, per output channel ``c``, by the route :func:`choose_route` picks for
     its norms.
@@ -259,9 +264,13 @@ def conv_channel_stats(
         x = x.to(g.dtype)
     ops = conv_spec(module).operands(x, g)
     problem = Problem(
-        ops.geometry, x.shape[0], tuple(ops.x.shape[2:]), x.element_size(), True,
+        geom=ops.geometry,
+        n=x.shape[0],
+        size=tuple(ops.x.shape[2:]),
+        itemsize=x.element_size(),
+        per_sample=True,
         device=x.device.type,
-    )  # fmt: skip
+    )
     room = None if budget is None else max(budget - ops.copied * x.element_size(), 1)
     room_or_default = room or DEFAULT_NORM_BUDGET
     if choose_route(problem, room, settings, route).route != "ghost":

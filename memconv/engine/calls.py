@@ -154,9 +154,16 @@ class LayerCall:
         n = self.n()
         itemsize = next((g.element_size() for g in self.grads if g is not None), 4)
         out = call_grad_sample(
-            self.module, self.args, self.kwargs, self.in_axes, self.grads, self.out_axes,
-            list(self.params), what=self.what, chunk=chunk_size(n, 4 * per * itemsize, rs.budget),
-        )  # fmt: skip
+            self.module,
+            self.args,
+            self.kwargs,
+            self.in_axes,
+            self.grads,
+            self.out_axes,
+            list(self.params),
+            what=self.what,
+            chunk=chunk_size(n, 4 * per * itemsize, rs.budget),
+        )
         return self._typed(out)
 
     def sq_norms(self, rs: RuleSettings) -> dict[str, Tensor]:
@@ -286,9 +293,13 @@ class OpCall(LayerCall):
                 chunk = grads[i : i + step]
                 try:
                     out = torch.autograd.grad(
-                        tensor, params, chunk, retain_graph=True, allow_unused=True,
+                        tensor,
+                        params,
+                        chunk,
+                        retain_graph=True,
+                        allow_unused=True,
                         is_grads_batched=True,
-                    )  # fmt: skip
+                    )
                 except RuntimeError:  # no batching rule for some backward formula
                     rows = [
                         torch.autograd.grad(tensor, params, c, retain_graph=True, allow_unused=True)

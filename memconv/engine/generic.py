@@ -188,9 +188,10 @@ def call_grad_sample(
                 raise _random_error(what)
             cot = [_narrow(g, out_axes[j], i) for j, g in zip(used, gs)]
             pairs = [(o, c) for o, c in zip(outs, cot) if o.requires_grad]
-            grads = torch.autograd.grad(
-                [o for o, _ in pairs], list(p.values()), [c for _, c in pairs], allow_unused=True
-            ) if pairs else [None] * len(p)  # fmt: skip
+            grads = [None] * len(p)
+            if pairs:
+                outs, cots = [o for o, _ in pairs], [c for _, c in pairs]
+                grads = torch.autograd.grad(outs, list(p.values()), cots, allow_unused=True)
             per_sample.append(
                 [g if g is not None else torch.zeros_like(v) for g, v in zip(grads, p.values())]
             )

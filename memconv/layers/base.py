@@ -113,9 +113,13 @@ class LayerRule:
         return {k: sq_norms(v) for k, v in self._checked_grads(module, inputs, grad_output).items()}
 
     def channel_stats(
-        self, module: nn.Module, inputs: tuple[Tensor, ...], grad_output: Tensor, name: str,
+        self,
+        module: nn.Module,
+        inputs: tuple[Tensor, ...],
+        grad_output: Tensor,
+        name: str,
         w_hat: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """``(‖g_c‖², ⟨g_c,1⟩, ⟨g_c,ŵ_c⟩)`` ``[N, C]`` of the per-sample gradients ``g``
         of parameter ``name``, split along its first axis (``w_hat`` ``[C, K]``): what
         a weight standardised per output channel needs (engine.md formula,

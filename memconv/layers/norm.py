@@ -108,9 +108,12 @@ class InstanceNormRule(AffineNormRule):
     def normalized(self, module, x):
         use_input_stats = module.training or not module.track_running_stats
         return F.instance_norm(
-            x, module.running_mean, module.running_var, use_input_stats=use_input_stats,
+            x,
+            module.running_mean,
+            module.running_var,
+            use_input_stats=use_input_stats,
             eps=module.eps,
-        )  # fmt: skip
+        )
 
 
 @register(

@@ -36,20 +36,32 @@ TIME_MODELS: dict[str, tuple[str, ...]] = {
     "unfold": ("per_flop", "per_element", "per_call"),
     "shift": ("per_flop", "per_element", "per_call", "per_flop_depthwise"),
     "loop": (
-        "per_flop_native", "per_flop_native_3d", "per_flop_onednn", "per_operand",
-        "per_result_native", "per_result_onednn", "per_call", "per_flop_depthwise",
+        "per_flop_native",
+        "per_flop_native_3d",
+        "per_flop_onednn",
+        "per_operand",
+        "per_result_native",
+        "per_result_onednn",
+        "per_call",
+        "per_flop_depthwise",
         "per_call_depthwise",
     ),
     "ghost-positions": ("per_flop", "per_element", "per_call", "per_gram"),
     "ghost-offsets": ("per_flop", "per_element", "per_call"),
     "instantiate": ("per_square",),
     "streaming": ("per_tile", "per_copy"),
-}  # fmt: skip
+}
 #: The memory models that carry a fitted scale (the elementary strategies' and the
 #: ghost norms' methods; the composite ones add up theirs).
 MEMORY_MODELS: tuple[str, ...] = (
-    "standard", "rochette", "unfold", "shift", "loop", "ghost-positions", "ghost-offsets",
-)  # fmt: skip
+    "standard",
+    "rochette",
+    "unfold",
+    "shift",
+    "loop",
+    "ghost-positions",
+    "ghost-offsets",
+)
 #: The device type whose file prices every device type without one.
 FALLBACK = "cpu"
 
@@ -122,6 +134,11 @@ def time_coefficients(model: str, device_type: str = FALLBACK) -> tuple[float, .
     """A time model's coefficients (seconds per unit), in :data:`TIME_MODELS` order."""
     got = calibration(device_type)["time"][model]
     return tuple(got[name] for name in TIME_MODELS[model])
+
+
+def time_rates(model: str, device_type: str = FALLBACK) -> dict[str, float]:
+    """A time model's coefficients ``{name: seconds per unit}`` (:data:`TIME_MODELS`)."""
+    return dict(zip(TIME_MODELS[model], time_coefficients(model, device_type)))
 
 
 def scale_memory(model: str, device_type: str, nbytes: int) -> int:

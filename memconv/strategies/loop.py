@@ -18,7 +18,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from .base import Options, Problem, numel, register_strategy
-from .costs import scale_memory, time_coefficients
+from .costs import scale_memory, time_rates
 from .geometry import ConvGeometry, convolution_backward
 
 
@@ -97,23 +97,21 @@ class Loop:
         # gradient (one input channel per group) runs a kernel of its own, priced by
         # its own rate per multiply-add and per call (on CPU about 1 ns and 50 µs: two
         # orders of magnitude above a dense layer's)
-        (
-            flop_native, flop_3d, flop_onednn, per_operand, result_native, result_onednn, call,
-            flop_depthwise, call_depthwise,
-        ) = time_coefficients("loop", problem.device)  # fmt: skip
+        rate = time_rates("loop", problem.device)
         geom = problem.geom
         native = native_path(geom, problem.size, problem.itemsize)
+        call = rate["per_call"]
         if geom.groups > 1 and geom.in_per_group == 1:
-            per_flop, call = flop_depthwise, call + call_depthwise
+            per_flop, call = rate["per_flop_depthwise"], call + rate["per_call_depthwise"]
         elif native:
-            per_flop = flop_3d if geom.dims == 3 else flop_native
+            per_flop = rate["per_flop_native_3d" if geom.dims == 3 else "per_flop_native"]
         else:
-            per_flop = flop_onednn
-        per_result = result_native if native else result_onednn
+            per_flop = rate["per_flop_onednn"]
+        per_result = rate["per_result_native" if native else "per_result_onednn"]
         operands = problem.input_elements() + problem.grad_elements()
         return (
             per_flop * problem.flops()
-            + per_operand * operands
+            + rate["per_operand"] * operands
             + per_result * problem.per_sample_elements()
             + call * problem.n
         )

@@ -360,9 +360,15 @@ def analyse(module: nn.Module, name: str = "stream_layers") -> Node:
             pairs = [(a + c, b + e) for (a, b), (c, e) in zip(pairs, pad_pairs(spec.pre_pad))]
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         return Window(
-            module, name, tuple(module.kernel_size), tuple(module.stride), tuple(pairs),
-            tuple(module.dilation), mode, 0.0,
-        )  # fmt: skip
+            module=module,
+            name=name,
+            kernel=tuple(module.kernel_size),
+            stride=tuple(module.stride),
+            padding=tuple(pairs),
+            dilation=tuple(module.dilation),
+            pad_mode=mode,
+            pad_value=0.0,
+        )
     if isinstance(module, MAXPOOLS + AVGPOOLS):
         d = int(type(module).__name__[-2])
         if module.ceil_mode:
