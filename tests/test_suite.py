@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from memconv.bench import bench, suite
-from memconv.cli import main
+from memconv.bench.cli import main
 
 
 def _args(**kw):

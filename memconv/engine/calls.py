@@ -6,7 +6,7 @@ is the layer's rule (:mod:`memconv.layers`) or, without one, the generic route
 (``torch.func`` on the call's real arguments, :func:`memconv.engine.generic.call_grad_sample`).
 An :class:`OpCall` is one call of an operation with a rule (:mod:`memconv.layers.operations`)
 on parameters or on functions of parameters alone, whatever module makes it
-(:func:`_op_call` builds it from the call the operation recorder saw).
+(:func:`op_call` builds it from the call the operation recorder saw).
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ class OpCall(LayerCall):
     Attributes:
         sources: ``{slot: (slot tensor with its graph, {id(parameter): parameter})}``
             of the trainable slots: the parameter itself, or the parameters ``f``
-            reaches (filled by :func:`_claims`).
+            reaches (filled by :func:`claims`).
         direct: ``{id(parameter): model name}`` of the parameters in a slot as they are.
         roots: ``{slot: grad_fn}`` of the slots computed from parameters.
         maps: ``{slot: (Standardised recipe, ids of the trainable parameters its gain
@@ -315,7 +315,7 @@ class OpCall(LayerCall):
     def _closed(self, norms: bool) -> dict:
         """``{slot: (recipe, ids of the gain's parameters)}`` of the slots whose
         per-sample quantities take the closed form of the standardisation: the
-        recipe's tensors untouched, the slot's parameters (as :func:`_claims` found
+        recipe's tensors untouched, the slot's parameters (as :func:`claims` found
         them on the graph) exactly the weight and the gain's; for ``norms``, none of
         them reached through another slot too."""
         out = {}
@@ -464,7 +464,7 @@ def _zero(v, p: Tensor) -> Tensor:
     return torch.zeros_like(p) if v is None else v
 
 
-def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, recorder, names):
+def op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, recorder, names):
     """The :class:`OpCall` of a recorded operation call, or None if its rule cannot
     describe it (batch axes, a slot tensor that is neither a parameter nor computed)."""
     ax_in = axes.inputs[0] if axes.inputs else None
@@ -491,7 +491,7 @@ def _op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, rec
         elif t.grad_fn is None and id(t) in names:  # the parameter itself
             sources[slot] = (t, {id(t): t})
             direct[id(t)] = names[id(t)]
-        elif t.grad_fn is not None:  # a function of parameters (checked by _claims)
+        elif t.grad_fn is not None:  # a function of parameters (checked by claims)
             sources[slot] = (t, {})
             roots[slot] = t.grad_fn
             recipe = recorder.standardised(t)

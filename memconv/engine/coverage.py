@@ -2,15 +2,15 @@
 graph analysis on the calls a walk recorded, testable without a model.
 
 Every use of a parameter (an edge into its ``AccumulateGrad`` node) is attributed to
-the innermost call that can differentiate it (:func:`_assign`):
+the innermost call that can differentiate it (:func:`assign`):
 
 - a **rule call**: a layer with a rule (:func:`memconv.layers.find_rule`), called
   with positional tensors only, no hooks, batch axis first (or movable), for the
-  layer's own parameters (:func:`_rule_for`);
+  layer's own parameters (:func:`rule_for`);
 - an **operation call**: a call of an operation with a rule
   (:mod:`memconv.layers.operations`) on parameters or on functions of parameters alone
   (:class:`memconv.engine.calls.OpCall`), for the uses inside its window and, for a computed
-  weight, the uses in that weight's graph (:func:`_claims`);
+  weight, the uses in that weight's graph (:func:`claims`);
 - a **generic call**: any other call of a parametrised module, for the parameters of
   its subtree;
 - otherwise the **model route**: a parameter used outside the modules that own it, in
@@ -32,16 +32,16 @@ from .calls import LayerCall, OpCall
 from .probes import UNSPLIT
 
 
-def _hooked(module: nn.Module, ours) -> bool:
+def hooked(module: nn.Module, ours) -> bool:
     """Whether hooks other than memconv's own may change the module's call."""
     others = [k for k in module_hooks(module) if k not in ours]
     return bool(others or global_module_hooks())
 
 
-def _rule_for(module, args, kwargs, in_axes, output, out_axes, ours) -> LayerRule | None:
+def rule_for(module, args, kwargs, in_axes, output, out_axes, ours) -> LayerRule | None:
     """The rule of a call if the call is one the rule describes exactly, else None."""
     rule = find_rule(module)
-    if rule is None or kwargs or _hooked(module, ours):
+    if rule is None or kwargs or hooked(module, ours):
         return None
     if not args or not all(isinstance(a, Tensor) for a in args) or not isinstance(output, Tensor):
         return None
@@ -53,7 +53,7 @@ def _rule_for(module, args, kwargs, in_axes, output, out_axes, ours) -> LayerRul
     return None
 
 
-def _graph(root) -> tuple[set, dict]:
+def use_graph(root) -> tuple[set, dict]:
     """Nodes reachable from ``root``, and the uses of leaves: ``{id(parameter):
     [sequence numbers of the using nodes]}``."""
     reachable: set = set()
@@ -75,7 +75,7 @@ def _graph(root) -> tuple[set, dict]:
     return reachable, uses
 
 
-def _deepest(captured: set, reachable: set) -> set:
+def deepest(captured: set, reachable: set) -> set:
     """The captured nodes with no captured node below them (backward direction):
     asking autograd for those runs every captured node reachable."""
     below: dict = {}
@@ -95,19 +95,19 @@ def _deepest(captured: set, reachable: set) -> set:
     return {n for n in captured & reachable if not below[n]}
 
 
-def _covered_by_module(module: nn.Module, bound: BoundOp, ours, known: dict) -> bool:
+def covered_by_module(module: nn.Module, bound: BoundOp, ours, known: dict) -> bool:
     """Whether the operation call is the body of a layer whose rule serves it: the
     layer has a rule, no other hooks, and the call's parameters are its own
     (``known``: ``{module: ids of its own trainable parameters, or None}``, filled
     during one walk, in which neither the rules nor the hooks change)."""
     if module not in known:
-        covers = find_rule(module) is not None and not _hooked(module, ours)
+        covers = find_rule(module) is not None and not hooked(module, ours)
         known[module] = {id(p) for p in own_trainable(module).values()} if covers else None
     own = known[module]
     return own is not None and all(t is None or id(t) in own for t in bound.slots.values())
 
 
-def _claims(ops: list, reachable: set, names: dict) -> dict:
+def claims(ops: list, reachable: set, names: dict) -> dict:
     """``{op call: {id(parameter): sequence numbers of its uses}}`` the calls' computed
     slots account for: the nodes of each slot's graph, which must reach trainable
     parameters only, and into which every edge from the rest of the graph must come
@@ -172,7 +172,7 @@ def _claims(ops: list, reachable: set, names: dict) -> dict:
     return out
 
 
-def _assign(calls: list[LayerCall], uses: dict, names: dict, claims: dict) -> tuple[list, dict]:
+def assign(calls: list[LayerCall], uses: dict, names: dict, claims: dict) -> tuple[list, dict]:
     """Give each parameter's uses to routes (see the module docstring): the innermost
     rule call of a module owning the parameter, else the operation calls that account
     for the use, else the innermost generic call, else the model route.

@@ -5,7 +5,7 @@ axis, told from forward passes of one and of two samples.
 (and of an operation with a rule on parameters, :class:`memconv.engine.recorder.OpRecorder`)
 with the shapes of its leaves; :func:`call_axes` compares the records of the two
 passes (an axis that grew from 1 to 2 is the batch axis); a walk checks each call of
-its own pass against them (:func:`_check_axes`, :class:`ProbeMismatch`).
+its own pass against them (:func:`check_call_axes`, :class:`ProbeMismatch`).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ def _axis(s1, s2) -> int | None:
 
 
 def _shapes(tree) -> list:
-    return _leaf_shapes(_flatten(tree)[0])
+    return leaf_shapes(flatten_call(tree)[0])
 
 
-def _flatten(tree) -> tuple[list, object]:
+def flatten_call(tree) -> tuple[list, object]:
     """``tree_flatten``, without its cost for the common calls: a tensor, or positional
     tensors and no keyword arguments (``(leaves, None)`` then)."""
     if isinstance(tree, Tensor):
@@ -64,14 +64,14 @@ def _flatten(tree) -> tuple[list, object]:
     return tree_flatten(tree)
 
 
-def _unflatten(leaves: list, spec, tensor: bool):
-    """The inverse of :func:`_flatten` (``tensor``: the tree was a tensor)."""
+def unflatten_call(leaves: list, spec, tensor: bool):
+    """The inverse of :func:`flatten_call` (``tensor``: the tree was a tensor)."""
     if spec is not None:
         return tree_unflatten(leaves, spec)
     return leaves[0] if tensor else (tuple(leaves), {})
 
 
-def _leaf_shapes(leaves) -> list:
+def leaf_shapes(leaves) -> list:
     return [tuple(t.shape) if isinstance(t, Tensor) else None for t in leaves]
 
 
@@ -207,7 +207,7 @@ def call_axes(one: list, two: list) -> list[CallAxes]:
     ]
 
 
-def _check_axes(call_axes: CallAxes, module, args_shapes, out_shapes, m: int, name):
+def check_call_axes(call_axes: CallAxes, module, args_shapes, out_shapes, m: int, name):
     """Raise unless the call is the probe's: the same module, its leaves of the shapes
     the probe predicts for ``m`` samples (``name``: the call's name, or a function
     making it, for the message)."""

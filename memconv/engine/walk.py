@@ -30,17 +30,17 @@ from .._torch import is_view, sequence_nr
 from ..conv.settings import Autocast
 from ..layers import own_trainable
 from ..layers.operations import BoundOp
-from .calls import CallRecord, LayerCall, OpCall, WalkState, _op_call
-from .coverage import _assign, _claims, _covered_by_module, _deepest, _graph, _hooked, _rule_for
+from . import coverage
+from .calls import CallRecord, LayerCall, OpCall, WalkState, op_call
 from .losses import PerSampleLoss
 from .probes import (
     CallAxes,
     ProbeMismatch,
-    _check_axes,
-    _flatten,
-    _leaf_shapes,
-    _unflatten,
+    check_call_axes,
+    flatten_call,
+    leaf_shapes,
     owner_names,
+    unflatten_call,
 )
 from .recorder import OpRecorder, paused
 
@@ -140,7 +140,7 @@ class _BackwardWalk:
         visits: hands each call to the visitor.
         index: the number of calls counted so far (the next call's place in ``axes``).
         open_modules: the modules whose calls are open, innermost last.
-        covering: see :func:`memconv.engine.coverage._covered_by_module`.
+        covering: see :func:`memconv.engine.coverage.covered_by_module`.
         grad_hooks: the handles of the hooks on the captured outputs, removed when
             the walk ends (a hook on an output that a node below the captured ones
             saved would otherwise keep that part of the graph, the visitor and
@@ -221,7 +221,9 @@ class _BackwardWalk:
         self.index += 1
         inside = self.open_modules[-1] if self.open_modules else None
         # the body of a layer whose rule serves it: checked, but no call of its own
-        covered = inside is not None and _covered_by_module(inside, bound, self.ours, self.covering)
+        covered = inside is not None and coverage.covered_by_module(
+            inside, bound, self.ours, self.covering
+        )
         start = None if covered else self.seq.now()
         out = run()
         if not (isinstance(out, Tensor) and out.requires_grad):
@@ -234,7 +236,7 @@ class _BackwardWalk:
             return f"{where}: {getattr(func, '__name__', func)}"
 
         data_shape = [tuple(bound.data.shape)]
-        _check_axes(self.axes[index], func, data_shape, _leaf_shapes([out]), self.m, name)
+        check_call_axes(self.axes[index], func, data_shape, leaf_shapes([out]), self.m, name)
         if covered:
             return out
         if bound.before is not None:  # in place: the data as it was, else no call
@@ -243,7 +245,7 @@ class _BackwardWalk:
                 return out
             bound = replace(bound, data=data)
         window = (start, self.seq.now())
-        call = _op_call(bound, out, self.axes[index], name(), window, self.recorder, self.names)
+        call = op_call(bound, out, self.axes[index], name(), window, self.recorder, self.names)
         if call is None:
             return out
         self.calls.append(call)
@@ -260,12 +262,12 @@ class _BackwardWalk:
     def record_call(self, module, args, kwargs, output):
         start, given_args, given_kwargs = self.starts[module].pop()
         self.open_modules.pop()
-        if _hooked(module, self.ours):  # a pre-hook may have replaced the arguments
+        if coverage.hooked(module, self.ours):  # a pre-hook may have replaced the arguments
             args, kwargs = given_args, given_kwargs
         index = self.index
         self.index += 1
         name = self.owners[module]
-        out_leaves, out_spec = _flatten(output)
+        out_leaves, out_spec = flatten_call(output)
         if not any(isinstance(t, Tensor) and t.requires_grad for t in out_leaves):
             if not torch.is_grad_enabled():  # inside a no-grad region of the model
                 self.unseen[module] = name
@@ -274,14 +276,14 @@ class _BackwardWalk:
         if index >= len(self.axes):
             raise ProbeMismatch(f"{self.caller}: the model calls more layers than in its probe")
         call_axes = self.axes[index]
-        in_leaves, in_spec = _flatten((args, kwargs))
-        _check_axes(
-            call_axes, module, _leaf_shapes(in_leaves), _leaf_shapes(out_leaves), self.m, name
+        in_leaves, in_spec = flatten_call((args, kwargs))
+        check_call_axes(
+            call_axes, module, leaf_shapes(in_leaves), leaf_shapes(out_leaves), self.m, name
         )
-        detached_args, detached_kwargs = _unflatten(
+        detached_args, detached_kwargs = unflatten_call(
             [t.detach() if isinstance(t, Tensor) else t for t in in_leaves], in_spec, False
         )
-        rule = _rule_for(
+        rule = coverage.rule_for(
             module, args, kwargs, call_axes.inputs, output, call_axes.outputs, self.ours
         )
         record = CallRecord(
@@ -307,15 +309,19 @@ class _BackwardWalk:
                 new_leaves[j] = t
             self.grad_hooks.append(t.register_hook(self.visits.hook(call, j)))
             call.state.edges.append((j, get_gradient_edge(t)))
-        return _unflatten(new_leaves, out_spec, isinstance(output, Tensor))
+        return unflatten_call(new_leaves, out_spec, isinstance(output, Tensor))
 
     def attribute(self, losses: Tensor, walk: Walk) -> tuple[set, dict]:
         """Attribute every parameter use in the graph of ``losses`` to the calls or the
         model route (:mod:`memconv.engine.coverage`), into ``walk``; the calls with nothing to
         compute are released. Returns the graph's nodes and the parameters' uses."""
-        reachable, uses = _graph(losses.grad_fn)
-        claims = _claims([c for c in self.calls if isinstance(c, OpCall)], reachable, self.names)
-        walk.model_params, walk.calls_per_param = _assign(self.calls, uses, self.names, claims)
+        reachable, uses = coverage.use_graph(losses.grad_fn)
+        claims = coverage.claims(
+            [c for c in self.calls if isinstance(c, OpCall)], reachable, self.names
+        )
+        walk.model_params, walk.calls_per_param = coverage.assign(
+            self.calls, uses, self.names, claims
+        )
         for call in self.calls:
             call.state.expected = {j for j, e in call.state.edges if e.node in reachable}
             if not call.params or not call.state.expected:
@@ -327,7 +333,7 @@ class _BackwardWalk:
         """The backward pass down to the deepest captured outputs, each call visited as
         its output gradients arrive."""
         wanted = {e.node: e for c in self.calls if not c.state.done for _, e in c.state.edges}
-        deepest = _deepest(set(wanted), reachable)
+        deepest = coverage.deepest(set(wanted), reachable)
         edges = [wanted[n] for n in deepest]
         if edges:
             torch.autograd.grad(losses.sum(), edges, allow_unused=True, retain_graph=keep_graph)

@@ -122,7 +122,7 @@ class LayerRule:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``(‖g_c‖², ⟨g_c,1⟩, ⟨g_c,ŵ_c⟩)`` ``[N, C]`` of the per-sample gradients ``g``
         of parameter ``name``, split along its first axis (``w_hat`` ``[C, K]``): what
-        a weight standardised per output channel needs (engine.md formula,
+        a weight standardised per output channel needs (the closed form of
         :mod:`memconv.layers.standardise`). Default: from :meth:`grad_sample`, a chunk
         of samples at a time within ``rule_settings().budget``."""
         p = getattr(module, name)

@@ -10,7 +10,7 @@ Standardization") as
 
 so that per output channel ``c`` (its ``K`` entries: ``C_in/G·k`` for a convolution)
 ``w'_c = γ_c·ŵ_c``, ``ŵ_c = (w_c − μ_c)/σ_c``, ``σ_c = sqrt(var_c + eps)`` (the biased
-variance). The Jacobian of that map is (engine.md formula)
+variance). The Jacobian of that map is
 
     J_cᵀ g = (γ_c/σ_c)·(g − (⟨g,1⟩/K)·1 − (⟨g,ŵ_c⟩/K)·ŵ_c),
 
@@ -184,7 +184,7 @@ def _trace_batch_norm(args, kwargs, out, recipe, depends):
 # ----------------------------------------------------------------- the maths
 def weight_sq_norms(stats: tuple[Tensor, Tensor, Tensor], form: Form) -> Tensor:
     """Squared per-sample norms ``[n]`` of the parameter's gradients ``J_fᵀ g_n``
-    (engine.md formula; summed over channels in float64, the terms cancelling).
+    (summed over channels in float64, the terms cancelling).
 
     Args:
         stats: :func:`memconv.conv.norm_routes.grad_channel_stats` ``(‖g_c‖², ⟨g_c,1⟩, ⟨g_c,ŵ_c⟩)`` ``[n, C]``.
