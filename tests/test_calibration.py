@@ -304,7 +304,7 @@ def test_fit_recovers_known_coefficients_and_scale():
 
 def test_calibrate_command_fits_and_checks_on_the_cpu(tmp_path, monkeypatch, capsys):
     from memconv.bench import calibrate
-    from memconv.cli import main
+    from memconv.bench.cli import main
 
     monkeypatch.setattr(calibrate, "QUICK_GRID", calibrate.QUICK_GRID[:1])
     out = tmp_path / "cpu.json"
@@ -332,7 +332,7 @@ def test_calibrate_command_fits_and_checks_on_the_cpu(tmp_path, monkeypatch, cap
     ],
 )
 def test_calibrate_rejects_bad_options_before_any_work(argv, message, capsys):
-    from memconv.cli import main
+    from memconv.bench.cli import main
 
     with pytest.raises(SystemExit):
         main(["calibrate", *argv])
@@ -341,7 +341,7 @@ def test_calibrate_rejects_bad_options_before_any_work(argv, message, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
 def test_calibrate_on_cuda_without_cuda_says_so(capsys):
-    from memconv.cli import main
+    from memconv.bench.cli import main
 
     with pytest.raises(SystemExit):
         main(["calibrate", "--device", "cuda", "--out", "cuda.json"])
