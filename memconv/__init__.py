@@ -44,6 +44,7 @@ from .tasks.adaptive import AdaptiveClipping
 from .tasks.clipping import clip_and_accumulate
 from .tasks.grads import per_sample_grads
 from .tasks.norms import per_sample_norms
+from .tasks.recorded import clipping, recording
 from .tasks.step import PrivateStep
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "available_strategies",
     "bias_grad",
     "clip_and_accumulate",
+    "clipping",
     "convert",
     "current_strategy",
     "per_sample",
@@ -77,6 +79,7 @@ __all__ = [
     "per_sample_norms",
     "plan",
     "predict_memory",
+    "recording",
     "save_memory",
     "groups",
     "layers",

@@ -292,12 +292,37 @@ def test_bad_arguments_raise_before_any_work(kwargs, error, match):
         mo.make_private(PrivacyEngine(), **args)
 
 
-def test_dropout_is_refused_and_named():
-    model = nn.Sequential(nn.Flatten(), nn.Linear(36, 8), nn.Dropout(0.1), nn.Linear(8, 3))
-    with pytest.raises(ValueError, match="'2'.*Dropout"):
-        mo.make_private(PrivacyEngine(), module=model, data_loader=DataLoader(TensorDataset(*data())),
-                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                        noise_multiplier=1.0, max_grad_norm=1.0)  # fmt: skip
+def test_dropout_trains_with_the_mask_of_the_users_forward_pass():
+    """A model with dropout trains (its forward pass runs once: the mask is the one
+    the user's forward pass drew), equal to the clipped sum of the per-sample loss
+    gradients of that forward pass."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(36, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+    model = model.double()
+    x, y = data(6)
+    params = dict(model.named_parameters())
+    torch.manual_seed(3)
+    losses = nn.CrossEntropyLoss(reduction="none")(model(x), y)
+    rows = [
+        torch.autograd.grad(losses[n], list(params.values()), retain_graph=True) for n in range(6)
+    ]
+    ref = {k: torch.stack([r[i] for r in rows]) for i, k in enumerate(params)}
+    norms = torch.stack([v.reshape(6, -1).pow(2).sum(1) for v in ref.values()]).sum(0).sqrt()
+    c = (float(norms.median()) / norms).clamp(max=1.0)
+    m, _, _ = mo.make_private(
+        PrivacyEngine(),
+        module=model,
+        data_loader=DataLoader(TensorDataset(*data())),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        noise_multiplier=1.0,
+        max_grad_norm=float(norms.median()),
+    )
+    torch.manual_seed(3)
+    nn.CrossEntropyLoss()(m(x), y).backward()
+    for k, p in params.items():
+        want = torch.einsum("n,n...->...", c, ref[k])
+        assert (p.grad - want).abs().max() <= TOL * want.abs().max(), k
+    assert torch.allclose(m.last_norms, norms, rtol=TOL, atol=0)
 
 
 def test_eval_mode_runs_the_model_as_it_is():

@@ -2,7 +2,7 @@
 route: the layer's rule, the generic route, or the model route.
 
 How each trainable parameter is covered is **checked, not assumed**. The forward pass
-(:meth:`_BackwardWalk.forward`) records every call of a module that owns trainable
+(:meth:`BackwardWalk.forward`) records every call of a module that owns trainable
 parameters: its arguments, the batch axis of each argument and output (from a probe
 of one and two samples, :mod:`memconv.engine.probes`, checked against it call by call), and
 the window of autograd nodes the call created (their sequence numbers), as a
@@ -12,7 +12,7 @@ Before the backward pass, every use of a parameter in the graph of the loss is
 attributed to the innermost call that can differentiate it, or to the model route
 (:mod:`memconv.engine.coverage`). The backward pass then hands each call, once its output
 gradients have arrived, to the visitor (:class:`_Visits`), and the final checks
-(:meth:`_BackwardWalk.check`) raise for an output gradient that never arrived.
+(:meth:`BackwardWalk.check`) raise for an output gradient that never arrived.
 Autograd itself computes no parameter gradient in the walk.
 """
 
@@ -121,15 +121,20 @@ def backward_walk(
     per_sample = loss_fn if isinstance(loss_fn, PerSampleLoss) else PerSampleLoss(loss_fn)
     if owners is None:
         owners = owner_names(model)
-    walk = _BackwardWalk(model, names, axes, visit, caller=caller, owners=owners, m=len(inputs))
+    walk = BackwardWalk(model, names, axes, visit, caller=caller, owners=owners, m=len(inputs))
     return walk.run(per_sample, inputs, targets, keep_graph=keep_graph, prepare=prepare)
 
 
-class _BackwardWalk:
-    """One :func:`backward_walk`: the forward pass recorded through hooks
-    (:meth:`pre_hook`, :meth:`forward_hook`, :meth:`on_op`), the parameters' uses
-    attributed (:meth:`attribute`), the backward pass (:meth:`backward`) and the
-    final checks (:meth:`check`).
+class BackwardWalk:
+    """One walk: the forward pass recorded through hooks (:meth:`forward`:
+    :meth:`pre_hook`, :meth:`forward_hook`, :meth:`on_op`), then, once the per-sample
+    losses exist, :meth:`finish`: the parameters' uses attributed (:meth:`attribute`),
+    the backward pass (:meth:`backward`) and the final checks (:meth:`check`).
+
+    :func:`backward_walk` runs both halves on memconv's own forward pass; a pass whose
+    forward the user runs (:class:`memconv.engine.passes.UserPass`) calls
+    :meth:`forward` from the model's call and :meth:`finish` from the backward pass the
+    user's ``loss.backward()`` starts.
 
     Attributes:
         calls: the calls recorded so far, in forward order.
@@ -162,52 +167,90 @@ class _BackwardWalk:
         self.covering: dict = {}
         self.recorder: OpRecorder | None = None
         self.grad_hooks: list = []
+        self.handles: list = []  # the recording hooks (see start)
+        self.recording = False
 
     def run(self, per_sample, inputs, targets, *, keep_graph: bool, prepare) -> Walk:
+        """Both halves on memconv's own forward pass of ``inputs``."""
         try:
-            return self._run(per_sample, inputs, targets, keep_graph=keep_graph, prepare=prepare)
-        finally:
-            for handle in self.grad_hooks:
-                handle.remove()
-            # no cycle left to keep the visitor (and the results it holds) alive until
-            # Python's collector runs: the recorder calls back into the walk
-            self.grad_hooks, self.recorder, self.visits.visit = [], None, None
+            losses = per_sample(self.forward(inputs), targets)
+        except BaseException:
+            self.close()
+            raise
+        return self.finish(losses, keep_graph=keep_graph, prepare=prepare)
 
-    def _run(self, per_sample, inputs, targets, *, keep_graph: bool, prepare) -> Walk:
-        losses = per_sample(self.forward(inputs), targets)
-        walk = Walk(
-            losses=losses if keep_graph else losses.detach(),
-            calls=self.calls,
-            model_params=[],
-            calls_per_param={},
-        )
-        if losses.grad_fn is None:
+    def finish(self, losses: Tensor, *, keep_graph: bool, prepare=None) -> Walk:
+        """The backward half, from the per-sample losses ``[m]`` of the recorded
+        forward pass: every call visited as its output gradients arrive; then the walk
+        is closed (:meth:`close`).
+
+        Args:
+            losses: the per-sample losses, with their graph.
+            keep_graph: keep the graph for a second backward pass of the losses.
+            prepare: called with the calls the visitor will get, in forward order,
+                before the backward pass.
+        """
+        try:
+            walk = Walk(
+                losses=losses if keep_graph else losses.detach(),
+                calls=self.calls,
+                model_params=[],
+                calls_per_param={},
+            )
+            if losses.grad_fn is None:
+                return walk
+            reachable, uses = self.attribute(losses, walk)
+            if prepare is not None:
+                prepare([c for c in self.calls if not c.state.done])
+            self.backward(losses, reachable, keep_graph)
+            self.check(uses)
             return walk
-        reachable, uses = self.attribute(losses, walk)
-        if prepare is not None:
-            prepare([c for c in self.calls if not c.state.done])
-        self.backward(losses, reachable, keep_graph)
-        self.check(uses)
-        return walk
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Remove the hooks on the captured outputs and break the walk's cycles (the
+        recorder calls back into the walk), so that nothing keeps the visitor and the
+        results it holds alive until Python's collector runs."""
+        self.stop()
+        for handle in self.grad_hooks:
+            handle.remove()
+        self.grad_hooks, self.recorder, self.visits.visit = [], None, None
 
     def forward(self, inputs: Tensor):
-        """The model's output, every call of a parametrised module or an operation with
-        a rule recorded."""
-        handles = []
-        for o in self.owners:  # (dict order: the model's modules)
-            handles.append(
-                o.register_forward_pre_hook(self.pre_hook, with_kwargs=True, prepend=True)
-            )
-            handles.append(o.register_forward_hook(self.forward_hook, with_kwargs=True))
-        self.ours.update(h.id for h in handles)
-        self.recorder = OpRecorder(self.model, self.on_op)
+        """The model's output on ``inputs`` (detached), every call of a parametrised
+        module or an operation with a rule recorded."""
+        self.start()
         try:
-            with self.recorder:
-                return self.model(inputs.detach())
+            return self.model(inputs.detach())
         finally:
-            for h in handles:
-                h.remove()
-            self.recorder.pure = {}
+            self.stop()
+
+    def start(self, outside: nn.Module | None = None) -> None:
+        """Record the calls made from now on (until :meth:`stop`): hooks on the modules
+        owning trainable parameters, but ``outside`` (a module whose call has begun: its
+        caller hands that call to :meth:`pre_hook` and :meth:`forward_hook` itself), and
+        the operation recorder."""
+        for o in self.owners:  # (dict order: the model's modules)
+            if o is outside:
+                continue
+            pre = o.register_forward_pre_hook(self.pre_hook, with_kwargs=True, prepend=True)
+            post = o.register_forward_hook(self.forward_hook, with_kwargs=True)
+            self.handles += [pre, post]
+            self.ours.update((pre.id, post.id))
+        self.recorder = OpRecorder(self.model, self.on_op)
+        self.recorder.__enter__()
+        self.recording = True
+
+    def stop(self) -> None:
+        """Stop recording (see :meth:`start`)."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if self.recording:
+            self.recorder.__exit__(None, None, None)
+            self.recorder.pure = {}  # the forward pass's tensors, no longer needed
+            self.recording = False
 
     def pre_hook(self, module, args, kwargs):
         # first of the module's pre-hooks: the call's arguments as the caller gave them,

@@ -116,8 +116,8 @@ def _walked(cp: CallPlan, batch: Batch, params: dict) -> dict[str, Tensor]:
     n = batch.n
     out = {name: p.new_empty(n, *p.shape) for name, p in params.items()}
 
-    def for_rows(rows: slice) -> _Rows:
-        return _Rows(out, rows, cp.rule_settings, whole=cp.plan.micro_batch >= n)
+    def for_rows(rows: slice) -> RowWriter:
+        return RowWriter(out, rows, cp.rule_settings, whole=cp.plan.micro_batch >= n)
 
     for part in walk_micro_batches(batch, cp, visitor=for_rows):
         part.visitor.zero_rest()
@@ -135,7 +135,7 @@ def _sample_by_sample(batch: Batch, params: dict, request) -> dict[str, Tensor]:
     return out
 
 
-class _Rows:
+class RowWriter:
     """Per-sample gradients of one micro-batch's rows into ``out`` (uninitialised): a
     parameter's first part is copied in (or, when the rows are the whole batch and the
     part is a tensor of its own, becomes the result itself: no copy), the others added

@@ -303,17 +303,23 @@ def _empty(grouping: Grouping, params: dict, per_parameter: bool, inputs: Tensor
 def gather_norms(batch: Batch, cp: CallPlan, onepass=None):
     """The walks of the micro-batches of the plan ``cp``, one at a time
     (:func:`memconv.engine.passes.walk_micro_batches`), each gathering norms in a
-    :class:`NormGatherer` (and, for book-keeping, what the clipped sum needs; with
-    ``onepass``, which makes each walk's :class:`memconv.tasks.groups.OnePass`, the
-    clipped sums of the calls it clips, added into its total)."""
+    :class:`NormGatherer` (:func:`gatherer`)."""
     route = cp.plan.clip_route
-    rs = cp.rule_settings
+    return walk_micro_batches(
+        batch,
+        cp,
+        visitor=lambda rows: gatherer(cp, _len(rows), onepass),
+        keep_graph=route == "two-pass",
+    )
 
-    def gatherer(rows: slice) -> NormGatherer:
-        keep = route == "book-keeping"
-        return NormGatherer(_len(rows), rs, keep=keep, onepass=onepass and onepass())
 
-    return walk_micro_batches(batch, cp, visitor=gatherer, keep_graph=route == "two-pass")
+def gatherer(cp: CallPlan, n: int, onepass=None) -> NormGatherer:
+    """The :class:`NormGatherer` of a walk of ``n`` samples under the plan ``cp``: for
+    book-keeping it keeps what the clipped sum needs; with ``onepass``, which makes
+    the walk's :class:`memconv.tasks.groups.OnePass`, the calls it clips add their
+    clipped sums during the backward pass."""
+    keep = cp.plan.clip_route == "book-keeping"
+    return NormGatherer(n, cp.rule_settings, keep=keep, onepass=onepass and onepass())
 
 
 def group_norms(grouping: Grouping, sq: dict, n: int, caller: str) -> dict[str, Tensor]:

@@ -203,7 +203,7 @@ def _check_max_grad_norm(max_grad_norm, clipping: str) -> list[float] | None:
 
 def _check_model(module: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
     """Raise unless the optimizer's parameters are the model's and memconv can treat
-    every layer per sample, with no random draw in the forward pass.
+    every layer per sample (a BatchNorm in training mode: the message names :func:`fix`).
 
     Returns:
         The model a ``DPDDP`` wraps (or ``module``).
@@ -214,15 +214,16 @@ def _check_model(module: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Modu
             if p not in params:
                 raise ValueError("optimizer holds parameters that are not module's")
     inner = unwrap_parallel(module)
-    check_per_sample_model(inner, argument="module")
-    for name, layer in inner.named_modules():
-        if isinstance(layer, nn.modules.dropout._DropoutNd) and layer.p > 0:
+    try:
+        check_per_sample_model(inner, argument="module")
+    except ValueError as err:
+        batch_norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+        if any(isinstance(m, batch_norms) for m in inner.modules()):
             raise ValueError(
-                f"module's layer {name!r} ({type(layer).__name__}, p={layer.p}) draws random "
-                "numbers, and memconv's private path runs the forward pass again for its "
-                "clipped sum, so the two draws would differ: set p=0, or use mo.install() "
-                "with PrivacyEngine.make_private (Opacus' hooks)"
-            )
+                f"{err}; memconv.integrations.opacus.fix(module) replaces every BatchNorm "
+                "by a GroupNorm (as Opacus' ModuleValidator.fix)"
+            ) from None
+        raise
     return inner
 
 
