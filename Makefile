@@ -95,9 +95,9 @@ benchmarks-steps: $(VENV)/.installed-bench+opacus
 
 # The private-training path (memconv.integrations.opacus.make_private's model) against
 # Opacus' hooks and ghost modes, clip_and_accumulate and non-private training.
-PRIVATE_ENGINES := non-private,opacus-hooks,opacus-ghost,memconv:default,memconv-private
+PRIVATE_ENGINES := non-private,opacus-hooks,opacus-ghost,memconv:default,memconv:step,memconv-private,memconv:clipping
 benchmarks-private: $(VENV)/.installed-bench+backpack+opacus
-	-$(BENCH) --task clip --cases resnet18-gn,vit-tiny --engines $(PRIVATE_ENGINES) --json $(BENCH_DIR)/private.jsonl
+	-$(BENCH) --task clip --cases resnet18-gn,vit-tiny,vit-tiny-dropout,opacus-mnist --engines $(PRIVATE_ENGINES) --repeats 5 --json $(BENCH_DIR)/private.jsonl
 
 # "DP on the models people train": torchvision's ResNet-18-GN, timm's NF-ResNet-26 and
 # ConvNeXt-atto (3x64x64) and ViT-tiny (3x32x32, patch 4), batch 64, each step in a fresh

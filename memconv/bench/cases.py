@@ -14,13 +14,14 @@ import torch
 
 MODELS = (
     "seed", "resnet18", "resnet18-gn", "wrn16-4-gn", "conv1d", "conv3d", "streaming-net",
-    "vit-tiny", "resnet18-tv-gn", "nf-resnet26", "convnext-atto",
+    "vit-tiny", "resnet18-tv-gn", "nf-resnet26", "convnext-atto", "opacus-mnist",
+    "vit-tiny-dropout",
 )  # fmt: skip
 #: Smallest side each model accepts (the seed CNN's four poolings need 27 pixels).
 MIN_SIDE = {
     "seed": 27, "resnet18": 8, "resnet18-gn": 8, "wrn16-4-gn": 8, "conv1d": 8, "conv3d": 4,
     "streaming-net": 64, "vit-tiny": 8, "resnet18-tv-gn": 8, "nf-resnet26": 8,
-    "convnext-atto": 32,
+    "convnext-atto": 32, "opacus-mnist": 28, "vit-tiny-dropout": 8,
 }  # fmt: skip
 #: The real data each model gets unless told otherwise.
 NATURAL_DATA = {
@@ -35,6 +36,8 @@ NATURAL_DATA = {
     "resnet18-tv-gn": "photos",
     "nf-resnet26": "photos",
     "convnext-atto": "photos",
+    "opacus-mnist": "digits",
+    "vit-tiny-dropout": "photos",
 }
 #: The models people train, as their libraries write them: the cases of the table "DP
 #: on the models people train" (``memconv bench --table models``).
@@ -107,6 +110,12 @@ CASES: dict[str, Case] = {
              summary="a small 1-D CNN on rows of photos"),
         Case("conv3d", "conv3d", 8, 24, depth=16, quick=(2, 8, 4),
              summary="a small 3-D CNN on stacks of shifted photo crops"),
+        Case("opacus-mnist", "opacus-mnist", 64, 28, quick=(4, 28, None),
+             summary="the small CNN of Opacus' examples/mnist.py as the script writes it, "
+                     "on digits"),
+        Case("vit-tiny-dropout", "vit-tiny-dropout", 64, 32, quick=(2, 16, None),
+             summary="ViT-Tiny with timm's dropout 0.1 (after the position embedding and in "
+                     "the MLPs), on photo crops"),
         Case("streaming-4096", "streaming-net", 1, 4096, quick=(1, 128, None),
              summary="StreamingCNN's example network on one 4096x4096 mosaic of the retina "
                      "photograph (the memconv-streaming engine against autograd)"),
@@ -183,11 +192,16 @@ def build_case(config: dict, device: torch.device):
         else:
             x = load_mosaic("retina", side).expand(n, 3, side, side).contiguous()
         y = torch.zeros(n, dtype=torch.long)
-    elif name == "vit-tiny":  # its position embedding is made for the image side
+    elif name in ("vit-tiny", "vit-tiny-dropout"):  # position embedding: the image's side
         from .models import vit_tiny
 
-        model = vit_tiny(img_size=side)
+        model = vit_tiny(img_size=side, drop_rate=0.1 if name == "vit-tiny-dropout" else 0.0)
         x, y = load_batch(n, side, channels=3, source=data)
+    elif name == "opacus-mnist":
+        from .models import OpacusMnistCNN
+
+        model = OpacusMnistCNN()
+        x, y = load_batch(n, side, source=data)
     else:
         model = build_model(name)
         x, y = load_batch(n, side, channels=3, source=data)
@@ -206,13 +220,15 @@ LABELS = {
     "resnet18-tv-gn": "torchvision ResNet-18-GN",
     "nf-resnet26": "NF-ResNet-26",
     "convnext-atto": "ConvNeXt-atto",
+    "opacus-mnist": "Opacus' MNIST CNN",
+    "vit-tiny-dropout": "ViT-Tiny with dropout",
 }
 
 
 def shape_of(config: dict) -> str:
     """The per-sample input shape, e.g. ``1×112×112``."""
     name, side = config.get("model", "seed"), config["side"]
-    if name == "seed":
+    if name in ("seed", "opacus-mnist"):
         return f"1×{side}×{side}"
     if name == "conv1d":
         return f"1×{side}"

@@ -23,9 +23,11 @@ from .options import (
     check_dependencies,
     check_device,
     command_line,
+    device_record,
     machine,
     parse_names,
     positive_int,
+    prepare_outputs,
 )
 
 logger = logging.getLogger("memconv")
@@ -76,6 +78,7 @@ def check_arguments(args) -> list[str]:
     names = parse_names(args.strategies, memconv.available_strategies(), "--strategies")
     engines = ["autograd", "torch.func"] + [f"memconv:{s}" for s in names]
     check_dependencies([get_engine(e) for e in engines], plot=bool(args.plot), data=args.data)
+    prepare_outputs(args.plot, args.json)
     return engines
 
 
@@ -102,14 +105,18 @@ def main(args) -> int:
             "mode": "compare",
             "command": command_line(getattr(args, "argv", None)),
             "machine": machine(),
+            "device": device_record(args.device),
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "plot": args.plot,
         },
     )
     config = {k: base[k] for k in ("model", "batch", "side", "data")}
 
+    done = [0]
+
     def on_row(row):
-        logger.info("%s: %s", row["engine"], _summary(row))
+        done[0] += 1
+        logger.info("[%d/%d] %s: %s", done[0], len(engines), row["engine"], _summary(row))
         out.write({"record": "row", "task": "grads", "case": "compare", "config": config, **row})
 
     rows = measure_engines(base, engines, task="grads", on_row=on_row)

@@ -9,7 +9,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ..._checks import check_budget, check_clip_route, check_route, check_threshold
+from ..._checks import (
+    check_budget,
+    check_choice,
+    check_clip_route,
+    check_route,
+    check_threshold,
+)
 from ...engine.prepared import check_per_sample_model
 from .private_module import PrivateModule, unwrap_parallel
 
@@ -123,14 +129,24 @@ def check_arguments(
     return replace(settings, thresholds=_per_layer_thresholds(inner, optimizer, norms))
 
 
-def _refuse_hook_options(options: Mapping) -> None:
-    """Raise on the options of Opacus' hooks, which the private path has not."""
-    for name in ("grad_sample_mode", "wrap_model"):
-        if name in options:
-            raise ValueError(
-                f"{name} is an option of Opacus' hooks; memconv's private path has none. For "
-                "Opacus' own modes use mo.install() and PrivacyEngine.make_private"
-            )
+#: Opacus' ``grad_sample_mode`` values; memconv's pass replaces each of them.
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "ghost_fsdp", "no_op")
+
+
+def _refuse_hook_options(options: dict) -> None:
+    """Check Opacus' hook options: any ``grad_sample_mode`` of Opacus' is accepted (and
+    taken out of ``options``); ``wrap_model`` must be True.
+
+    Raises:
+        ValueError: an unknown mode, or ``wrap_model=False``.
+    """
+    mode = options.pop("grad_sample_mode", "hooks")
+    check_choice(mode, GRAD_SAMPLE_MODES, "grad_sample_mode", none=False)
+    if options.pop("wrap_model", True) is not True:
+        raise ValueError(
+            "wrap_model=False is Opacus' hooks-only mode; memconv's private path returns "
+            "the wrapped model (its backward adds the clipped sum)"
+        )
 
 
 def _check_types(privacy_engine, module, optimizer) -> None:
