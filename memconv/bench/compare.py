@@ -28,6 +28,7 @@ from .options import (
     parse_names,
     positive_int,
     prepare_outputs,
+    strict_float32,
 )
 
 logger = logging.getLogger("memconv")
@@ -88,6 +89,7 @@ def main(args) -> int:
     from .runner import JsonLines, measure_engines
 
     engines = check_arguments(args)
+    strict_float32(args.device)  # as the workers run: TF32 off on CUDA
     started = time.time()
     base = {
         "case": "compare",

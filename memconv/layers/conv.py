@@ -26,7 +26,7 @@ from ..conv.vjp import check_settings
 from ..strategies import get_strategy
 from ..strategies.geometry import conv_spec, layer_output_size
 from .base import LayerRule, register, rule_settings, trainable
-from .operations import BoundOp, bind_args, register_op, with_params
+from .operations import BoundOp, bind_args, new_layer, register_op, with_params
 
 TYPES = (
     nn.Conv1d,
@@ -77,10 +77,17 @@ class ConvRule(LayerRule):
     def summed_grad(self, module, inputs, grad_output):
         (x,) = inputs
         out = {}
-        if trainable(module, "weight"):  # torch's own kernel: the fastest summed VJP
-            ops = conv_spec(module).operands(x.to(grad_output.dtype), grad_output)
+        weight, bias = trainable(module, "weight"), trainable(module, "bias")
+        if weight:  # torch's own kernel: the fastest summed VJP, the bias's with it
+            if x.dtype != grad_output.dtype:
+                x = x.to(grad_output.dtype)
+            spec = conv_spec(module)
+            ops = spec.operands(x, grad_output)
+            if bias and not spec.transposed:
+                out["weight"], out["bias"] = summed_weight_grad(ops, module.weight, bias=True)
+                return out
             out["weight"] = summed_weight_grad(ops, module.weight)
-        if trainable(module, "bias"):
+        if bias:
             out["bias"] = bias_grad(grad_output, per_sample=False)
         return out
 
@@ -153,7 +160,8 @@ def bind_conv(args, kwargs) -> BoundOp | None:
     w, groups = a["weight"], a["groups"]
 
     def shell(params):
-        layer = _CONV_TYPES[w.dim() - 2](
+        layer = new_layer(
+            _CONV_TYPES[w.dim() - 2],
             w.shape[1] * groups,
             w.shape[0],
             tuple(w.shape[2:]),
@@ -162,7 +170,6 @@ def bind_conv(args, kwargs) -> BoundOp | None:
             dilation=a["dilation"],
             groups=groups,
             bias=a["bias"] is not None,
-            device="meta",
         )
         return with_params(layer, params)
 
@@ -178,7 +185,8 @@ def bind_conv_transpose(args, kwargs) -> BoundOp | None:
     w, groups = a["weight"], a["groups"]
 
     def shell(params):
-        layer = _CONV_T_TYPES[w.dim() - 2](
+        layer = new_layer(
+            _CONV_T_TYPES[w.dim() - 2],
             w.shape[0],
             w.shape[1] * groups,
             tuple(w.shape[2:]),
@@ -188,7 +196,6 @@ def bind_conv_transpose(args, kwargs) -> BoundOp | None:
             groups=groups,
             bias=a["bias"] is not None,
             dilation=a["dilation"],
-            device="meta",
         )
         return with_params(layer, params)
 
