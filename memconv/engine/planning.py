@@ -569,13 +569,6 @@ def plan(
             memory_budget=memory_budget,
             breakdown={},
         )
-    request = Request(
-        task=task,
-        n=n,
-        settings=settings,
-        memory_budget=memory_budget,
-        norm_route=norm_route,
-        clip_route=clip_route,
-        caller="memconv.plan",
-    )
+    routes = dict(norm_route=norm_route, clip_route=clip_route)
+    request = Request(task, n, settings, memory_budget, caller="memconv.plan", **routes)
     return make_plan(profile(model, inputs), request, budget=memory_budget)

@@ -86,13 +86,6 @@ def check_call(
     n = check_batch(given.inputs, given.targets)
     check_budget(memory_budget)
     check_route(norm_route)
-    request = Request(
-        task=task,
-        n=n,
-        settings=settings,
-        memory_budget=memory_budget,
-        norm_route=norm_route,
-        clip_route=clip_route,
-        caller=caller,
-    )
+    routes = dict(norm_route=norm_route, clip_route=clip_route, caller=caller)
+    request = Request(task=task, n=n, settings=settings, memory_budget=memory_budget, **routes)
     return Checked(request, replace(given, model=model), ddp)
