@@ -14,24 +14,37 @@ attributed to the innermost call that can differentiate it, or to the model rout
 gradients have arrived, to the visitor (:class:`_Visits`), and the final checks
 (:meth:`_BackwardWalk.check`) raise for an output gradient that never arrived.
 Autograd itself computes no parameter gradient in the walk.
+
+A reversible block (:class:`memconv.reversible.InvertibleModuleWrapper`) runs its layers
+without gradients in the forward pass and again in its backward pass. The walk is the
+blocks' observer (:func:`memconv.reversible.recompute.observing`): the forward pass
+records each block's call as a :class:`memconv.engine.calls.BlockCall` (the uses of the
+block's parameters are attributed to it), and when the block's backward pass runs, the
+walk takes its recomputation over (:meth:`_BackwardWalk.recompute_block`): a walk of the
+block alone, its output gradients given, whose forward pass records the block's layer
+calls (their batch axes those the probe saw in the model's forward pass) and whose
+backward pass visits them and returns the gradients of the block's inputs; then the
+calls are released, so a chain of blocks holds the calls of one block at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .._torch import is_view, sequence_nr
 from ..conv.settings import Autocast
 from ..layers import own_trainable
 from ..layers.operations import BoundOp
+from ..reversible.recompute import observing, vjp
 from . import coverage
-from .calls import CallRecord, LayerCall, OpCall, WalkState, op_call
+from .calls import BlockCall, CallRecord, LayerCall, OpCall, WalkState, op_call
 from .losses import PerSampleLoss
 from .probes import (
     CallAxes,
@@ -162,6 +175,13 @@ class _BackwardWalk:
         self.covering: dict = {}
         self.recorder: OpRecorder | None = None
         self.grad_hooks: list = []
+        self.in_backward = False  # the blocks' backward passes are this walk's
+        self.result: Walk | None = None  # the model's walk (a block's walk adds to it)
+        self.prepare: Callable | None = None
+        self.block_names: dict | None = None
+        # {model name: calls computing it} of this walk, and of the walks around a block's
+        self.counts: dict = {}
+        self.shared_counts: dict = {}
 
     def run(self, per_sample, inputs, targets, *, keep_graph: bool, prepare) -> Walk:
         try:
@@ -174,7 +194,9 @@ class _BackwardWalk:
             self.grad_hooks, self.recorder, self.visits.visit = [], None, None
 
     def _run(self, per_sample, inputs, targets, *, keep_graph: bool, prepare) -> Walk:
-        losses = per_sample(self.forward(inputs), targets)
+        with self.recording():
+            output = self.model(inputs.detach())
+        losses = per_sample(output, targets)
         walk = Walk(
             losses=losses if keep_graph else losses.detach(),
             calls=self.calls,
@@ -183,16 +205,18 @@ class _BackwardWalk:
         )
         if losses.grad_fn is None:
             return walk
-        reachable, uses = self.attribute(losses, walk)
+        self.result, self.prepare = walk, prepare
+        reachable, uses = self.attribute([losses.grad_fn], walk)
         if prepare is not None:
             prepare([c for c in self.calls if not c.state.done])
-        self.backward(losses, reachable, keep_graph)
+        self.backward([losses.sum()], [None], reachable, keep_graph)
         self.check(uses)
         return walk
 
-    def forward(self, inputs: Tensor):
-        """The model's output, every call of a parametrised module or an operation with
-        a rule recorded."""
+    @contextlib.contextmanager
+    def recording(self):
+        """A block in which every call of a parametrised module or an operation with a
+        rule, and every reversible block's call, is recorded."""
         handles = []
         for o in self.owners:  # (dict order: the model's modules)
             handles.append(
@@ -202,8 +226,8 @@ class _BackwardWalk:
         self.ours.update(h.id for h in handles)
         self.recorder = OpRecorder(self.model, self.on_op)
         try:
-            with self.recorder:
-                return self.model(inputs.detach())
+            with self.recorder, observing(self):
+                yield
         finally:
             for h in handles:
                 h.remove()
@@ -311,33 +335,144 @@ class _BackwardWalk:
             call.state.edges.append((j, get_gradient_edge(t)))
         return unflatten_call(new_leaves, out_spec, isinstance(output, Tensor))
 
-    def attribute(self, losses: Tensor, walk: Walk) -> tuple[set, dict]:
-        """Attribute every parameter use in the graph of ``losses`` to the calls or the
-        model route (:mod:`memconv.engine.coverage`), into ``walk``; the calls with nothing to
-        compute are released. Returns the graph's nodes and the parameters' uses."""
-        reachable, uses = coverage.use_graph(losses.grad_fn)
+    def attribute(self, roots: list, walk: Walk) -> tuple[set, dict]:
+        """Attribute every parameter use in the graph below ``roots`` (autograd nodes)
+        to the calls or the model route (:mod:`memconv.engine.coverage`), into ``walk``;
+        the calls with nothing to compute are released. Returns the graph's nodes and
+        the parameters' uses."""
+        reachable, uses = coverage.use_graph(*roots)
         claims = coverage.claims(
             [c for c in self.calls if isinstance(c, OpCall)], reachable, self.names
         )
         walk.model_params, walk.calls_per_param = coverage.assign(
             self.calls, uses, self.names, claims
         )
+        self.counts = walk.calls_per_param
         for call in self.calls:
-            call.state.expected = {j for j, e in call.state.edges if e.node in reachable}
+            if isinstance(call, BlockCall):  # its backward pass must run: it visits
+                call.state.expected = {0} if call.node in reachable else set()
+            else:
+                call.state.expected = {j for j, e in call.state.edges if e.node in reachable}
+            call.shared |= {
+                k for k, full in call.params.items() if self.shared_counts.get(full, 0) > 1
+            }
             if not call.params or not call.state.expected:
                 call.release()
                 call.state.done = True
         return reachable, uses
 
-    def backward(self, losses: Tensor, reachable: set, keep_graph: bool) -> None:
-        """The backward pass down to the deepest captured outputs, each call visited as
-        its output gradients arrive."""
+    def backward(
+        self, outputs: list, grad_outputs: list, reachable: set, keep_graph: bool, inputs=()
+    ) -> tuple:
+        """The backward pass of ``outputs`` down to the deepest captured outputs (and to
+        ``inputs``), each call visited as its output gradients arrive; returns the
+        gradients of ``inputs``."""
         wanted = {e.node: e for c in self.calls if not c.state.done for _, e in c.state.edges}
         deepest = coverage.deepest(set(wanted), reachable)
         edges = [wanted[n] for n in deepest]
-        if edges:
-            torch.autograd.grad(losses.sum(), edges, allow_unused=True, retain_graph=keep_graph)
+        grads: tuple = (None,) * len(inputs)
+        self.in_backward = True
+        try:
+            if edges or inputs:
+                grads = torch.autograd.grad(
+                    outputs,
+                    [*inputs, *edges],
+                    grad_outputs,
+                    allow_unused=True,
+                    retain_graph=keep_graph,
+                )
+        finally:
+            self.in_backward = False
         self.visits.finish()
+        return tuple(grads[: len(inputs)])
+
+    # reversible blocks (memconv.reversible's observer protocol)
+
+    def enter(self, block: nn.Module) -> _Block:
+        """A reversible block's forward pass starts (before its autograd Function)."""
+        with paused():
+            return _Block(self, block, self.seq.now(), self.index)
+
+    def leave(self, token: _Block, outputs: tuple) -> None:
+        """A reversible block's forward pass ended: its call recorded, with an edge
+        below its node (asking autograd for it runs the block's backward pass)."""
+        node = next((y.grad_fn for y in outputs if y.grad_fn is not None), None)
+        if node is None:
+            return
+        with paused():
+            end = self.seq.now()
+        if self.block_names is None:
+            self.block_names = {m: n for n, m in self.model.named_modules()}
+        block = token.block
+        record = CallRecord(
+            module=block,
+            name=self.block_names.get(block) or type(block).__name__,
+            rule=None,
+            in_axes=(),
+            out_axes=(),
+            window=(token.start, end),
+            autocast=Autocast.of(outputs),
+            output_elements=sum(y.numel() for y in outputs),
+        )
+        below = next((GradientEdge(n, i) for n, i in node.next_functions if n is not None), None)
+        state = WalkState(edges=[(0, below)] if below is not None else [])
+        token.call = BlockCall(record=record, args=(), kwargs={}, state=state, node=node)
+        self.calls.append(token.call)
+
+    def recompute_block(self, token: _Block, run, inputs: tuple, grad_outputs: tuple, needs):
+        """The backward pass of a reversible block: ``run(inputs)`` (the block under
+        its forward pass's state) recorded and walked as a model of its own, its calls
+        visited; returns the gradients of ``inputs`` (None where ``needs`` is False)."""
+        xs = tuple(x.detach().requires_grad_(bool(need)) for x, need in zip(inputs, needs))
+        call = token.call
+        if call is None or call.state.done:  # nothing of the block to compute
+            with torch.enable_grad():
+                ys = run(xs)
+            return vjp(ys, grad_outputs, xs)
+        call.state.done = True
+        block = call.module
+        named = dict(block.named_parameters(remove_duplicate=False))
+        names = {id(named[k]): full for k, full in call.params.items()}
+        owners = {m: self.owners[m] for m in block.modules() if m in self.owners}
+        inner = _BackwardWalk(
+            block, names, self.axes, self.visits.visit, caller=self.caller, owners=owners, m=self.m
+        )
+        inner.index, inner.block_names = token.index, self.block_names
+        inner.prepare, inner.result = self.prepare, self.result
+        inner.shared_counts = {
+            k: max(self.counts.get(k, 0), self.shared_counts.get(k, 0))
+            for k in self.counts.keys() | self.shared_counts.keys()
+        }
+        try:
+            with torch.enable_grad():
+                with inner.recording():
+                    ys = run(xs)
+                return inner.walk_block(ys, grad_outputs, xs)
+        finally:
+            for handle in inner.grad_hooks:
+                handle.remove()
+            inner.grad_hooks, inner.recorder, inner.visits.visit = [], None, None
+
+    def walk_block(self, ys: tuple, grad_outputs: tuple, xs: tuple) -> tuple:
+        """Coverage, backward pass and checks of a block recomputed inside
+        :meth:`recording`: its parameters left to the model route join the model's."""
+        pairs = [(y, g) for y, g in zip(ys, grad_outputs) if y.grad_fn is not None]
+        walk = Walk(losses=ys[0], calls=self.calls, model_params=[], calls_per_param={})
+        reachable, uses = self.attribute([y.grad_fn for y, _ in pairs], walk)
+        model = self.result.model_params
+        model.extend(k for k in walk.model_params if k not in model)
+        if self.prepare is not None:
+            self.prepare([c for c in self.calls if not c.state.done])
+        wanted = [x for x in xs if x.requires_grad]
+        found = iter(
+            self.backward([y for y, _ in pairs], [g for _, g in pairs], reachable, False, wanted)
+        )
+        self.check(uses)
+        for c in self.calls:  # the block's graph goes (a visitor may keep a call's tensors)
+            c.state.edges = []
+            if not c.state.kept:
+                c.release()
+        return tuple(next(found) if x.requires_grad else None for x in xs)
 
     def check(self, uses: dict) -> None:
         """Raise for a call whose output gradient never arrived; warn of layers that ran
@@ -364,6 +499,32 @@ class _BackwardWalk:
                 "reported as zeros. Use torch.utils.checkpoint with use_reentrant=False.",
                 stacklevel=5,
             )
+
+
+class _Block:
+    """A reversible block's call in a walk: the token of memconv.reversible's observer
+    protocol (:mod:`memconv.reversible.recompute`).
+
+    Attributes:
+        walk: the walk whose forward pass called the block.
+        block: the :class:`memconv.reversible.InvertibleModuleWrapper`.
+        start: the sequence number before its autograd Function.
+        index: the place of its first layer call in the probe's calls.
+        call: its :class:`memconv.engine.calls.BlockCall` (None until the call ends).
+    """
+
+    def __init__(self, walk: _BackwardWalk, block: nn.Module, start: int, index: int):
+        self.walk, self.block, self.start, self.index = walk, block, start, index
+        self.call: BlockCall | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the walk runs its backward pass (the block's pass is the walk's)."""
+        return self.walk.in_backward
+
+    def recompute(self, run, inputs: tuple, grad_outputs: tuple, needs) -> tuple:
+        """See :meth:`_BackwardWalk.recompute_block`."""
+        return self.walk.recompute_block(self, run, inputs, grad_outputs, needs)
 
 
 class _Visits:
