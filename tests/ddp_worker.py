@@ -204,8 +204,9 @@ def reversible_model():
         nn.Conv2d(2, 4, 3, padding=1),
         InvertibleModuleWrapper(AdditiveCoupling(half())),
         InvertibleModuleWrapper(AdditiveCoupling(half())),
-        nn.Flatten(), nn.Linear(4 * 6 * 6, 3),
-    ).double()  # fmt: skip
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 3),
+    ).double()
 
 
 def run_reversible(rank: int, out: str) -> None:
@@ -215,9 +216,12 @@ def run_reversible(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     _use_loopback()
     dist.init_process_group(
-        "gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD,
+        "gloo",
+        init_method=f"file://{out}/store",
+        rank=rank,
+        world_size=WORLD,
         timeout=timedelta(seconds=60),
-    )  # fmt: skip
+    )
     try:
         x, y = batch()
         r = SPLITS["halves"][rank]
@@ -230,9 +234,13 @@ def run_reversible(rank: int, out: str) -> None:
         for route in CLIP_ROUTES:
             model = DDP(reversible_model())
             norms = memconv.clip_and_accumulate(
-                model, nn.CrossEntropyLoss(reduction="sum"), x[r], y[r], max_norm=MAX_NORM,
+                model,
+                nn.CrossEntropyLoss(reduction="sum"),
+                x[r],
+                y[r],
+                max_norm=MAX_NORM,
                 clip_route=route,
-            )  # fmt: skip
+            )
             result["clip"][route] = (_grads(model.module), norms)
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:

@@ -574,20 +574,40 @@ def test_a_module_without_inverse_is_refused():
     "make, exc, match",
     [
         (lambda: InvertibleModuleWrapper("fn"), TypeError, "fn must be a torch.nn.Module"),
-        (lambda: InvertibleModuleWrapper(coupling("additive"), keep_input=1), TypeError, "keep_input"),
+        (
+            lambda: InvertibleModuleWrapper(coupling("additive"), keep_input=1),
+            TypeError,
+            "keep_input",
+        ),
         (lambda: InvertibleModuleWrapper(coupling("additive"), disable="no"), TypeError, "disable"),
-        (lambda: InvertibleModuleWrapper(coupling("additive"), num_bwd_passes=0), ValueError, "num_bwd_passes"),
-        (lambda: InvertibleModuleWrapper(coupling("additive"), num_bwd_passes=1.5), TypeError, "num_bwd_passes"),
-        (lambda: InvertibleModuleWrapper(coupling("additive"), preserve_rng_state=None), TypeError, "preserve_rng_state"),
+        (
+            lambda: InvertibleModuleWrapper(coupling("additive"), num_bwd_passes=0),
+            ValueError,
+            "num_bwd_passes",
+        ),
+        (
+            lambda: InvertibleModuleWrapper(coupling("additive"), num_bwd_passes=1.5),
+            TypeError,
+            "num_bwd_passes",
+        ),
+        (
+            lambda: InvertibleModuleWrapper(coupling("additive"), preserve_rng_state=None),
+            TypeError,
+            "preserve_rng_state",
+        ),
         (lambda: AdditiveCoupling(half(), Gm="g"), TypeError, "Gm must be"),
         (lambda: AdditiveCoupling(lambda x: x), TypeError, "Fm must be"),
         (lambda: AdditiveCoupling(half(), split_dim=1.0), TypeError, "split_dim"),
         (lambda: AffineCoupling(half(), adapter=3), TypeError, "adapter must be callable"),
         (lambda: AffineAdapterNaive(None), TypeError, "module must be"),
-        (lambda: is_invertible_module(coupling("additive"), (2, "a")), ValueError, "test_input_shape"),
+        (
+            lambda: is_invertible_module(coupling("additive"), (2, "a")),
+            ValueError,
+            "test_input_shape",
+        ),
         (lambda: check_reconstruction("model").__enter__(), TypeError, "model must be"),
     ],
-)  # fmt: skip
+)
 def test_bad_arguments(make, exc, match):
     with pytest.raises(exc, match=match):
         make()
@@ -616,14 +636,22 @@ def test_memcnn_names_and_arguments():
         return list(inspect.signature(f).parameters)
 
     assert args(InvertibleModuleWrapper) == [
-        "fn", "keep_input", "keep_input_inverse", "num_bwd_passes", "disable",
+        "fn",
+        "keep_input",
+        "keep_input_inverse",
+        "num_bwd_passes",
+        "disable",
         "preserve_rng_state",
-    ]  # fmt: skip
+    ]
     assert args(AdditiveCoupling) == ["Fm", "Gm", "split_dim"]
     assert args(AffineCoupling) == ["Fm", "Gm", "adapter", "split_dim"]
     assert args(is_invertible_module) == [
-        "module_in", "test_input_shape", "test_input_dtype", "atol", "random_seed",
-    ]  # fmt: skip
+        "module_in",
+        "test_input_shape",
+        "test_input_dtype",
+        "atol",
+        "random_seed",
+    ]
     torch.manual_seed(0)
     fm = half()
     block = AdditiveCoupling(fm)

@@ -182,6 +182,7 @@ class _BackwardWalk:
         # {model name: calls computing it} of this walk, and of the walks around a block's
         self.counts: dict = {}
         self.shared_counts: dict = {}
+        self.open_blocks: list = []
 
     def run(self, per_sample, inputs, targets, *, keep_graph: bool, prepare) -> Walk:
         try:
@@ -388,14 +389,23 @@ class _BackwardWalk:
 
     # reversible blocks (memconv.reversible's observer protocol)
 
-    def enter(self, block: nn.Module) -> _Block:
+    def enter(self, block: nn.Module, fn: nn.Module) -> _Block:
         """A reversible block's forward pass starts (before its autograd Function)."""
         with paused():
-            return _Block(self, block, self.seq.now(), self.index)
+            token = _Block(self, block, fn, self.seq.now(), self.index)
+        self.open_blocks.append(token)
+        return token
+
+    def mark(self, fn: nn.Module) -> None:
+        """The next part of the open block running ``fn`` starts (a coupling's second
+        half-step): where its layer calls start in the probe's."""
+        if self.open_blocks and self.open_blocks[-1].fn is fn:
+            self.open_blocks[-1].parts.append(self.index)
 
     def leave(self, token: _Block, outputs: tuple) -> None:
         """A reversible block's forward pass ended: its call recorded, with an edge
         below its node (asking autograd for it runs the block's backward pass)."""
+        self.open_blocks.remove(token)
         node = next((y.grad_fn for y in outputs if y.grad_fn is not None), None)
         if node is None:
             return
@@ -419,16 +429,16 @@ class _BackwardWalk:
         token.call = BlockCall(record=record, args=(), kwargs={}, state=state, node=node)
         self.calls.append(token.call)
 
-    def recompute_block(self, token: _Block, run, inputs: tuple, grad_outputs: tuple, needs):
-        """The backward pass of a reversible block: ``run(inputs)`` (the block under
-        its forward pass's state) recorded and walked as a model of its own, its calls
-        visited; returns the gradients of ``inputs`` (None where ``needs`` is False)."""
-        xs = tuple(x.detach().requires_grad_(bool(need)) for x, need in zip(inputs, needs))
+    def recompute_block(self, token: _Block, run, inputs: tuple, grad_outputs: tuple, part: int):
+        """A part of a reversible block's backward pass: ``run(inputs)`` (the part under
+        the forward pass's state; it returns its outputs and the leaves it made)
+        recorded and walked as a model of its own, its layer calls visited; returns the
+        gradients of ``inputs`` and of the leaves ``run`` made."""
         call = token.call
-        if call is None or call.state.done:  # nothing of the block to compute
+        if call is None or not call.params or not call.state.expected:  # nothing to visit
             with torch.enable_grad():
-                ys = run(xs)
-            return vjp(ys, grad_outputs, xs)
+                ys, made = run(inputs)
+            return vjp(ys, grad_outputs, (*inputs, *made))
         call.state.done = True
         block = call.module
         named = dict(block.named_parameters(remove_duplicate=False))
@@ -437,8 +447,8 @@ class _BackwardWalk:
         inner = _BackwardWalk(
             block, names, self.axes, self.visits.visit, caller=self.caller, owners=owners, m=self.m
         )
-        inner.index, inner.block_names = token.index, self.block_names
-        inner.prepare, inner.result = self.prepare, self.result
+        inner.index = token.parts[part]
+        inner.block_names, inner.prepare, inner.result = self.block_names, self.prepare, self.result
         inner.shared_counts = {
             k: max(self.counts.get(k, 0), self.shared_counts.get(k, 0))
             for k in self.counts.keys() | self.shared_counts.keys()
@@ -446,16 +456,17 @@ class _BackwardWalk:
         try:
             with torch.enable_grad():
                 with inner.recording():
-                    ys = run(xs)
-                return inner.walk_block(ys, grad_outputs, xs)
+                    ys, made = run(inputs)
+                return inner.walk_block(ys, grad_outputs, (*inputs, *made))
         finally:
             for handle in inner.grad_hooks:
                 handle.remove()
             inner.grad_hooks, inner.recorder, inner.visits.visit = [], None, None
 
     def walk_block(self, ys: tuple, grad_outputs: tuple, xs: tuple) -> tuple:
-        """Coverage, backward pass and checks of a block recomputed inside
-        :meth:`recording`: its parameters left to the model route join the model's."""
+        """Coverage, backward pass and checks of a block (or a part of one) recomputed
+        inside :meth:`recording`; returns the gradients of the leaves ``xs``. Its
+        parameters left to the model route join the model's."""
         pairs = [(y, g) for y, g in zip(ys, grad_outputs) if y.grad_fn is not None]
         walk = Walk(losses=ys[0], calls=self.calls, model_params=[], calls_per_param={})
         reachable, uses = self.attribute([y.grad_fn for y, _ in pairs], walk)
@@ -508,13 +519,18 @@ class _Block:
     Attributes:
         walk: the walk whose forward pass called the block.
         block: the :class:`memconv.reversible.InvertibleModuleWrapper`.
+        fn: the module it wraps.
         start: the sequence number before its autograd Function.
-        index: the place of its first layer call in the probe's calls.
+        parts: the places of each part's first layer call in the probe's calls (one
+            part, or a coupling's two half-steps).
         call: its :class:`memconv.engine.calls.BlockCall` (None until the call ends).
     """
 
-    def __init__(self, walk: _BackwardWalk, block: nn.Module, start: int, index: int):
-        self.walk, self.block, self.start, self.index = walk, block, start, index
+    def __init__(
+        self, walk: _BackwardWalk, block: nn.Module, fn: nn.Module, start: int, index: int
+    ):
+        self.walk, self.block, self.fn, self.start = walk, block, fn, start
+        self.parts = [index]
         self.call: BlockCall | None = None
 
     @property
@@ -522,9 +538,14 @@ class _Block:
         """Whether the walk runs its backward pass (the block's pass is the walk's)."""
         return self.walk.in_backward
 
-    def recompute(self, run, inputs: tuple, grad_outputs: tuple, needs) -> tuple:
+    def recompute(self, run, inputs: tuple, grad_outputs: tuple, part: int = 0) -> tuple:
         """See :meth:`_BackwardWalk.recompute_block`."""
-        return self.walk.recompute_block(self, run, inputs, grad_outputs, needs)
+        return self.walk.recompute_block(self, run, inputs, grad_outputs, part)
+
+    def differentiate(self, run, inputs: tuple, grad_outputs: tuple, params: tuple, part: int):
+        """:func:`memconv.reversible.recompute.differentiate` done by the walk: the
+        part's layer calls visited; no parameter gradient."""
+        return self.recompute(run, inputs, grad_outputs, part), (None,) * len(params)
 
 
 class _Visits:

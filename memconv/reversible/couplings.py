@@ -30,12 +30,14 @@ from .._checks import (
     check_split,
     check_split_dim,
 )
+from .recompute import differentiate as _autograd
+from .recompute import mark_part
 
 
 def _halves(x: Tensor, split_dim: int, where: str) -> tuple[Tensor, Tensor]:
     check_split(x, split_dim, where)
     a, b = torch.chunk(x, 2, dim=split_dim)
-    return a.contiguous(), b.contiguous()
+    return a, b
 
 
 def _pair(Fm: nn.Module, Gm: nn.Module | None) -> tuple[nn.Module, nn.Module]:
@@ -66,6 +68,7 @@ class _Coupling(nn.Module):
         """``x [*, 2C, *]`` → ``y`` of its shape."""
         x1, x2 = _halves(x, self.split_dim, type(self).__name__)
         y1 = self.combine(x1, self.Fm(x2))
+        mark_part(self)
         y2 = self.combine(x2, self.Gm(y1))
         return torch.cat([y1, y2], dim=self.split_dim)
 
@@ -76,37 +79,52 @@ class _Coupling(nn.Module):
         x1 = self.uncombine(y1, self.Fm(x2))
         return torch.cat([x1, x2], dim=self.split_dim)
 
-    def inverse_vjp(self, y: Tensor, grad_y: Tensor, params: tuple) -> tuple:
+    def inverse_vjp(self, y: Tensor, grad_y: Tensor, params: tuple, differentiate=None) -> tuple:
         """The input reconstructed from the output ``y``, with the gradients of the
         input and of ``params`` for the output gradient ``grad_y``, in one pass: each
         half-step's module runs once, with its graph, both to reconstruct its half and
         to be differentiated (Gomez et al. 2017, algorithm 1), where an inverse then a
         recomputation run it twice.
 
+        Args:
+            y: the output.
+            grad_y: its gradient.
+            params: the parameters whose gradients are wanted.
+            differentiate: ``differentiate(run, inputs, grad_outputs, params, part)``
+                for each half-step (``part`` 1, then 0), as
+                :func:`memconv.reversible.recompute.differentiate` (the default) does it.
+
         Returns:
-            ``(x, grad_x, grads of params)`` (None for a parameter the block does not use).
+            ``(x, grad_x, grads of params)`` (None for a parameter not reached).
         """
+        differentiate = differentiate or _autograd
         y1, y2 = _halves(y, self.split_dim, f"{type(self).__name__}.inverse")
         g1, g2 = _halves(grad_y, self.split_dim, f"{type(self).__name__}.inverse")
         # y₂ = x₂ ⊕ Gm(y₁): x₂, then the gradients of y₁, x₂ and Gm's parameters
-        x2, (d_y1, d_x2), grads = self._half_vjp(y2, y1, g2, self.Gm, params)
+        x2, (d_y1, d_x2), grads = self._half(y2, y1, g2, self.Gm, params, differentiate, 1)
         # y₁ = x₁ ⊕ Fm(x₂), its output gradient y₁'s own plus what y₂ sent through Gm
-        x1, (d_x2_f, d_x1), more = self._half_vjp(y1, x2, g1 + d_y1, self.Fm, params)
+        x1, (d_x2_f, d_x1), more = self._half(y1, x2, g1 + d_y1, self.Fm, params, differentiate, 0)
         grads = [a if b is None else (b if a is None else a + b) for a, b in zip(grads, more)]
         x = torch.cat([x1, x2], dim=self.split_dim)
         return x, torch.cat([d_x1, d_x2 + d_x2_f], dim=self.split_dim), tuple(grads)
 
-    def _half_vjp(self, b: Tensor, other: Tensor, grad_b: Tensor, module: nn.Module, params):
+    def _half(self, b: Tensor, other: Tensor, grad_b: Tensor, module, params, differentiate, part):
         """For ``b = a ⊕ module(other)``: ``a``, the gradients ``(of other, of a)`` and
         of ``params`` for ``grad_b``."""
-        with torch.enable_grad():
-            other = other.detach().requires_grad_()
-            c = module(other)
+        made = []
+
+        def run(inputs):
+            c = module(inputs[0])
             a = self.uncombine(b, _detached(c)).requires_grad_()
-            out = self.combine(a, c)
-        found = torch.autograd.grad(out, (other, a, *params), grad_b, allow_unused=True)
-        d_other, d_a = (torch.zeros_like(t) if g is None else g for g, t in zip(found, (other, a)))
-        return a.detach(), (d_other, d_a), found[2:]
+            made.append(a)
+            return (self.combine(a, c),), (a,)
+
+        leaf = other.detach().requires_grad_()
+        (d_other, d_a), found = differentiate(run, (leaf,), (grad_b,), params, part)
+        a = made[-1].detach()
+        d_other = torch.zeros_like(other) if d_other is None else d_other
+        d_a = torch.zeros_like(b) if d_a is None else d_a
+        return a, (d_other, d_a), found
 
 
 def _detached(c):

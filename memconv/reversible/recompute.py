@@ -12,12 +12,14 @@ pass ran it, and the one hook point through which memconv's engine sees it.
   them a second and a third time;
 - :func:`observing`: an observer (memconv's walk, :mod:`memconv.engine.walk`) that
   the blocks called inside report to. A block's forward pass calls
-  ``observer.enter(block)`` before its autograd Function and
-  ``observer.leave(token, outputs)`` after it, and keeps the token; its backward pass,
-  if ``token.active``, hands the recomputation to ``token.recompute(run, inputs,
-  grad_outputs, needs)``, which runs ``run(inputs)`` (the block, under the forward
-  pass's state) however it likes and returns the gradients of the inputs. Blocks
-  called with no observer differentiate themselves.
+  ``observer.enter(block, fn)`` before its autograd Function and
+  ``observer.leave(token, outputs)`` after it, and keeps the token; a block made of
+  parts (a coupling's two half-steps) calls :func:`mark_part` where its second part
+  starts. Its backward pass, if ``token.active``, hands each part's recomputation to
+  ``token.recompute(run, inputs, grad_outputs, part)``: ``run(inputs)`` returns the
+  part's outputs and the leaves it made whose gradients are wanted too, and the
+  observer runs it however it likes and returns the gradients of ``inputs`` and of
+  those leaves (:func:`differentiate` is what a block does with no observer).
 """
 
 from __future__ import annotations
@@ -56,6 +58,29 @@ def observing(observer):
 def current_observer():
     """The observer of :func:`observing`, or None."""
     return _OBSERVER.get()
+
+
+def mark_part(fn) -> None:
+    """Tell the observer, if any, that ``fn``'s next part starts here (the forward pass
+    of a block made of parts, between them)."""
+    observer = _OBSERVER.get()
+    if observer is not None:
+        observer.mark(fn)
+
+
+def differentiate(run, inputs: tuple, grad_outputs: tuple, params: tuple, part: int = 0):
+    """A part of a block differentiated by autograd: ``run(inputs)`` (leaves made of
+    ``inputs``) returns ``(outputs, made)``; returns the gradients of ``inputs`` and
+    ``made``, and of ``params`` (None where not reached or not required).
+
+    Args:
+        part: which part of the block (an observer's business; unused here).
+    """
+    with torch.enable_grad():
+        outputs, made = run(inputs)
+    found = vjp(outputs, grad_outputs, (*inputs, *made, *params))
+    n = len(inputs) + len(made)
+    return found[:n], found[n:]
 
 
 @dataclass(frozen=True)

@@ -170,11 +170,12 @@ class _BlockCall:
             )
         needs_x, needs_p = needs[: self.n], needs[self.n :]
         try:
-            if not observed and self.fused():
-                return self.inverse_vjp(ys, grad_outputs, needs_x, needs_p)
+            if self.fused():
+                return self.inverse_vjp(ys, grad_outputs, needs_x, needs_p, observed)
             xs = self.kept if self.keep else self.reconstructed(self.inverse(ys))
             if observed:
-                grads_x = self.token.recompute(self.run, xs, grad_outputs, needs_x)
+                xd = tuple(x.detach().requires_grad_(bool(n)) for x, n in zip(xs, needs_x))
+                grads_x = self.token.recompute(lambda i: (self.run(i), ()), xd, grad_outputs, 0)
                 return (*grads_x, *(None for _ in needs_p))
             return self.differentiate(xs, grad_outputs, needs_x, needs_p)
         finally:
@@ -199,13 +200,16 @@ class _BlockCall:
         with torch.no_grad(), self.state.restored(self.wrapper._fn):
             return _tuple(self.undo_fn(*ys), f"{self.name}: fn's inverse")
 
-    def inverse_vjp(self, ys: tuple, grad_outputs: tuple, needs_x, needs_p) -> tuple:
+    def inverse_vjp(self, ys: tuple, grad_outputs: tuple, needs_x, needs_p, observed) -> tuple:
         """The gradients by the block's own one-pass reconstruction and backward pass
-        (:meth:`memconv.reversible.couplings._Coupling.inverse_vjp`)."""
+        (:meth:`memconv.reversible.couplings._Coupling.inverse_vjp`), each part's
+        differentiation the observer's when it observes the pass."""
         self.warn_if_alive()
         wanted = tuple(p for p, need in zip(self.params, needs_p) if need)
+        differentiate = self.token.differentiate if observed else None
         with self.state.restored(self.wrapper._fn):
-            x, grad_x, found = self.wrapper._fn.inverse_vjp(ys[0], grad_outputs[0], wanted)
+            fn = self.wrapper._fn
+            x, grad_x, found = fn.inverse_vjp(ys[0], grad_outputs[0], wanted, differentiate)
         self.reconstructed((x,))
         found = iter(found)
         return (grad_x if needs_x[0] else None, *(next(found) if n else None for n in needs_p))
@@ -401,7 +405,7 @@ class InvertibleModuleWrapper(nn.Module):
         if self._where is None:
             self._where = _locate(self)
         observer = current_observer()
-        token = observer.enter(self) if observer is not None else None
+        token = observer.enter(self, fn) if observer is not None else None
         call = _BlockCall(self, forward, xin, token)
         outs = _InvertibleFunction.apply(call, *xin, *params)
         outs = outs if isinstance(outs, tuple) else (outs,)
