@@ -20,7 +20,7 @@ from helpers import loop_reference, rel_err
 from torch import nn
 
 import memconv
-from memconv._torch import storage_weakref
+from memconv._torch import graph_task_id, storage_weakref
 from memconv.reversible import (
     AdditiveCoupling,
     AffineAdapterNaive,
@@ -292,7 +292,7 @@ def test_the_walk_holds_one_block_at_a_time():
         outputs.append(storage_weakref(output))
 
     def count(module, args):
-        if torch.is_grad_enabled():  # the recomputation in the backward pass
+        if graph_task_id() is not None:  # the recomputation, in the backward pass
             alive.append(sum(not r.expired() for r in outputs))
 
     hooks = [b.register_forward_hook(record) for b in wrapped[1:-2]]
@@ -696,3 +696,39 @@ def test_distributed_data_parallel(tmp_path):
             grads, local = got["clip"][route]
             assert_close(grads, clipped)
             assert rel_err(local, norms[SPLITS["halves"][rank]]) < TOL
+
+
+# the benchmark's commands (python -m memconv.bench.reversible), at toy sizes
+
+
+def test_benchmark_measures_and_tabulates():
+    from memconv.bench import reversible as bench
+
+    memory = bench.measure_memory("memconv", 2, batch=2, size=8, channels=8)
+    assert memory["peak_alloc_mib"] > 0 and memory["params"] > 0
+    times = bench.measure_times(
+        ["conventional", "memconv-clip"], 2, batch=2, size=8, channels=8, repeats=1
+    )
+    assert set(times["times_s"]) == {"conventional", "memconv-clip"}
+    rows = [
+        {"depth": d, "engine": e, "peak_rss_mib": 1.0, "peak_alloc_mib": float(d), "time_s": t}
+        for d in (4, 8)
+        for e, t in (("conventional", 1.0), ("memconv", 1.3))
+    ]
+    rows.append({"depth": 8, "engine": "memcnn", "skipped": "no --memcnn-python"})
+    table = bench.steps_table(rows)
+    assert "| 8 | memconv | 1 | 8 | 2.00 | 1.30 | 1.30 |" in table
+    assert "| 8 | memcnn | no --memcnn-python |" in table
+    page = "a\n<!-- reversible:steps -->\nold\n<!-- /reversible:steps -->\nb"
+    assert bench.fill(page, "steps", "new") == page.replace("old", "new")
+    with pytest.raises(ValueError, match="no <!-- reversible:errors -->"):
+        bench.fill(page, "errors", "x")
+
+
+def test_benchmark_reconstruction_errors():
+    from memconv.bench import reversible as bench
+
+    worst, last = bench.reconstruction_errors(2, "affine", torch.float64)
+    assert 0 <= last <= worst < 1e-12
+    rows = [{"coupling": "additive", "dtype": "float32", "depth": 2, "first_block": 1e-7}]
+    assert "| additive | float32 | 1.0e-07 |" in bench.errors_table(rows)

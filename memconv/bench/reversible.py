@@ -9,9 +9,9 @@ reconstruction error against depth. Two commands::
 
 ``steps`` runs one training step of a RevNet-style CNN (:class:`RevNet`) per engine and
 depth. Memory: each engine and depth in a fresh process
-(:func:`memconv.bench.runner.run_in_subprocess`, the measurement of
+(:func:`memconv.bench.runner.run_in_subprocess`, the measurements of
 :mod:`memconv.bench.measure`: a warm-up step on two samples, then the peak RSS increase
-and the allocator's peak of one step). Time: all engines of a depth in one process,
+of one step and the allocator's peak of another). Time: all engines of a depth in one process,
 taking turns for ``--repeats`` rounds after a warm-up round (the median per engine),
 so that a shared machine's drifting load slows them alike. The engines:
 
@@ -57,7 +57,7 @@ from memconv.reversible import (
     check_reconstruction,
 )
 
-from .measure import median_time, peak_both
+from .measure import median_time, peak_allocated, peak_rss_increase
 from .runner import JsonLines, max_rel_deviation, read_records, run_in_subprocess
 
 ENGINES = (
@@ -191,16 +191,18 @@ def measure_memory(
     threads: int = 1,
     out: str | None = None,
 ) -> dict:
-    """One engine's training step on one depth, in this (fresh) process: the peak RSS
-    increase and allocator peak (MiB) of one step after a warm-up step on two samples;
-    the step's gradients saved to ``out``."""
+    """One engine's training step on one depth, in this (fresh) process: after a
+    warm-up step on two samples, the peak RSS increase (MiB) of one step, then the
+    allocator peak (MiB) of another (the profiler's records would add to the RSS); the
+    step's gradients saved to ``out``."""
     torch.set_num_threads(threads)
     warnings.simplefilter("ignore", FutureWarning)  # MemCNN's deprecated torch.cuda.amp
     model = build(engine, depth, channels)
     x, y = _data(batch, size)
     step = _stepper(engine, model)
     step(x[:2], y[:2])
-    rss, alloc, _ = peak_both(lambda: step(x, y), torch.device("cpu"))
+    rss, _ = peak_rss_increase(lambda: step(x, y))
+    alloc, _ = peak_allocated(lambda: step(x, y), CPU)
     if out:
         torch.save({k: p.grad.detach().clone() for k, p in model.named_parameters()}, out)
     return {
