@@ -222,6 +222,38 @@ def test_rng_state_preserved_for_dropout():
         assert_close(renamed(step(wrapped, x, y)), ref)
 
 
+def test_batch_norm_statistics_are_updated_once_per_step():
+    def model(wrap):
+        torch.manual_seed(0)
+        blocks = [AdditiveCoupling(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.BatchNorm2d(2)))]
+        blocks.append(copy.deepcopy(blocks[0]))
+        return nn.Sequential(*(InvertibleModuleWrapper(b) if wrap else b for b in blocks)).double()
+
+    plain, wrapped = model(False), model(True)
+    x, _ = data()
+    x = torch.cat([x, x.flip(0)], 1)
+    for _ in range(2):
+        for m in (plain, wrapped):
+            m(x).square().sum().backward()
+        for a, b in zip(plain.buffers(), wrapped.buffers()):
+            assert torch.equal(a, b)
+
+
+def test_autocast_state_is_replayed():
+    plain, wrapped = network(wrap=False).float(), network().float()
+    x, _ = data()
+    grads = []
+    for m in (plain, wrapped, wrapped):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x.float())
+        assert out.dtype == torch.bfloat16
+        out.float().square().sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    for a, b in zip(grads[0], grads[2]):
+        assert rel_err(b, a) < 0.1  # bfloat16's round-off, the inverse's included
+
+
 # memory
 
 
@@ -502,6 +534,39 @@ def test_opacus_hooks_see_the_recomputed_layers():
         got.append([p.grad_sample for p in model.parameters()])
     for a, b in zip(*got):
         assert rel_err(b, a) < TOL
+
+
+def test_opacus_make_private_through_blocks():
+    """memconv's private path (Opacus' engine, memconv's clipped sum) on a model with
+    reversible blocks: the optimizer's gradient is the clipped sum over the expected
+    batch size (no noise)."""
+    pytest.importorskip("opacus")
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from memconv.integrations import opacus as mo
+
+    plain, wrapped, x, y, ref = per_sample_case("additive")
+    loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Opacus: secure RNG off
+        model, optimizer, loader = mo.make_private(
+            PrivacyEngine(),
+            module=wrapped,
+            optimizer=optimizer,
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            LOSS(model(xb), yb).backward()
+            optimizer.step()
+    expected = clipped_sum(ref, {k: "all" for k in ref}, 1.0)
+    got = {k: p.grad * len(x) for k, p in zip(unwrapped_names(wrapped), wrapped.parameters())}
+    assert_close(got, expected)
 
 
 # what cannot be done: refused or warned, naming the block
