@@ -411,6 +411,20 @@ def test_clip_and_accumulate(kind, route, groups):
     assert_close(got, norms)
 
 
+def test_a_group_made_of_a_whole_block():
+    """A group holding one block's parameters, whose layers clip in the pass no group of
+    their own: the block's group takes the clipping route."""
+    plain, wrapped, x, y, ref = per_sample_case("additive")
+    names = list(ref)
+    grouping = {k: "block" if k.startswith("2.") else "rest" for k in names}
+    mapping = {k: grouping[u] for (k, _), u in zip(wrapped.named_parameters(), names)}
+    wrapped.zero_grad(set_to_none=True)
+    memconv.clip_and_accumulate(wrapped, LOSS, x, y, max_norm=1.0, groups=mapping)
+    got = {k: p.grad for k, p in zip(names, wrapped.parameters())}
+    expected = clipped_sum(ref, grouping, 1.0)
+    assert_close(got, {k: expected[k] for k in names})
+
+
 def test_private_step_over_several_steps():
     plain, wrapped, x, y, ref = per_sample_case("additive")
     private = memconv.PrivateStep(wrapped, LOSS)

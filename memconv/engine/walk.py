@@ -209,10 +209,15 @@ class _BackwardWalk:
         self.result, self.prepare = walk, prepare
         reachable, uses = self.attribute([losses.grad_fn], walk)
         if prepare is not None:
-            prepare([c for c in self.calls if not c.state.done])
+            prepare(self.to_visit())
         self.backward([losses.sum()], [None], reachable, keep_graph)
         self.check(uses)
         return walk
+
+    def to_visit(self) -> list:
+        """The calls the visitor will get (a reversible block's call is not one: its
+        layers' calls are, in its own walk)."""
+        return [c for c in self.calls if not c.state.done and not isinstance(c, BlockCall)]
 
     @contextlib.contextmanager
     def recording(self):
@@ -473,7 +478,7 @@ class _BackwardWalk:
         model = self.result.model_params
         model.extend(k for k in walk.model_params if k not in model)
         if self.prepare is not None:
-            self.prepare([c for c in self.calls if not c.state.done])
+            self.prepare(self.to_visit())
         wanted = [x for x in xs if x.requires_grad]
         found = iter(
             self.backward([y for y, _ in pairs], [g for _, g in pairs], reachable, False, wanted)
