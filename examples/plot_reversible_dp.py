@@ -21,15 +21,12 @@ depths up to 16; ``MEMCONV_FULL=1`` runs 15 epochs at depth 8 and depths up to 6
 import os
 
 import matplotlib.pyplot as plt
-import numpy as np
 import torch
-import torch.nn.functional as F
 from opacus.accountants import RDPAccountant
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 
 import memconv
+from memconv.bench.data import load_batch
 from memconv.bench.measure import peak_allocated
 from memconv.reversible import AdditiveCoupling, InvertibleModuleWrapper
 
@@ -37,16 +34,10 @@ FULL = os.environ.get("MEMCONV_FULL", "") not in ("", "0")
 EPOCHS, DEPTH = (15, 8) if FULL else (3, 4)
 DEPTHS = (2, 4, 8, 16, 32, 64) if FULL else (2, 4, 8, 16)
 SIGMA, CLIP, BATCH, LR, DELTA = 1.0, 1.0, 64, 2.0, 1e-5
-torch.manual_seed(0)
 
-digits = load_digits()
-images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-images = F.interpolate(images, size=(16, 16), mode="bilinear", align_corners=False)
-labels = torch.tensor(digits.target)
-train, test = train_test_split(
-    np.arange(len(labels)), test_size=0.25, random_state=0, stratify=digits.target
-)
-images = (images - images[train].mean()) / images[train].std()
+images, labels = load_batch(1797, 16, source="digits")  # all 1,797 digits, 16×16
+order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+train, test = order[:1347], order[1347:]  # 75 % to train
 
 # %%
 # A RevNet
