@@ -44,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -182,23 +183,22 @@ def _stepper(engine: str, model: nn.Module):
     return step
 
 
-def measure_memory(
-    engine: str,
-    depth: int,
-    batch: int = 8,
-    size: int = 128,
-    channels: int = 32,
-    threads: int = 1,
-    out: str | None = None,
-) -> dict:
+def _case(batch: int = 8, size: int = 128, channels: int = 32, threads: int = 1):
+    """``(channels, (x, y))`` of a case: batch, image side, the first stage's channels,
+    torch threads (set)."""
+    torch.set_num_threads(threads)
+    warnings.simplefilter("ignore", FutureWarning)  # MemCNN's deprecated torch.cuda.amp
+    return channels, _data(batch, size)
+
+
+def measure_memory(engine: str, depth: int, out: str | None = None, **case) -> dict:
     """One engine's training step on one depth, in this (fresh) process: after a
     warm-up step on two samples, the peak RSS increase (MiB) of one step, then the
     allocator peak (MiB) of another (the profiler's records would add to the RSS); the
-    step's gradients saved to ``out``."""
-    torch.set_num_threads(threads)
-    warnings.simplefilter("ignore", FutureWarning)  # MemCNN's deprecated torch.cuda.amp
+    step's gradients saved to ``out``. ``case``: ``batch``, ``size``, ``channels``,
+    ``threads`` (:func:`_case`)."""
+    channels, (x, y) = _case(**case)
     model = build(engine, depth, channels)
-    x, y = _data(batch, size)
     step = _stepper(engine, model)
     step(x[:2], y[:2])
     rss, _ = peak_rss_increase(lambda: step(x, y))
@@ -212,21 +212,12 @@ def measure_memory(
     }
 
 
-def measure_times(
-    engines: list,
-    depth: int,
-    batch: int = 8,
-    size: int = 128,
-    channels: int = 32,
-    repeats: int = 3,
-    threads: int = 1,
-) -> dict:
+def measure_times(engines: list, depth: int, repeats: int = 3, **case) -> dict:
     """The median time (s) of one training step of each engine on one depth, the
     engines taking turns in this process (``repeats`` rounds after a warm-up round), so
-    that a machine whose load drifts slows them alike."""
-    torch.set_num_threads(threads)
-    warnings.simplefilter("ignore", FutureWarning)
-    x, y = _data(batch, size)
+    that a machine whose load drifts slows them alike. ``case``: as
+    :func:`measure_memory`'s."""
+    channels, (x, y) = _case(**case)
     steps = {e: _stepper(e, build(e, depth, channels)) for e in engines}
     for step in steps.values():
         step(x, y)
@@ -424,20 +415,27 @@ def fill(page: str, name: str, text: str) -> str:
     return pattern.sub(lambda _: f"{start}\n{text}\n{end}", page)
 
 
+#: The options of the command line: ``{flag: add_argument's keyword arguments}``.
+OPTIONS = {
+    "--depths": {"default": "4,8,16,32,64", "help": "reversible blocks (even numbers)"},
+    "--engines": {"default": ",".join(ENGINES), "help": "steps: the engines"},
+    "--batch": {"type": int, "default": 8, "help": "steps: the batch size"},
+    "--size": {"type": int, "default": 128, "help": "steps: the image side"},
+    "--channels": {"type": int, "default": 32, "help": "steps: the first stage's channels"},
+    "--repeats": {"type": int, "default": 3, "help": "steps: timed rounds (the median)"},
+    "--threads": {"type": int, "default": 1, "help": "torch threads (default 1)"},
+    "--memcnn-python": {"help": "steps: an interpreter with MemCNN installed"},
+    "--json": {"help": "write the rows to this JSON Lines file"},
+    "--from-json": {"help": "refill the page from this file, measure nothing"},
+    "--markdown": {"help": "refill the page's reversible:<command> block"},
+}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memconv.bench.reversible", description=__doc__)
     parser.add_argument("command", choices=("steps", "errors"))
-    parser.add_argument("--depths", default="4,8,16,32,64", help="reversible blocks (even)")
-    parser.add_argument("--engines", default=",".join(ENGINES), help="steps: the engines")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--size", type=int, default=128, help="steps: image side")
-    parser.add_argument("--channels", type=int, default=32, help="steps: the first stage's")
-    parser.add_argument("--repeats", type=int, default=3, help="steps: timed steps (median)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--memcnn-python", help="steps: an interpreter with MemCNN installed")
-    parser.add_argument("--json", help="write the rows to this JSON Lines file")
-    parser.add_argument("--from-json", help="refill the page from this file, measure nothing")
-    parser.add_argument("--markdown", help="refill the page's reversible:<command> block")
+    for flag, options in OPTIONS.items():
+        parser.add_argument(flag, **options)
     args = parser.parse_args(argv)
     args.depths = [int(d) for d in args.depths.split(",")]
     args.engines = args.engines.split(",")
@@ -456,10 +454,8 @@ def main(argv=None) -> int:
     text = steps_table(rows) if args.command == "steps" else errors_table(rows)
     print(text)
     if args.markdown:
-        with open(args.markdown) as f:
-            page = f.read()
-        with open(args.markdown, "w") as f:
-            f.write(fill(page, args.command, text))
+        page = Path(args.markdown)
+        page.write_text(fill(page.read_text(), args.command, text))
     return 0
 
 
