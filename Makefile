@@ -18,8 +18,8 @@ MIN_PYTHON := 3.10
 PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>/dev/null)
 
 .PHONY: install compare test test-slow lint format docs docs-clean clean benchmarks benchmarks-report \
-	benchmarks-steps benchmarks-ops benchmarks-private benchmarks-models benchmarks-gpu calibrate-gpu \
-	calibrate FORCE
+	benchmarks-steps benchmarks-ops benchmarks-private benchmarks-models benchmarks-reversible \
+	benchmarks-gpu calibrate-gpu calibrate FORCE
 
 # Rebuilt (with the whole venv) only when the interpreter changed; FORCE makes make
 # look at it every time, but its timestamp moves only on a rebuild.
@@ -85,6 +85,7 @@ benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	$(BENCH) --sweep side --range 28,56,112,224 --json $(BENCH_DIR)/sweep-side.jsonl --plot $(BENCH_DIR)/sweep-side.png
 	$(MAKE) benchmarks-private
 	$(MAKE) benchmarks-models
+	$(MAKE) benchmarks-reversible
 	$(MAKE) benchmarks-report
 	$(MAKE) benchmarks-steps
 	$(MAKE) benchmarks-ops
@@ -106,6 +107,24 @@ benchmarks-ops: $(VENV)/.installed-bench+opacus
 # measurements in docs/bench/calibration-cpu.jsonl): about an hour on 2 CPU cores.
 calibrate: $(VENV)/.installed-bench+backpack+opacus
 	$(BIN)/memconv calibrate --device cpu --repeats 3 --out memconv/calibration/cpu.json --json $(BENCH_DIR)/calibration-cpu.jsonl
+
+# "Reversible networks" (docs/benchmarks.md) and the reconstruction error (docs/reversible.md):
+# one training step of a RevNet-style CNN at depths 4 to 64 -- conventional,
+# torch.utils.checkpoint per block, MemCNN 1.5.2, memconv.reversible, DP clipping steps --
+# memory in a fresh process per step, times taking turns in one process per depth (one torch
+# thread); about an hour on 2 CPU cores. MemCNN gets a virtual environment of its own
+# (its core needs torch and numpy; memory_profiler and psutil measure it), with the
+# CPU build of torch that constraints.txt pins.
+MEMCNN_VENV ?= .venv-memcnn
+$(MEMCNN_VENV)/.installed: constraints.txt
+	rm -rf $(MEMCNN_VENV) && $(PYTHON) -m venv $(MEMCNN_VENV)
+	$(MEMCNN_VENV)/bin/python -m pip install -q -c constraints.txt torch numpy memory_profiler psutil
+	$(MEMCNN_VENV)/bin/python -m pip install -q --no-deps memcnn==1.5.2
+	@touch $@
+
+benchmarks-reversible: $(VENV)/.installed-bench $(MEMCNN_VENV)/.installed
+	$(BIN)/python -m memconv.bench.reversible steps --depths 4,8,16,32,64 --memcnn-python $(MEMCNN_VENV)/bin/python --json $(BENCH_DIR)/reversible.jsonl --markdown docs/benchmarks.md
+	$(BIN)/python -m memconv.bench.reversible errors --depths 4,8,16,32,64 --json $(BENCH_DIR)/reversible-errors.jsonl --markdown docs/reversible.md
 
 # The private-training path (memconv.integrations.opacus.make_private's model) against
 # Opacus' hooks and ghost modes, clip_and_accumulate and non-private training.
@@ -192,5 +211,5 @@ docs-clean:
 	rm -rf docs/_build docs/auto_examples docs/api/generated docs/sg_execution_times.rst
 
 clean: docs-clean
-	rm -rf $(VENV) $(DEPS) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis results
+	rm -rf $(VENV) $(MEMCNN_VENV) $(DEPS) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis results
 	find memconv tests examples docs -name __pycache__ -type d -prune -exec rm -rf {} +

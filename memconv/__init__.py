@@ -12,7 +12,7 @@ Example:
     >>> model[0].weight.grad_batch.shape    # [N, C_out, C_in/G, k, k]
 """
 
-from . import layers, modules, strategies
+from . import layers, modules, reversible, strategies
 from ._version import __version__ as __version__
 from .conv.grads import bias_grad
 from .conv.memory import predict_memory
@@ -83,6 +83,7 @@ __all__ = [
     "save_memory",
     "groups",
     "layers",
+    "reversible",
     "strategies",
     "weight_vjp",
 ]

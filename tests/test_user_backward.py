@@ -6,7 +6,8 @@ against a per-sample autograd loop on the **same forward pass** (the same dropou
 masks): the loop differentiates each sample's loss of the batch's own graph. Models as
 their libraries write them: dropout, torchvision's BasicBlock (in-place ReLU,
 ``out += identity``), timm's ScaledStdConv2d, a ViT with a class token, LoRA adapters;
-book-keeping and two-pass; per-layer and adaptive clipping.
+memconv's reversible blocks (their inputs released); book-keeping and two-pass;
+per-layer and adaptive clipping.
 """
 
 from __future__ import annotations
@@ -83,8 +84,24 @@ class LoraLinear(nn.Module):
         return self.base_layer(x) + b(a(self.lora_dropout["default"](x))) * self.scaling
 
 
+def reversible():
+    """Two additive couplings (RevNet's) that release their inputs, between a stem and a
+    head with dropout; the loop's one backward pass per sample needs num_bwd_passes."""
+    from memconv.reversible import AdditiveCoupling, InvertibleModuleWrapper
+
+    def block():
+        fm = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.ReLU())
+        return InvertibleModuleWrapper(AdditiveCoupling(fm), num_bwd_passes=8)
+
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), block(), block(), nn.Flatten(), nn.Dropout(0.3),
+        nn.Linear(4 * 8 * 8, 4),
+    )  # fmt: skip
+
+
 MODELS = {
     "dropout": Dropped,
+    "reversible": reversible,
     "basic-block": basic_block,
     "scaled-std": scaled_std,
     "vit": vit,

@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 
 import memconv
 
+from . import options
 from .cases import MIN_SIDE
 from .engines import get_engine
 from .options import (
@@ -23,11 +24,9 @@ from .options import (
     check_dependencies,
     check_device,
     command_line,
-    device_record,
     machine,
     parse_names,
     positive_int,
-    prepare_outputs,
     strict_float32,
 )
 
@@ -79,7 +78,7 @@ def check_arguments(args) -> list[str]:
     names = parse_names(args.strategies, memconv.available_strategies(), "--strategies")
     engines = ["autograd", "torch.func"] + [f"memconv:{s}" for s in names]
     check_dependencies([get_engine(e) for e in engines], plot=bool(args.plot), data=args.data)
-    prepare_outputs(args.plot, args.json)
+    options.prepare_outputs(args.plot, args.json)
     return engines
 
 
@@ -107,7 +106,7 @@ def main(args) -> int:
             "mode": "compare",
             "command": command_line(getattr(args, "argv", None)),
             "machine": machine(),
-            "device": device_record(args.device),
+            "device": options.device_record(args.device),
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "plot": args.plot,
         },

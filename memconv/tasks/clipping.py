@@ -100,58 +100,27 @@ def clip_and_accumulate(
             :func:`memconv.tasks.groups.resolve_groups`); an unknown ``clip_route``. Before
             any work, every ``.grad`` unchanged.
     """
+    given = Batch(model, loss_fn, inputs, targets)
+    options = dict(strategy=strategy, memory_budget=memory_budget, norm_route=norm_route)
     return clip_with(
-        Prepared(),
-        model,
-        loss_fn,
-        inputs,
-        targets,
-        max_norm=max_norm,
-        strategy=strategy,
-        memory_budget=memory_budget,
-        norm_route=norm_route,
-        clip_route=clip_route,
-        groups=groups,
+        Prepared(), given, max_norm=max_norm, clip_route=clip_route, groups=groups, **options
     )
 
 
-def clip_with(
-    prepared: Prepared,
-    model,
-    loss_fn,
-    inputs,
-    targets,
-    *,
-    max_norm,
-    strategy,
-    memory_budget,
-    norm_route,
-    clip_route,
-    groups="all",
-) -> Tensor | dict[str, Tensor]:
-    """:func:`clip_and_accumulate`, reusing what ``prepared`` kept from the last call:
-    the arguments checked, then per micro-batch of the plan the norms, the clip
-    factors and the clipped sums by the plan's route, then the sums added to ``.grad``."""
+def clip_with(prepared: Prepared, given: Batch, *, max_norm, groups="all", **options):
+    """:func:`clip_and_accumulate` of ``given``, reusing what ``prepared`` kept from the
+    last call: the arguments checked, then per micro-batch of the plan the norms, the
+    clip factors and the clipped sums by the plan's route, then the sums added to
+    ``.grad``."""
     check_max_norm(max_norm)
-    request, batch, ddp = check_call(
-        prepared,
-        task="clip",
-        caller="memconv.clip_and_accumulate",
-        model=model,
-        loss_fn=loss_fn,
-        inputs=inputs,
-        targets=targets,
-        strategy=strategy,
-        memory_budget=memory_budget,
-        norm_route=norm_route,
-        clip_route=clip_route,
-        unwrap=True,
-    )
+    caller = "memconv.clip_and_accumulate"
+    checked = check_call(prepared, given, task="clip", caller=caller, unwrap=True, **options)
+    request, batch, ddp = checked
     grouping = resolve_groups(batch.model, groups, max_norm)
     params = prepared.trainable()
     if request.n == 0:
         accumulate(params, {}, ddp)
-        zero = inputs.new_zeros(0, dtype=torch.float32)
+        zero = given.inputs.new_zeros(0, dtype=torch.float32)
         return joined(grouping, [{g: zero for g in grouping.members}])
     if prepared.streams:  # one sample at a time: its norm from its gradient, gathered
         with activate(request.settings):

@@ -85,26 +85,16 @@ def per_sample_grads(
             gradient of a parameter that influences the loss was not reached
             (naming it).
     """
-    return grads_with(
-        Prepared(), model, loss_fn, inputs, targets, strategy=strategy, memory_budget=memory_budget
-    )
+    given = Batch(model, loss_fn, inputs, targets)
+    return grads_with(Prepared(), given, strategy=strategy, memory_budget=memory_budget)
 
 
-def grads_with(prepared: Prepared, model, loss_fn, inputs, targets, *, strategy, memory_budget):
-    """:func:`per_sample_grads`, reusing what ``prepared`` kept from the last call: the
-    arguments checked, then the result allocated and filled micro-batch by micro-batch
-    of the plan (the plan raises before any work if the result cannot fit)."""
-    request, batch, _ = check_call(
-        prepared,
-        task="grads",
-        caller="memconv.per_sample_grads",
-        model=model,
-        loss_fn=loss_fn,
-        inputs=inputs,
-        targets=targets,
-        strategy=strategy,
-        memory_budget=memory_budget,
-    )
+def grads_with(prepared: Prepared, given: Batch, **options):
+    """:func:`per_sample_grads` of ``given``, reusing what ``prepared`` kept from the last
+    call: the arguments checked, then the result allocated and filled micro-batch by
+    micro-batch of the plan (the plan raises before any work if the result cannot fit)."""
+    caller = "memconv.per_sample_grads"
+    request, batch, _ = check_call(prepared, given, task="grads", caller=caller, **options)
     params = prepared.trainable()
     if request.n == 0 or prepared.streams:
         return _sample_by_sample(batch, params, request)

@@ -48,6 +48,7 @@ from ..conv.settings import use_block_settings
 from ..engine.losses import linear_loss
 from ..engine.passes import UserPass
 from ..engine.prepared import CallPlan, Prepared
+from ..engine.request import Batch
 from ..layers import own_trainable
 from .arguments import check_call
 from .clipping import accumulate, clip_part, ensure_finite_results, one_pass
@@ -59,9 +60,12 @@ from .norms import gatherer, joined, squared, total_sq
 LOSS_REDUCTIONS = ("mean", "sum")
 
 
-class _Handoff(torch.autograd.Function):
+class Handoff(torch.autograd.Function):
     """Identity on the model's output (detached from the model's graph): its backward
-    hands ``∂L/∂output`` to the pass that recorded the forward."""
+    hands ``∂L/∂output`` to ``receive``, the pass that recorded the forward.
+
+    ``Handoff.apply(receive, anchor, output)``: ``anchor`` is a tensor requiring grad
+    (so that the result does), ``output`` the detached output."""
 
     @staticmethod
     def forward(ctx, receive, anchor, output):
@@ -214,12 +218,9 @@ class RecordedBackward:
         try:
             request, batch, _ = check_call(
                 self._prepared,
+                Batch(self.model, linear_loss, x, x),
                 task=self.task,
                 caller=self.caller,
-                model=self.model,
-                loss_fn=linear_loss,
-                inputs=x,
-                targets=x,
                 strategy=self.strategy,
                 memory_budget=None,
                 norm_route=self.norm_route,
@@ -245,7 +246,7 @@ class RecordedBackward:
             self._waiting.discard(upass)
             self._backward(upass, grad_output)
 
-        return _Handoff.apply(receive, self._anchor, out.detach())
+        return Handoff.apply(receive, self._anchor, out.detach())
 
     def _backward(self, upass: UserPass, grad_output: Tensor) -> None:
         n = len(upass.inputs)

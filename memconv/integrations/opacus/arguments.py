@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -60,6 +61,17 @@ class ClipSettings:
     clip_route: str | None
     adaptive_args: Mapping[str, float | None]
     thresholds: dict[str, float] | None = None
+
+    #: The fields that are ``make_private``'s arguments of the same names.
+    GIVEN: ClassVar[tuple[str, ...]] = (
+        "clipping",
+        "max_grad_norm",
+        "loss_reduction",
+        "strategy",
+        "memory_budget",
+        "norm_route",
+        "clip_route",
+    )
 
     @property
     def groups(self) -> str:

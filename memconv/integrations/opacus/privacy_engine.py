@@ -13,7 +13,7 @@ from torch import nn
 
 from ...tasks.adaptive import AdaptiveClipping
 from .adaptive import adaclip_optimizer_class, adaptive_state
-from .arguments import ClipSettings, check_arguments, check_epsilon_arguments
+from .arguments import ADAPTIVE_ARGS, ClipSettings, check_arguments, check_epsilon_arguments
 from .private_module import PrivateModule
 from .samplers import require_opacus
 
@@ -178,22 +178,11 @@ def make_private(
             ``batch_first`` not True; ``noise_generator`` in secure mode. All before
             any work.
     """
+    given = locals()
     require_opacus()
     requested = ClipSettings(
-        clipping=clipping,
-        max_grad_norm=max_grad_norm,
-        loss_reduction=loss_reduction,
-        strategy=strategy,
-        memory_budget=memory_budget,
-        norm_route=norm_route,
-        clip_route=clip_route,
-        adaptive_args=dict(
-            target_unclipped_quantile=target_unclipped_quantile,
-            clipbound_learning_rate=clipbound_learning_rate,
-            max_clipbound=max_clipbound,
-            min_clipbound=min_clipbound,
-            unclipped_num_std=unclipped_num_std,
-        ),
+        **{name: given[name] for name in ClipSettings.GIVEN},
+        adaptive_args={name: given[name] for name in ADAPTIVE_ARGS},
     )
     clip = check_arguments(
         privacy_engine,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ...tasks.recorded import Clipping
+from ...tasks.recorded import Clipping, Handoff
 
 
 def unwrap_parallel(module: nn.Module) -> nn.Module:
@@ -65,20 +65,6 @@ class _PrivateClipping(Clipping):
         if self.adaptive is not None:
             self.adaptive.count(self.norms)
         _create_missing_grads(params)
-
-
-class _EmptyBatch(torch.autograd.Function):
-    """An empty batch's output: its backward leaves a zero clipped sum."""
-
-    @staticmethod
-    def forward(ctx, receive, anchor, output):
-        ctx.receive = receive
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        ctx.receive()
-        return None, None, None
 
 
 class PrivateModule(nn.Module):
@@ -189,10 +175,10 @@ class PrivateModule(nn.Module):
         if len(x) == 0:  # an empty Poisson batch: a zero clipped sum
             with torch.no_grad():
                 out = unwrap_parallel(self._module)(x)
-            return _EmptyBatch.apply(self._empty_step, self._anchor, out)
+            return Handoff.apply(self._empty_step, self._anchor, out)
         return self._clipping.forward(x.detach())
 
-    def _empty_step(self) -> None:
+    def _empty_step(self, grad_output=None) -> None:
         params = [p for p in unwrap_parallel(self._module).parameters() if p.requires_grad]
         _refuse_held_gradients(params)
         empty = self._anchor.new_zeros(0)
