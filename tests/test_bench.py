@@ -449,10 +449,10 @@ def test_inprocess_writes_each_row_with_its_ratio_and_skips_what_will_not_fit(
 
     rows = (("grads", "seed-28", 2, ("autograd", "memconv:step")),) * 2
     monkeypatch.setattr(inprocess, "QUICK_ROWS", rows)
-    # start, the first row's check and start at 0 s, its end and the second's check at
-    # 5 s: one second left of six, for a row that took five
-    clock = iter([0.0, 0.0, 0.0, 5.0, 5.0])
-    monkeypatch.setattr(inprocess, "_now", lambda: next(clock))
+    # start, the first row's check, its start and its engines' at 0 s; its end and
+    # what follows at 5 s: one second left of six, for a row that took five
+    clock = [0.0] * 5 + [5.0]
+    monkeypatch.setattr(inprocess, "_now", lambda: clock.pop(0) if len(clock) > 1 else clock[0])
     out = tmp_path / "ip.jsonl"
     argv = ["--device", "cpu", "--quick", "--repeats", "1", "--time-budget", "6"]
     assert inprocess.main([*argv, "--json", str(out)]) == 0

@@ -48,9 +48,9 @@ ROWS = (
     ("clip", "resnet18-tv-gn", 256, MODELS),
     ("clip", "vit-tiny", 1024, MODELS),
 )
-#: The rows of ``--quick``: two small cases, seconds on a CPU.
+#: The rows of ``--quick``: two small cases at their quick sizes, seconds on a CPU.
 QUICK_ROWS = (
-    ("clip", "resnet18-gn", 4, CLIP),
+    ("clip", "resnet18-gn", 2, CLIP),
     ("grads", "seed-28", 4, GRADS),
 )
 
@@ -89,9 +89,10 @@ def measure(run, model, x, y, options: dict, device: torch.device, repeats: int)
     return {"time_s": statistics.median(times), "alloc_mib": peak}
 
 
-def run_row(task, case, batch, engines, device, repeats, write) -> None:
-    """Measure one row's engines on one model and batch, writing each record."""
-    config = {**CASES[case].config(batch=batch), "data": "random"}
+def run_row(task, case, batch, engines, device, repeats, write, *, quick=False, deadline=None):
+    """Measure one row's engines on one model and batch, writing each record; an engine
+    that would start past ``deadline`` (a :func:`_now` time) is recorded as skipped."""
+    config = {**CASES[case].config(quick=quick, batch=batch), "data": "random"}
     model, x, y = build_case(config, device)
     options = {"max_norm": 1.0} if task == "clip" else {}
     floor = None
@@ -99,6 +100,8 @@ def run_row(task, case, batch, engines, device, repeats, write) -> None:
         engine = get_engine(name, task)
         record = {"record": "row", "task": task, "case": case, "batch": batch, "engine": name}
         why = available(engine)
+        if why is None and deadline is not None and _now() > deadline:
+            why = "past --time-budget"
         if why:
             write({**record, "skipped": why})
             continue
@@ -158,17 +161,15 @@ def main(argv=None) -> int:
         })  # fmt: skip
         longest = 0.0
         for task, case, batch, engines in rows:
-            left = (
-                None
-                if args.time_budget is None
-                else args.time_budget - (_now() - started)
-            )
+            left = None if args.time_budget is None else args.time_budget - (_now() - started)
             if left is not None and left < 1.5 * longest:
                 write({"record": "skipped", "task": task, "case": case, "batch": batch,
                        "why": f"about {1.5 * longest:.0f} s needed, {max(left, 0):.0f} s left"})  # fmt: skip
                 continue
             t0 = _now()
-            run_row(task, case, batch, engines, device, args.repeats, write)
+            deadline = None if args.time_budget is None else started + args.time_budget
+            run_row(task, case, batch, engines, device, args.repeats, write,
+                    quick=args.quick, deadline=deadline)  # fmt: skip
             longest = max(longest, _now() - t0)
     return 0
 

@@ -141,6 +141,29 @@ def note(run: dict) -> str:
     )
 
 
+def _refill(page: str, text: str) -> None:
+    with open(page) as f:
+        content = f.read()
+    with open(page, "w") as f:
+        f.write(fill_block(content, BLOCK, text))
+
+
+def report(files: list[str], markdown: str | None) -> int:
+    """Print (and refill ``markdown``'s block with) the table of the ``ops`` records of
+    ``files``, under the note of each file's run."""
+    records, runs = [], []
+    for path in files:
+        with open(path) as f:
+            got = [json.loads(line) for line in f if line.strip()]
+        runs += [r for r in got if r.get("record") == "run"]
+        records += [r for r in got if r.get("record") == "ops"]
+    text = table(records) + "".join(note(run) for run in runs)
+    print(text)
+    if markdown:
+        _refill(markdown, text)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memconv.bench.ops", description=__doc__)
     parser.add_argument(
@@ -154,7 +177,15 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--json", help="write the run and every count to this file (JSON Lines)")
     parser.add_argument("--markdown", help=f"refill the {BLOCK} block of this page")
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        metavar="FILE",
+        help="measure nothing: the table of these --json files' counts (their runs named)",
+    )
     args = parser.parse_args(argv)
+    if args.report:
+        return report(args.report, args.markdown)
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
@@ -205,10 +236,7 @@ def main(argv=None) -> int:
     text = table(records) + note(run)
     print(text)
     if args.markdown:
-        with open(args.markdown) as f:
-            page = f.read()
-        with open(args.markdown, "w") as f:
-            f.write(fill_block(page, BLOCK, text))
+        _refill(args.markdown, text)
     return 0
 
 
