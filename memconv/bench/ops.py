@@ -128,12 +128,14 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def note(run: dict) -> str:
-    """The line under the table: how it was made."""
+def note(run: dict, *more: dict) -> str:
+    """The line under the table: how it was made (by ``run`` and the ``more`` runs whose
+    records it also shows, on the same machine)."""
     m = run.get("machine", {})
+    commands = "; ".join(f"`{r.get('command', '')}`" for r in (run, *more))
     return (
         f"\n\nTop-level ATen operations per call (torch.profiler, one call after two "
-        f"warm-ups, float32, random data), `{run.get('command', '')}` on "
+        f"warm-ups, float32, random data), {commands} on "
         f"{m.get('cpu', 'a CPU')}, torch {m.get('torch', '?')}, memconv "
         f"{m.get('memconv', '?')}. × floor: against the task's floor (the non-private "
         "step for clipping, autograd's summed gradient for per-sample gradients) at the "
@@ -157,7 +159,7 @@ def report(files: list[str], markdown: str | None) -> int:
             got = [json.loads(line) for line in f if line.strip()]
         runs += [r for r in got if r.get("record") == "run"]
         records += [r for r in got if r.get("record") == "ops"]
-    text = table(records) + "".join(note(run) for run in runs)
+    text = table(records) + (note(*runs) if runs else "")
     print(text)
     if markdown:
         _refill(markdown, text)
