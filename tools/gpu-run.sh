@@ -91,7 +91,7 @@ EOF
 log "environment in env.txt"
 
 quick=()
-[ -n "$QUICK" ] && quick=(--quick)
+[ -n "$QUICK" ] && quick=(--quick --repeats 2)
 run inprocess 220 "$PY" -m memconv.bench.inprocess --device "$DEVICE" --json "$OUT/inprocess.jsonl" \
     --time-budget $(($(left) < 200 ? $(left) - 10 : 190)) ${quick[@]+"${quick[@]}"}
 
