@@ -18,8 +18,8 @@ MIN_PYTHON := 3.10
 PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>/dev/null)
 
 .PHONY: install compare test test-slow lint format docs docs-clean clean benchmarks benchmarks-report \
-	benchmarks-steps benchmarks-private benchmarks-models benchmarks-reversible benchmarks-gpu \
-	calibrate-gpu FORCE
+	benchmarks-steps benchmarks-ops benchmarks-private benchmarks-models benchmarks-reversible \
+	benchmarks-gpu calibrate-gpu calibrate FORCE
 
 # Rebuilt (with the whole venv) only when the interpreter changed; FORCE makes make
 # look at it every time, but its timestamp moves only on a rebuild.
@@ -88,12 +88,25 @@ benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	$(MAKE) benchmarks-reversible
 	$(MAKE) benchmarks-report
 	$(MAKE) benchmarks-steps
+	$(MAKE) benchmarks-ops
 
 # "Small models, many steps" (docs/benchmarks.md): every engine set up once, one step
 # each in turn, median of 30 rounds; about ten minutes on 2 CPU cores (the tanh CNN at
 # N=256 peaks at about 3 GiB with its seven engines in one process).
 benchmarks-steps: $(VENV)/.installed-bench+opacus
 	$(BIN)/python -m memconv.bench.steps --repeats 30 --json $(BENCH_DIR)/steps.json --markdown docs/benchmarks.md
+
+# "Operations per call" (docs/benchmarks.md): top-level ATen operations and host syncs of
+# one call, by batch size, of the non-private step, memconv's PrivateStep and Opacus'
+# ghost clipping (and per-sample gradients against autograd); a few minutes on 2 CPU
+# cores. Counts, not times: the same on every machine.
+benchmarks-ops: $(VENV)/.installed-bench+opacus
+	$(BIN)/python -m memconv.bench.ops --json $(BENCH_DIR)/ops.jsonl --markdown docs/benchmarks.md
+
+# The CPU cost models refitted on this machine (memconv/calibration/cpu.json; its
+# measurements in docs/bench/calibration-cpu.jsonl): about an hour on 2 CPU cores.
+calibrate: $(VENV)/.installed-bench+backpack+opacus
+	$(BIN)/memconv calibrate --device cpu --repeats 3 --out memconv/calibration/cpu.json --json $(BENCH_DIR)/calibration-cpu.jsonl
 
 # "Reversible networks" (docs/benchmarks.md) and the reconstruction error (docs/reversible.md):
 # one training step of a RevNet-style CNN at depths 4 to 64 -- conventional,
@@ -134,15 +147,48 @@ benchmarks-report: $(VENV)/.installed-bench
 
 # The same on a machine with a CUDA GPU, one command: the cost models fitted on the GPU
 # (memconv/calibration/cuda.json, read for CUDA tensors) and checked against its allocator,
-# then every table a GPU changes (memconv suite: JSON Lines under docs/bench/cuda/, the
-# page docs/benchmarks-cuda.md refilled). The check and the suite exit 1 on a memory model
-# past 25 % or a flagged float32 deviation; what follows still runs.
-benchmarks-gpu: calibrate-gpu
-	-$(BIN)/memconv suite --device cuda --out $(BENCH_DIR)/cuda --markdown docs/benchmarks-cuda.md
+# then every table a GPU changes (memconv suite: JSON Lines under docs/bench/cuda/, each
+# record written as its measurement completes, the page docs/benchmarks-cuda.md refilled
+# after each step), within GPU_TIME_BUDGET seconds (what will not fit is skipped, and the
+# log says so; about 8 minutes on one H100 or H200, a fresh process costing ~10 s there).
+# The check and the suite exit 1 on a memory model past 25 % or a flagged float32
+# deviation; what follows still runs.
+#
+# PYTHON_ENV=system runs it where GPUs are: a machine whose $(PYTHON) already holds a
+# CUDA build of torch and that reaches no package registry. No venv is built; memconv
+# runs from this source tree (on PYTHONPATH) and its peers' pure-Python wheels are
+# installed from WHEELS into DEPS with
+#   $(PYTHON) -m pip install --no-index --no-deps --target $(DEPS) $(WHEELS)/*.whl
+# (torch, numpy, scipy, opt_einsum, einops, psutil, scikit-image and tabulate must be
+# there already). Fetch the wheels on a machine with a registry, then copy wheels/:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 opacus backpack-for-pytorch unfoldNd memory_profiler -d wheels/
+# e.g. make benchmarks-gpu PYTHON_ENV=system PYTHON=python3 WHEELS=wheels
+PYTHON_ENV ?= venv
+WHEELS ?= wheels
+DEPS ?= .deps
+GPU_TIME_BUDGET ?= 480
+ifeq ($(PYTHON_ENV),system)
+GPU_PYTHON := PYTHONPATH=$(CURDIR):$(CURDIR)/$(DEPS)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON)
+GPU_READY := $(DEPS)/.installed
+else
+GPU_PYTHON := $(BIN)/python
+GPU_READY := $(VENV)/.installed-bench+backpack+opacus
+endif
+MEMCONV_GPU := $(GPU_PYTHON) -m memconv
 
-calibrate-gpu: $(VENV)/.installed-bench+backpack+opacus
-	$(BIN)/memconv calibrate --device cuda --out memconv/calibration/cuda.json --json $(BENCH_DIR)/cuda/calibration.jsonl
-	-$(BIN)/memconv calibrate --device cuda --check --json $(BENCH_DIR)/cuda/calibration-check.jsonl
+$(DEPS)/.installed: $(wildcard $(WHEELS)/*.whl)
+	@ls $(WHEELS)/*.whl >/dev/null 2>&1 || { \
+		echo "error: no wheels in $(WHEELS)/; fetch them where a registry is (see the Makefile's benchmarks-gpu)" >&2; \
+		exit 1; }
+	$(PYTHON) -m pip install -q --no-index --no-deps --target $(DEPS) $(WHEELS)/*.whl
+	@touch $@
+
+benchmarks-gpu: calibrate-gpu
+	-$(MEMCONV_GPU) suite --device cuda --time-budget $(GPU_TIME_BUDGET) --out $(BENCH_DIR)/cuda --markdown docs/benchmarks-cuda.md
+
+calibrate-gpu: $(GPU_READY)
+	$(MEMCONV_GPU) calibrate --device cuda --out memconv/calibration/cuda.json --json $(BENCH_DIR)/cuda/calibration.jsonl
+	-$(MEMCONV_GPU) calibrate --device cuda --check --json $(BENCH_DIR)/cuda/calibration-check.jsonl
 
 test-slow: $(VENV)/.installed-$(EXTRAS_TEST)
 	$(BIN)/python -m pytest -q -m slow
@@ -165,5 +211,5 @@ docs-clean:
 	rm -rf docs/_build docs/auto_examples docs/api/generated docs/sg_execution_times.rst
 
 clean: docs-clean
-	rm -rf $(VENV) $(MEMCNN_VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis results
+	rm -rf $(VENV) $(MEMCNN_VENV) $(DEPS) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis results
 	find memconv tests examples docs -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -20,7 +20,9 @@ __all__ = [
     "global_module_hooks",
     "graph_task_id",
     "is_view",
+    "max_abs_each",
     "module_hooks",
+    "new_sequence_nr",
     "no_torch_function",
     "saved_self",
     "sequence_nr",
@@ -38,6 +40,27 @@ def sequence_nr(node) -> int:
     """An autograd node's sequence number: nodes made later in a thread have larger ones
     (the order autograd's engine uses to run ready nodes)."""
     return node._sequence_nr()
+
+
+def new_sequence_nr() -> int:
+    """A sequence number of its own, larger than every node's made before in this
+    thread and smaller than every node's made after: that of a new autograd node of no
+    graph (torch's ``DelayedError`` node, made without a tensor operation; where torch
+    has none, the node of a product of a scalar)."""
+    make = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
+    if make is not None:
+        return make("", 0)._sequence_nr()
+    with torch.enable_grad():
+        return (_ANCHOR * 1).grad_fn._sequence_nr()
+
+
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+def max_abs_each(tensors: list[Tensor]) -> list[Tensor]:
+    """The largest magnitude of each tensor (a NaN where it holds one), 0-d tensors,
+    by one operation for them all (``torch._foreach_norm`` with ``ord=inf``)."""
+    return list(torch._foreach_norm(tensors, float("inf")))
 
 
 def is_view(t: Tensor) -> bool:

@@ -138,3 +138,31 @@ def assert_close(got: dict, ref: dict, tol: float) -> None:
 def total_norms(ref: dict) -> torch.Tensor:
     """The per-sample norms ``[N]`` over all the per-sample gradients ``{name: [N, ...]}``."""
     return torch.stack([v.reshape(len(v), -1).pow(2).sum(1) for v in ref.values()]).sum(0).sqrt()
+
+
+def small_gn_resnet() -> nn.Module:
+    """A narrow GroupNorm ResNet for 3×8×8 inputs: a stem, a block, a strided block with
+    its projection shortcut, pooling and a Linear head."""
+    from memconv.bench import models
+
+    def norm(c):
+        return models.group_norm(c, 4)
+
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        norm(8),
+        nn.ReLU(),
+        models.BasicBlock(8, 8, norm=norm),
+        models.BasicBlock(8, 16, stride=2, norm=norm),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
+
+
+def small_vit() -> nn.Module:
+    """A two-block ViT for 3×8×8 inputs (patch embedding, class token, position
+    embedding, LayerNorms, attention)."""
+    from memconv.bench import models
+
+    return models.VisionTransformer(8, 4, 3, 10, embed_dim=16, depth=2, num_heads=2)

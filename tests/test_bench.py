@@ -437,3 +437,50 @@ def test_table_applies_to_the_matrix_only():
         bench.check_arguments(args)
     args = parser.parse_args(["--task", "clip", "--table", "models", "--cases", "convnext-atto"])
     assert bench.check_arguments(args)["cases"] == ["convnext-atto"]
+
+
+def test_inprocess_writes_each_row_with_its_ratio_and_skips_what_will_not_fit(
+    tmp_path, monkeypatch
+):
+    """python -m memconv.bench.inprocess: a run record naming the device, then a record
+    per engine as it completes (the floor's ratio 1), and a row the budget cannot hold
+    recorded as skipped, not measured."""
+    from memconv.bench import inprocess
+
+    rows = (("grads", "seed-28", 2, ("autograd", "memconv:step")),) * 2
+    monkeypatch.setattr(inprocess, "QUICK_ROWS", rows)
+    # start, the first row's check, its start and its engines' at 0 s; its end and
+    # what follows at 5 s: one second left of six, for a row that took five
+    clock = [0.0] * 5 + [5.0]
+    monkeypatch.setattr(inprocess, "_now", lambda: clock.pop(0) if len(clock) > 1 else clock[0])
+    out = tmp_path / "ip.jsonl"
+    argv = ["--device", "cpu", "--quick", "--repeats", "1", "--time-budget", "6"]
+    assert inprocess.main([*argv, "--json", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records[0]["record"] == "run" and records[0]["device"] == {"type": "cpu"}
+    measured = [r for r in records if r["record"] == "row"]
+    assert [r["engine"] for r in measured] == ["autograd", "memconv:step"]
+    assert measured[0]["time_x"] == 1.0 and measured[1]["time_s"] > 0
+    assert records[-1]["record"] == "skipped" and records[-1]["case"] == "seed-28"
+
+
+def test_a_peer_that_does_not_import_is_reported_not_run(monkeypatch):
+    """A peer found but failing to import (Opacus without scipy) is a reason to skip."""
+    import importlib
+
+    from memconv.bench import engines
+
+    engine = engines.Engine("x", "grads", None, "x", requires="json")
+    real = importlib.import_module
+    engines._import_error.cache_clear()
+    monkeypatch.setattr(
+        importlib,
+        "import_module",
+        lambda name: (
+            (_ for _ in ()).throw(ImportError("no scipy")) if name == "json" else real(name)
+        ),
+    )
+    try:
+        assert "json does not import here (no scipy)" == engines.available(engine)
+    finally:
+        engines._import_error.cache_clear()

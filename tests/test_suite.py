@@ -39,6 +39,41 @@ def test_the_steps_cover_the_tables_a_gpu_changes():
         assert peer in peers or peer == "opacus-ghost" and "--task clip" in full["clip"]
 
 
+def test_the_gpu_steps_are_valid_commands_sized_for_eight_minutes(tmp_path, monkeypatch):
+    """On CUDA the default steps are the ones with a GPU size, the GPU tables first;
+    their estimate (fresh processes of ~12 s on an H100 or H200) fits eight minutes."""
+    monkeypatch.setattr(suite, "_gpu", lambda args: True)
+    steps = suite.check_arguments(_args())
+    assert [s.name for s in steps] == list(suite.GPU_ORDER)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    total = 0.0
+    for step in steps:
+        argv = suite.bench_argv(step, _args(), tmp_path)  # (--device cpu: parsed here)
+        assert argv[: len(step.gpu)] == list(step.gpu)
+        total += suite.estimate(parser.parse_args(argv), "cuda")
+    assert total <= 8 * 60, total
+
+
+def test_a_time_budget_skips_what_will_not_fit_and_says_so(tmp_path, caplog):
+    page = tmp_path / "page.md"
+    argv = ["suite", "--device", "cpu", "--quick", "--repeats", "1", "--steps", "streaming"]
+    with caplog.at_level("WARNING", logger="memconv"):
+        status = main(
+            [*argv, "--time-budget", "1", "--out", str(tmp_path), "--markdown", str(page)]
+        )
+    assert status == 0 and not (tmp_path / "streaming.jsonl").exists()
+    assert "step streaming skipped" in caplog.text and "--time-budget" in caplog.text
+
+
+def test_a_measurement_past_the_deadline_does_not_start():
+    from memconv.bench.runner import OUT_OF_TIME, measure_engines
+
+    base = {"case": "seed-28", "model": "seed", "batch": 2, "side": 28, "data": "random"}
+    rows = measure_engines(base, ["autograd", "memconv:auto"], deadline=0.0)
+    assert [r.get("skipped") for r in rows] == [OUT_OF_TIME, OUT_OF_TIME]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
 def test_suite_on_cuda_without_cuda_says_so_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit):

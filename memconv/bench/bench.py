@@ -43,6 +43,7 @@ from .options import (
     positive_float,
     positive_int,
     prepare_outputs,
+    strict_float32,
 )
 
 logger = logging.getLogger("memconv")
@@ -432,7 +433,9 @@ def run_matrix(args, plan: dict, out) -> list[tuple[str, dict, list[dict]]]:
             logger.info("[%d/%d] %s %s: %s", done[0], total, name, row["engine"], _summary(row))
             out.write({"record": "row", "task": args.task, "case": name, "config": public, **row})
 
-        rows = measure_engines(config, engines, task=args.task, on_row=on_row)
+        rows = measure_engines(
+            config, engines, task=args.task, on_row=on_row, deadline=getattr(args, "deadline", None)
+        )
         order = {e: i for i, e in enumerate(ENGINES[args.task])}
         rows.sort(key=lambda r: order[r["engine"]])
         groups.append((args.task, public, rows))
@@ -492,7 +495,7 @@ def sweep(args, plan: dict) -> int:
     """The sweep mode: memory and time of each engine over ``--range``."""
     from .compare import _summary
     from .report import _sweep_table, terminal
-    from .runner import JsonLines, run_in_subprocess
+    from .runner import JsonLines, past, run_in_subprocess
 
     started = time.time()
     out = JsonLines(args.json, _header(args, "sweep"))
@@ -508,6 +511,7 @@ def sweep(args, plan: dict) -> int:
         public = _public(config)
         for engine in engines:
             why = dropped.get(engine) or available(get_engine(engine, args.task))
+            why = why or past(getattr(args, "deadline", None))
             if why:
                 row = {"engine": engine, "skipped": why}
             elif get_engine(engine, args.task).budget and not config.get("memory_budget"):
@@ -544,7 +548,7 @@ def largest(args, plan: dict) -> int:
     """The largest-batch mode: a table of the largest batch within ``--limit-gib``."""
     from .largest import largest_batch
     from .report import format_largest, terminal
-    from .runner import JsonLines, read_records
+    from .runner import JsonLines, past, read_records
 
     started = time.time()
     out = JsonLines(args.json, _header(args, "largest"))
@@ -566,7 +570,7 @@ def largest(args, plan: dict) -> int:
                 config["memory_budget"] = int(limit_mib * MiB)
                 meta["memory_budget_mib"] = limit_mib
             logger.info("largest batch of %s on %s within %.0f MiB", engine, name, limit_mib)
-            why = available(e)
+            why = available(e) or past(getattr(args, "deadline", None))
             if why:
                 result = {"skipped": why}
             else:
@@ -630,10 +634,13 @@ def report(args) -> int:
 
 
 def main(args) -> int:
-    """Run the chosen mode; returns the exit status."""
+    """Run the chosen mode; returns the exit status. On CUDA every measurement runs
+    with TF32 off (:func:`memconv.bench.options.strict_float32`), in the workers and
+    here, so that the run record's device says so."""
     plan = check_arguments(args)
     if plan["mode"] == "report":
         return report(args)
+    strict_float32(args.device)
     if plan["mode"] == "sweep":
         return sweep(args, plan)
     if plan["mode"] == "largest":

@@ -3,7 +3,9 @@
 Every time model memconv chooses with (:data:`memconv.strategies.costs.TIME_MODELS`:
 the strategies', the ghost norms' two methods, the instantiating norm route's squares,
 ``"streaming"``'s tiles) is linear in its coefficients, ``time = offset + Σ_j c_j f_j``
-(seconds per multiply-add, per element moved, per kernel call, ...). The command
+(seconds per multiply-add, per element moved, per kernel call, ...), and every one of
+them has the shared per-operation term (``"operation"``: seconds per tensor
+operation, times the operations the computation issues). The command
 
 1. builds a grid of convolution layers (the benchmark models' shapes, N = 16 and 64;
    ``--quick``: three small ones) and, for each model on each layer, times the
@@ -12,10 +14,10 @@ the strategies', the ghost norms' two methods, the instantiating norm route's sq
    the PyTorch profiler's allocation events on the CPU);
 2. reads each feature ``f_j`` off the model itself, by pricing the layer with the
    coefficients set to the unit vectors (the models stay the one definition);
-3. fits the coefficients by non-negative least squares on relative error,
-   ``min Σ_i ((offset_i + Σ_j c_j f_ij − t_i) / t_i)²``, ``c ≥ 0`` (the method the
-   CPU constants were fitted with); a coefficient that no layer of the grid exercises
-   keeps its current value;
+3. fits the coefficients of all models at once by non-negative least squares on
+   relative error, ``min Σ_i ((offset_i + Σ_j c_j f_ij − t_i) / t_i)²``, ``c ≥ 0``
+   (the per-operation coefficient is shared by every row); a coefficient that no
+   layer of the grid exercises keeps its current value;
 4. fits each memory model's scale ``s`` the same way, ``min Σ_i ((s·p_i − m_i) / m_i)²``
    over the layers whose measured temporaries reach 64 KiB;
 5. writes the calibration (``--out``, e.g. ``memconv/calibration/cuda.json``), which
@@ -24,6 +26,11 @@ the strategies', the ghost norms' two methods, the instantiating norm route's sq
 ``--check`` fits nothing: it compares each memory model, as the calibration in use
 for the device prices it (or ``--calibration FILE``), against the allocator on that
 device, prints the ratios, and exits 1 when one is off by more than ``--tolerance``.
+
+``--refit FILE`` measures nothing: it fits the current models to the measurements a
+``--json`` file of an earlier run recorded (on another machine: its device type is
+the run's), so that a calibration takes a new form of the models without the device
+(the coefficients then describe the computations that run measured).
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ DESCRIPTION = (
 STRATEGIES = ("standard", "rochette", "unfold", "shift", "loop")
 #: Temporaries below this many bytes are too small for a ratio to mean anything.
 MIN_MEASURED = 64 * 1024
+#: The budget the grid's ghost norms run within (bytes): some layers' Gram matrices
+#: are tiled, so that the tiles' costs are measured too.
+GHOST_BUDGET = 32 * 2**20
 
 
 def _geom(dims, cin, cout, k, s=1, p=0, d=1, g=1) -> ConvGeometry:
@@ -116,10 +126,12 @@ class Job:
     Attributes:
         model: the cost model (a key of ``TIME_MODELS``).
         layer: the grid's layer.
-        run: the computation, timed and measured.
+        run: the computation, timed and measured (None where nothing runs: a refit).
         predict_time: its time model (seconds) under the calibration in use.
         predict_memory: its memory model (bytes), or None (no model of its own).
         result_bytes: bytes of the result, not part of the temporaries.
+        reads: the other time models its prediction reads (``"streaming"``: its inner
+            strategy's).
     """
 
     model: str
@@ -128,61 +140,85 @@ class Job:
     predict_time: object
     predict_memory: object
     result_bytes: int
+    reads: tuple = ()
 
 
-def _operands(layer: Layer, device: torch.device):
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn((layer.n, layer.geom.in_channels, *layer.size), generator=g)
-    t = layer.geom.output_size(layer.size)
-    grad = torch.randn((layer.n, layer.geom.out_channels, *t), generator=g)
-    return x.to(device), grad.to(device)
+class _Operands:
+    """A layer's random operands on a device, made when first read (a refit makes none)."""
+
+    def __init__(self, layer: Layer, device: torch.device):
+        self.layer, self.device = layer, device
+        self._made = None
+
+    def get(self):
+        """``(x [N, C_in, *S], g [N, C_out, *T], per-sample gradients [N, *W])``."""
+        if self._made is None:
+            layer, geom = self.layer, self.layer.geom
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn((layer.n, geom.in_channels, *layer.size), generator=gen)
+            t = geom.output_size(layer.size)
+            g = torch.randn((layer.n, geom.out_channels, *t), generator=gen)
+            grads = torch.randn((layer.n, *geom.weight_shape), generator=gen)
+            self._made = tuple(v.to(self.device) for v in (x, g, grads))
+        return self._made
 
 
-def jobs(layer: Layer, device: torch.device, models=None) -> list[Job]:
-    """The jobs of ``layer`` (of ``models``, or of every time model)."""
-    x, g = _operands(layer, device)
+def jobs(layer: Layer, device, models=None, *, run: bool = True) -> list[Job]:
+    """The jobs of ``layer`` (of ``models``, or of every time model) on ``device`` (a
+    device, or a device type for a refit); ``run=False``: predictions only."""
+    device = torch.device(device)
+    operands = _Operands(layer, device)
+    if run:  # made now: their allocations are no job's temporaries
+        operands.get()
     geom, problem = layer.geom, layer.problem(device)
     per_sample = layer.n * math.prod(geom.weight_shape) * 4
     out = []
+
+    def runner(fn):
+        return fn if run else None
+
     for name in STRATEGIES:
         strategy = get_strategy(name)
+
+        def vjp(s=strategy):
+            x, g, _ = operands.get()
+            return s.vjp(x, g, geom, per_sample=True, options=NO_OPTIONS)
+
         out.append(
             Job(
                 name,
                 layer,
-                lambda s=strategy: s.vjp(x, g, geom, per_sample=True, options=NO_OPTIONS),
+                runner(vjp),
                 lambda s=strategy: s.time(problem, NO_OPTIONS),
                 lambda s=strategy: s.memory(problem, NO_OPTIONS),
                 per_sample,
             )
         )
-    ops = Operands(x, g, geom)
-    budget = norms.DEFAULT_NORM_BUDGET
     for method in ("positions", "offsets"):
 
         def plan(method=method):
-            return ghost.method_tilings(problem, budget)[method]
+            return ghost.method_tilings(problem, GHOST_BUDGET)[method]
+
+        def gram(plan=plan):
+            x, g, _ = operands.get()
+            return ghost.sq_norms(Operands(x, g, geom), plan())
 
         out.append(
             Job(
                 f"ghost-{method}",
                 layer,
-                lambda plan=plan: ghost.sq_norms(ops, plan()),
+                runner(gram),
                 lambda plan=plan: plan().time,
                 lambda plan=plan: plan().memory,
                 layer.n * 4,
             )
         )
-    grads = torch.randn((layer.n, *geom.weight_shape), device=device)
     out.append(
         Job(
             "instantiate",
             layer,
-            lambda: norms.sq_norms(grads),
-            lambda: (
-                costs.time_coefficients("instantiate", device.type)[0]
-                * problem.per_sample_elements()
-            ),
+            runner(lambda: norms.sq_norms(operands.get()[2])),
+            lambda: norms.squares_time(problem),
             None,
             layer.n * 4,
         )
@@ -191,14 +227,20 @@ def jobs(layer: Layer, device: torch.device, models=None) -> list[Job]:
     tile = tuple(max(1, math.ceil(t / 2)) for t in problem.output_size)
     options = Options(tile_size=tile, inner="shift")
     streaming = get_strategy("streaming")
+
+    def tiled():
+        x, g, _ = operands.get()
+        return streaming.vjp(x, g, geom, per_sample=True, options=options)
+
     out.append(
         Job(
             "streaming",
             layer,
-            lambda: streaming.vjp(x, g, geom, per_sample=True, options=options),
+            runner(tiled),
             lambda: streaming.time(problem, options),
             None,
             per_sample,
+            reads=("shift",),
         )
     )
     return [j for j in out if models is None or j.model in models]
@@ -227,24 +269,33 @@ def _copy(data: dict) -> dict:
     return json.loads(json.dumps(data))
 
 
-def _with_coefficients(data: dict, model: str, values) -> dict:
+def _coefficients(job: Job) -> list[tuple[str, str]]:
+    """``[(model, coefficient)]`` a job's time model reads: its own model's, the shared
+    per-operation one, and those of the models it reads (:attr:`Job.reads`)."""
+    models = dict.fromkeys((job.model, "operation", *job.reads))
+    return [(m, c) for m in models for c in costs.TIME_MODELS[m]]
+
+
+def _with_values(data: dict, values: dict) -> dict:
+    """``data`` with the time coefficients ``{(model, coefficient): value}`` set."""
     out = _copy(data)
-    out["time"][model] = dict(zip(costs.TIME_MODELS[model], values))
+    for (model, name), v in values.items():
+        out["time"][model][name] = v
     return out
 
 
-def features(job: Job, device_type: str, base: dict) -> tuple[float, list[float]]:
-    """``(offset, [f_j])`` of a job's time model: its prediction with the model's own
-    coefficients at zero, and what each coefficient multiplies (read off the model by
-    setting the coefficients to the unit vectors; the other models' from ``base``)."""
-    names = costs.TIME_MODELS[job.model]
-    with costs.using(device_type, _with_coefficients(base, job.model, [0.0] * len(names))):
+def features(job: Job, device_type: str, base: dict) -> tuple[float, dict]:
+    """``(offset, {(model, coefficient): f_j})`` of a job's time model: its prediction
+    with the coefficients it reads at zero, and what each one multiplies (read off the
+    model by setting them to the unit vectors; every other model's from ``base``)."""
+    names = _coefficients(job)
+    zero = {k: 0.0 for k in names}
+    with costs.using(device_type, _with_values(base, zero)):
         offset = job.predict_time()
-    out = []
-    for j in range(len(names)):
-        unit = [1.0 if i == j else 0.0 for i in range(len(names))]
-        with costs.using(device_type, _with_coefficients(base, job.model, unit)):
-            out.append(job.predict_time() - offset)
+    out = {}
+    for k in names:
+        with costs.using(device_type, _with_values(base, {**zero, k: 1.0})):
+            out[k] = job.predict_time() - offset
     return offset, out
 
 
@@ -299,33 +350,35 @@ def _summary(errors) -> dict:
 
 
 def fit(records: list[dict], job_list: list[Job], device_type: str, base: dict) -> dict:
-    """A new calibration from the measurements (``records[i]`` of ``job_list[i]``).
-
-    ``"streaming"`` is fitted last: its offset is its inner strategy's time, priced
-    with that strategy's new coefficients.
-    """
+    """A new calibration from the measurements (``records[i]`` of ``job_list[i]``): every
+    time model's coefficients fitted at once (they share the per-operation one), then
+    each memory model's scale."""
     data = _copy(base)
     data["device"] = device_type
     report = {}
     unscaled = _copy(base)
     for model in costs.MEMORY_MODELS:
         unscaled["memory"][model]["scale"] = 1.0
-    for model in (*[m for m in costs.TIME_MODELS if m != "streaming"], "streaming"):
-        rows = [(r, j) for r, j in zip(records, job_list) if j.model == model and r["seconds"]]
-        if not rows:
-            continue
+    rows = [(r, j) for r, j in zip(records, job_list) if r.get("seconds")]
+    if rows:
+        columns = [(m, c) for m, names in costs.TIME_MODELS.items() for c in names]
         got = [features(j, device_type, data) for _, j in rows]
-        current = [data["time"][model][c] for c in costs.TIME_MODELS[model]]
+        feats = [[f.get(k, 0.0) for k in columns] for _, f in got]
+        current = [data["time"][m][c] for m, c in columns]
         coefficients, errors = fit_linear(
-            [o for o, _ in got], [f for _, f in got], [r["seconds"] for r, _ in rows], current
+            [o for o, _ in got], feats, [r["seconds"] for r, _ in rows], current
         )
-        data["time"][model] = dict(zip(costs.TIME_MODELS[model], coefficients))
-        report[f"time/{model}"] = _summary(errors)
+        data = _with_values(data, dict(zip(columns, coefficients)))
+        for model in costs.TIME_MODELS:
+            mine = [e for e, (_, j) in zip(errors, rows) if j.model == model]
+            if mine:
+                report[f"time/{model}"] = _summary(mine)
+        report["time/all"] = _summary(errors)
     for model in costs.MEMORY_MODELS:
-        rows = [j for j in job_list if j.model == model]
-        measured = [r["measured_bytes"] for r, j in zip(records, job_list) if j.model == model]
+        pairs = [(r, j) for r, j in zip(records, job_list) if j.model == model]
+        measured = [r["measured_bytes"] for r, _ in pairs]
         with costs.using(device_type, unscaled):
-            predicted = [j.predict_memory() for j in rows]
+            predicted = [j.predict_memory() for _, j in pairs]
         scale = fit_scale(predicted, measured)
         if scale is not None:
             data["memory"][model]["scale"] = scale
@@ -383,6 +436,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", metavar="PATH", help="write every measurement to PATH as JSON Lines"
     )
+    parser.add_argument(
+        "--refit",
+        metavar="FILE",
+        help="measure nothing: fit the current models to the measurements FILE (the "
+        "--json of an earlier run, on any machine) recorded; --device names the device "
+        "type they were measured on (default: the run's)",
+    )
 
 
 def check_arguments(args) -> None:
@@ -392,6 +452,14 @@ def check_arguments(args) -> None:
         ValueError: a missing ``--out``, an option that does not apply, an unknown or
             unavailable device, an unreadable ``--calibration``.
     """
+    if getattr(args, "refit", None):
+        if args.check:
+            raise ValueError("--refit and --check exclude each other")
+        if not Path(args.refit).is_file():
+            raise ValueError(f"--refit: no such file {args.refit!r}")
+        if not args.out:
+            raise ValueError("--out PATH is needed: where to write the calibration")
+        return
     check_device(args.device)
     if args.check:
         if args.out:
@@ -432,6 +500,8 @@ def _table(rows: list[dict]) -> str:
 def main(args) -> int:
     """``memconv calibrate``: fit and write, or ``--check``; returns the exit status."""
     check_arguments(args)
+    if getattr(args, "refit", None):
+        return _refit(args)
     device = torch.device(args.device)
     grid = QUICK_GRID if args.quick else GRID
     header = {
@@ -470,6 +540,62 @@ def main(args) -> int:
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
+    _log_residuals(data)
+    logger.info("wrote %s", args.out)
+    return 0
+
+
+def read_measurements(path) -> tuple[dict, list[dict]]:
+    """``(run record, measurement records)`` of a ``memconv calibrate --json`` file.
+
+    Raises:
+        ValueError: a file without a calibration run record.
+    """
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    runs = [r for r in lines if r.get("record") == "run" and r.get("mode") == "calibrate"]
+    if not runs:
+        raise ValueError(f"{path}: no 'memconv calibrate' run record")
+    return runs[0], [r for r in lines if r.get("record") == "measurement"]
+
+
+def _refit(args) -> int:
+    """``memconv calibrate --refit FILE``: the current models fitted to recorded
+    measurements, written to ``--out``."""
+    run, records = read_measurements(args.refit)
+    device_type = torch.device(run.get("device", args.device)).type
+    layers = {layer.name: layer for layer in (*GRID, *QUICK_GRID)}
+    known, job_list = [], []
+    for record in records:
+        layer = layers.get(record["layer"])
+        if layer is None or record["model"] not in costs.TIME_MODELS:
+            continue
+        (job,) = jobs(layer, device_type, models=(record["model"],), run=False)
+        known.append(record)
+        job_list.append(job)
+    base = costs.calibration(device_type)
+    data = fit(known, job_list, device_type, base)
+    machine_of_run = run.get("machine", {})
+    data["fitted"].update(
+        machine=machine_of_run,
+        device=machine_of_run.get("gpu") or machine_of_run.get("cpu") or device_type,
+        command=command_line(getattr(args, "argv", None)),
+        date=run.get("started"),
+        measured_by=run.get("command"),
+        method="refit (--refit): the current models fitted to the measurements of "
+        f"{Path(args.refit).name}, made on {run.get('started')} by memconv "
+        f"{machine_of_run.get('memconv', '?')}; non-negative least squares on relative "
+        "error of median times (time), least squares on relative error of a scale "
+        "(memory)",
+        grid=f"{len(job_list)} measurements of {len({j.layer.name for j in job_list})} layers",
+    )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
+    _log_residuals(data)
+    logger.info("wrote %s", args.out)
+    return 0
+
+
+def _log_residuals(data: dict) -> None:
     for key, summary in data["fitted"]["residuals"].items():
         logger.info(
             "%-24s %3d rows, relative error median %.2f, max %.2f",
@@ -478,8 +604,6 @@ def main(args) -> int:
             summary["median_relative_error"],
             summary["max_relative_error"],
         )
-    logger.info("wrote %s", args.out)
-    return 0
 
 
 def _device_name(device: torch.device) -> str:

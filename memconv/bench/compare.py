@@ -27,6 +27,7 @@ from .options import (
     machine,
     parse_names,
     positive_int,
+    strict_float32,
 )
 
 logger = logging.getLogger("memconv")
@@ -87,6 +88,7 @@ def main(args) -> int:
     from .runner import JsonLines, measure_engines
 
     engines = check_arguments(args)
+    strict_float32(args.device)  # as the workers run: TF32 off on CUDA
     started = time.time()
     base = {
         "case": "compare",

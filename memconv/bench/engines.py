@@ -23,6 +23,7 @@ result is another sum) and the non-private floor.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import warnings
 from collections.abc import Callable
@@ -634,7 +635,20 @@ def get_engine(name: str, task: str = "grads") -> Engine:
 
 
 def available(engine: Engine) -> str | None:
-    """None if the engine can run here, else why not (a missing optional peer)."""
-    if engine.requires is None or importlib.util.find_spec(engine.requires) is not None:
+    """None if the engine can run here, else why not: a missing optional peer, or one
+    that does not import (Opacus without scipy, on a GPU machine's own Python)."""
+    if engine.requires is None:
         return None
-    return f"{engine.requires} is not installed (pip install '{EXTRAS[engine.requires]}')"
+    if importlib.util.find_spec(engine.requires) is None:
+        return f"{engine.requires} is not installed (pip install '{EXTRAS[engine.requires]}')"
+    return _import_error(engine.requires)
+
+
+@functools.cache
+def _import_error(module: str) -> str | None:
+    """None if ``module`` imports, else why not."""
+    try:
+        importlib.import_module(module)
+    except ImportError as err:
+        return f"{module} does not import here ({err})"
+    return None

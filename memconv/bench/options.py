@@ -196,6 +196,20 @@ def prepare_outputs(*paths) -> None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
 
 
+def strict_float32(device: str) -> None:
+    """On a CUDA device, turn TF32 off for matrix products and for cuDNN's convolutions
+    (torch keeps it on for convolutions by default): a float32 result then carries
+    float32's round-off, and its deviation from the reference (1e-3 accepted) measures
+    the engine, not TF32's 10-bit mantissa (which puts every engine, torch.func's own
+    repeated runs included, 1e-2 apart on the GroupNorm ResNets). Nothing on another
+    device. The run record says which it was (:func:`device_record`)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
 def device_record(device: str) -> dict:
     """The device a run measures on: its type, its name (the card's, for CUDA) and, on
     CUDA, whether TF32 is on for matrix products and convolutions (it changes float32

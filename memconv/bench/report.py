@@ -815,6 +815,19 @@ def fill(page: str, sections: dict[str, str]) -> str:
     return pattern.sub(replace, page)
 
 
+def fill_block(page: str, name: str, text: str) -> str:
+    """``page`` with the block ``<!-- NAME -->…<!-- /NAME -->`` refilled with ``text``
+    (the pages' blocks that one command fills on its own: ``steps:table``, ``ops:table``).
+
+    Raises:
+        ValueError: the page has no such block.
+    """
+    pattern = re.compile(rf"<!-- {re.escape(name)} -->.*?<!-- /{re.escape(name)} -->", re.S)
+    if not pattern.search(page):
+        raise ValueError(f"the page has no <!-- {name} --> block")
+    return pattern.sub(lambda _: f"<!-- {name} -->\n{text}\n<!-- /{name} -->", page)
+
+
 def default_page(sections: dict[str, str]) -> str:
     """A page holding every section, for a file that has none yet."""
     parts = ["# Benchmarks", ""]

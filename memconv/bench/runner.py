@@ -166,6 +166,17 @@ def execution_order(names: Iterable[str], task: str, reference: str | None = Non
     return first + [n for n in names if n not in first]
 
 
+#: Why a measurement did not start (:func:`past`).
+OUT_OF_TIME = "not started: the time budget (--time-budget) ran out"
+
+
+def past(deadline: float | None) -> str | None:
+    """:data:`OUT_OF_TIME` once ``time.monotonic()`` has passed ``deadline``, else None."""
+    if deadline is not None and time.monotonic() > deadline:
+        return OUT_OF_TIME
+    return None
+
+
 def measure_engines(
     base: dict,
     names: Iterable[str],
@@ -175,6 +186,7 @@ def measure_engines(
     validate: bool = True,
     timeout: float = DEFAULT_TIMEOUT,
     reference: str | None = None,
+    deadline: float | None = None,
 ) -> list[dict]:
     """Measure engines on one case, each in a fresh process.
 
@@ -192,6 +204,8 @@ def measure_engines(
         timeout: seconds per measurement.
         reference: the engine the others are compared with (default
             :data:`REFERENCE` of the task).
+        deadline: a ``time.monotonic()`` value past which no measurement starts (the
+            rows left are skipped, saying so; None: no deadline).
 
     Returns:
         The rows, in execution order (:func:`execution_order`).
@@ -205,7 +219,7 @@ def measure_engines(
     rows, reference_result = [], None
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(names):
-            reason = available(engines[name])
+            reason = available(engines[name]) or past(deadline)
             if reason:
                 row = {"engine": name, "skipped": reason}
             elif engines[name].budget and not base.get("memory_budget"):

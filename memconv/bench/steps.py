@@ -19,7 +19,6 @@ import argparse
 import copy
 import json
 import platform
-import re
 import statistics
 import time
 import warnings
@@ -29,6 +28,8 @@ import torch
 from torch import nn
 
 import memconv
+
+from .report import fill_block
 
 #: Engines, in table order: (column, setup(model, loss) -> step(x, y)).
 ENGINES: list[tuple[str, Callable]] = []
@@ -283,10 +284,7 @@ def table(results: list[tuple[str, dict]]) -> str:
 
 def fill(page: str, text: str) -> str:
     """``page`` with the block ``<!-- steps:table -->…<!-- /steps:table -->`` refilled."""
-    pattern = re.compile(r"<!-- steps:table -->.*?<!-- /steps:table -->", re.S)
-    if not pattern.search(page):
-        raise ValueError("the page has no <!-- steps:table --> block")
-    return pattern.sub(lambda _: f"<!-- steps:table -->\n{text}\n<!-- /steps:table -->", page)
+    return fill_block(page, "steps:table", text)
 
 
 def main(argv=None) -> int:

@@ -15,20 +15,31 @@ non-private training):
   ConvNeXt-atto, the ViT-tiny): one DP clipping step against the non-private step, and
   per-sample gradients against torch.func's.
 
-Each step writes JSON Lines under ``--out`` (``<step>.jsonl``), each measurement in a
-fresh process as ``memconv bench`` does: on CUDA, peak memory is
-``torch.cuda.max_memory_allocated`` and times are CUDA-synchronised
-(:mod:`memconv.bench.measure`). Then the page ``--markdown`` is refilled from them
-(``memconv bench --report``; a new page with every section when it does not exist).
-The cgroup-limited largest-batch runs of ``make benchmarks`` measure host memory and
-are left out. A step that fails, or flags a deviation from torch.func, does not stop
-the others; the exit status is 1 if any did.
+Each step writes JSON Lines under ``--out`` (``<step>.jsonl``), a record as each
+measurement completes, each measurement in a fresh process as ``memconv bench`` does:
+on CUDA, peak memory is ``torch.cuda.max_memory_allocated``, times are
+CUDA-synchronised (:mod:`memconv.bench.measure`) and TF32 is off
+(:func:`memconv.bench.options.strict_float32`). After every step the page
+``--markdown`` is refilled from the files so far (``memconv bench --report``; a new page
+with every section when it does not exist), so that a run stopped midway leaves its
+page. The cgroup-limited largest-batch runs of ``make benchmarks`` measure host memory
+and are left out. A step that fails, or flags a deviation from torch.func, does not
+stop the others; the exit status is 1 if any did.
+
+On a GPU (``--device cuda``) the steps run by default are the ones with a GPU size
+(:attr:`Step.gpu`): the cases and engines of the GPU tables at the batch sizes a GPU
+trains with, about 25 fresh processes (some 10 s each on an H100 or H200) and eight
+minutes in all there. ``--time-budget SECONDS`` bounds a run: a step whose estimate
+(:func:`estimate`) does not fit what is left is skipped, and a step that runs past it
+starts no more measurements; each skip is logged and recorded (``"skipped"``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,25 +74,33 @@ class Step:
         name: the step's name and JSON Lines file's stem.
         args: its options (``--device``, ``--json`` and ``--plot`` are added).
         quick: its options with ``--quick`` (a smoke test of seconds per step).
-        plot: write ``<name>.png`` beside the JSON Lines file.
+        plot: write ``<name>.png`` beside the JSON Lines file (where matplotlib is).
+        gpu: its options on a GPU (the GPU tables' cases and engines at a GPU's batch
+            sizes, sized with the others for eight minutes on one H100 or H200); None:
+            not run on a GPU unless ``--steps`` names it (then with :attr:`args`).
     """
 
     name: str
     args: tuple[str, ...]
     quick: tuple[str, ...]
     plot: bool = False
+    gpu: tuple[str, ...] | None = None
 
 
 STEPS = (
     Step("clip", ("--task", "clip", "--cases", "resnet18-gn,seed-112"),
          ("--task", "clip", "--quick", "--cases", "resnet18-gn",
-          "--engines", "non-private,memconv:auto"), plot=True),
+          "--engines", "non-private,memconv:auto"), plot=True,
+         gpu=("--task", "clip", "--cases", "resnet18-gn", "--batch-size", "256",
+              "--engines", "non-private,torch.func,opacus-ghost,memconv:default,memconv:step")),
     Step("clip-more", ("--task", "clip", "--cases", "wrn16-4-gn,conv1d,conv3d"),
          ("--task", "clip", "--quick", "--cases", "wrn16-4-gn",
           "--engines", "non-private,memconv:auto")),
     Step("grads", ("--task", "grads", "--cases", "seed-112,seed-28", "--engines", GRADS_ENGINES),
          ("--task", "grads", "--quick", "--cases", "seed-28",
-          "--engines", "torch.func,memconv:auto"), plot=True),
+          "--engines", "torch.func,memconv:auto"), plot=True,
+         gpu=("--task", "grads", "--cases", "seed-112", "--batch-size", "256",
+              "--engines", "autograd,torch.func,opacus-hooks,memconv:step")),
     Step("grads-more", ("--task", "grads", "--cases", "resnet18-gn,conv1d,conv3d"),
          ("--task", "grads", "--quick", "--cases", "conv1d",
           "--engines", "torch.func,memconv:auto")),
@@ -98,23 +117,39 @@ STEPS = (
     Step("streaming", ("--task", "grads", "--cases", "streaming-4096",
                        "--engines", "autograd,memconv-streaming"),
          ("--task", "grads", "--quick", "--cases", "streaming-4096",
-          "--engines", "autograd,memconv-streaming")),
+          "--engines", "autograd,memconv-streaming"),
+         gpu=("--task", "grads", "--cases", "streaming-4096",
+              "--engines", "autograd,memconv-streaming")),
     Step("sweep-batch", ("--sweep", "batch", "--range", "8,32,128,512"),
          ("--sweep", "batch", "--quick", "--range", "2,4",
-          "--engines", "autograd,memconv:auto"), plot=True),
+          "--engines", "autograd,memconv:auto"), plot=True,
+         gpu=("--sweep", "batch", "--task", "clip", "--cases", "resnet18-gn",
+              "--range", "64,1024", "--engines", "non-private,memconv:step")),
     Step("sweep-side", ("--sweep", "side", "--range", "28,56,112,224"),
          ("--sweep", "side", "--quick", "--range", "28,56",
           "--engines", "autograd,memconv:auto"), plot=True),
     Step("models", ("--task", "clip", "--table", "models", "--cases", MODEL_CASES,
                     "--engines", "non-private,memconv:default,memconv:step,opacus-ghost,torch.func"),
          ("--task", "clip", "--table", "models", "--quick", "--cases", "convnext-atto",
-          "--engines", "non-private,memconv:default")),
+          "--engines", "non-private,memconv:default"),
+         gpu=("--task", "clip", "--table", "models", "--cases", "nf-resnet26,vit-tiny",
+              "--batch-size", "256",
+              "--engines", "non-private,memconv:step,opacus-ghost,torch.func")),
     Step("models-grads", ("--task", "grads", "--table", "models", "--cases", MODEL_CASES,
                           "--engines", "torch.func,memconv:default,memconv:step"),
          ("--task", "grads", "--table", "models", "--quick", "--cases", "convnext-atto",
           "--engines", "torch.func,memconv:default")),
 )  # fmt: skip
 STEP_NAMES = tuple(s.name for s in STEPS)
+#: The order of the steps on a GPU: the tables the GPU work is judged by first, so that
+#: a time budget that runs short drops the others.
+GPU_ORDER = ("clip", "models", "grads", "streaming", "sweep-batch")
+#: Seconds a fresh measuring process takes besides its measurement (start-up, imports,
+#: the device's initialisation, the warm-up), per device type: the estimate's unit.
+PROCESS_SECONDS = {"cuda": 12.0, "cpu": 6.0}
+#: Seconds one measurement takes on top (its peak-memory calls and timed repeats), as
+#: a multiple of a process's start.
+MEASURE_FACTOR = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +183,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="R",
         help="timed calls per measurement (default: memconv bench's)",
     )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="SECONDS",
+        help="stop within this many seconds: a step whose estimate does not fit what is "
+        "left is skipped, a step that runs past it starts no more measurements (each "
+        "skip is logged and recorded); default: no limit",
+    )
 
 
 def check_arguments(args) -> list[Step]:
@@ -158,21 +201,69 @@ def check_arguments(args) -> list[Step]:
             CUDA), a negative ``--repeats``.
     """
     check_device(args.device)
-    names = parse_names(args.steps, STEP_NAMES, "--steps") or list(STEP_NAMES)
+    names = parse_names(args.steps, STEP_NAMES, "--steps")
     if args.repeats is not None and args.repeats < 0:
         raise ValueError(f"--repeats must be >= 0, got {args.repeats}")
-    return [s for s in STEPS if s.name in names]
+    budget = getattr(args, "time_budget", None)
+    if budget is not None and not (0 < budget < math.inf):
+        raise ValueError(f"--time-budget must be a positive number of seconds, got {budget}")
+    steps = STEPS
+    if _gpu(args):
+        rank = {name: i for i, name in enumerate(GPU_ORDER)}
+        steps = sorted(STEPS, key=lambda s: rank.get(s.name, len(rank)))
+    if names is None:
+        return [s for s in steps if not _gpu(args) or s.gpu is not None]
+    return [s for s in steps if s.name in names]
+
+
+def _gpu(args) -> bool:
+    """Whether the steps take their GPU size (a CUDA device, not ``--quick``)."""
+    import torch
+
+    return torch.device(args.device).type == "cuda" and not args.quick
 
 
 def bench_argv(step: Step, args, out: Path) -> list[str]:
     """The ``memconv bench`` options of one step."""
-    argv = [*(step.quick if args.quick else step.args), "--device", args.device]
+    if args.quick:
+        options = step.quick
+    elif _gpu(args) and step.gpu is not None:
+        options = step.gpu
+    else:
+        options = step.args
+    argv = [*options, "--device", args.device]
     argv += ["--json", str(out / f"{step.name}.jsonl")]
     if step.plot:
-        argv += ["--plot", str(out / f"{step.name}.png")]
+        if importlib.util.find_spec("matplotlib") is not None:
+            argv += ["--plot", str(out / f"{step.name}.png")]
+        else:
+            logger.info("suite: no plot for step %s (matplotlib is not installed)", step.name)
     if args.repeats is not None and "--largest-batch" not in argv:
         argv += ["--repeats", str(args.repeats)]
     return argv
+
+
+def estimate(sub, device_type: str) -> float:
+    """Seconds a ``memconv bench`` run (its parsed options ``sub``) is expected to take:
+    its fresh processes (the matrix: one per case and engine, and the cost model's; a sweep: one per value and engine; a largest-batch search:
+    one per probe of its bisection) times :data:`PROCESS_SECONDS`, plus each one's
+    measurement (:data:`MEASURE_FACTOR`)."""
+    from . import bench
+
+    plan = bench.check_arguments(sub)
+    mode, task = plan["mode"], sub.task
+    processes = 0
+    for case in plan["cases"]:
+        engines = plan["engines"] or bench.default_engines(mode, task, case)
+        if mode == "matrix":
+            processes += len(set(engines))
+        elif mode == "sweep":
+            processes += len(engines) * len(plan["range"])
+        else:  # a bisection up to --max-batch
+            processes += len(engines) * (math.ceil(math.log2(sub.max_batch or 1024)) + 2)
+    if mode == "matrix" and task == "grads":
+        processes += 1  # the cost model, on a seed case
+    return processes * PROCESS_SECONDS.get(device_type, 6.0) * (1 + MEASURE_FACTOR)
 
 
 def main(args) -> int:
@@ -188,12 +279,30 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     parser = argparse.ArgumentParser(prog="memconv bench")
     bench.add_arguments(parser)
-    failed, files = [], []
+    budget = getattr(args, "time_budget", None)
+    deadline = None if budget is None else time.monotonic() + budget
+    failed, skipped, files = [], [], []
     for i, step in enumerate(steps):
         argv = bench_argv(step, args, out)
-        logger.info("suite [%d/%d] memconv bench %s", i + 1, len(steps), " ".join(argv))
         sub = parser.parse_args(argv)
         sub.argv = ["bench", *argv]
+        sub.deadline = deadline
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            try:
+                needed = estimate(sub, kind)
+            except (ValueError, ImportError) as err:
+                needed = 0.0  # the step's own run says what is wrong
+                logger.debug("suite: no estimate for step %s: %s", step.name, err)
+            if needed > left:
+                logger.warning(
+                    "suite [%d/%d] step %s skipped: about %.0f s needed, %.0f s left of "
+                    "--time-budget %.0f",
+                    i + 1, len(steps), step.name, needed, max(left, 0.0), budget,
+                )  # fmt: skip
+                skipped.append(step.name)
+                continue
+        logger.info("suite [%d/%d] memconv bench %s", i + 1, len(steps), " ".join(argv))
         started = time.time()
         try:
             status = bench.main(sub)
@@ -205,11 +314,17 @@ def main(args) -> int:
             failed.append(step.name)
         if Path(sub.json).is_file():
             files.append(sub.json)
-    if files:
-        report = parser.parse_args(["--report", *files, "--markdown", page])
-        report.argv = ["bench", "--report", *files, "--markdown", page]
-        bench.main(report)
+            _refill(parser, bench, files, page)  # the page as it stands after each step
+    if skipped:
+        logger.warning("suite: steps skipped for --time-budget: %s", ", ".join(skipped))
     if failed:
         logger.warning("suite: steps that failed or flagged deviations: %s", ", ".join(failed))
         return 1
     return 0
+
+
+def _refill(parser, bench, files: list, page: str) -> None:
+    """Refill ``page`` from the JSON Lines ``files`` (``memconv bench --report``)."""
+    report = parser.parse_args(["--report", *files, "--markdown", page])
+    report.argv = ["bench", "--report", *files, "--markdown", page]
+    bench.main(report)

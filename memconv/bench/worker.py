@@ -25,6 +25,7 @@ import memconv
 from .cases import build_case
 from .engines import get_engine
 from .measure import MiB, median_time, peak_allocated, peak_both, peak_rss_increase
+from .options import strict_float32
 
 #: Exit status of a worker stopped because its RSS went past ``abort_rss_mib``.
 ABORTED = 3
@@ -81,6 +82,7 @@ def run(config: dict) -> dict:
     """
     torch.manual_seed(config.get("seed", 0))
     device = torch.device(config.get("device", "cpu"))
+    strict_float32(device)  # TF32 off on CUDA: float32 results comparable at 1e-3
     engine = get_engine(config["engine"], config.get("task", "grads"))
     model, x, y = build_case(config, device)
     options = engine_options(engine, config)
@@ -146,6 +148,7 @@ def _call(config: dict) -> dict:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     config = json.loads(argv[0])
+    strict_float32(config.get("device", "cpu"))
     figures = _call(config) if "call" in config else run(config)
     print(json.dumps(figures), flush=True)
 

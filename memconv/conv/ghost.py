@@ -2,39 +2,46 @@
 
 ``B`` is the output gradient ``[C_out/G, T]`` of a sample and group, ``A`` the
 ``[C_in/G·K, T]`` input values each output position reads (see :mod:`memconv.conv.norm_routes`).
-``A_γᵀA_γ`` is never formed from ``A`` (an im2col matrix):
 
-- ``"positions"``: the input's Gram matrix over its positions, ``M = XᵀX`` (X the
-  ``[C_in/G, S]`` input), once; ``A_γᵀA_γ`` is the sum of K strided windows of M, one
-  per kernel offset, since ``(AᵀA)[t, t'] = Σ_κ M[u(t, κ), u(t', κ)]`` with
-  ``u(t, κ) = t·stride + κ·dilation − padding`` (positions in the zero padding
-  contribute nothing). Its products cost C_in/G·S² multiply-adds instead of
-  C_in/G·K·T²: K times fewer at stride 1, K/stride^d fewer otherwise. Along an axis
-  with a kernel of one and a stride, only the positions read are kept first.
-- ``"offsets"``: one product per kernel offset on the shifted input of
-  :func:`memconv.strategies.shift.offset_operands`, C_in/G·K·T² multiply-adds: the
-  cheaper one when strides are as long as the kernel (a patch embedding).
+- ``"positions"``: ``A_γᵀA_γ`` is never formed from ``A`` (an im2col matrix). The
+  input, padded (and, along an axis with a kernel of one and a stride, cut to the
+  positions read), has a Gram matrix over its positions, ``M = XᵀX`` (X the
+  ``[C_in/G, S]`` input); ``A_γᵀA_γ`` is the sum of K strided windows of M, one per
+  kernel offset, since ``(AᵀA)[t, t'] = Σ_κ M[u(t, κ), u(t', κ)]`` with
+  ``u(t, κ) = t·stride + κ·dilation`` in the padded input's positions (positions in
+  the padding are zeros and contribute nothing). The K windows are one strided view
+  of M whose kernel offsets are axes of their own (``u`` is linear in ``t``, ``t'``
+  and ``κ``), summed over them by one reduction. Its products cost C_in/G·S²
+  multiply-adds instead of C_in/G·K·T²: K times fewer at stride 1, K/stride^d fewer
+  otherwise.
+- ``"offsets"``: the unfolded input (im2col, :func:`memconv.strategies.unfold.unfold_input`)
+  and ``A_γᵀA_γ`` as one product, C_in/G·K·T² multiply-adds and N·C_in·K·T elements
+  of im2col: the cheaper one when strides are as long as the kernel (a patch
+  embedding, whose im2col is a permutation of its input).
 
-Both are tiled (bands of output rows for ``"positions"``, blocks of positions for
-``"offsets"``) so that the Gram blocks fit a budget, and only the blocks on and
-above the diagonal are formed (the matrices are symmetric). :func:`choose_tiling` prices both
-and runs the faster that fits (:func:`memconv.strategies.base.fastest_that_fits`).
+Either runs a chunk of samples in a number of tensor operations that does not depend
+on the chunk's size or on K. Both are tiled (bands of output rows for ``"positions"``,
+blocks of positions for ``"offsets"``) and split into chunks of samples only when
+their temporaries would not fit the budget; without a budget they run the whole batch
+in one piece. Only the blocks on and above the diagonal are formed (the matrices are
+symmetric). :func:`choose_tiling` prices both and runs the faster that fits
+(:func:`memconv.strategies.base.fastest_that_fits`).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..strategies import Problem
-from ..strategies.base import fastest_that_fits, linear_time, numel, padded_size
-from ..strategies.costs import scale_memory, time_coefficients
-from ..strategies.geometry import ConvGeometry, Operands
-from ..strategies.shift import _flat_ok, offset_operands
+from ..strategies.base import fastest_that_fits, linear_time, numel
+from ..strategies.costs import operations_time, scale_memory, time_coefficients
+from ..strategies.geometry import ConvGeometry, Operands, torch_pad_argument
+from ..strategies.unfold import unfold_input
 
 
 @dataclass(frozen=True)
@@ -59,18 +66,23 @@ class GhostTiling:
 
 @dataclass(frozen=True)
 class _Axis:
-    """One spatial axis as the positions method sees it: ``size`` input positions
-    (the kept ones, where a kernel of one skips positions), ``out`` output positions,
-    and the map ``u = t·stride + κ·dilation − padding`` between them."""
+    """One spatial axis as the positions method sees it: ``out`` output positions,
+    output position ``t`` and kernel offset ``κ`` reading input position
+    ``t·stride + κ·dilation`` of the input padded by ``lo`` before and ``hi`` after
+    (a negative amount drops positions no output reads), ``size`` positions in all;
+    along an axis with a kernel of one and a stride only every ``step``-th input
+    position from ``first`` is kept (before the padding), as a kernel of one at
+    stride one."""
 
     size: int
     out: int
     kernel: int
     stride: int
     dilation: int
-    padding: int
-    first: int = 0  # first input position kept
-    step: int = 1  # every step-th input position kept
+    lo: int
+    hi: int
+    first: int = 0
+    step: int = 1
 
 
 def _axes(geom: ConvGeometry, size: tuple[int, ...]) -> list[_Axis]:
@@ -82,59 +94,61 @@ def _axes(geom: ConvGeometry, size: tuple[int, ...]) -> list[_Axis]:
             first_t = -(-p // st)  # the first output position that reads no padding
             first = first_t * st - p
             kept = max(0, -(-(s - first) // st))
-            axes.append(_Axis(kept, t, 1, 1, 1, first_t, first, st))
+            axes.append(_Axis(t, t, 1, 1, 1, first_t, t - first_t - kept, first, st))
         else:
-            axes.append(_Axis(s, t, k, st, d, p))
+            read = (t - 1) * st + (k - 1) * d + 1  # padded positions the outputs read
+            axes.append(_Axis(read, t, k, st, d, p, read - p - s))
     return axes
 
 
-def _band(axis: _Axis, r0: int, r1: int) -> tuple[int, int]:
-    """Input positions ``[lo, hi)`` that output positions ``[r0, r1)`` read."""
-    lo = max(0, r0 * axis.stride - axis.padding)
-    hi = min(
-        axis.size, (r1 - 1) * axis.stride + (axis.kernel - 1) * axis.dilation - axis.padding + 1
-    )
-    return lo, hi
-
-
-def _window(axis: _Axis, kappa: int, t0: int, t1: int, u0: int):
-    """For kernel offset ``kappa``: the output positions of ``[t0, t1)`` whose input
-    position is real, as a slice relative to ``t0``, and their input positions as a
-    strided slice relative to ``u0``; None if there are none."""
-    shift = kappa * axis.dilation - axis.padding
-    lo = max(t0, -(shift // axis.stride) if shift < 0 else 0)  # ceil(-shift / stride)
-    hi = min(t1 - 1, (axis.size - 1 - shift) // axis.stride)
-    if lo > hi:
-        return None
-    u_lo, u_hi = lo * axis.stride + shift, hi * axis.stride + shift
-    return slice(lo - t0, hi - t0 + 1), slice(u_lo - u0, u_hi - u0 + 1, axis.stride)
-
-
-def _covers(index: tuple, shape: tuple) -> bool:
-    """Whether the slices of ``index`` span every axis of ``shape`` in full."""
-    return all(sl.indices(size) == (0, size, 1) for sl, size in zip(index, shape))
-
-
 def _band_in(axis: _Axis, rows: int) -> int:
-    return min(axis.size, (rows - 1) * axis.stride + (axis.kernel - 1) * axis.dilation + 1)
+    """Padded input positions a band of ``rows`` output positions reads."""
+    return (rows - 1) * axis.stride + (axis.kernel - 1) * axis.dilation + 1
 
 
-def _positions_tiling(problem: Problem, budget: int) -> GhostTiling:
+def _padded_input(x: Tensor, axes: list[_Axis]) -> Tensor:
+    """The input the positions method reads: cut to the kept positions, then padded
+    (one copy at most; ``x`` itself when there is nothing to do)."""
+    cut = [slice(None)] * 2
+    for axis in axes:
+        cut.append(slice(axis.first, None, axis.step) if axis.step > 1 else slice(None))
+    if any(axis.step > 1 for axis in axes):
+        x = x[tuple(cut)]
+    pads = [(axis.lo, axis.hi) for axis in axes]
+    if any(v for pair in pads for v in pair):
+        x = F.pad(x, torch_pad_argument(pads))
+    return x
+
+
+def _positions_ops(bands: int, cut: int, padded: bool) -> int:
+    """Tensor operations of the positions method on one chunk of samples: its input
+    cut (``cut`` axes with a kernel of one and a stride) and padded, then per band of
+    output rows its slices, per pair of bands on and above the diagonal the other
+    band's slices, the Gram matrix, its windows summed, the contraction and the sum."""
+    per_chunk = cut + (1 if padded else 0) + 1
+    if bands == 1:
+        return per_chunk + 9
+    pairs = bands * (bands + 1) // 2
+    return per_chunk + 4 * bands + 8 * pairs + 4 * (pairs - bands) - 1
+
+
+def _positions_tiling(problem: Problem, budget: int | None) -> GhostTiling:
     geom, n, itemsize = problem.geom, problem.n, problem.itemsize
     axes = _axes(geom, problem.size)
     t0 = axes[0].out
     inner_t = numel(a.out for a in axes[1:])
     inner_s = numel(a.size for a in axes[1:])
-    skipped = any(a.step > 1 for a in axes)  # the kept positions are copied
-    operands = geom.in_channels * numel(a.size for a in axes) if skipped else 0
+    padded = geom.in_channels * numel(a.size for a in axes)
+    copied = any(a.step > 1 or a.lo or a.hi for a in axes)
+    operands = padded if copied else 0  # the padded (or cut) input, copied
 
-    def per_sample(rows):  # M, and the two T×T blocks
+    def per_sample(rows):  # M and its windows' sum, then that sum and B_iᵀB_j
         si, bi = _band_in(axes[0], rows) * inner_s, rows * inner_t
-        return geom.groups * (si * si + 2 * bi * bi)
+        return geom.groups * max(si * si + bi * bi, 2 * bi * bi)
 
     whole = (operands + per_sample(t0)) * itemsize
-    if whole <= budget:
-        chunk, rows = max(1, min(n, budget // whole)), t0
+    if budget is None or whole <= budget:
+        chunk, rows = n if budget is None else max(1, min(n, budget // whole)), t0
     else:
         chunk, rows, left = 1, t0, budget // itemsize - operands
         while rows > 1 and per_sample(rows) > left:
@@ -145,65 +159,84 @@ def _positions_tiling(problem: Problem, budget: int) -> GhostTiling:
     flops = n * geom.groups * pairs * (geom.in_per_group * si * si + geom.out_per_group * bi * bi)
     gram = n * geom.groups * pairs * si * si  # M, written and read by strided windows
     traffic = n * geom.groups * pairs * (geom.kernel_numel + 3) * bi * bi + n * operands
-    calls = math.ceil(n / chunk) * pairs * (geom.kernel_numel + 6)
+    chunks = math.ceil(n / chunk)
+    cut = sum(a.step > 1 for a in axes)
+    ops = chunks * _positions_ops(bands, cut, any(a.lo or a.hi for a in axes))
+    if chunks > 1:  # each chunk's slices, and the join
+        ops += 2 * chunks + 1
     memory = chunk * (operands + per_sample(rows)) * itemsize
-    # seconds per multiply-add, per element moved, per tensor operation, and per
-    # element of the input Gram matrix (written, then read through strided windows)
-    *coefficients, per_gram = time_coefficients("ghost-positions", problem.device)
-    time = linear_time(coefficients, flops, traffic, calls) + per_gram * gram
+    # seconds per multiply-add, per element moved, per element of the input Gram
+    # matrix (written, then read through strided windows), and per tensor operation
+    per_flop, per_element, per_gram = time_coefficients("ghost-positions", problem.device)
+    time = linear_time((per_flop, per_element, 0.0), flops, traffic, 0) + per_gram * gram
+    time += operations_time(ops, problem.device)
     memory = scale_memory("ghost-positions", problem.device, memory)
     return GhostTiling(method="positions", chunk=chunk, block=rows, memory=memory, time=time)
 
 
 def _offsets_length(problem: Problem) -> int:
-    """Positions the offsets method's Gram matrices span (the padded grid's rows at
-    stride 1, where the operands are windows of one flat buffer)."""
-    if _flat_ok(problem.geom):
-        p = padded_size(problem.geom, problem.size)
-        return problem.output_size[0] * numel(p[1:])
+    """Positions the offsets method's Gram matrices span (the output positions)."""
     return problem.positions
 
 
-def _offsets_tiling(problem: Problem, budget: int) -> GhostTiling:
+def _offsets_ops(blocks: int, padded: bool) -> int:
+    """Tensor operations of the offsets method on one chunk of samples: the unfolded
+    input, then per block its slices, per pair of blocks the other block's slices, the
+    two Gram blocks, the contraction and the sum."""
+    per_chunk = (3 if padded else 2) + 1
+    if blocks == 1:
+        return per_chunk + 4
+    pairs = blocks * (blocks + 1) // 2
+    return per_chunk + 2 * blocks + 5 * pairs + 2 * (pairs - blocks) - 1
+
+
+def _offsets_tiling(problem: Problem, budget: int | None) -> GhostTiling:
     geom, n, itemsize = problem.geom, problem.n, problem.itemsize
     length = _offsets_length(problem)
-    padded = geom.in_channels * numel(padded_size(geom, problem.size))
-    if _flat_ok(geom):  # the flat padded input and the output gradient on its grid
-        operands = padded + geom.out_channels * length
-    else:  # the padded input and one offset's copied view
-        operands = (padded if any(geom.padding) else 0) + geom.in_channels * length
-    whole = (operands + 3 * geom.groups * length * length) * itemsize
-    if whole <= budget:
-        chunk, block = max(1, min(n, budget // whole)), length
+    # the padded input and the unfolded one
+    padded = geom.in_channels * numel(s + 2 * p for s, p in zip(problem.size, geom.padding))
+    padded = padded if any(geom.padding) else 0
+    cols = geom.in_channels * geom.kernel_numel * length
+
+    def per_sample(block):  # the padded input while it is unfolded, then two Gram blocks
+        return cols + max(padded, 2 * geom.groups * block * block)
+
+    whole = per_sample(length) * itemsize
+    if budget is None or whole <= budget:
+        chunk, block = n if budget is None else max(1, min(n, budget // whole)), length
     else:
-        chunk, block, left = 1, length, budget // itemsize - operands
-        while block > 1 and 3 * geom.groups * block * block > left:
+        chunk, block, left = 1, length, budget // itemsize
+        while block > 1 and per_sample(block) > left:
             block = (block + 1) // 2
     blocks = math.ceil(length / block)
     pairs = blocks * (blocks + 1) // 2
     flops = n * geom.groups * pairs * block * block * geom.in_per_group * geom.kernel_numel
     flops += n * geom.groups * pairs * block * block * geom.out_per_group
-    traffic = n * pairs * geom.kernel_numel * geom.in_channels * block * 2
-    traffic += n * geom.groups * pairs * (2 * geom.kernel_numel + 3) * block * block
-    calls = math.ceil(n / chunk) * pairs * (3 * geom.kernel_numel + 6)
-    memory = chunk * (operands + 3 * geom.groups * block * block) * itemsize
-    time = linear_time(time_coefficients("ghost-offsets", problem.device), flops, traffic, calls)
+    traffic = 3 * n * cols + n * geom.groups * pairs * 3 * block * block
+    chunks = math.ceil(n / chunk)
+    ops = chunks * _offsets_ops(blocks, any(geom.padding))
+    if chunks > 1:  # each chunk's slices, and the join
+        ops += 2 * chunks + 1
+    memory = chunk * per_sample(block) * itemsize
+    coefficients = time_coefficients("ghost-offsets", problem.device)
+    time = linear_time((*coefficients, 0.0), flops, traffic, 0)
+    time += operations_time(ops, problem.device)
     memory = scale_memory("ghost-offsets", problem.device, memory)
     return GhostTiling(method="offsets", chunk=chunk, block=block, memory=memory, time=time)
 
 
-def method_tilings(problem: Problem, budget: int) -> dict[str, GhostTiling]:
-    """Each method's chunk, tiling and predicted cost within ``budget`` bytes,
-    ``{"positions": ..., "offsets": ...}``."""
+def method_tilings(problem: Problem, budget: int | None) -> dict[str, GhostTiling]:
+    """Each method's chunk, tiling and predicted cost within ``budget`` bytes (None:
+    the whole batch in one piece), ``{"positions": ..., "offsets": ...}``."""
     return {
         "positions": _positions_tiling(problem, budget),
         "offsets": _offsets_tiling(problem, budget),
     }
 
 
-def choose_tiling(problem: Problem, budget: int) -> GhostTiling:
-    """The method, chunk and tiling of the ghost norms within ``budget`` bytes: the
-    faster method whose temporaries fit, else the leaner."""
+def choose_tiling(problem: Problem, budget: int | None) -> GhostTiling:
+    """The method, chunk and tiling of the ghost norms within ``budget`` bytes (None:
+    no limit): the faster method whose temporaries fit, else the leaner."""
     return fastest_that_fits(list(method_tilings(problem, budget).values()), budget)[0]
 
 
@@ -219,21 +252,30 @@ def sq_norms(ops: Operands, chosen: GhostTiling, channels: bool = False) -> Tens
     """
     x, g, geom = ops.x, ops.g, ops.geometry
     gram = _positions_gram if chosen.method == "positions" else _offsets_gram
-    shape = (x.shape[0], geom.out_channels) if channels else (x.shape[0],)
-    out = x.new_zeros(shape)
-    for n0 in range(0, x.shape[0], chosen.chunk):
-        rows = slice(n0, n0 + chosen.chunk)
-        out[rows] = gram(x[rows], g[rows], geom, chosen.block, channels)
-    return out
+    n = x.shape[0]
+    if chosen.chunk >= n:
+        return gram(x, g, geom, chosen.block, channels)
+    parts = [
+        gram(x[n0 : n0 + chosen.chunk], g[n0 : n0 + chosen.chunk], geom, chosen.block, channels)
+        for n0 in range(0, n, chosen.chunk)
+    ]
+    return torch.cat(parts)
 
 
-def _contract(ga: Tensor, gb: Tensor | None, gi: Tensor, gj: Tensor) -> Tensor:
-    """``⟨A_iᵀA_j, B_iᵀB_j⟩`` summed over groups ``[n]`` (``ga`` ``[n, G, bi, bj]``,
-    ``gb = B_iᵀB_j`` of the same shape), or, without ``gb``, per channel ``[n, C_out]``
-    from ``gi``/``gj`` ``[n, G, C_out/G, bi/bj]``."""
-    if gb is None:
-        return ((gi @ ga) * gj).sum(-1).flatten(1)
-    return ga.mul_(gb).sum((1, 2, 3))
+def _contract(ga: Tensor, gi: Tensor, gj: Tensor, channels: bool) -> Tensor:
+    """``Σ_γ ⟨A_iᵀA_j, B_iᵀB_j⟩`` per sample ``[n]`` (``ga`` ``[n, G, bi, bj]``, ``gi``/``gj``
+    the output gradient's blocks ``[n, G, C_out/G, bi/bj]``), or per channel ``[n, C_out]``."""
+    if channels:
+        return torch.einsum("ngot,ngtu,ngou->ngo", gi, ga, gj).flatten(1)
+    gb = torch.einsum("ngot,ngou->ngtu", gi, gj)  # B_iᵀB_j
+    return ga.mul_(gb).sum((1, 2, 3))  # pairwise summation: float32 round-off
+
+
+def _add_block(out: Tensor | None, part: Tensor, diagonal: bool) -> Tensor:
+    """The running sum of the blocks, a block below the diagonal counted twice."""
+    if out is None:
+        return part if diagonal else part.mul_(2.0)
+    return out.add_(part, alpha=1.0 if diagonal else 2.0)
 
 
 def _positions_gram(
@@ -242,84 +284,86 @@ def _positions_gram(
     """Σ_γ ⟨A_γᵀA_γ, B_γᵀB_γ⟩ per sample by strided windows of the input's Gram
     matrix over positions, in bands of ``rows`` output rows."""
     axes = _axes(geom, tuple(x.shape[2:]))
-    for a, axis in enumerate(axes):
-        if axis.step > 1:
-            index = slice(axis.first, axis.first + (axis.size - 1) * axis.step + 1, axis.step)
-            x = x[(slice(None),) * (2 + a) + (index,)]
+    xp = _padded_input(x, axes)  # [n, C_in, *S'] with S' the positions read
     n, grp = x.shape[0], geom.groups
-    sizes, outs = [a.size for a in axes], [a.out for a in axes]
-    xg = x.reshape(n, grp, geom.in_per_group, *sizes)
+    outs = [a.out for a in axes]
+    inner = [a.size for a in axes[1:]]
     gg = g.reshape(n, grp, geom.out_per_group, *outs)
-    offsets = list(itertools.product(*[range(a.kernel) for a in axes]))
-    every = (slice(None), slice(None))
-    out = x.new_zeros((n, geom.out_channels) if channels else n)
-    t0 = outs[0]
+    t0, first = outs[0], axes[0]
+    out = None
+    cg = geom.in_per_group
     for r0 in range(0, t0, rows):
         r1 = min(t0, r0 + rows)
-        lo_i, hi_i = _band(axes[0], r0, r1)
+        xi, gi = _band(xp, gg, first, r0, r1, grp, cg, t0)
         for c0 in range(r0, t0, rows):
             c1 = min(t0, c0 + rows)
-            lo_j, hi_j = _band(axes[0], c0, c1)
-            if lo_i >= hi_i or lo_j >= hi_j:
-                continue  # bands that read only padding
-            xi = xg.narrow(3, lo_i, hi_i - lo_i).flatten(3)  # [n, G, C_in/G, Si]
-            xj = xg.narrow(3, lo_j, hi_j - lo_j).flatten(3)
-            m = xi.transpose(-1, -2) @ xj
-            m = m.view(n, grp, hi_i - lo_i, *sizes[1:], hi_j - lo_j, *sizes[1:])
-            gi = gg.narrow(3, r0, r1 - r0).flatten(3)  # [n, G, C_out/G, bi]
-            gj = gg.narrow(3, c0, c1 - c0).flatten(3)
-            gb = None if channels else gi.transpose(-1, -2) @ gj  # [n, G, bi, bj]
-            shape = (n, grp, r1 - r0, *outs[1:], c1 - c0, *outs[1:])
-            windows = []  # (target, source) of every offset whose window is not empty
-            for kappa in offsets:
-                left = [_window(axes[0], kappa[0], r0, r1, lo_i)]
-                right = [_window(axes[0], kappa[0], c0, c1, lo_j)]
-                for axis, k in zip(axes[1:], kappa[1:]):
-                    left.append(_window(axis, k, 0, axis.out, 0))
-                right += left[1:]
-                if not any(w is None for w in left + right):
-                    target = every + tuple(w[0] for w in left) + tuple(w[0] for w in right)
-                    source = every + tuple(w[1] for w in left) + tuple(w[1] for w in right)
-                    windows.append((target, source))
-            # a window over the whole block (the centre offset of a "same" convolution)
-            # starts the sum as a copy, saving a pass of zeros and one addition
-            whole = next((w for w in windows if _covers(w[0], shape)), None)
-            if whole is None:
-                ga = gi.new_zeros(shape)
-            else:
-                windows.remove(whole)
-                ga = m[whole[1]].clone(memory_format=torch.contiguous_format)
-            for target, source in windows:
-                ga[target] += m[source]
-            ga = ga.view(n, grp, gi.shape[-1], gj.shape[-1])
+            xj, gj = (xi, gi) if c0 == r0 else _band(xp, gg, first, c0, c1, grp, cg, t0)
+            m = torch.einsum("ngcs,ngcu->ngsu", xi, xj)  # [n, G, Si, Sj]
+            ga = _windows_summed(m, axes, (r1 - r0, c1 - c0), inner)
+            ga = ga.reshape(n, grp, gi.shape[-1], gj.shape[-1])
             del m
-            weight = 1.0 if r0 == c0 else 2.0  # the band below the diagonal
-            out += weight * _contract(ga, gb, gi, gj)
-            del ga, gb
+            out = _add_block(out, _contract(ga, gi, gj, channels), r0 == c0)
+            del ga
     return out
+
+
+def _band(xp: Tensor, gg: Tensor, axis: _Axis, r0: int, r1: int, grp: int, cg: int, t0: int):
+    """The padded input rows a band of output rows ``[r0, r1)`` reads, ``[n, G, C_in/G,
+    Si]``, and its output gradient ``[n, G, C_out/G, bi]`` (the tensors themselves for
+    the whole)."""
+    n = xp.shape[0]
+    if r1 - r0 < t0:
+        xp = xp.narrow(2, r0 * axis.stride, _band_in(axis, r1 - r0))
+        gg = gg.narrow(3, r0, r1 - r0)
+    return xp.reshape(n, grp, cg, -1), gg.flatten(3)
+
+
+def _windows_summed(m: Tensor, axes: list[_Axis], rows: tuple[int, int], inner: list) -> Tensor:
+    """``(AᵀA)[t, t'] = Σ_κ M[u(t, κ), u(t', κ)]`` for two bands of ``rows`` output rows
+    (the other axes whole): one strided view of ``m`` ``[n, G, Si, Sj]`` with the kernel
+    offsets as axes of their own, summed over them. Returns ``[n, G, *Ti, *Tj]``."""
+    first, d = axes[0], len(axes)
+    outer = [a.out for a in axes[1:]]
+    views = []  # (output sizes, element strides of the positions) of each band
+    for band, stride in zip(rows, (m.stride(2), m.stride(3))):
+        sizes = [_band_in(first, band), *inner]
+        views.append(([band, *outer], [stride * numel(sizes[i + 1 :]) for i in range(d)]))
+    (ti, left), (tj, right) = views
+    shape = (*m.shape[:2], *ti, *tj, *(a.kernel for a in axes))
+    strides = (
+        *m.stride()[:2],
+        *(a.stride * s for a, s in zip(axes, left)),
+        *(a.stride * s for a, s in zip(axes, right)),
+        *(a.dilation * (s + r) for a, s, r in zip(axes, left, right)),
+    )
+    view = m.as_strided(shape, strides, m.storage_offset())
+    return view.sum(tuple(range(2 + 2 * d, 2 + 3 * d)))
 
 
 def _offsets_gram(
     x: Tensor, g: Tensor, geom: ConvGeometry, block: int, channels: bool = False
 ) -> Tensor:
-    """Σ_γ ⟨A_γᵀA_γ, B_γᵀB_γ⟩ per sample, one product per kernel offset, in blocks of
-    ``block`` positions."""
-    gm, views = offset_operands(x, g, geom)
-    length = gm.shape[-1]  # gm [n, G, C_out/G, L]
-    out = x.new_zeros((x.shape[0], geom.out_channels) if channels else x.shape[0])
+    """Σ_γ ⟨A_γᵀA_γ, B_γᵀB_γ⟩ per sample from the unfolded input, one product per
+    block pair of ``block`` positions."""
+    n, t = x.shape[0], tuple(g.shape[2:])
+    cols = unfold_input(x, geom, t)  # [n, G, C_in/G·K, T]
+    gm = g.reshape(n, geom.groups, geom.out_per_group, -1)  # [n, G, C_out/G, T]
+    length = gm.shape[-1]
+    out = None
     for i0 in range(0, length, block):
-        rows = slice(i0, i0 + block)
+        ci, gi = _block(cols, gm, i0, block, length)
         for j0 in range(i0, length, block):
-            cols = slice(j0, j0 + block)
-            gb = None
-            if not channels:
-                gb = gm[..., rows].transpose(-1, -2) @ gm[..., cols]  # [n, G, bi, bj]
-            ga = None
-            for view in views():  # view [n, G, C_in/G, L]
-                part = view[..., rows].transpose(-1, -2) @ view[..., cols]
-                ga = part if ga is None else ga.add_(part)
-                del part
-            weight = 1.0 if i0 == j0 else 2.0  # the block below the diagonal
-            out += weight * _contract(ga, gb, gm[..., rows], gm[..., cols])
-            del ga, gb
+            cj, gj = (ci, gi) if j0 == i0 else _block(cols, gm, j0, block, length)
+            ga = torch.einsum("ngkt,ngku->ngtu", ci, cj)  # A_iᵀA_j [n, G, bi, bj]
+            out = _add_block(out, _contract(ga, gi, gj, channels), i0 == j0)
+            del ga
     return out
+
+
+def _block(cols: Tensor, gm: Tensor, i0: int, block: int, length: int):
+    """Positions ``[i0, i0 + block)`` of the unfolded input and of the output gradient
+    (the tensors themselves for the whole)."""
+    if block >= length:
+        return cols, gm
+    width = min(block, length - i0)
+    return cols.narrow(-1, i0, width), gm.narrow(-1, i0, width)

@@ -42,10 +42,15 @@ def weight_grad(ops: Operands, settings: Settings, per_sample: bool) -> Tensor:
     return strategy.vjp(ops.x, ops.g, geom, per_sample=per_sample, options=options)
 
 
-def summed_weight_grad(ops: Operands, weight: Tensor) -> Tensor:
+def summed_weight_grad(ops: Operands, weight: Tensor, bias: bool = False):
     """The summed weight gradient by torch's own kernel
-    (:func:`memconv.strategies.geometry.convolution_backward`), from strategy operands."""
-    return convolution_backward(ops.x, weight, ops.g, ops.geometry, weight_grad=True)[1]
+    (:func:`memconv.strategies.geometry.convolution_backward`), from strategy operands;
+    with ``bias``, ``(weight gradient, bias gradient)`` by the same one call (``ops.g``
+    the layer's output gradient: not for a transposed convolution)."""
+    _, w, b = convolution_backward(
+        ops.x, weight, ops.g, ops.geometry, weight_grad=True, bias_grad=bias
+    )
+    return (w, b) if bias else w
 
 
 def spend(options: Options, spent: int) -> Options:

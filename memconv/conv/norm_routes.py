@@ -26,6 +26,7 @@ convolution rule calls :func:`conv_weight_sq_norms`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -34,36 +35,59 @@ from torch import Tensor
 
 from ..strategies import Problem, get_strategy
 from ..strategies.base import cost_model, fastest_that_fits, numel
-from ..strategies.costs import time_coefficients
+from ..strategies.costs import operations_time, time_coefficients
 from ..strategies.geometry import Operands, conv_spec
 from . import ghost
 from .grads import weight_grad
 from .settings import DEFAULT_SETTINGS, Settings
 
-#: Bytes a route may use for its temporaries when no budget is given.
-DEFAULT_NORM_BUDGET = 32 * 2**20
-
-
-#: Bytes of squares :func:`sq_norms` holds at once (or one sample's, if larger).
-SQUARES_BYTES = 2**20
+#: Per-sample lengths up to which :func:`sq_norms` takes a sample's squared norm as one
+#: dot product: the round-off of a dot product of positive terms grows with its length
+#: (about ``length/8`` units in the last place at worst with 8 accumulators), which
+#: stays below 1e-4 up to here in float32.
+DOT_LENGTH = 4096
 
 
 def sq_norms(t: Tensor) -> Tensor:
-    """Squared L2 norm per sample ``[N]`` of ``t`` ``[N, ...]``.
+    """Squared L2 norm per sample ``[N]`` of ``t`` ``[N, ...]``: one or two tensor
+    operations whatever N.
 
-    The squares are summed a slice of samples at a time (torch.sum's pairwise
-    summation: float32 round-off, where ``linalg.vector_norm``'s accumulation loses
-    two more digits), so they never take more than :data:`SQUARES_BYTES` or one
-    sample's bytes: a copy of ``t`` is not part of the routes' memory.
+    Up to :data:`DOT_LENGTH` elements per sample, one batched dot product; longer, the
+    squares summed by torch.sum, whose pairwise (cascade) summation keeps float32
+    round-off near one unit in the last place where a long dot product or
+    ``linalg.vector_norm``'s accumulation lose digits. Either way one temporary of
+    ``t``'s size at most (the squares, or a contiguous copy), part of the routes'
+    memory models.
     """
     if t.dim() == 1:
         return t.square()
-    dims = tuple(range(1, t.dim()))
-    n = t.shape[0]
-    step = max(1, SQUARES_BYTES // max(t[:1].numel() * t.element_size(), 1))
-    if step >= n:
-        return t.square().sum(dims)
-    return torch.cat([t[i : i + step].square().sum(dims) for i in range(0, n, step)])
+    if math.prod(t.shape[1:]) <= DOT_LENGTH and t.dim() <= 8:
+        axes = "abcdefg"[: t.dim() - 1]
+        return torch.einsum(f"n{axes},n{axes}->n", t, t)
+    return t.square().sum(tuple(range(1, t.dim())))
+
+
+def float32_or_wider(dtype: torch.dtype) -> torch.dtype:
+    """``dtype``, or float32 for a half-precision one (``torch.promote_types(dtype,
+    torch.float32)`` for floating dtypes, without a tensor operation)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def at_least_float32(t: Tensor) -> Tensor:
+    """``t`` in float32 or wider (half-precision squares would overflow; an operation
+    only where a cast is needed)."""
+    dtype = float32_or_wider(t.dtype)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def rows_of(t: Tensor, rows: slice, n: int) -> Tensor:
+    """``t[rows]``, or ``t`` itself when ``rows`` covers its ``n`` samples (no operation)."""
+    return t if rows.start == 0 and rows.stop >= n else t[rows]
+
+
+def chunked(n: int, chunk: int) -> list[slice]:
+    """The rows of ``n`` samples in chunks of ``chunk`` (one slice when it covers them)."""
+    return [slice(i, min(n, i + chunk)) for i in range(0, n, max(chunk, 1))] or [slice(0, 0)]
 
 
 @dataclass(frozen=True)
@@ -88,13 +112,14 @@ def ghost_cost(problem: Problem, budget: int) -> RouteCost:
     return RouteCost(route="ghost", memory=chosen.memory, time=chosen.time)
 
 
-def ghost_sq_norms(ops: Operands, budget: int) -> Tensor:
+def ghost_sq_norms(ops: Operands, budget: int | None) -> Tensor:
     """Squared per-sample norms ``[N]`` of a convolution's weight gradient, by Gram
     matrices per group, tiled (:mod:`memconv.conv.ghost`).
 
     Args:
         ops: the layer's strategy operands.
-        budget: bytes for the temporaries (chunk of samples × block of positions).
+        budget: bytes for the temporaries (chunk of samples × block of positions);
+            None: the whole batch in one piece.
     """
     x = ops.x
     problem = Problem(
@@ -104,34 +129,54 @@ def ghost_sq_norms(ops: Operands, budget: int) -> Tensor:
 
 
 # ----------------------------------------------------------------- instantiate (conv)
-def _instantiate_settings(settings: Settings, chunk_bytes: int, budget: int) -> Settings:
+def _instantiate_settings(settings: Settings, chunk_bytes: int, budget: int | None) -> Settings:
     """The strategy settings the instantiating route runs: a strategy reading a
-    ``memory_budget`` shares the budget with the chunk's gradients."""
+    ``memory_budget`` shares the budget with the chunk's gradients (None: no budget)."""
     strategy = get_strategy(settings.strategy)
+    if budget is None:
+        return settings
     if "memory_budget" in strategy.options and settings.options.memory_budget is None:
         left = max(budget - chunk_bytes, 1)
         return Settings(settings.strategy, replace(settings.options, memory_budget=left))
     return settings
 
 
-def instantiate_cost(problem: Problem, budget: int, settings: Settings = DEFAULT_SETTINGS):
+def instantiate_chunk(n: int, per: int, budget: int | None) -> int:
+    """Samples whose per-sample gradients (``per`` bytes each) and their squares fit
+    ``budget`` (all ``n`` without one)."""
+    if budget is None:
+        return max(n, 1)
+    return max(1, min(n, budget // 2 // max(per, 1)))
+
+
+def instantiate_cost(problem: Problem, budget: int | None, settings: Settings = DEFAULT_SETTINGS):
     """Cost of instantiating a chunk of per-sample gradients at a time, by the strategy
     of ``settings`` (the one :func:`instantiate_sq_norms` runs)."""
     per = numel(problem.geom.weight_shape) * problem.itemsize
-    chunk = max(1, min(problem.n, budget // 2 // max(per, 1)))
+    chunk = instantiate_chunk(problem.n, per, budget)
     sub = replace(problem, n=chunk, per_sample=True, into=False)
     run = _instantiate_settings(settings, chunk * per, budget)
     strategy = get_strategy(run.strategy)
-    squares = min(chunk * per, max(SQUARES_BYTES, per))  # sq_norms' slice of squares
-    memory = chunk * per + max(strategy.memory(sub, run.options), squares)
-    # the squares of the per-sample gradients: seconds per element
-    (per_square,) = time_coefficients("instantiate", problem.device)
-    time = strategy.time(problem, run.options) + per_square * problem.per_sample_elements()
+    memory = chunk * per + max(strategy.memory(sub, run.options), chunk * per)  # + squares
+    chunks = -(-problem.n // chunk)
+    # the chunks' VJPs and squares (and, when split, each chunk's slices and the join)
+    time = chunks * (strategy.time(sub, run.options) + squares_time(sub))
+    if chunks > 1:
+        time += operations_time(2 * chunks + 1, problem.device)
     return RouteCost(route="instantiate", memory=memory, time=time)
 
 
-def instantiate_sq_norms(ops: Operands, settings: Settings, budget: int) -> Tensor:
-    """Squared per-sample norms ``[N]`` from per-sample gradients, a chunk at a time.
+def squares_time(problem: Problem) -> float:
+    """Seconds of :func:`sq_norms` on a problem's per-sample gradients: per element
+    (``"instantiate"``'s ``per_square``) and per operation."""
+    (per_square,) = time_coefficients("instantiate", problem.device)
+    ops = 1 if numel(problem.geom.weight_shape) <= DOT_LENGTH else 2
+    return per_square * problem.per_sample_elements() + operations_time(ops, problem.device)
+
+
+def instantiate_sq_norms(ops: Operands, settings: Settings, budget: int | None) -> Tensor:
+    """Squared per-sample norms ``[N]`` from per-sample gradients, a chunk at a time
+    (the whole batch when it fits ``budget``, or without one).
 
     Args:
         ops: the layer's strategy operands.
@@ -140,11 +185,13 @@ def instantiate_sq_norms(ops: Operands, settings: Settings, budget: int) -> Tens
     """
     per = numel(ops.geometry.weight_shape) * ops.x.element_size()
     n = ops.x.shape[0]
-    chunk = max(1, min(n, budget // 2 // max(per, 1)))
+    chunk = instantiate_chunk(n, per, budget)
     settings = _instantiate_settings(settings, chunk * per, budget)
+    if chunk >= n:
+        return sq_norms(weight_grad(ops, settings, per_sample=True))
     out = []
-    for n0 in range(0, n, chunk):
-        part = Operands(ops.x[n0 : n0 + chunk], ops.g[n0 : n0 + chunk], ops.geometry)
+    for rows in chunked(n, chunk):
+        part = Operands(ops.x[rows], ops.g[rows], ops.geometry)
         grads = weight_grad(part, settings, per_sample=True)
         out.append(sq_norms(grads))
         del grads
@@ -154,8 +201,8 @@ def instantiate_sq_norms(ops: Operands, settings: Settings, budget: int) -> Tens
 def route_costs(
     problem: Problem, budget: int | None, settings: Settings = DEFAULT_SETTINGS
 ) -> tuple[RouteCost, RouteCost]:
-    """Both routes' costs for a convolution (``budget``: bytes, or the default)."""
-    return _route_costs(problem, budget or DEFAULT_NORM_BUDGET, settings)
+    """Both routes' costs for a convolution (``budget``: bytes, or None: no limit)."""
+    return _route_costs(problem, budget, settings)
 
 
 @cost_model
@@ -198,8 +245,8 @@ def conv_weight_sq_norms(
         settings: the strategy of the instantiating route.
         route: ``"ghost"``, ``"instantiate"`` or None (the cost models choose).
         budget: bytes for the route's temporaries, the copy that brings the input to
-            normal form (reflect padding, a transposed convolution) included (None:
-            :data:`DEFAULT_NORM_BUDGET` for the route, the copy besides).
+            normal form (reflect padding, a transposed convolution) included (None: no
+            limit, the whole batch in one piece).
     """
     if x.dtype != g.dtype:
         x = x.to(g.dtype)
@@ -217,8 +264,8 @@ def conv_weight_sq_norms(
     room = None if budget is None else max(budget - ops.copied * x.element_size(), 1)
     chosen = choose_route(problem, room, settings, route).route
     if chosen == "ghost":
-        return ghost_sq_norms(ops, room or DEFAULT_NORM_BUDGET)
-    return instantiate_sq_norms(ops, settings, room or DEFAULT_NORM_BUDGET)
+        return ghost_sq_norms(ops, room)
+    return instantiate_sq_norms(ops, settings, room)
 
 
 # ----------------------------------------------------------------- per channel
@@ -227,7 +274,9 @@ def grad_channel_stats(grads: Tensor, w_hat: Tensor) -> tuple[Tensor, Tensor, Te
     ``grads`` ``[n, C, ...]`` split along their first axis (``w_hat``: ``[C, K]``):
     what a weight standardised per output channel needs of its operation's weight
     gradients (:mod:`memconv.layers.standardise`)."""
-    g = grads.reshape(grads.shape[0], w_hat.shape[0], -1).to(w_hat.dtype)
+    g = grads.reshape(grads.shape[0], w_hat.shape[0], -1)
+    if g.dtype != w_hat.dtype:
+        g = g.to(w_hat.dtype)
     return g.square().sum(-1), g.sum(-1), torch.einsum("nck,ck->nc", g, w_hat)
 
 
@@ -251,7 +300,8 @@ def conv_channel_stats(
     ``G_n``: ``‖G_n,c‖²`` by the Gram blocks per channel (:func:`memconv.conv.ghost.sq_norms`
     with ``channels``), ``⟨G_n,c, ŵ_c⟩ = Σ_t b_c[t]·conv(x_n, ŵ)[c, t]`` (one forward
     convolution) and ``⟨G_n,c, 1⟩ = Σ_t b_c[t]·box_γ(x_n)[t]``, ``box_γ`` the input
-    channels of ``c``'s group summed and filtered by a kernel of ones.
+    channels of ``c``'s group summed and filtered by a kernel of ones. Each runs the
+    whole batch in a few operations, in chunks only where ``budget`` demands it.
 
     Args:
         module: a convolution (not transposed; zero padding).
@@ -272,35 +322,44 @@ def conv_channel_stats(
         device=x.device.type,
     )
     room = None if budget is None else max(budget - ops.copied * x.element_size(), 1)
-    room_or_default = room or DEFAULT_NORM_BUDGET
+    n = x.shape[0]
     if choose_route(problem, room, settings, route).route != "ghost":
         per = numel(ops.geometry.weight_shape) * x.element_size()
-        n = x.shape[0]
-        chunk = max(1, min(n, room_or_default // 2 // max(per, 1)))
-        run = _instantiate_settings(settings, chunk * per, room_or_default)
+        chunk = instantiate_chunk(n, per, room)
+        run = _instantiate_settings(settings, chunk * per, room)
         parts = []
-        for n0 in range(0, n, chunk):
-            part = Operands(ops.x[n0 : n0 + chunk], ops.g[n0 : n0 + chunk], ops.geometry)
+        for rows in chunked(n, chunk):
+            part = Operands(rows_of(ops.x, rows, n), rows_of(ops.g, rows, n), ops.geometry)
             parts.append(grad_channel_stats(weight_grad(part, run, per_sample=True), w_hat))
-        return tuple(torch.cat(p) for p in zip(*parts))
-    sq = ghost.sq_norms(ops, ghost.choose_tiling(problem, room_or_default), channels=True)
+        return _joined(parts)
+    sq = ghost.sq_norms(ops, ghost.choose_tiling(problem, room), channels=True)
     conv = _CONV_FUNCTIONS[x.dim() - 2]
     geom = ops.geometry
-    kernel = w_hat.to(x.dtype).reshape(module.weight.shape)
+    kernel = w_hat.reshape(module.weight.shape)
+    if kernel.dtype != x.dtype:
+        kernel = kernel.to(x.dtype)
     box = x.new_ones(geom.groups, 1, *module.weight.shape[2:])
     geometry = {"stride": module.stride, "padding": module.padding, "dilation": module.dilation}
-    n = x.shape[0]
-    per = 2 * g[:1].numel() * g.element_size()  # the convolution's output and a product
-    chunk = max(1, min(n, room_or_default // max(per, 1)))
-    ones, hats = [], []
-    for n0 in range(0, n, chunk):
-        xs, gs = x[n0 : n0 + chunk], g[n0 : n0 + chunk]
+    per = 2 * math.prod(g.shape[1:]) * g.element_size()  # the convolution's output and a product
+    chunk = n if room is None else max(1, min(n, room // max(per, 1)))
+    parts = []
+    for rows in chunked(n, chunk):
+        xs, gs = rows_of(x, rows, n), rows_of(g, rows, n)
         m = xs.shape[0]
         y = conv(xs, kernel, None, groups=geom.groups, **geometry)
-        hats.append((y.mul_(gs)).flatten(2).sum(-1))
+        hats = torch.einsum("nc...,nc...->nc", y, gs)
         del y
         summed = xs.reshape(m, geom.groups, -1, *xs.shape[2:]).sum(2)
         filtered = conv(summed, box, None, groups=geom.groups, **geometry).flatten(2)
         grouped = gs.reshape(m, geom.groups, geom.out_per_group, -1)
-        ones.append((grouped * filtered[:, :, None]).sum(-1).flatten(1))
-    return sq.to(w_hat.dtype), torch.cat(ones).to(w_hat.dtype), torch.cat(hats).to(w_hat.dtype)
+        ones = torch.einsum("ngot,ngt->ngo", grouped, filtered).flatten(1)
+        parts.append((ones, hats))
+    ones, hats = _joined(parts)
+    return tuple(v if v.dtype == w_hat.dtype else v.to(w_hat.dtype) for v in (sq, ones, hats))
+
+
+def _joined(parts: list[tuple]) -> tuple:
+    """Per-chunk tuples of tensors joined along the samples (the one chunk's as it is)."""
+    if len(parts) == 1:
+        return tuple(parts[0])
+    return tuple(torch.cat(p) for p in zip(*parts))

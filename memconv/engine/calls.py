@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .._torch import tree_flatten
-from ..conv.norm_routes import grad_channel_stats, sq_norms
+from .._torch import tree_flatten, tree_unflatten
+from ..conv.norm_routes import at_least_float32, grad_channel_stats, sq_norms
 from ..conv.settings import Autocast
 from ..layers import LayerRule, RuleSettings, run_rule, using
 from ..layers.dispatch import rule_channel_stats
-from ..layers.operations import BoundOp, shell_rule
+from ..layers.operations import BoundOp, as_parameter, shell_rule
 from ..layers.standardise import weight_grads, weight_sq_norms
 from .generic import call_grad_sample, chunk_size
 from .probes import UNSPLIT, CallAxes
@@ -80,7 +80,8 @@ class LayerCall:
     Attributes:
         record: what the forward pass saw (:class:`CallRecord`; its fields are also
             read as the call's own: ``call.module``, ``call.rule``, ...).
-        args, kwargs: the call's arguments (tensors detached; dropped by
+        args, kwargs: the call's arguments (as the call had them: a rule reads their
+            values under no_grad, the generic route detaches them; dropped by
             :meth:`release`).
         params: ``{name in module: name in model}`` of the parameters this call's
             route computes (the coverage's assignment, before the backward pass).
@@ -147,16 +148,19 @@ class LayerCall:
             with using(self.settings(rs)):
                 out = self._run("grad_sample", inputs, g)
             return self._typed({k: v for k, v in out.items() if k in self.params})
-        leaves = tree_flatten((self.args, self.kwargs))[0]
+        leaves, spec = tree_flatten((self.args, self.kwargs))
         per = sum(p.numel() for k, p in self._named().items() if k in self.params)
-        per += sum(t[:1].numel() for t in leaves if isinstance(t, Tensor))
-        per += sum(g[:1].numel() for g in self.grads if g is not None)
+        per += sum(_per_first(t) for t in leaves if isinstance(t, Tensor))
+        per += sum(_per_first(g) for g in self.grads if g is not None)
         n = self.n()
         itemsize = next((g.element_size() for g in self.grads if g is not None), 4)
+        args, kwargs = tree_unflatten(
+            [t.detach() if isinstance(t, Tensor) else t for t in leaves], spec
+        )
         out = call_grad_sample(
             self.module,
-            self.args,
-            self.kwargs,
+            args,
+            kwargs,
             self.in_axes,
             self.grads,
             self.out_axes,
@@ -175,13 +179,13 @@ class LayerCall:
             out = {k: v for k, v in out.items() if k in self.params}
         else:
             out = {k: sq_norms(v) for k, v in self.grad_sample(rs).items()}
-        return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}
+        return {k: at_least_float32(v) for k, v in out.items()}
 
-    def summed_grad(self, rs: RuleSettings, scale: Tensor) -> dict[str, Tensor]:
-        """Σₙ scaleₙ·(per-sample gradient)ₙ of :attr:`params` (a rule call)."""
+    def summed_grad(self, rs: RuleSettings, scale) -> dict[str, Tensor]:
+        """Σₙ scaleₙ·(per-sample gradient)ₙ of :attr:`params` (a rule call); ``scale``:
+        ``[N]``, or a :class:`Scales` of it."""
         inputs, g = self.rule_inputs()
-        shape = (-1,) + (1,) * (g.dim() - 1)
-        g = g * scale.to(g.dtype).reshape(shape)
+        g = g * _scales(scale).like(g)
         with using(self.settings(rs)):
             out = self._run("summed_grad", inputs, g)
         return self._typed({k: v for k, v in out.items() if k in self.params})
@@ -205,7 +209,7 @@ class LayerCall:
 
     def _typed(self, out: dict) -> dict:
         named = self._named()
-        return {k: v.to(named[k].dtype) for k, v in out.items()}
+        return {k: v if v.dtype == named[k].dtype else v.to(named[k].dtype) for k, v in out.items()}
 
     def release(self) -> None:
         """Drop the tensors kept for the route."""
@@ -293,14 +297,16 @@ class OpCall(LayerCall):
         tensor, leaves = self.sources[slot]
         return self._vjp(tensor, leaves, grads, batched)
 
-    def _vjp(self, tensor: Tensor, leaves: dict, grads: Tensor, batched: bool) -> dict:
+    def _vjp(self, tensor: Tensor, leaves: dict, grads: Tensor, batched: bool, budget=None) -> dict:
         """``{model name: vjp}`` of ``grads`` (``[n, *tensor.shape]`` if ``batched``)
-        through ``tensor``'s graph to ``leaves`` ``{id(parameter): parameter}``."""
+        through ``tensor``'s graph to ``leaves`` ``{id(parameter): parameter}``; a batch
+        in chunks whose vjps fit ``budget`` bytes (None: all at once)."""
         names = [self.model_names[pid] for pid in leaves]
         if tensor.grad_fn is None:  # the parameter itself
             return {names[0]: grads}
         params = list(leaves.values())
-        grads = grads.to(tensor.dtype)
+        if grads.dtype != tensor.dtype:
+            grads = grads.to(tensor.dtype)
         with torch.enable_grad():
             if not batched:
                 out = torch.autograd.grad(
@@ -308,10 +314,10 @@ class OpCall(LayerCall):
                 )
                 return {k: _zero(v, p) for k, v, p in zip(names, out, params)}
             n = grads.shape[0]
-            step = max(1, _CHAIN_BYTES // max(1, 4 * tensor.numel() * tensor.element_size()))
+            step = _chunk(n, 4 * tensor.numel() * tensor.element_size(), budget)
             parts: list = [[] for _ in params]
             for i in range(0, n, step):
-                chunk = grads[i : i + step]
+                chunk = grads if step >= n else grads[i : i + step]
                 try:
                     out = torch.autograd.grad(
                         tensor,
@@ -331,7 +337,7 @@ class OpCall(LayerCall):
                     ]
                 for j, (v, p) in enumerate(zip(out, params)):
                     parts[j].append(v if v is not None else p.new_zeros(len(chunk), *p.shape))
-        return {k: torch.cat(v) for k, v in zip(names, parts)}
+        return {k: v[0] if len(v) == 1 else torch.cat(v) for k, v in zip(names, parts)}
 
     def _closed(self, norms: bool) -> dict:
         """``{slot: (recipe, ids of the gain's parameters)}`` of the slots whose
@@ -390,7 +396,7 @@ class OpCall(LayerCall):
         if plain and len(self.sources) == len(self.params):
             out = self._slot_out(rs, "sq_norms")
             out = {self.params_of(slot): v for slot, v in out.items() if slot in self.sources}
-            return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}
+            return {k: at_least_float32(v) for k, v in out.items()}
         closed = self._closed(True)
         if self._stats_only(closed):
             return self._closed_sq_norms(rs, closed)
@@ -406,12 +412,13 @@ class OpCall(LayerCall):
             per *= 3
         else:  # a chunk's gradients and their squares
             per *= 2
-        step = max(1, (rs.budget or _CHAIN_BYTES) // max(1, per))
+        step = _chunk(n, per, rs.budget)
         parts: dict = {}
         for i in range(0, n, step):
             rows = slice(i, i + step)
+            part = (inputs, g) if step >= n else (tuple(a[rows] for a in inputs), g[rows])
             with using(self.settings(rs)):
-                slots = self._run("grad_sample", tuple(a[rows] for a in inputs), g[rows])
+                slots = self._run("grad_sample", *part)
             for slot, (recipe, gain) in closed.items():
                 form = forms[slot]
                 stats = grad_channel_stats(slots.pop(slot), form.w_hat)
@@ -420,13 +427,18 @@ class OpCall(LayerCall):
                     parts.setdefault(k, []).append(weight_sq_norms(stats, form))
                 for k, v in self._gain_grads(slot, gain, stats[2]).items():
                     if k in self.params:
-                        parts.setdefault(k, []).append(sq_norms(v.to(self._named()[k].dtype)))
+                        parts.setdefault(k, []).append(sq_norms(self._cast(k, v)))
                 del stats
             for k, v in self._collect(slots, True).items():
                 parts.setdefault(k, []).append(sq_norms(v))
             del slots
-        out = {k: torch.cat(v) for k, v in parts.items()}
-        return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}
+        out = {k: v[0] if len(v) == 1 else torch.cat(v) for k, v in parts.items()}
+        return {k: at_least_float32(v) for k, v in out.items()}
+
+    def _cast(self, name: str, v: Tensor) -> Tensor:
+        """``v`` in the dtype of the parameter ``name``."""
+        dtype = self._named()[name].dtype
+        return v if v.dtype == dtype else v.to(dtype)
 
     def _stats_only(self, closed: dict) -> bool:
         """Whether every slot computed from parameters takes the closed form (the
@@ -450,23 +462,22 @@ class OpCall(LayerCall):
                     )
                 out[self.model_names[id(recipe.weight)]] = weight_sq_norms(stats, form)
                 for k, v in self._gain_grads(slot, gain, stats[2]).items():
-                    out[k] = sq_norms(v.to(self._named()[k].dtype))
+                    out[k] = sq_norms(self._cast(k, v))
             if len(closed) < len(self.sources):
                 rest = self._run("sq_norms", inputs, g, self.partial)
                 for slot, v in rest.items():
                     if slot in self.sources and slot not in closed:
                         out[self.params_of(slot)] = v
         out = {k: v for k, v in out.items() if k in self.params}
-        return {k: v.to(torch.promote_types(v.dtype, torch.float32)) for k, v in out.items()}
+        return {k: at_least_float32(v) for k, v in out.items()}
 
     def params_of(self, slot: str) -> str:
         _, leaves = self.sources[slot]
         return self.model_names[next(iter(leaves))]
 
-    def summed_grad(self, rs: RuleSettings, scale: Tensor) -> dict[str, Tensor]:
+    def summed_grad(self, rs: RuleSettings, scale) -> dict[str, Tensor]:
         inputs, g = self.rule_inputs()
-        shape = (-1,) + (1,) * (g.dim() - 1)
-        g = g * scale.to(g.dtype).reshape(shape)
+        g = g * _scales(scale).like(g)
         return self._collect(self._slot_out(rs, "summed_grad", g), False)
 
     def release(self) -> None:
@@ -477,8 +488,54 @@ class OpCall(LayerCall):
         self.partial = None
 
 
-#: Bytes of per-sample gradients a chain through a parameter-only map holds at once.
-_CHAIN_BYTES = 64 * 2**20
+def _per_first(t: Tensor) -> int:
+    """Elements of ``t`` per index of its first axis (``t[:1].numel()``, without an
+    operation)."""
+    return t.numel() // t.shape[0] if t.dim() and t.shape[0] else t.numel()
+
+
+def _chunk(n: int, per: int, budget: int | None) -> int:
+    """Samples per chunk of ``per`` bytes each within ``budget`` (all without one)."""
+    if budget is None:
+        return max(n, 1)
+    return max(1, min(n, budget // max(1, per)))
+
+
+class Scales:
+    """Per-sample factors ``[N]`` (clip factors), cast and shaped once for each kind of
+    tensor they scale: the walk scales every call's output gradient by the same
+    factors, and one cast and one reshape per dtype and rank serve them all.
+
+    Args:
+        factors: ``[N]``.
+    """
+
+    def __init__(self, factors: Tensor):
+        self.factors = factors
+        self._made: dict = {}
+
+    def like(self, t: Tensor) -> Tensor:
+        """The factors in ``t``'s dtype, shaped ``[N, 1, ...]`` to broadcast over ``t``."""
+        key = (t.dtype, t.dim())
+        made = self._made.get(key)
+        if made is None:
+            made = self.cast(t.dtype)
+            if t.dim() > 1:
+                made = made.reshape((-1,) + (1,) * (t.dim() - 1))
+            self._made[key] = made
+        return made
+
+    def cast(self, dtype) -> Tensor:
+        """The factors ``[N]`` in ``dtype``."""
+        made = self._made.get(dtype)
+        if made is None:
+            made = self.factors if self.factors.dtype == dtype else self.factors.to(dtype)
+            self._made[dtype] = made
+        return made
+
+
+def _scales(scale) -> Scales:
+    return scale if isinstance(scale, Scales) else Scales(scale)
 
 
 def _zero(v, p: Tensor) -> Tensor:
@@ -500,7 +557,7 @@ def op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, reco
             params[slot] = None
             continue
         trainable = recorder.trainable(t)
-        params[slot] = nn.Parameter(t.detach(), requires_grad=trainable)
+        params[slot] = as_parameter(t, trainable)
         if not trainable:
             continue
         via = (bound.via or {}).get(slot)
@@ -524,7 +581,7 @@ def op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, reco
     shell = bound.shell(params)
     partial = None
     if maps:  # the same shell with the standardised slots frozen
-        frozen = {k: nn.Parameter(params[k].detach(), requires_grad=False) for k in maps}
+        frozen = {k: nn.Parameter(params[k], requires_grad=False) for k in maps}
         partial = bound.shell({**params, **frozen})
     rule = shell_rule(shell)
     if rule is None or not rule.describes(shell, bound.data, out):
@@ -544,7 +601,7 @@ def op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, reco
     )
     call = OpCall(
         record=record,
-        args=(bound.data.detach(),),
+        args=(bound.data,),  # (a rule reads its values only, under no_grad)
         kwargs={},
         state=WalkState(grads=[None]),
         sources=sources,

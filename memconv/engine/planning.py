@@ -66,6 +66,17 @@ logger = logging.getLogger("memconv")
 MIN_LAYER_BUDGET = 64 * 1024
 
 
+def pass_layer_budget(prof: Profile, m: int) -> int:
+    """The per-layer budget of a pass of ``m`` samples that its memory does not limit:
+    the largest output and input gradient of a parametrised layer (bytes), which the
+    backward pass holds anyway. A layer's route then holds no more than the pass
+    itself does at some point (the call's peak stays near the non-private pass's), and
+    the budget grows with the micro-batch, so the number of chunks a route splits a
+    layer into does not depend on the batch size."""
+    largest = max((layer.grad_bytes(m) for layer in prof.layers if layer.params), default=0)
+    return max(int(2 * largest), MIN_LAYER_BUDGET)
+
+
 @dataclass(frozen=True)
 class LayerProfile:
     """One leaf layer's forward call, per sample.
@@ -318,8 +329,9 @@ class Plan:
         task: ``"grads"``, ``"norms"`` or ``"clip"``.
         batch: N.
         micro_batch: samples per forward/backward pass.
-        layer_budget: bytes each layer's weight VJP or norm computation may use
-            (None: the strategies' defaults, no budget given).
+        layer_budget: bytes each layer's weight VJP or norm computation may use: the
+            pass's own (:func:`pass_layer_budget`) unless the memory budget demands
+            less (None: no limit, a plan made without a profile).
         predicted_peak: bytes, the whole call's peak memory increase.
         memory_budget: the budget the plan was made for (bytes), or None.
         breakdown: bytes of the peak's parts: ``"activations"``, ``"backward"``
@@ -354,7 +366,7 @@ class Plan:
         mib = 2**20
         parts = ", ".join(f"{k} {v / mib:,.1f} MiB" for k, v in self.breakdown.items())
         budget = "none" if self.memory_budget is None else f"{self.memory_budget / mib:,.1f} MiB"
-        layer = "default" if self.layer_budget is None else f"{self.layer_budget / mib:,.2f} MiB"
+        layer = "none" if self.layer_budget is None else f"{self.layer_budget / mib:,.2f} MiB"
         route = f", {self.clip_route}" if self.clip_route else ""
         generic = (
             f"; generic route: {', '.join(self.generic_layers)}" if self.generic_layers else ""
@@ -469,9 +481,9 @@ def make_plan(prof: Profile, request: Request, *, budget: int | None) -> Plan:
     more = {"smallest_budget": smallest, "generic_layers": _generic_layers(prof)}
     if budget is None or n == 0:
         one_pass = request.routed(route)
-        return _predicted_plan(
-            prof, one_pass, m=max(n, 1), layer_budget=None, budget=budget, **more
-        )
+        m = max(n, 1)
+        lean = pass_layer_budget(prof, m)
+        return _predicted_plan(prof, one_pass, m=m, layer_budget=lean, budget=budget, **more)
     best = None
     for r in candidates:
         candidate = _best_for_route(prof, r, budget=budget)
@@ -528,16 +540,18 @@ COMFORTABLE_LAYER_BUDGET = 4 * 2**20
 
 
 def _best_for_route(prof: Profile, request: Request, *, budget: int) -> Plan | None:
-    """One pass with the layers' own defaults if that fits (the budget then changes
-    nothing: the call runs as without one); else the largest micro-batch that fits with a
-    comfortable per-layer budget (or, if none does, the largest that fits at all), with
-    the largest per-layer budget. None if not even one sample fits."""
+    """One pass with the pass's own per-layer budget (:func:`pass_layer_budget`) if that
+    fits (the budget then changes nothing: the call runs as without one); else the
+    largest micro-batch that fits with a comfortable per-layer budget (or, if none
+    does, the largest that fits at all), with the largest per-layer budget up to its
+    pass's own. None if not even one sample fits."""
     n = request.n
 
     def fits(m, layer_budget):
         return predict(prof, request, m=m, layer_budget=layer_budget)[0] <= budget
 
-    one_pass = _predicted_plan(prof, request, m=n, layer_budget=None, budget=budget)
+    lean = pass_layer_budget(prof, n)
+    one_pass = _predicted_plan(prof, request, m=n, layer_budget=lean, budget=budget)
     if one_pass.predicted_peak <= budget:
         return one_pass
 
@@ -559,8 +573,8 @@ def _best_for_route(prof: Profile, request: Request, *, budget: int) -> Plan | N
             m = n
     if m == 0:
         return None
-    # the largest per-layer budget that still fits (halving from the whole budget)
-    layer_budget = budget
+    # the largest per-layer budget that still fits (halving from the pass's own)
+    layer_budget = min(budget, pass_layer_budget(prof, m))
     while layer_budget > MIN_LAYER_BUDGET and not fits(m, layer_budget):
         layer_budget //= 2
     layer_budget = max(layer_budget, MIN_LAYER_BUDGET)

@@ -36,7 +36,7 @@ from ..conv.settings import Autocast
 from ..layers import RuleSettings, check_layer, find_rule
 from ..streaming import StreamingCNN
 from .losses import PerSampleLoss
-from .planning import Plan, Profile, make_plan, profile
+from .planning import Plan, Profile, make_plan, pass_layer_budget, profile
 from .probes import ProbeMismatch, owner_names
 from .request import Batch, Request
 from .resources import guards, resolve_budget
@@ -266,14 +266,15 @@ class Prepared:
 
     def _still_fits(self, budget, request: Request) -> bool:
         """Whether the plan a fresh one would be is the kept one (an ``"available"``
-        budget, read again: the kept plan, one pass with the layers' defaults, fits)."""
+        budget, read again: the kept plan, one pass with the pass's own per-layer
+        budget, fits)."""
         if request.memory_budget != AVAILABLE:
             return True
         p = self._plan
         return (
             p is not None
             and p.micro_batch == p.batch
-            and p.layer_budget is None
+            and p.layer_budget == pass_layer_budget(self._profile, p.batch)
             and p.predicted_peak <= budget
             and (
                 p.task != "clip" or request.clip_route is not None or p.clip_route == "book-keeping"

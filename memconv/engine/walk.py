@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from .._torch import is_view, sequence_nr
+from .._torch import is_view, new_sequence_nr
 from ..conv.settings import Autocast
 from ..layers import own_trainable
 from ..layers.operations import BoundOp
@@ -61,12 +61,11 @@ from .recorder import OpRecorder, paused
 class _Sequence:
     """Sequence numbers of autograd nodes created from now on."""
 
-    def __init__(self):
-        self.anchor = torch.zeros((), requires_grad=True)
-
     def now(self) -> int:
-        with torch.enable_grad():
-            return sequence_nr((self.anchor * 1).grad_fn)
+        """A number between the sequence numbers of the nodes made before the call and
+        those made after it (a window ``(lo, hi)`` holds the nodes with ``lo < s < hi``),
+        without a tensor operation (:func:`memconv._torch.new_sequence_nr`)."""
+        return new_sequence_nr()
 
 
 @dataclass
@@ -361,12 +360,11 @@ class BackwardWalk:
         check_call_axes(
             call_axes, module, leaf_shapes(in_leaves), leaf_shapes(out_leaves), self.m, name
         )
-        detached_args, detached_kwargs = unflatten_call(
-            [t.detach() if isinstance(t, Tensor) else t for t in in_leaves], in_spec, False
-        )
         rule = coverage.rule_for(
             module, args, kwargs, call_axes.inputs, output, call_axes.outputs, self.ours
         )
+        # the arguments as they are, without an operation per input: a rule runs under
+        # no_grad and reads their values only, the generic route detaches them first
         record = CallRecord(
             module=module,
             name=name,
@@ -378,7 +376,7 @@ class BackwardWalk:
             output_elements=sum(t.numel() for t in out_leaves if isinstance(t, Tensor)),
         )
         state = WalkState(grads=[None] * len(out_leaves))
-        call = LayerCall(record=record, args=detached_args, kwargs=detached_kwargs, state=state)
+        call = LayerCall(record=record, args=args, kwargs=kwargs, state=state)
         self.calls.append(call)
         new_leaves = list(out_leaves)
         for j, t in enumerate(out_leaves):

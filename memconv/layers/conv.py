@@ -26,7 +26,7 @@ from ..conv.vjp import check_settings
 from ..strategies import get_strategy
 from ..strategies.geometry import conv_spec, layer_output_size
 from .base import LayerRule, register, rule_settings, trainable
-from .operations import BoundOp, bind_args, register_op, with_params
+from .operations import BoundOp, bind_args, new_layer, register_op, with_params
 
 TYPES = (
     nn.Conv1d,
@@ -77,10 +77,17 @@ class ConvRule(LayerRule):
     def summed_grad(self, module, inputs, grad_output):
         (x,) = inputs
         out = {}
-        if trainable(module, "weight"):  # torch's own kernel: the fastest summed VJP
-            ops = conv_spec(module).operands(x.to(grad_output.dtype), grad_output)
+        weight, bias = trainable(module, "weight"), trainable(module, "bias")
+        if weight:  # torch's own kernel: the fastest summed VJP, the bias's with it
+            if x.dtype != grad_output.dtype:
+                x = x.to(grad_output.dtype)
+            spec = conv_spec(module)
+            ops = spec.operands(x, grad_output)
+            if bias and not spec.transposed:
+                out["weight"], out["bias"] = summed_weight_grad(ops, module.weight, bias=True)
+                return out
             out["weight"] = summed_weight_grad(ops, module.weight)
-        if trainable(module, "bias"):
+        if bias:
             out["bias"] = bias_grad(grad_output, per_sample=False)
         return out
 
@@ -162,8 +169,8 @@ def _bind(args, kwargs, transposed: bool) -> BoundOp | None:
     options = {k: a[k] for k in names if k not in ("input", "weight", "bias")}
 
     def shell(params):
-        layer = kinds[w.dim() - 2](
-            *channels, tuple(w.shape[2:]), bias=a["bias"] is not None, device="meta", **options
+        layer = new_layer(
+            kinds[w.dim() - 2], *channels, tuple(w.shape[2:]), bias=a["bias"] is not None, **options
         )
         return with_params(layer, params)
 

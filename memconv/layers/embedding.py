@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule, register
-from .operations import BoundOp, bind_args, register_op, with_params
+from .operations import BoundOp, bind_args, new_layer, register_op, with_params
 
 
 def _rows(module, idx, g):
@@ -106,7 +106,7 @@ def bind_embedding(args, kwargs) -> BoundOp | None:
         return None
 
     def shell(params):
-        layer = nn.Embedding(w.shape[0], w.shape[1], padding_idx=a["padding_idx"], device="meta")
+        layer = new_layer(nn.Embedding, w.shape[0], w.shape[1], padding_idx=a["padding_idx"])
         return with_params(layer, params)
 
     return BoundOp(a["input"], {"weight": w}, shell)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ..conv.norm_routes import sq_norms
 from .base import LayerRule, register, rule_settings, trainable
-from .operations import BoundOp, bind_args, register_op, with_params
+from .operations import BoundOp, bind_args, new_layer, register_op, with_params
 
 
 def _flat(x, g):
@@ -88,7 +88,7 @@ def bind_linear(args, kwargs) -> BoundOp | None:
     w = a["weight"]
 
     def shell(params):
-        layer = nn.Linear(w.shape[1], w.shape[0], bias=a["bias"] is not None, device="meta")
+        layer = new_layer(nn.Linear, w.shape[1], w.shape[0], bias=a["bias"] is not None)
         return with_params(layer, params)
 
     return BoundOp(a["input"], {"weight": w, "bias": a["bias"]}, shell)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import LayerRule, register, rule_settings, trainable
-from .operations import BoundOp, bind_args, register_op, with_params
+from .operations import BoundOp, bind_args, new_layer, register_op, with_params
 
 
 class AffineNormRule(LayerRule):
@@ -37,18 +37,18 @@ class AffineNormRule(LayerRule):
         axes = self.shared_axes(module, g)
         out = {}
         if trainable(module, "weight"):
-            weight = None
-            step = _chunk(x)
+            n = len(x)
+            step = _chunk(x, rule_settings().budget)
+            parts = []
             with rule_settings().autocast_context():
-                for i in range(0, len(x), step):
-                    rows = slice(i, i + step)
-                    xhat = self.normalized(module, x[rows]).to(g.dtype)
-                    part = (g[rows] * xhat).sum(axes) if axes else g[rows] * xhat
-                    if weight is None:
-                        weight = part.new_empty((len(x), *part.shape[1:]))
-                    weight[rows] = part
-                    del xhat, part
-            out["weight"] = weight
+                for i in range(0, n, step):
+                    xs, gs = (x, g) if step >= n else (x[i : i + step], g[i : i + step])
+                    xhat = self.normalized(module, xs)
+                    if xhat.dtype != g.dtype:
+                        xhat = xhat.to(g.dtype)
+                    parts.append(_product_sum(gs, xhat, axes))
+                    del xhat
+            out["weight"] = parts[0] if len(parts) == 1 else torch.cat(parts)
         if trainable(module, "bias"):
             out["bias"] = g.sum(axes) if axes else g
         return out
@@ -56,22 +56,29 @@ class AffineNormRule(LayerRule):
     def memory(self, module, input_shapes, itemsize, task):
         shape = input_shapes[0]
         n, one = shape[0], math.prod(shape[1:])
-        chunk = min(n, _samples_per_chunk(one * itemsize)) * one
+        chunk = min(n, _samples_per_chunk(one * itemsize, rule_settings().budget)) * one
         params = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
-        return (2 * chunk + 2 * n * params) * itemsize  # x̂, g·x̂ of a chunk; the gradients
+        return (chunk + 2 * n * params) * itemsize  # x̂ of a chunk; the gradients
 
 
-#: Bytes of x̂ the normalisation rules hold at once (or one sample's, if larger): a
-#: chunk of samples at a time keeps the temporaries small and in cache.
-CHUNK_BYTES = 2 * 2**20
+def _product_sum(g: Tensor, xhat: Tensor, axes: tuple[int, ...]) -> Tensor:
+    """``Σ g·x̂`` over ``axes`` per sample (one contraction: no product tensor)."""
+    if not axes:
+        return g * xhat
+    letters = "abcdefghijklmnopqrstuvwxyz"[: g.dim()]
+    kept = "".join(c for i, c in enumerate(letters) if i not in axes)
+    return torch.einsum(f"{letters},{letters}->{kept}", g, xhat)
 
 
-def _samples_per_chunk(sample_bytes: int) -> int:
-    return max(1, CHUNK_BYTES // max(sample_bytes, 1))
+def _samples_per_chunk(sample_bytes: int, budget: int | None) -> int:
+    """Samples whose x̂ fits ``budget`` bytes (every sample without one)."""
+    if budget is None:
+        return 2**62
+    return max(1, budget // max(sample_bytes, 1))
 
 
-def _chunk(x) -> int:
-    return _samples_per_chunk(x[:1].numel() * x.element_size())
+def _chunk(x, budget: int | None) -> int:
+    return _samples_per_chunk(math.prod(x.shape[1:]) * x.element_size(), budget)
 
 
 @register(nn.GroupNorm)
@@ -187,6 +194,11 @@ BATCH_NORM_DEFAULTS = {
 _INSTANCE_TYPES = {3: nn.InstanceNorm1d, 4: nn.InstanceNorm2d, 5: nn.InstanceNorm3d}
 
 
+def _shape(shape):
+    """A ``normalized_shape`` as a tuple (an int, a list or a ``torch.Size``)."""
+    return (shape,) if isinstance(shape, int) else tuple(shape)
+
+
 def _affine(a: dict | None, *names: str) -> bool:
     """Whether ``a`` holds the call's arguments with tensors or None in ``names``."""
     return a is not None and all(a[n] is None or isinstance(a[n], Tensor) for n in names)
@@ -205,7 +217,7 @@ def bind_layer_norm(args, kwargs) -> BoundOp | None:
         return None
 
     def shell(params):
-        layer = nn.LayerNorm(a["normalized_shape"], eps=a["eps"], device="meta")
+        layer = new_layer(nn.LayerNorm, _shape(a["normalized_shape"]), eps=a["eps"])
         return with_params(layer, params)
 
     return _bound(a, shell)
@@ -220,7 +232,7 @@ def bind_group_norm(args, kwargs) -> BoundOp | None:
         return None
 
     def shell(params):
-        layer = nn.GroupNorm(a["num_groups"], a["input"].shape[1], eps=a["eps"], device="meta")
+        layer = new_layer(nn.GroupNorm, a["num_groups"], a["input"].shape[1], eps=a["eps"])
         return with_params(layer, params)
 
     return _bound(a, shell)
@@ -237,7 +249,7 @@ if hasattr(F, "rms_norm") and hasattr(nn, "RMSNorm"):  # torch >= 2.4
             return None
 
         def shell(params):
-            layer = nn.RMSNorm(a["normalized_shape"], eps=a["eps"], device="meta")
+            layer = new_layer(nn.RMSNorm, _shape(a["normalized_shape"]), eps=a["eps"])
             return with_params(layer, params)
 
         return BoundOp(a["input"], {"weight": a["weight"]}, shell)
@@ -256,12 +268,8 @@ def bind_instance_norm(args, kwargs) -> BoundOp | None:
 
     def shell(params):
         # the statistics of each sample, or the running ones (the shell never updates them)
-        layer = kind(
-            a["input"].shape[1],
-            eps=a["eps"],
-            affine=True,
-            track_running_stats=stats,
-            device="meta",
+        layer = new_layer(
+            kind, a["input"].shape[1], eps=a["eps"], affine=True, track_running_stats=stats
         )
         if stats:
             layer.running_mean = a["running_mean"].detach()
@@ -282,7 +290,7 @@ def bind_batch_norm(args, kwargs) -> BoundOp | None:
         return None
 
     def shell(params):
-        layer = nn.BatchNorm2d(a["input"].shape[1], eps=a["eps"], device="meta").eval()
+        layer = new_layer(nn.BatchNorm2d, a["input"].shape[1], eps=a["eps"]).eval()
         layer.running_mean = a["running_mean"].detach()
         layer.running_var = a["running_var"].detach()
         return with_params(layer, params)

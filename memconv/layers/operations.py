@@ -24,11 +24,13 @@ gradients through that function.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .base import LayerRule, find_rule
 
@@ -124,6 +126,61 @@ def with_params(shell: nn.Module, params: dict) -> nn.Module:
     for k, p in params.items():
         setattr(shell, k, p)
     return shell
+
+
+#: ``{(layer type, arguments): layer}``: the prototypes :func:`new_layer` copies.
+_PROTOTYPES: dict = {}
+#: Prototypes kept at most (a model calls a few dozen distinct operations).
+_MAX_PROTOTYPES = 1024
+
+
+def new_layer(layer_type: type, *args, **kwargs) -> nn.Module:
+    """``layer_type(*args, **kwargs, device="meta")`` for a shell, without a tensor
+    operation: a copy of a prototype made once per type and arguments (its own
+    parameter, buffer and submodule dictionaries; the meta parameters are the
+    prototype's until :func:`with_params` replaces them). Constructing the layer
+    afresh initialises its parameters, a handful of operations per call on the meta
+    device, at every operation call of every step."""
+    try:
+        key = (layer_type, args, tuple(sorted(kwargs.items())))
+        hash(key)
+    except TypeError:  # an unhashable argument (a list): made afresh
+        return layer_type(*args, **kwargs, device="meta")
+    proto = _PROTOTYPES.get(key)
+    if proto is None:
+        if len(_PROTOTYPES) >= _MAX_PROTOTYPES:
+            _PROTOTYPES.clear()
+        proto = _PROTOTYPES[key] = layer_type(*args, **kwargs, device="meta")
+    layer = copy.copy(proto)
+    layer._parameters = dict(proto._parameters)
+    layer._buffers = dict(proto._buffers)
+    layer._modules = dict(proto._modules)
+    return layer
+
+
+_WRAPPED = WeakIdKeyDictionary()
+
+
+def as_parameter(t: Tensor, trainable: bool) -> nn.Parameter:
+    """``t`` as a shell's parameter (sharing its memory; no graph): an
+    ``nn.Parameter`` made once per parameter of the model (while its memory, shape
+    and dtype stay the same: an optimizer updates it in place), afresh for a computed
+    tensor."""
+    if t.grad_fn is not None or not t.is_leaf:
+        return nn.Parameter(t, requires_grad=trainable)
+    kept = _WRAPPED.get(t)
+    if (
+        kept is not None
+        and kept.requires_grad == trainable
+        and kept.data_ptr() == t.data_ptr()
+        and kept.shape == t.shape
+        and kept.dtype == t.dtype
+        and kept.stride() == t.stride()
+    ):
+        return kept
+    made = nn.Parameter(t, requires_grad=trainable)
+    _WRAPPED[t] = made
+    return made
 
 
 def shell_rule(shell: nn.Module) -> LayerRule | None:

@@ -86,13 +86,19 @@ class Standardised:
     def form(self) -> Form:
         """The :class:`Form` of the map at the parameter's current value (detached), by
         the forward pass's own kernel (``torch.native_batch_norm``: ``ŵ`` and ``1/σ``)."""
-        w = self.weight.detach()
-        flat = w.reshape(1, w.shape[0], -1)
-        w_hat, _, inv = torch.native_batch_norm(flat, None, None, None, None, True, 0.0, self.eps)
-        w_hat = w_hat[0]
-        gain = self.gain.detach().to(w.dtype) if self.gain is not None else torch.ones_like(inv)
-        norm = (1 - self.eps * inv.square()) * w_hat.shape[1]  # K·var/(var + eps)
-        return Form(w_hat, gain * inv, norm, w_hat.sum(1))
+        with torch.no_grad():
+            w = self.weight
+            flat = w.reshape(1, w.shape[0], -1)
+            w_hat, _, inv = torch.native_batch_norm(
+                flat, None, None, None, None, True, 0.0, self.eps
+            )
+            w_hat = w_hat.view(w_hat.shape[1:])
+            scale = inv
+            if self.gain is not None:
+                gain = self.gain if self.gain.dtype == w.dtype else self.gain.to(w.dtype)
+                scale = gain * inv
+            norm = (1 - self.eps * inv.square()) * w_hat.shape[1]  # K·var/(var + eps)
+            return Form(w_hat, scale, norm, w_hat.sum(1))
 
 
 class Form(NamedTuple):

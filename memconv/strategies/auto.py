@@ -1,9 +1,11 @@
 """``"auto"``: per layer, the fastest registered strategy whose memory fits a budget.
 
-Every other registered strategy is a candidate: each predicts its extra memory
-(bytes) and its run time (relative units) from the layer's sizes, and ``"auto"``
-runs the one predicted fastest among those within ``memory_budget`` (any, without
-a budget). ``"streaming"`` chooses its tile to fit the budget, so it is what runs
+Every other registered strategy whose number of tensor operations does not grow
+with N is a candidate (a strategy that loops over samples, ``"loop"``, is not:
+:func:`memconv.strategies.base.batched`): each predicts its extra memory (bytes) and
+its run time (seconds, a per-operation term included) from the layer's sizes, and
+``"auto"`` runs the one predicted fastest among those within ``memory_budget`` (any,
+without a budget). ``"streaming"`` chooses its tile to fit the budget, so it is what runs
 when no whole-layer strategy fits; when not even its smallest tile fits, a
 warning says so and the leanest candidate runs. The choice is logged on the
 ``memconv`` logger at DEBUG level.
@@ -21,6 +23,7 @@ from .base import (
     NO_OPTIONS,
     Options,
     Problem,
+    batched,
     cost_model,
     fastest_that_fits,
     get_strategy,
@@ -52,8 +55,8 @@ def choose(problem: Problem, options: Options):
     budget = options.memory_budget
     candidates = []  # (strategy, options, bytes, time)
     for name in strategy_names():
-        if name != Auto.name:
-            strategy = get_strategy(name)
+        strategy = get_strategy(name)
+        if name != Auto.name and batched(strategy):
             sub = _candidate_options(strategy, options)
             candidates.append(
                 (strategy, sub, strategy.memory(problem, sub), strategy.time(problem, sub))

@@ -123,6 +123,12 @@ class Strategy(Protocol):
             option given with it is an error.
         composite: True when the strategy runs other registered strategies
             (``"auto"``, ``"streaming"``); those are not candidates of each other.
+
+    A strategy may also set ``batched = False`` (a class attribute; True when absent):
+    its number of tensor operations grows with N (a loop over samples), so that
+    ``"auto"`` and ``"streaming"`` never choose it — on a device where each operation
+    costs a kernel launch such a loop is what makes a step slow — and it runs only
+    where it is asked for by name.
     """
 
     name: ClassVar[str]
@@ -233,9 +239,20 @@ def clear_cost_memos() -> None:
 
 
 def elementary() -> tuple[Strategy, ...]:
-    """The registered strategies that run no other strategy (candidates of the
-    composite ones)."""
+    """The registered strategies that run no other strategy."""
     return tuple(s for s in _REGISTRY.values() if not s.composite)
+
+
+def batched(strategy: Strategy) -> bool:
+    """Whether ``strategy`` runs a batch in a number of tensor operations that does not
+    depend on N (its ``batched`` attribute; True when it has none)."""
+    return getattr(strategy, "batched", True)
+
+
+def candidates() -> tuple[Strategy, ...]:
+    """The elementary strategies the composite ones choose from: the batched ones
+    (:func:`batched`)."""
+    return tuple(s for s in elementary() if batched(s))
 
 
 # ----------------------------------------------------------------- shared helpers
@@ -296,7 +313,8 @@ def crop_kernel(t: Tensor, kernel_size: tuple[int, ...], first_axis: int) -> Ten
     return a few more positions than the kernel has (BackPACK does the same crop).
     """
     for i, k in enumerate(kernel_size):
-        t = t.narrow(first_axis + i, 0, k)
+        if t.shape[first_axis + i] != k:
+            t = t.narrow(first_axis + i, 0, k)
     return t
 
 

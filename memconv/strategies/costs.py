@@ -2,7 +2,12 @@
 
 Every time model of memconv (the strategies', the ghost norms' methods, the
 instantiating norm route's, ``"streaming"``'s tiles) is linear in a few coefficients
-(seconds per multiply-add, per element moved, per kernel call, ...), and every memory
+(seconds per multiply-add, per element moved, per kernel call, ...) plus one term all
+of them share: seconds per tensor operation (``"operation"``: ``per_op``), times the
+number of ATen operations the computation issues. That term is what a launch-bound
+device pays for every operation whatever its size (a CUDA kernel launch and torch's
+dispatch, some 5 to 40 µs), and what makes a route that loops in Python over samples,
+kernel offsets or chunks cost what it does. Every memory
 model (bytes, derived from the algorithm) is multiplied by a fitted scale. The
 coefficients live in ``memconv/calibration/<device type>.json``, written by
 :mod:`memconv.bench.calibrate` (``memconv calibrate``) from measurements on that kind
@@ -31,10 +36,11 @@ logger = logging.getLogger("memconv")
 
 #: Each time model and its coefficients (seconds per unit of the named quantity).
 TIME_MODELS: dict[str, tuple[str, ...]] = {
+    "operation": ("per_op",),
     "standard": ("per_flop", "per_element", "per_call"),
     "rochette": ("per_flop", "per_element", "per_call"),
     "unfold": ("per_flop", "per_element", "per_call"),
-    "shift": ("per_flop", "per_element", "per_call", "per_flop_depthwise"),
+    "shift": ("per_flop", "per_element", "per_flop_depthwise"),
     "loop": (
         "per_flop_native",
         "per_flop_native_3d",
@@ -46,8 +52,8 @@ TIME_MODELS: dict[str, tuple[str, ...]] = {
         "per_flop_depthwise",
         "per_call_depthwise",
     ),
-    "ghost-positions": ("per_flop", "per_element", "per_call", "per_gram"),
-    "ghost-offsets": ("per_flop", "per_element", "per_call"),
+    "ghost-positions": ("per_flop", "per_element", "per_gram"),
+    "ghost-offsets": ("per_flop", "per_element"),
     "instantiate": ("per_square",),
     "streaming": ("per_tile", "per_copy"),
 }
@@ -134,6 +140,12 @@ def time_coefficients(model: str, device_type: str = FALLBACK) -> tuple[float, .
     """A time model's coefficients (seconds per unit), in :data:`TIME_MODELS` order."""
     got = calibration(device_type)["time"][model]
     return tuple(got[name] for name in TIME_MODELS[model])
+
+
+def operations_time(operations: int, device_type: str = FALLBACK) -> float:
+    """Seconds ``operations`` tensor operations cost on ``device_type`` besides their
+    arithmetic (the shared ``"operation"`` model's ``per_op``)."""
+    return calibration(device_type)["time"]["operation"]["per_op"] * operations
 
 
 def time_rates(model: str, device_type: str = FALLBACK) -> dict[str, float]:

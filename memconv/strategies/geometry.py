@@ -286,7 +286,8 @@ def convolution_backward(
     *,
     input_grad: bool = False,
     weight_grad: bool = False,
-) -> tuple[Tensor | None, Tensor | None]:
+    bias_grad: bool = False,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """torch's own kernel for a convolution's VJPs (ATen's ``convolution_backward``),
     computing only the gradients asked for; the one place memconv calls it.
 
@@ -301,15 +302,19 @@ def convolution_backward(
             ``output_padding``.
         input_grad: compute the input gradient ``[N, C, *S]``.
         weight_grad: compute the summed weight gradient (``weight.shape``).
+        bias_grad: compute the summed bias gradient ``[C_out]`` (``g`` summed over
+            everything but its channels; a convolution's bias gradient).
 
     Returns:
-        ``(input gradient or None, weight gradient or None)``.
+        ``(input gradient or None, weight gradient or None, bias gradient or None)``.
     """
     transposed = output_padding is not None
-    grad_input, grad_weight, _ = torch.ops.aten.convolution_backward(
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    return torch.ops.aten.convolution_backward(
         g,
         x,
-        weight.to(x.dtype),
+        weight,
         None,
         list(geom.stride),
         list(geom.padding),
@@ -317,9 +322,8 @@ def convolution_backward(
         transposed,
         list(output_padding) if transposed else [0] * geom.dims,
         geom.groups,
-        [input_grad, weight_grad, False],
+        [input_grad, weight_grad, bias_grad],
     )
-    return grad_input, grad_weight
 
 
 def input_vjp(

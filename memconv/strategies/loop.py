@@ -8,7 +8,10 @@ into the summed one): the "naive" per-example loop that Rochette et al. (2019,
 arXiv:1912.06015) compare against, here without a forward pass or a graph. Its
 temporaries are one sample's; on the CPU the kernel is the fastest of the registered
 strategies where positions are many and channels few (early layers, large images),
-and its cost is one kernel call per sample, which dominates for small layers.
+and its cost is one kernel call per sample, which dominates for small layers, and its
+number of tensor operations grows with N: it is not ``batched``, so ``"auto"`` and
+``"streaming"`` never choose it (on a GPU each of those operations is a kernel launch);
+it runs where it is asked for by name.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from .base import Options, Problem, numel, register_strategy
-from .costs import scale_memory, time_rates
+from .costs import operations_time, scale_memory, time_rates
 from .geometry import ConvGeometry, convolution_backward
 
 
@@ -55,6 +58,7 @@ class Loop:
     name: ClassVar[str] = "loop"
     options: ClassVar[frozenset[str]] = frozenset()
     composite: ClassVar[bool] = False
+    batched: ClassVar[bool] = False
 
     def vjp(self, x, g, geom, *, per_sample, options, out=None) -> Tensor:
         # the kernel reads only the weight's shape and dtype for a weight gradient
@@ -67,7 +71,7 @@ class Loop:
         else:
             result = x.new_zeros(geom.weight_shape)
         for i in range(n):
-            _, grad = convolution_backward(
+            _, grad, _ = convolution_backward(
                 x[i : i + 1], weight, g[i : i + 1], geom, weight_grad=True
             )
             if per_sample and out is None:
@@ -114,6 +118,7 @@ class Loop:
             + rate["per_operand"] * operands
             + per_result * problem.per_sample_elements()
             + call * problem.n
+            + operations_time(2 + 5 * problem.n, problem.device)
         )
 
 

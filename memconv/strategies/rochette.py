@@ -28,9 +28,9 @@ from .base import (
     numel,
     register_strategy,
 )
-from .costs import scale_memory, time_coefficients
+from .costs import operations_time, scale_memory, time_coefficients
 from .geometry import ConvGeometry, conv_function
-from .standard import depthwise_copies, raw_kernel
+from .standard import depthwise_copies, operations, raw_kernel
 
 
 class Rochette:
@@ -88,7 +88,12 @@ class Rochette:
             )
         # one convolution group per sample and group
         coefficients = time_coefficients("rochette", problem.device)
-        return linear_time(coefficients, problem.flops(), traffic, n * geom.groups)
+        time = linear_time(coefficients, problem.flops(), traffic, n * geom.groups)
+        if geom.dims == 3:  # a dozen per offset of the first kernel axis
+            ops = 1 + geom.kernel_size[0] * operations(problem, 11)
+        else:
+            ops = operations(problem, 4)
+        return time + operations_time(ops, problem.device)
 
 
 def _rochette_3d(x: Tensor, g: Tensor, geom: ConvGeometry, per_sample: bool, out):

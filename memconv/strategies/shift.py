@@ -14,9 +14,12 @@ view is copied (one input-sized buffer at a time, never K of them).
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .base import (
@@ -28,11 +31,8 @@ from .base import (
     padded_size,
     register_strategy,
 )
-from .costs import scale_memory, time_coefficients
-from .geometry import ConvGeometry
-
-#: Bytes of per-chunk temporaries when no ``memory_budget`` is set.
-DEFAULT_CHUNK_BUDGET = 16 * 2**20
+from .costs import operations_time, scale_memory, time_coefficients
+from .geometry import ConvGeometry, torch_pad_argument
 
 
 def _flat_ok(geom: ConvGeometry) -> bool:
@@ -45,18 +45,20 @@ def _per_sample_temporaries(geom: ConvGeometry, size, per_sample: bool, out_give
     t = geom.output_size(size)
     part = geom.out_channels * geom.in_per_group if (out_given or not per_sample) else 0
     if _flat_ok(geom):
-        return geom.in_channels * numel(p) + geom.out_channels * t[0] * numel(p[1:]) + part
+        rows = p[0] + _extra_rows(geom, p)
+        return (
+            geom.in_channels * rows * numel(p[1:]) + geom.out_channels * t[0] * numel(p[1:]) + part
+        )
     padded = geom.in_channels * numel(p) if any(geom.padding) else 0
     return padded + geom.in_channels * numel(t) + part
 
 
 def chunk_size(problem: Problem, options: Options, out_given: bool = False) -> int:
-    """Samples processed together, so that the temporaries fit the budget.
-
-    The budget is ``options.memory_budget`` (bytes) or :data:`DEFAULT_CHUNK_BUDGET`;
-    at least one sample is processed at a time.
-    """
-    budget = options.memory_budget or DEFAULT_CHUNK_BUDGET
+    """Samples processed together, so that the temporaries fit ``options.memory_budget``
+    (bytes; the whole batch without one); at least one sample at a time."""
+    budget = options.memory_budget
+    if budget is None:
+        return max(problem.n, 1)
     per = _per_sample_temporaries(problem.geom, problem.size, problem.per_sample, out_given)
     return max(1, min(problem.n, budget // max(per * problem.itemsize, 1)))
 
@@ -65,7 +67,7 @@ class Shift:
     """Weight VJP by one batched matrix product per kernel offset.
 
     The batch is processed in chunks whose temporaries fit ``options.memory_budget``
-    (default :data:`DEFAULT_CHUNK_BUDGET`); per-sample results are written in place,
+    (the whole batch at once without one); per-sample results are written in place,
     kernel offset by kernel offset, so the returned per-sample tensor is a strided
     view (offset-major storage) of the usual shape.
     """
@@ -81,26 +83,31 @@ class Shift:
         direct = out is None and per_sample and not differentiable
         if direct:  # [K, N, G, C_out/G, C_in/G]: each (offset, chunk) block is contiguous
             store = x.new_empty(kk, n, grp, og, cg)
-        elif out is None:
-            store = x.new_zeros(((n,) if per_sample else ()) + (grp, og, cg, kk))
+            blocks = store.unbind(0)
         else:
-            store = out.view(((n,) if per_sample else ()) + (grp, og, cg, kk))
+            if out is None:
+                store = x.new_zeros(((n,) if per_sample else ()) + (grp, og, cg, kk))
+            else:
+                store = out.view(((n,) if per_sample else ()) + (grp, og, cg, kk))
+            blocks = store.unbind(-1)  # each offset's [(N,) G, C_out/G, C_in/G]
         problem = Problem(
             geom, n, tuple(x.shape[2:]), x.element_size(), per_sample, device=x.device.type
         )
         chunk = chunk_size(problem, options, out is not None)
         for n0 in range(0, n, chunk):
             n1 = min(n, n0 + chunk)
-            gm, views = offset_operands(x[n0:n1], g[n0:n1], geom)  # gm [n, G, C_out/G, L]
-            for k, view in enumerate(views()):  # view [n, G, C_in/G, L]
+            whole = n0 == 0 and n1 == n
+            xs, gs = (x, g) if whole else (x[n0:n1], g[n0:n1])
+            gm, views = offset_operands(xs, gs, geom)  # gm [n, G, C_out/G, L]
+            for k, view in enumerate(views()):  # view [n, G, L, C_in/G]
                 if direct:
-                    torch.matmul(gm, view.transpose(-1, -2), out=store[k, n0:n1])
+                    torch.matmul(gm, view, out=blocks[k] if whole else blocks[k][n0:n1])
                     continue
-                part = torch.matmul(gm, view.transpose(-1, -2))  # [n, G, C_out/G, C_in/G]
-                if per_sample:
-                    store[n0:n1, ..., k] += part
+                part = torch.matmul(gm, view)  # [n, G, C_out/G, C_in/G]
+                if not per_sample:
+                    blocks[k].add_(part.sum(0))
                 else:
-                    store[..., k] += part.sum(0)
+                    (blocks[k] if whole else blocks[k][n0:n1]).add_(part)
                 del part
             # release this chunk's operands before the next chunk's are built
             gm = views = view = None
@@ -126,8 +133,23 @@ class Shift:
             copies = 2 * n * geom.in_channels * length  # each offset's view copied
         operands = n * (geom.in_channels + geom.out_channels) * length + copies
         traffic = geom.kernel_numel * operands + problem.per_sample_elements()
-        *coefficients, flop_depthwise = time_coefficients("shift", problem.device)
-        time = linear_time(tuple(coefficients), problem.flops(), traffic, 0)
+        per_flop, per_element, flop_depthwise = time_coefficients("shift", problem.device)
+        time = linear_time((per_flop, per_element, 0.0), problem.flops(), traffic, 0)
+        # per chunk: its operands, and a strided view and a product per kernel offset
+        chunks = math.ceil(problem.n / chunk_size(problem, options, problem.into))
+        kk = geom.kernel_numel
+        if _flat_ok(geom):  # one window view, an unbind per row of offsets
+            k = geom.kernel_size
+            per_chunk = 4 + sum(numel(k[:i]) for i in range(geom.dims))
+        else:  # a copied view per offset (a slice per axis, a copy, a transpose)
+            per_chunk = (1 if any(geom.padding) else 0) + 1 + kk * (geom.dims + 2)
+        # a product per offset, which adds into the result unless written in place
+        direct = problem.per_sample and not problem.into
+        per_chunk += kk * (1 if direct else 2 if problem.per_sample else 3)
+        if chunks > 1:  # the chunk's slices of the operands and of each offset's block
+            per_chunk += 2 + (kk if problem.per_sample else 0)
+        ops = (4 if direct else 2) + chunks * per_chunk
+        time += operations_time(ops, problem.device)
         if geom.groups > 1 and geom.in_per_group == 1:
             # depthwise: each offset's product is a batch of N·C dot products, which
             # batched matrix products run far below their rate for larger matrices
@@ -137,53 +159,71 @@ class Shift:
 
 def _offsets(geom: ConvGeometry):
     """All kernel offsets, in the weight's (row-major) order."""
-    return (
-        torch.cartesian_prod(*[torch.arange(k) for k in geom.kernel_size])
-        .reshape(-1, geom.dims)
-        .tolist()
-    )
+    return itertools.product(*[range(k) for k in geom.kernel_size])
 
 
 def offset_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
     """The output gradient as ``[n, G, C_out/G, L]`` and, per kernel offset, the input
-    positions it meets as ``[n, G, C_in/G, L]``: ``grad[..., κ] = g @ view_κ^T``.
+    positions it meets as ``[n, G, L, C_in/G]``: ``grad[..., κ] = g @ view_κ``.
 
     Returns:
         ``(gm, views)``; ``views()`` yields the K views, in the weight's offset order,
-        each time it is called. With stride 1 they are windows of one flat padded
-        buffer (L: T_0 rows of the padded grid, the output gradient laid out on that
-        grid with zeros where no output position is); otherwise each is a copy
-        (L = T).
+        each time it is called. With stride 1 they are windows of the padded input,
+        read as one flat row per channel (L: T_0 rows of the padded grid, the output
+        gradient laid out on that grid with zeros where no output position is; no
+        copy per offset); otherwise each is a copy (L = T).
     """
     return (_flat_operands if _flat_ok(geom) else _copied_operands)(x, g, geom)
 
 
+def _extra_rows(geom: ConvGeometry, padded: tuple[int, ...]) -> int:
+    """Rows of zeros added after the padded input's first axis so that every offset's
+    window of T_0 rows stays inside its own channel's plane."""
+    row = [numel(padded[i + 1 :]) for i in range(geom.dims)]
+    spill = sum(
+        (k - 1) * d * r for k, d, r in zip(geom.kernel_size[1:], geom.dilation[1:], row[1:])
+    )
+    return -(-spill // row[0])
+
+
 def _flat_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
-    """Stride-1 case: views into one flat padded buffer, no copy per offset."""
+    """Stride-1 case: windows of the padded input (one padded copy), no copy per offset."""
     n, c = x.shape[:2]
     size, t = tuple(x.shape[2:]), tuple(g.shape[2:])
-    p = padded_size(geom, size)
+    p = list(padded_size(geom, size))
+    extra = _extra_rows(geom, tuple(p))
+    pairs = [(pp, pp) for pp in geom.padding]
+    pairs[0] = (pairs[0][0], pairs[0][1] + extra)
+    xp = F.pad(x, torch_pad_argument(pairs))  # [n, C_in, p_0 + extra, *p[1:]]
+    if not xp.is_contiguous():  # (a channels-last input stays channels-last)
+        xp = xp.contiguous()
+    p[0] += extra
     row = [numel(p[i + 1 :]) for i in range(geom.dims)]  # flat stride of each axis
     length = t[0] * row[0]  # window: T_0 rows of the padded grid
     plane = numel(p)
-    spill = sum((k - 1) * d * r for k, d, r in zip(geom.kernel_size, geom.dilation, row))
-    buffer = x.new_zeros(n * c * plane + spill)
-    padded = buffer[: n * c * plane].view(n, c, *p)
-    inner = tuple(slice(pp, pp + s) for pp, s in zip(geom.padding, size))
-    padded[(slice(None), slice(None), *inner)] = x
-    grid = g.new_zeros(n, geom.out_channels, t[0], *p[1:])
-    grid[(slice(None), slice(None), slice(None), *(slice(0, s) for s in t[1:]))] = g
+    # the output gradient on the padded grid's rows (zeros past each row's T positions)
+    grid = F.pad(g, torch_pad_argument([(0, 0)] + [(0, q - s) for q, s in zip(p[1:], t[1:])]))
     gm = grid.reshape(n, geom.groups, geom.out_per_group, length)
     cg = geom.in_per_group
+    # every offset's window at once, the kernel axes first: [*k, n, G, L, C_in/G]
+    shape = (*geom.kernel_size, n, geom.groups, length, cg)
+    strides = (*(d * r for d, r in zip(geom.dilation, row)), c * plane, cg * plane, 1, plane)
+    windows = xp.as_strided(shape, strides, xp.storage_offset())
 
     def views():
-        for offset in _offsets(geom):
-            base = sum(o * d * r for o, d, r in zip(offset, geom.dilation, row))
-            yield buffer.as_strided(
-                (n, geom.groups, cg, length), (c * plane, cg * plane, plane, 1), base
-            )
+        yield from _unbound(windows, geom.dims)
 
     return gm, views
+
+
+def _unbound(t: Tensor, axes: int):
+    """The sub-tensors of ``t`` along its first ``axes`` axes, in row-major order (one
+    ``unbind`` per sub-tensor of the axes before the last)."""
+    if axes == 0:
+        yield t
+        return
+    for part in t.unbind(0):
+        yield from _unbound(part, axes - 1)
 
 
 def _copied_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
@@ -199,7 +239,7 @@ def _copied_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
                 for o, d, tt, s in zip(offset, geom.dilation, t, geom.stride)
             )
             view = xp[(slice(None), slice(None), *index)]
-            yield view.reshape(n, geom.groups, geom.in_per_group, numel(t))
+            yield view.reshape(n, geom.groups, geom.in_per_group, numel(t)).transpose(-1, -2)
 
     return gm, views
 

@@ -22,7 +22,7 @@ from .base import (
     numel,
     register_strategy,
 )
-from .costs import scale_memory, time_coefficients
+from .costs import operations_time, scale_memory, time_coefficients
 from .geometry import ConvGeometry, conv_function
 
 
@@ -34,6 +34,13 @@ def raw_kernel(geom: ConvGeometry, size: tuple[int, ...]) -> tuple[int, ...]:
             size, geom.padding, geom.output_size(size), geom.stride, geom.dilation
         )
     )
+
+
+def operations(problem: Problem, fixed: int) -> int:
+    """Tensor operations of a VJP that issues ``fixed`` of them, and one crop per
+    kernel axis the swapped convolution overshoots (:func:`memconv.strategies.base.crop_kernel`)."""
+    raw = raw_kernel(problem.geom, problem.size)
+    return fixed + sum(r != k for r, k in zip(raw, problem.geom.kernel_size))
 
 
 def depthwise_copies(problem: Problem) -> int:
@@ -100,7 +107,8 @@ class Standard:
         )
         # one convolution group per sample and input channel
         coefficients = time_coefficients("standard", problem.device)
-        return linear_time(coefficients, problem.flops(), traffic, n * geom.in_channels)
+        time = linear_time(coefficients, problem.flops(), traffic, n * geom.in_channels)
+        return time + operations_time(operations(problem, 8), problem.device)
 
 
 STANDARD = register_strategy(Standard())

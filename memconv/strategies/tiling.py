@@ -8,8 +8,9 @@ with the tile of the output gradient to an inner strategy, which adds its share
 into the result. Extra memory is bounded by one tile, not by the image.
 
 Without ``tile_size`` the tile is chosen to fit ``memory_budget`` (default
-:data:`DEFAULT_TILE_BUDGET`); without ``inner`` every registered elementary
-strategy is tried and the fastest (by its time model, over all tiles) runs.
+:data:`DEFAULT_TILE_BUDGET`); without ``inner`` every registered batched elementary
+strategy (:func:`memconv.strategies.base.candidates`) is tried and the fastest (by its
+time model, over all tiles) runs.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from .base import (
     NO_OPTIONS,
     Options,
     Problem,
+    candidates,
     cost_model,
-    elementary,
     get_strategy,
     numel,
     register_strategy,
 )
-from .costs import time_coefficients
+from .costs import operations_time, time_coefficients
 from .geometry import ConvGeometry, input_range, span, torch_pad_argument
 
 #: Extra bytes a tile may use when neither ``tile_size`` nor ``memory_budget`` is set.
@@ -93,28 +94,30 @@ def _time(problem: Problem, tile, inner, options: Options) -> float:
     # seconds of one tile's slicing and dispatch, and per element copied
     tile_cost, copy_cost = time_coefficients("streaming", problem.device)
     per_tile = inner.time(sub, _inner_options(inner, options)) + copy_cost * 2 * copy
-    return count * (per_tile + tile_cost)
+    # a tile's slices of the input and output gradient (one per axis) and its padding
+    ops = 1 + count * (2 * problem.geom.dims + (1 if any(problem.geom.padding) else 0))
+    return count * (per_tile + tile_cost) + operations_time(ops, problem.device)
 
 
 @cost_model
 def plan(problem: Problem, options: Options):
     """``(inner strategy, tile)`` for this VJP.
 
-    ``options.inner`` or, by default, the elementary strategy with the smallest
+    ``options.inner`` or, by default, the batched elementary strategy with the smallest
     predicted time over all tiles; ``options.tile_size`` or, by default, the largest
     tile within ``options.memory_budget`` (or :data:`DEFAULT_TILE_BUDGET`).
     """
     t = problem.output_size
-    candidates = (get_strategy(options.inner),) if options.inner else elementary()
+    inners = (get_strategy(options.inner),) if options.inner else candidates()
     if options.tile_size is not None:
         ts = options.tile_size
         tile = (ts,) * problem.geom.dims if isinstance(ts, int) else tuple(ts)
         tile = tuple(min(a, b) for a, b in zip(tile, t))
-        inner = min(candidates, key=lambda s: _time(problem, tile, s, options))
+        inner = min(inners, key=lambda s: _time(problem, tile, s, options))
         return inner, tile
     budget = options.memory_budget or DEFAULT_TILE_BUDGET
     best = None
-    for inner in candidates:
+    for inner in inners:
         tile = choose_tile(problem, inner, options, budget)
         fits = _tile_memory(problem, tile, inner, options) <= budget
         key = (not fits, _time(problem, tile, inner, options))

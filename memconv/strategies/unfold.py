@@ -23,7 +23,7 @@ from .base import (
     padded_size,
     register_strategy,
 )
-from .costs import scale_memory, time_coefficients
+from .costs import operations_time, scale_memory, time_coefficients
 from .geometry import ConvGeometry
 
 
@@ -96,7 +96,9 @@ class Unfold:
         traffic = 3 * cols + problem.grad_elements() + problem.per_sample_elements()
         # one small matrix product per sample and group
         coefficients = time_coefficients("unfold", problem.device)
-        return linear_time(coefficients, problem.flops(), traffic, n * geom.groups)
+        time = linear_time(coefficients, problem.flops(), traffic, n * geom.groups)
+        ops = 6 + (1 if any(geom.padding) else 0)
+        return time + operations_time(ops, problem.device)
 
 
 UNFOLD = register_strategy(Unfold())

@@ -29,7 +29,7 @@ from ..engine.passes import sample_by_sample
 from ..engine.prepared import CallPlan, Prepared
 from ..engine.request import Batch
 from .arguments import check_call
-from .groups import Grouping, OnePass, clip_factors, resolve_groups
+from .groups import Grouping, OnePass, all_finite, clip_factors, ensure_finite, resolve_groups
 from .norms import add_into, gather_norms, group_norms, joined, squared
 
 
@@ -124,23 +124,53 @@ def clip_with(prepared: Prepared, given: Batch, *, max_norm, groups="all", **opt
         return joined(grouping, [{g: zero for g in grouping.members}])
     if prepared.streams:  # one sample at a time: its norm from its gradient, gathered
         with activate(request.settings):
-            total, norms = _clip_sample_by_sample(batch, params, grouping, request.caller)
+            total, parts = _clip_sample_by_sample(batch, params, grouping)
+        route = None
     else:
-        total, norms = prepared.run(
-            lambda: _clipped_sums(prepared.call_plan(batch, request), batch, grouping, params)
-        )
+        cp = None
+
+        def run():
+            nonlocal cp
+            cp = prepared.call_plan(batch, request)
+            return _clipped_sums(cp, batch, grouping, params)
+
+        total, parts = prepared.run(run)
+        route = cp.plan.clip_route
+    ensure_finite_results(parts, total if route == "two-pass" else {}, request.caller)
     accumulate(params, total, ddp)
-    return norms
+    return joined(grouping, parts)
 
 
 def _clipped_sums(cp: CallPlan, batch: Batch, grouping: Grouping, params: dict):
-    """``(clipped sums {name: tensor}, norms)`` of the batch, a micro-batch at a time
-    (clip factors are per sample: the micro-batches' clipped sums add up)."""
+    """``(clipped sums {name: tensor}, [{group: norms [m]} per micro-batch])`` of the
+    batch, a micro-batch at a time (clip factors are per sample: the micro-batches'
+    clipped sums add up); nothing is checked yet (:func:`ensure_finite_results`)."""
     total: dict[str, Tensor] = {}
     onepass = one_pass(cp, grouping, total)
     parts = gather_norms(batch, cp, onepass)
-    norms = [clip_part(part, cp, grouping, params, total) for part in parts]
-    return total, joined(grouping, norms)
+    return total, [clip_part(part, cp, grouping, params, total) for part in parts]
+
+
+def ensure_finite_results(parts: list[dict], sums: dict, caller: str) -> None:
+    """Raise unless every norm of ``parts`` (``{group: [m]}`` per micro-batch) and every
+    clipped sum of ``sums`` (the two-pass route's, from torch's own backward) is
+    finite, before anything reaches ``.grad``: one host synchronisation for all of
+    them, the call's only one.
+
+    Raises:
+        RuntimeError: naming the samples whose norm is not finite, or the parameters
+            whose sum is not.
+    """
+    norms = [v for part in parts for v in part.values()]
+    if all_finite(norms + list(sums.values())):
+        return
+    offsets, start = [], 0
+    for part in parts:
+        length = len(next(iter(part.values()))) if part else 0
+        offsets += [start] * len(part)
+        start += length
+    ensure_finite(norms, caller, offsets)
+    ensure_finite_sums(sums, caller)
 
 
 def one_pass(cp: CallPlan, grouping: Grouping, total: dict):
@@ -158,45 +188,45 @@ def clip_part(part, cp: CallPlan, grouping: Grouping, params: dict, total: dict)
     → the clipped sums by the plan's route, added into ``total``.
 
     Returns:
-        ``{group: norms [m]}`` before clipping (checked finite).
+        ``{group: norms [m]}`` before clipping (not yet checked: the caller checks
+        every micro-batch's at once, :func:`ensure_finite_results`, before ``.grad``).
     """
-    caller = cp.request.caller
     gathered = part.visitor
-    norms = group_norms(grouping, gathered.result(cp.params), len(part.losses), caller)
+    norms = group_norms(grouping, gathered.result(cp.params), len(part.losses))
     done = gathered.onepass.groups if gathered.onepass is not None else set()
     factors = {g: clip_factors(v, grouping.max_norm[g]) for g, v in norms.items() if g not in done}
     if cp.plan.clip_route == "book-keeping":
         c = {k: factors[g] for k, g in grouping.of.items() if g in factors}
         gathered.add_clipped_sums(c, total)
     else:
-        _second_passes(part.losses, factors, grouping, params, total, caller)
+        _second_passes(part.losses, factors, grouping, params, total)
     return norms
 
 
-def _second_passes(losses, factors: dict, grouping: Grouping, params: dict, total: dict, caller):
+def _second_passes(losses, factors: dict, grouping: Grouping, params: dict, total: dict):
     """Two-pass: Σₙ cₙ·∇ℓₙ of each group by a second backward pass of the kept graph,
-    added into ``total``."""
+    added into ``total`` (checked finite by the caller)."""
     for i, (g, c) in enumerate(factors.items()):
         group = {k: params[k] for k in grouping.members[g]}
         sums = _second_pass(losses, c, group, retain=i + 1 < len(factors))
-        ensure_finite_sums(sums, caller)
         for name, v in sums.items():
             add_into(total, name, v)
 
 
-def _clip_sample_by_sample(batch: Batch, params: dict, grouping: Grouping, caller: str):
+def _clip_sample_by_sample(batch: Batch, params: dict, grouping: Grouping):
     """Clip and sum for models that stream: each sample's gradient (gathered tile by
-    tile), its norms, its clipped share added to a running total."""
+    tile), its norms, its clipped share added to a running total. Returns
+    ``(total, [{group: norms [1]} per sample])``."""
     total: dict[str, Tensor] = {}
     norms = []
     for _, grads in sample_by_sample(batch, params):
         sq = {k: squared(g.unsqueeze(0)) for k, g in grads.items()}
-        norm = group_norms(grouping, sq, 1, caller)
+        norm = group_norms(grouping, sq, 1)
         c = {g: clip_factors(v, grouping.max_norm[g]) for g, v in norm.items()}
         for name, g in grads.items():
             add_into(total, name, g * c[grouping.of[name]].to(g.dtype))
         norms.append(norm)
-    return total, joined(grouping, norms)
+    return total, norms
 
 
 def ensure_finite_sums(sums: dict[str, Tensor], caller: str) -> None:
@@ -206,7 +236,7 @@ def ensure_finite_sums(sums: dict[str, Tensor], caller: str) -> None:
     Raises:
         RuntimeError: naming the parameters and the remedy.
     """
-    bad = [name for name, v in sums.items() if not torch.isfinite(v).all()]
+    bad = [name for name, v in sums.items() if not all_finite([v])]
     if bad:
         raise RuntimeError(
             f"{caller}: the two-pass route's second backward pass (torch's autograd) gave a "
@@ -222,7 +252,7 @@ def _second_pass(losses: Tensor, c: Tensor, params: dict, retain: bool = False) 
     """Σₙ cₙ·∇ℓₙ of ``params`` by a second backward pass of the kept graph."""
     names = list(params)
     grads = torch.autograd.grad(
-        (losses * c.to(losses.dtype)).sum(),
+        (losses * (c if c.dtype == losses.dtype else c.to(losses.dtype))).sum(),
         [params[k] for k in names],
         allow_unused=True,
         retain_graph=retain,
@@ -245,5 +275,7 @@ def accumulate(params: dict, sums: dict, ddp) -> None:
         s = sums.get(name)
         if s is None:
             continue
+        if s.requires_grad:  # (the sums are computed without a graph)
+            s = s.detach()
         # a fresh tensor of the parameter's shape: it becomes .grad as autograd's would
-        p.grad = s.detach() if p.grad is None else p.grad.add_(s.detach())
+        p.grad = s if p.grad is None else p.grad.add_(s)

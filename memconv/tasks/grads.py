@@ -16,7 +16,7 @@ from collections.abc import Callable
 from torch import Tensor, nn
 
 from .._checks import AVAILABLE
-from .._torch import storage_ptr, tree_flatten, view_base
+from .._torch import storage_ptr, tree_flatten
 from ..conv.settings import activate
 from ..engine.calls import LayerCall
 from ..engine.passes import sample_by_sample, walk_micro_batches
@@ -104,14 +104,15 @@ def grads_with(prepared: Prepared, given: Batch, **options):
 def _walked(cp: CallPlan, batch: Batch, params: dict) -> dict[str, Tensor]:
     """The per-sample gradients of every micro-batch of the plan, written into the result."""
     n = batch.n
-    out = {name: p.new_empty(n, *p.shape) for name, p in params.items()}
+    out: dict = {}
 
     def for_rows(rows: slice) -> RowWriter:
-        return RowWriter(out, rows, cp.rule_settings, whole=cp.plan.micro_batch >= n)
+        whole = cp.plan.micro_batch >= n
+        return RowWriter(out, rows, cp.rule_settings, whole=whole, like=(params, n))
 
     for part in walk_micro_batches(batch, cp, visitor=for_rows):
         part.visitor.zero_rest()
-    return out
+    return {name: out[name] for name in params}
 
 
 def _sample_by_sample(batch: Batch, params: dict, request) -> dict[str, Tensor]:
@@ -130,27 +131,51 @@ class RowWriter:
     parameter's first part is copied in (or, when the rows are the whole batch and the
     part is a tensor of its own, becomes the result itself: no copy), the others added
     (out of place to a part taken as it is), and rows no route reached are zeros
-    (:meth:`zero_rest`)."""
+    (:meth:`zero_rest`).
+
+    With ``like = ({name: parameter}, N)``, ``out`` starts without a parameter's result
+    and each ``[N, *shape]`` result is made when first needed: a whole batch's part taken
+    as it is makes none."""
 
     prepare = None
 
-    def __init__(self, out: dict, rows: slice, rs: RuleSettings, whole: bool):
+    def __init__(self, out: dict, rows: slice, rs: RuleSettings, whole: bool, like=None):
         self.out, self.rows, self.rs, self.whole = out, rows, rs, whole
+        self.like = like
         self.written: set = set()
         self.adopted: set = set()  # parts taken as they are: never written in place
+
+    def _result(self, name) -> Tensor:
+        """The result of ``name``, made (uninitialised) if there is none yet."""
+        if name not in self.out:
+            params, n = self.like
+            self.out[name] = params[name].new_empty(n, *params[name].shape)
+        return self.out[name]
 
     def add(self, name, v, taken: set | None = None):
         if name in self.adopted:
             self.out[name] = self.out[name] + v
         elif name in self.written:
-            self.out[name][self.rows] += v
-        elif self.whole and _own_tensor(v, self.out[name], taken):
+            self._rows(name).add_(v)
+        elif self.whole and _own_tensor(v, self._like(name), taken):
             self.out[name] = v
             self.adopted.add(name)
             self.written.add(name)
         else:  # 0 + v is v: a copy, without filling with zeros first
-            self.out[name][self.rows].copy_(v)
+            self._rows(name).copy_(v)
             self.written.add(name)
+
+    def _rows(self, name) -> Tensor:
+        out = self._result(name)
+        return out if self.whole else out[self.rows]
+
+    def _like(self, name):
+        """What ``name``'s result is: its tensor, or ``(shape, dtype, device)``."""
+        if name in self.out:
+            return self.out[name]
+        params, n = self.like
+        p = params[name]
+        return ((n, *p.shape), p.dtype, p.device)
 
     def visit(self, call: LayerCall):
         taken = _storages(call) if self.whole else None
@@ -161,8 +186,13 @@ class RowWriter:
         self.add(name, v)
 
     def zero_rest(self):
-        for name in self.out.keys() - self.written:  # reached by no route: zeros
-            self.out[name][self.rows].zero_()
+        names = self.out.keys() if self.like is None else self.like[0].keys()
+        for name in names - self.written:  # reached by no route: zeros
+            if self.whole and name not in self.out:
+                params, n = self.like
+                self.out[name] = params[name].new_zeros(n, *params[name].shape)
+            else:
+                self._rows(name).zero_()
 
 
 def _storages(call: LayerCall) -> set:
@@ -175,16 +205,23 @@ def _storages(call: LayerCall) -> set:
     return {storage_ptr(t) for t in leaves if isinstance(t, Tensor)}
 
 
-def _own_tensor(v: Tensor, like: Tensor, taken: set | None) -> bool:
+def _own_tensor(v: Tensor, like, taken: set | None) -> bool:
     """Whether a route's result ``v`` can be the result itself: of ``like``'s shape,
-    dtype and layout, and a tensor of its own (no view, no storage among ``taken``,
-    :func:`_storages` of the call that made it)."""
+    dtype and layout (``like``: a tensor, or ``(shape, dtype, device)``), and a tensor
+    of its own: contiguous, filling its whole storage (no view of a larger buffer, no
+    memory shared with another result; a reshaped view of a strategy's fresh output
+    is taken as it is), no storage among ``taken`` (:func:`_storages` of the call that
+    made it)."""
+    shape, dtype, device = (
+        (like.shape, like.dtype, like.device) if isinstance(like, Tensor) else like
+    )
     return (
-        v.shape == like.shape
-        and v.dtype == like.dtype
-        and v.device == like.device
-        and view_base(v) is None
+        v.shape == shape
+        and v.dtype == dtype
+        and v.device == device
         and v.is_contiguous()
+        and v.storage_offset() == 0
+        and v.untyped_storage().nbytes() == v.numel() * v.element_size()
         and not v.requires_grad
         and (taken is None or storage_ptr(v) not in taken)
     )

@@ -23,13 +23,14 @@ after the backward pass and no second pass runs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from .._checks import check_groups, check_thresholds
-from ..conv.norm_routes import DEFAULT_NORM_BUDGET, sq_norms
+from .._torch import max_abs_each
+from ..conv.norm_routes import at_least_float32, sq_norms
 
 #: The named groupings ``groups=`` takes (besides a mapping).
 #: The group's name with ``groups="all"``.
@@ -37,25 +38,54 @@ ALL = "all"
 
 
 def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
-    """``min(1, max_norm / ‖gₙ‖)`` per sample (1 for a zero gradient)."""
-    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-    return torch.where(norms > max_norm, max_norm / safe, torch.ones_like(norms))
+    """``min(1, max_norm / ‖gₙ‖)`` per sample (1 for a zero gradient: ``C/0`` is inf,
+    clamped to 1; a non-finite norm gives a non-finite factor, which the call's one
+    check, :func:`ensure_finite`, refuses before anything reaches ``.grad``). Two tensor
+    operations."""
+    return (max_norm / norms).clamp_(max=1.0)
 
 
-def ensure_finite(norms: Tensor, caller: str) -> None:
-    """Raise if a per-sample norm is NaN or infinite, naming the samples.
+def all_finite(tensors: list[Tensor]) -> bool:
+    """Whether every element of every tensor is finite: one host synchronisation
+    whatever the number of tensors (their largest magnitudes, one operation for all of
+    them, then one check)."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return True
+    if len(tensors) == 1:
+        return bool(torch.isfinite(tensors[0]).all())
+    return bool(torch.isfinite(torch.stack(max_abs_each(tensors))).all())
+
+
+def ensure_finite(norms: Tensor | list[Tensor], caller: str, offsets=None) -> None:
+    """Raise if a per-sample norm is NaN or infinite, naming the samples: the call's one
+    host synchronisation (a list of norms, of groups or micro-batches, is checked at
+    once; the samples are looked for only once one is found).
+
+    Args:
+        norms: ``[n]``, or a list of them.
+        caller: the public function's name, for the message.
+        offsets: the index of the first sample of each part of a list (default: 0).
 
     Raises:
         RuntimeError: naming the first samples (their indices in the batch).
     """
-    bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
-    if bad:
-        shown = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
-        raise RuntimeError(
-            f"{caller}: the per-sample gradient norm of sample(s) {shown} is not finite "
-            "(NaN or inf), so their clip factors are undefined; nothing was added to .grad. "
-            "Check those inputs and the loss (overflow in float16/bfloat16, log of 0)."
-        )
+    parts = list(norms) if isinstance(norms, (list, tuple)) else [norms]
+    if all_finite(parts):
+        return
+    offsets = offsets or [0] * len(parts)
+    found = (o + i for v, o in zip(parts, offsets) for i in _not_finite(v))
+    bad = sorted(set(found))
+    shown = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
+    raise RuntimeError(
+        f"{caller}: the per-sample gradient norm of sample(s) {shown} is not finite "
+        "(NaN or inf), so their clip factors are undefined; nothing was added to .grad. "
+        "Check those inputs and the loss (overflow in float16/bfloat16, log of 0)."
+    )
+
+
+def _not_finite(v: Tensor) -> list[int]:
+    return (~torch.isfinite(v)).nonzero().flatten().tolist()
 
 
 @dataclass(frozen=True)
@@ -142,8 +172,9 @@ def _small_grads(call) -> bool:
     return grads < sum(a.numel() for a in call.args) + call.output_elements
 
 
-def _promoted(t: Tensor) -> Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+def _weighted(c: Tensor, grads: Tensor) -> Tensor:
+    """``Σₙ cₙ·gradsₙ`` (one contraction)."""
+    return torch.einsum("n,n...->...", c if c.dtype == grads.dtype else c.to(grads.dtype), grads)
 
 
 class OnePass:
@@ -193,18 +224,15 @@ class OnePass:
 
     def visit(self, call) -> dict[str, Tensor]:
         """Clip the call: its clipped sums added into ``total``; returns its squared
-        norms ``{model name: [N]}``.
-
-        Raises:
-            RuntimeError: a group's norm is not finite (nothing added to ``.grad``).
-        """
+        norms ``{model name: [N]}``. A non-finite norm is not checked here (that would
+        synchronise the host at every call): the caller checks every group's norms at
+        once before the sums reach ``.grad``."""
         if call.rule is not None and not _small_grads(call):
             grads = None
             sq = call.sq_norms(self.rs)
         else:
-            budget = self.rs.budget or DEFAULT_NORM_BUDGET
-            grads = call.grad_sample(replace(self.rs, budget=budget))
-            sq = {k: _promoted(sq_norms(v)) for k, v in grads.items()}
+            grads = call.grad_sample(self.rs)
+            sq = {k: at_least_float32(sq_norms(v)) for k, v in grads.items()}
         full = {call.params[k]: v for k, v in sq.items()}
         local: dict = {}
         for k, name in call.params.items():
@@ -212,14 +240,11 @@ class OnePass:
         n = next(iter(sq.values())).shape[0] if sq else 0
         for g, keys in local.items():
             norm = self.grouping.norm(g, full, n).detach()
-            ensure_finite(norm, self.caller)
             c = clip_factors(norm, self.grouping.max_norm[g])
             if grads is None:
                 sums = call.summed_grad(self.rs, c)
             else:
-                sums = {
-                    k: torch.einsum("n,n...->...", c.to(grads[k].dtype), grads[k]) for k in keys
-                }
+                sums = {k: _weighted(c, grads[k]) for k in keys}
             for k in keys:
                 if k in sums:
                     name = call.params[k]

@@ -12,16 +12,14 @@ clipped sum needs.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import Tensor, nn
 
 from .._checks import AVAILABLE
 from .._torch import storage_key
-from ..conv.norm_routes import DEFAULT_NORM_BUDGET, sq_norms
+from ..conv.norm_routes import at_least_float32, float32_or_wider, sq_norms
 from ..conv.settings import activate
-from ..engine.calls import LayerCall
+from ..engine.calls import LayerCall, Scales
 from ..engine.passes import sample_by_sample, walk_micro_batches
 from ..engine.prepared import CallPlan, Prepared
 from ..engine.request import Batch
@@ -94,8 +92,7 @@ class NormGatherer:
         if instantiate:  # the route's temporaries within the layer's budget
 
             def work():
-                budget = self.rs.budget or DEFAULT_NORM_BUDGET
-                grads = call.grad_sample(replace(self.rs, budget=budget))
+                grads = call.grad_sample(self.rs)
                 for k, v in grads.items():
                     self.add_grads(call.params[k], v, keep=k in call.shared or self.keep)
 
@@ -129,22 +126,26 @@ class NormGatherer:
             elif name in self.sq:
                 out[name] = self.sq[name]
             else:  # does not influence the loss
-                out[name] = p.new_zeros(self.n, dtype=torch.promote_types(p.dtype, torch.float32))
+                out[name] = p.new_zeros(self.n, dtype=float32_or_wider(p.dtype))
         return out
 
     def add_clipped_sums(self, c: dict, total: dict) -> None:
         """Add Σₙ cₙ·gₙ per parameter into ``total`` (``c``: the clip factors ``[n]``
-        of each parameter's group, by model name): kept per-sample gradients weighted,
-        and one summed VJP per call and factor kept as inputs and output gradient
-        (each call's share added, and released, as it goes)."""
+        of each parameter's group, by model name; the same tensor for the parameters
+        of one group): kept per-sample gradients weighted, and one summed VJP per call
+        and factor kept as inputs and output gradient (each call's share added, and
+        released, as it goes). Each group's factors are cast and shaped once
+        (:class:`memconv.engine.calls.Scales`)."""
+        scales = {id(v): Scales(v) for v in c.values()}
         for full in list(self.grads):
             grads = self.grads.pop(full)
-            add_into(total, full, torch.einsum("n,n...->...", c[full].to(grads.dtype), grads))
+            factor = scales[id(c[full])].cast(grads.dtype)
+            add_into(total, full, torch.einsum("n,n...->...", factor, grads))
         while self.io:
             call = self.io.pop(0)
             factors = {id(c[full]): c[full] for full in call.params.values()}
-            for factor in factors.values():  # one VJP per group of the call
-                for k, v in call.summed_grad(self.rs, factor).items():
+            for key, factor in factors.items():  # one VJP per group of the call
+                for k, v in call.summed_grad(self.rs, scales[key]).items():
                     if c[call.params[k]] is factor:
                         add_into(total, call.params[k], v)
             call.release()
@@ -155,7 +156,7 @@ def add_into(total: dict, name: str, value: Tensor) -> None:
 
 
 def squared(grads: Tensor) -> Tensor:
-    return sq_norms(grads).to(torch.promote_types(grads.dtype, torch.float32))
+    return at_least_float32(sq_norms(grads))
 
 
 def per_sample_norms(
@@ -241,17 +242,21 @@ def norms_with(prepared: Prepared, given: Batch, *, per_parameter=False, groups=
         parts = prepared.run(run)
     if grouping.kind != "all":
         out = {
-            g: torch.cat([grouping.norm(g, sq, _len(rows)) for sq, rows in parts])
+            g: _cat([grouping.norm(g, sq, _len(rows)) for sq, rows in parts])
             for g in grouping.members
         }
-        for norms in out.values():
-            ensure_finite(norms, request.caller)
+        ensure_finite(list(out.values()), request.caller)
         return out
-    total = torch.cat([total_sq(sq, _len(rows)) for sq, rows in parts]).sqrt()
+    total = _cat([total_sq(sq, _len(rows)) for sq, rows in parts]).sqrt()
     ensure_finite(total, request.caller)
     if per_parameter:
-        return {name: torch.cat([sq[name] for sq, _ in parts]).sqrt() for name in params}
+        return {name: _cat([sq[name] for sq, _ in parts]).sqrt() for name in params}
     return total
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    """The micro-batches' parts joined (the one part as it is)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _len(rows: slice) -> int:
@@ -292,26 +297,28 @@ def gatherer(cp: CallPlan, n: int, onepass=None) -> NormGatherer:
     return NormGatherer(n, cp.rule_settings, keep=keep, onepass=onepass and onepass())
 
 
-def group_norms(grouping: Grouping, sq: dict, n: int, caller: str) -> dict[str, Tensor]:
-    """``{group: norms [n]}`` (detached, checked finite) from squared norms per
-    parameter."""
+def group_norms(grouping: Grouping, sq: dict, n: int) -> dict[str, Tensor]:
+    """``{group: norms [n]}`` (without a graph; not checked: see
+    :func:`memconv.tasks.groups.ensure_finite`) from squared norms per parameter."""
     if grouping.kind == "all":
-        norms = {ALL: total_sq(sq, n).sqrt().detach()}
+        norms = {ALL: total_sq(sq, n).sqrt()}
     else:
-        norms = {g: v.detach() for g, v in grouping.norms(sq, n).items()}
-    for v in norms.values():
-        ensure_finite(v, caller)
-    return norms
+        norms = grouping.norms(sq, n)
+    return {g: v.detach() if v.requires_grad else v for g, v in norms.items()}
 
 
 def joined(grouping: Grouping, parts: list[dict]):
     """The norms of the micro-batches joined: ``[N]`` for ``"all"``, else by group."""
-    out = {g: torch.cat([p[g] for p in parts]) for g in parts[0]}
+    out = {g: _cat([p[g] for p in parts]) for g in parts[0]}
     if grouping.kind != "all":
         return out
     return out[ALL]
 
 
 def total_sq(sq: dict, n: int) -> Tensor:
-    """Squared norms over all parameters ``[n]``."""
-    return torch.stack(list(sq.values())).sum(0) if sq else torch.zeros(n)
+    """Squared norms over all parameters ``[n]`` (all of them reduced at once)."""
+    if not sq:
+        return torch.zeros(n)
+    if len(sq) == 1:
+        return next(iter(sq.values()))
+    return torch.stack(list(sq.values())).sum(0)

@@ -51,7 +51,7 @@ from ..engine.prepared import CallPlan, Prepared
 from ..engine.request import Batch
 from ..layers import own_trainable
 from .arguments import check_call
-from .clipping import accumulate, clip_part, one_pass
+from .clipping import accumulate, clip_part, ensure_finite_results, one_pass
 from .grads import RowWriter
 from .groups import resolve_groups
 from .norms import gatherer, joined, squared, total_sq
@@ -299,6 +299,8 @@ class Clipping(RecordedBackward):
         grouping, total = self._totals.pop(id(part.visitor))
         params = self._prepared.trainable()
         norms = clip_part(part, cp, grouping, params, total)
+        sums = total if cp.plan.clip_route == "two-pass" else {}
+        ensure_finite_results([norms], sums, cp.request.caller)
         accumulate(params, total, None)
         self.norms = joined(grouping, [norms])
 
@@ -323,15 +325,16 @@ class Recording(RecordedBackward):
 
     def _visitor(self, cp: CallPlan, n: int):
         params = self._prepared.trainable()
-        out = {name: p.new_empty(n, *p.shape) for name, p in params.items()}
-        visitor = RowWriter(out, slice(0, n), cp.rule_settings, whole=True)
+        out: dict = {}
+        visitor = RowWriter(out, slice(0, n), cp.rule_settings, whole=True, like=(params, n))
         self._outs[id(visitor)] = out
         return visitor
 
     def _finish(self, cp: CallPlan, part, scale: int) -> None:
         part.visitor.zero_rest()
-        grads = self._outs.pop(id(part.visitor))
+        out = self._outs.pop(id(part.visitor))
         params = self._prepared.trainable()
+        grads = {name: out[name] for name in params}
         n = len(part.losses)
         sq = {k: squared(v) for k, v in grads.items()}
         self.grads = grads

@@ -1,0 +1,246 @@
+"""Operation counts: how many ATen operations and host synchronisations one call of
+each engine issues, by batch size — the device-independent half of a GPU's speed.
+
+On a GPU every tensor operation is at least one kernel launch and its dispatch (some
+5 to 40 µs of host time), so a step whose operations are many and small is bound by
+their number, not by its arithmetic; a count that grows with the batch (a Python loop
+over samples or over fixed-size chunks) makes the step slower the larger the batch.
+The count is the same on every device, so it is measured here on the CPU: the
+PyTorch profiler records one call after two warm-up calls, and the table gives the
+**top-level** ATen operations (those no other ATen operation called: what Python
+asked for, each a dispatch and, on a GPU, at least one launch), all ATen operations,
+and the host synchronisations (``aten::_local_scalar_dense``: ``.item()``,
+``.tolist()``, ``bool(tensor)``; on a GPU each waits for the device to drain).
+
+Run it as::
+
+    python -m memconv.bench.ops --json docs/bench/ops.jsonl --markdown docs/benchmarks.md
+
+which measures every row of :data:`ROWS` at batch sizes 4, 16 and 64 (a few minutes
+on 2 CPU cores) and refills the block between ``<!-- ops:table -->`` and
+``<!-- /ops:table -->`` of the page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from datetime import datetime, timezone
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from .cases import CASES, build_case
+from .engines import FLOOR, available, get_engine
+from .options import command_line, device_record, machine
+from .report import fill_block
+
+#: ``(case, task, engines)`` of the table; the task's floor (the non-private step, or
+#: autograd's summed gradient) comes first.
+ROWS = (
+    ("resnet18-gn", "clip", ("non-private", "memconv:step", "opacus-ghost")),
+    ("nf-resnet26", "clip", ("non-private", "memconv:step", "opacus-ghost")),
+    ("vit-tiny", "clip", ("non-private", "memconv:step", "opacus-ghost")),
+    ("seed-112", "grads", ("autograd", "memconv:step")),
+)
+#: Batch sizes of the table.
+BATCHES = (4, 16, 64)
+#: The engine labels of the table.
+LABELS = {
+    "non-private": "non-private step (autograd)",
+    "autograd": "autograd (summed gradient)",
+    "memconv:step": "memconv `PrivateStep`",
+    "opacus-ghost": "Opacus ghost clipping",
+}
+#: The name of the page's block this module refills.
+BLOCK = "ops:table"
+
+
+def count(fn, warmup: int = 2) -> dict:
+    """Operations of one call of ``fn()`` after ``warmup`` calls (:mod:`torch.profiler`
+    on the CPU).
+
+    Returns:
+        ``{"top_level": ATen operations no other ATen operation called, "all": every
+        ATen operation, "host_syncs": aten::_local_scalar_dense events}``.
+    """
+    for _ in range(warmup):
+        fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    syncs = sum(e.name == "aten::_local_scalar_dense" for e in events)
+    return {"top_level": len(top), "all": len(events), "host_syncs": syncs}
+
+
+def measure(case: str, task: str, engine: str, batch: int) -> dict:
+    """The operation counts of one engine's call on ``case`` at ``batch`` samples (a
+    fresh model; the engine's per-model state, a :class:`memconv.PrivateStep`, made by
+    the warm-up calls)."""
+    config = {**CASES[case].config(batch=batch), "data": "random"}
+    model, x, y = build_case(config, torch.device("cpu"))
+    run = get_engine(engine, task).run
+    options = {"max_norm": 1.0} if task != "grads" else {}
+
+    def call():
+        run(model, x, y, **options)
+        model.zero_grad(set_to_none=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peers' warnings, once per call
+        counts = count(call)
+    return {"record": "ops", "case": case, "task": task, "engine": engine, "batch": batch, **counts}
+
+
+def table(records: list[dict]) -> str:
+    """The Markdown table of ``ops`` records: per case and engine, top-level operations
+    at each batch size, the ratio to the task's floor at the smallest and the largest,
+    the growth from the smallest batch to the largest, and host synchronisations."""
+    rows = [r for r in records if r.get("record") == "ops"]
+    batches = sorted({r["batch"] for r in rows})
+    got = {(r["case"], r["engine"], r["batch"]): r for r in rows}
+    lines = [
+        "| case | engine | "
+        + " | ".join(f"N={b}" for b in batches)
+        + " | × floor | growth | host syncs |",
+        "|---|---|" + "---:|" * (len(batches) + 3),
+    ]
+    seen = list(dict.fromkeys((r["case"], r["task"], r["engine"]) for r in rows))
+    for case, task, engine in seen:
+        counts = [got.get((case, engine, b)) for b in batches]
+        cells = [f"{c['top_level']:,}" if c else "—" for c in counts]
+        floor = [got.get((case, FLOOR[task], b)) for b in batches]
+        ratio, growth = "—", "—"
+        if counts[0] and counts[-1] and floor[0] and floor[-1]:
+            first = counts[0]["top_level"] / floor[0]["top_level"]
+            last = counts[-1]["top_level"] / floor[-1]["top_level"]
+            ratio = f"{first:.2f} → {last:.2f}" if len(batches) > 1 else f"{first:.2f}"
+            growth = f"{counts[-1]['top_level'] / counts[0]['top_level'] - 1:+.0%}"
+        syncs = sorted({c["host_syncs"] for c in counts if c})
+        label = LABELS.get(engine, engine)
+        lines.append(
+            f"| {case} ({task}) | {label} | "
+            + " | ".join(cells)
+            + f" | {ratio} | {growth} | {', '.join(map(str, syncs))} |"
+        )
+    return "\n".join(lines)
+
+
+def note(run: dict, *more: dict) -> str:
+    """The line under the table: how it was made (by ``run`` and the ``more`` runs whose
+    records it also shows, on the same machine)."""
+    m = run.get("machine", {})
+    commands = "; ".join(f"`{r.get('command', '')}`" for r in (run, *more))
+    return (
+        f"\n\nTop-level ATen operations per call (torch.profiler, one call after two "
+        f"warm-ups, float32, random data), {commands} on "
+        f"{m.get('cpu', 'a CPU')}, torch {m.get('torch', '?')}, memconv "
+        f"{m.get('memconv', '?')}. × floor: against the task's floor (the non-private "
+        "step for clipping, autograd's summed gradient for per-sample gradients) at the "
+        "smallest and the largest batch; growth: from the smallest batch to the largest."
+    )
+
+
+def _refill(page: str, text: str) -> None:
+    with open(page) as f:
+        content = f.read()
+    with open(page, "w") as f:
+        f.write(fill_block(content, BLOCK, text))
+
+
+def report(files: list[str], markdown: str | None) -> int:
+    """Print (and refill ``markdown``'s block with) the table of the ``ops`` records of
+    ``files``, under the note of each file's run."""
+    records, runs = [], []
+    for path in files:
+        with open(path) as f:
+            got = [json.loads(line) for line in f if line.strip()]
+        runs += [r for r in got if r.get("record") == "run"]
+        records += [r for r in got if r.get("record") == "ops"]
+    text = table(records) + (note(*runs) if runs else "")
+    print(text)
+    if markdown:
+        _refill(markdown, text)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m memconv.bench.ops", description=__doc__)
+    parser.add_argument(
+        "--cases",
+        help=f"comma-separated cases of the table (default: {','.join(r[0] for r in ROWS)})",
+    )
+    parser.add_argument(
+        "--batches",
+        default=",".join(map(str, BATCHES)),
+        help="comma-separated batch sizes (default: 4,16,64)",
+    )
+    parser.add_argument("--json", help="write the run and every count to this file (JSON Lines)")
+    parser.add_argument("--markdown", help=f"refill the {BLOCK} block of this page")
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        metavar="FILE",
+        help="measure nothing: the table of these --json files' counts (their runs named)",
+    )
+    args = parser.parse_args(argv)
+    if args.report:
+        return report(args.report, args.markdown)
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        parser.error("--batches takes comma-separated integers")
+    if not batches or min(batches) < 1:
+        parser.error("--batches takes positive integers")
+    rows = ROWS
+    if args.cases:
+        names = args.cases.split(",")
+        unknown = [c for c in names if c not in {r[0] for r in ROWS}]
+        if unknown:
+            parser.error(f"unknown case(s) {unknown}; accepted: {', '.join(r[0] for r in ROWS)}")
+        rows = [r for r in ROWS if r[0] in names]
+    torch.set_num_threads(1)
+    run = {
+        "record": "run",
+        "mode": "ops",
+        "command": "python -m memconv.bench.ops " + command_line(argv).removeprefix("memconv "),
+        "machine": machine(),
+        "device": device_record("cpu"),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    records = [run]
+    out = open(args.json, "w") if args.json else None  # noqa: SIM115 (written as it goes)
+    try:
+        if out:
+            out.write(json.dumps(run) + "\n")
+        for case, task, engines in rows:
+            for engine in engines:
+                why = available(get_engine(engine, task))
+                if why:
+                    print(f"{case} {engine}: skipped, {why}", flush=True)
+                    continue
+                for b in batches:
+                    record = measure(case, task, engine, b)
+                    records.append(record)
+                    if out:
+                        out.write(json.dumps(record) + "\n")
+                        out.flush()
+                    print(
+                        f"{case} {task} {engine} N={b}: {record['top_level']} top-level, "
+                        f"{record['all']} in all, {record['host_syncs']} host syncs",
+                        flush=True,
+                    )
+    finally:
+        if out:
+            out.close()
+    text = table(records) + note(run)
+    print(text)
+    if args.markdown:
+        _refill(args.markdown, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

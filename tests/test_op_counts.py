@@ -1,0 +1,158 @@
+"""Operation counts, not times: what a GPU pays per launch is the same on every device.
+
+A DP step and per-sample gradients issue a number of ATen operations that does not grow
+with the batch and stays within a few times the non-private step's (autograd's, for
+per-sample gradients), with at most one host synchronisation per call (the check of
+the norms); and the cost models count the operations their computations issue, which
+their per-operation term prices. Counted by the PyTorch profiler on the CPU
+(:func:`memconv.bench.ops.count`), on small sizes so that each runs in seconds.
+"""
+
+import pytest
+import torch
+from helpers import small_gn_resnet, small_vit
+from torch import nn
+
+import memconv
+from memconv.bench import calibrate, models
+from memconv.bench.ops import count
+from memconv.strategies import costs
+
+#: A call's top-level operations at most, in multiples of the floor's.
+RATIO = 4.0
+#: How much they may grow from the smaller batch to the larger one.
+GROWTH = 0.10
+
+
+MODELS = {
+    "gn-resnet": (small_gn_resnet, (3, 8, 8)),
+    "vit": (small_vit, (3, 8, 8)),
+    "seed": (lambda: models.seed_cnn(28), (1, 28, 28)),
+}
+
+
+def _case(name: str, batch: int):
+    torch.manual_seed(0)
+    build, shape = MODELS[name]
+    return build(), torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
+
+
+def _non_private(model, x, y):
+    model.zero_grad(set_to_none=True)
+    nn.CrossEntropyLoss(reduction="sum")(model(x), y).backward()
+
+
+def _autograd(model, x, y):
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.autograd.grad(nn.CrossEntropyLoss(reduction="sum")(model(x), y), params)
+
+
+def _clip_counts(name: str, batch: int):
+    model, x, y = _case(name, batch)
+    step = memconv.PrivateStep(model, nn.CrossEntropyLoss())
+
+    def private():
+        model.zero_grad(set_to_none=True)
+        step.clip_and_accumulate(x, y, max_norm=1.0)
+
+    return count(lambda: _non_private(model, x, y)), count(private)
+
+
+@pytest.mark.parametrize("name", ["gn-resnet", "vit"])
+def test_dp_step_operations_do_not_grow_with_the_batch(name):
+    """PrivateStep.clip_and_accumulate at N = 2, 8 and 64: within RATIO times the
+    non-private step's top-level operations, one host sync, growing by at most GROWTH
+    from 8 to 64, and no more at 2 than at 64.
+
+    (Below N = 8 these small models' per-layer budget is the plan's floor,
+    ``MIN_LAYER_BUDGET``, which holds a layer's whole batch in one piece: a tiny batch
+    may issue fewer operations, never more.)"""
+    counts = {n: _clip_counts(name, n) for n in (2, 8, 64)}
+    for n, (floor, private) in counts.items():
+        assert private["top_level"] <= RATIO * floor["top_level"], (n, floor, private)
+        assert private["host_syncs"] <= 1, (n, private)
+    tiny, small, large = (counts[n][1]["top_level"] for n in (2, 8, 64))
+    assert large <= (1 + GROWTH) * small, (small, large)
+    assert tiny <= large, (tiny, large)
+
+
+def test_per_sample_grads_operations_do_not_grow_with_the_batch():
+    """PrivateStep.per_sample_grads on the seed CNN at N = 2 and 16: within RATIO times
+    autograd's, growing by at most GROWTH, no host sync."""
+    got = {}
+    for n in (2, 16):
+        model, x, y = _case("seed", n)
+        step = memconv.PrivateStep(model, nn.CrossEntropyLoss())
+        floor = count(lambda model=model, x=x, y=y: _autograd(model, x, y))
+        grads = count(lambda step=step, x=x, y=y: step.per_sample_grads(x, y))
+        assert grads["top_level"] <= RATIO * floor["top_level"], (n, floor, grads)
+        assert grads["host_syncs"] == 0, (n, grads)
+        got[n] = grads["top_level"]
+    assert got[16] <= (1 + GROWTH) * got[2], got
+
+
+def test_one_host_sync_whatever_the_groups_and_micro_batches():
+    """Per-layer groups (clipped during the backward pass) and a budget that splits the
+    batch in micro-batches still synchronise once: every norm is checked at the end."""
+    model, x, y = _case("gn-resnet", 8)
+    loss = nn.CrossEntropyLoss()
+    plan = memconv.plan(model, x, task="clip", memory_budget=None)
+    budget = (plan.smallest_budget + plan.predicted_peak) // 2
+    for kwargs in ({"groups": "layer"}, {"memory_budget": budget}):
+        options = {k: v for k, v in kwargs.items() if k == "memory_budget"}
+        step = memconv.PrivateStep(model, loss, **options)
+        groups = kwargs.get("groups", "all")
+
+        def call(step=step, groups=groups):
+            model.zero_grad(set_to_none=True)
+            step.clip_and_accumulate(x, y, max_norm=1.0, groups=groups)
+
+        assert count(call)["host_syncs"] == 1, kwargs
+    assert memconv.plan(model, x, task="clip", memory_budget=budget).micro_batches > 1
+
+
+def test_non_finite_norms_still_raise_naming_the_samples():
+    """The one check finds a NaN as the per-sample checks did, before .grad is touched."""
+    model, x, y = _case("gn-resnet", 4)
+    x[2] = float("nan")
+    step = memconv.PrivateStep(model, nn.CrossEntropyLoss())
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"sample\(s\) 2 is not finite"):
+        step.clip_and_accumulate(x, y, max_norm=1.0)
+    assert all(p.grad is None for p in model.parameters())
+
+
+#: Layers of the calibration grid: dense, strided, a kernel of one, grouped and dilated,
+#: 1-d strided, and one whose Gram matrices are tiled in bands at the grid's budget.
+LAYERS = [
+    layer
+    for layer in calibrate.GRID
+    if layer.name
+    in {
+        "resnet-3x3-64/N=16",
+        "resnet-3x3-s2/N=16",
+        "resnet-1x1-s2/N=16",
+        "dilated-grouped/N=16",
+        "conv1d-strided/N=16",
+        "resnet-stem/N=16",
+    }
+]
+
+
+@pytest.mark.parametrize("layer", LAYERS, ids=lambda layer: layer.name)
+def test_time_models_count_the_operations_they_issue(layer):
+    """Each time model's per-operation term counts exactly the top-level operations the
+    computation issues (strategies, both ghost methods, the squares, tiles)."""
+    data = costs.calibration("cpu")
+    only_ops = {
+        "time": {m: {c: 0.0 for c in names} for m, names in costs.TIME_MODELS.items()},
+        "memory": data["memory"],
+    }
+    only_ops["time"]["operation"]["per_op"] = 1.0
+    for job in calibrate.jobs(layer, torch.device("cpu")):
+        if job.model == "streaming" and any(s > 1 for s in layer.geom.stride):
+            continue  # (strided tiles: a border tile's padding is counted on every tile)
+        with costs.using("cpu", only_ops):
+            predicted = job.predict_time()
+        measured = count(job.run, warmup=1)["top_level"]
+        assert round(predicted) == measured, (job.model, predicted, measured)
