@@ -12,15 +12,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+#: Trunks as torchvision writes them, with a global-pool + Linear head, streamed by the
+#: engines of the table "Streaming the models people stream" (:mod:`memconv.bench.trunks`).
+STREAM_MODELS = ("stream-resnet18", "stream-resnet50", "stream-convnext-tiny")
 MODELS = (
     "seed", "resnet18", "resnet18-gn", "wrn16-4-gn", "conv1d", "conv3d", "streaming-net",
-    "vit-tiny", "resnet18-tv-gn", "nf-resnet26", "convnext-atto",
+    "vit-tiny", "resnet18-tv-gn", "nf-resnet26", "convnext-atto", *STREAM_MODELS,
 )  # fmt: skip
 #: Smallest side each model accepts (the seed CNN's four poolings need 27 pixels).
 MIN_SIDE = {
     "seed": 27, "resnet18": 8, "resnet18-gn": 8, "wrn16-4-gn": 8, "conv1d": 8, "conv3d": 4,
     "streaming-net": 64, "vit-tiny": 8, "resnet18-tv-gn": 8, "nf-resnet26": 8,
-    "convnext-atto": 32,
+    "convnext-atto": 32, "stream-resnet18": 64, "stream-resnet50": 64,
+    "stream-convnext-tiny": 64,
 }  # fmt: skip
 #: The real data each model gets unless told otherwise.
 NATURAL_DATA = {
@@ -35,6 +39,9 @@ NATURAL_DATA = {
     "resnet18-tv-gn": "photos",
     "nf-resnet26": "photos",
     "convnext-atto": "photos",
+    "stream-resnet18": "photos",
+    "stream-resnet50": "photos",
+    "stream-convnext-tiny": "photos",
 }
 #: The models people train, as their libraries write them: the cases of the table "DP
 #: on the models people train" (``memconv bench --table models``).
@@ -53,8 +60,10 @@ class Case:
         side: image side (signal length for ``conv1d``, volume side for ``conv3d``).
         depth: volume depth (``conv3d`` only).
         quick: ``(batch, side, depth)`` for ``--quick``.
-        budget_mib: ``{task: MiB}``: the ``memory_budget`` of the ``memconv:budget`` rows.
+        budget_mib: ``{task: MiB}``: the ``memory_budget`` of the ``memconv:budget`` rows
+            (of the streaming engines' tile choice, for the streamed trunks).
         summary: one line for the help and the docs.
+        extra: more worker keys (``warm_side``: the warm-up's image side).
     """
 
     name: str
@@ -65,6 +74,7 @@ class Case:
     quick: tuple = ()
     budget_mib: dict = field(default_factory=dict)
     summary: str = ""
+    extra: dict = field(default_factory=dict)
 
     def config(self, *, quick: bool = False, batch=None, side=None) -> dict:
         """The worker configuration of this case (``batch``/``side`` override)."""
@@ -72,7 +82,31 @@ class Case:
         out = {"case": self.name, "model": self.model, "batch": batch or n, "side": side or s}
         if d is not None:
             out["depth"] = d
+        out.update(self.extra)
         return out
+
+
+#: Memory budget (MiB) of the streamed trunks' tile choice (``tile_size="auto"``), per
+#: image side: a quarter of the conventional ResNet-18 step's peak at 4096², 4 GiB less
+#: the output and its gradient at 8192² and above.
+STREAM_BUDGET_MIB = {2048: 768, 4096: 1280, 8192: 2560, 16384: 6144}
+
+
+def _stream_cases() -> list[Case]:
+    """The cases of the table "Streaming the models people stream": one training step on
+    one mosaic of scikit-image's astronaut, float32."""
+    sizes = {"resnet18": (2048, 4096, 8192, 16384), "resnet50": (2048, 4096, 8192),
+             "convnext-tiny": (2048, 4096, 8192)}  # fmt: skip
+    labels = {"resnet18": "ResNet-18", "resnet50": "ResNet-50", "convnext-tiny": "ConvNeXt-tiny"}
+    return [
+        Case(f"stream-{trunk}-{side}", f"stream-{trunk}", 1, side, quick=(1, 256, None),
+             budget_mib={"grads": STREAM_BUDGET_MIB[side]}, extra={"warm_side": 256},
+             summary=f"a {labels[trunk]} trunk as torchvision writes it and a global-pool + "
+                     f"Linear head, one training step on a {side}x{side} mosaic of the "
+                     "astronaut (conventional, memconv streaming, Lightstream)")
+        for trunk, sides in sizes.items()
+        for side in sides
+    ]  # fmt: skip
 
 
 CASES: dict[str, Case] = {
@@ -110,6 +144,7 @@ CASES: dict[str, Case] = {
         Case("streaming-4096", "streaming-net", 1, 4096, quick=(1, 128, None),
              summary="StreamingCNN's example network on one 4096x4096 mosaic of the retina "
                      "photograph (the memconv-streaming engine against autograd)"),
+        *_stream_cases(),
     )
 }  # fmt: skip
 
@@ -134,6 +169,10 @@ def build_model(name: str) -> torch.nn.Module:
         "nf-resnet26": models.nf_resnet26,
         "convnext-atto": models.convnext_atto,
     }
+    if name in STREAM_MODELS:
+        from .trunks import classifier
+
+        return classifier(name[len("stream-") :])
     if name not in builders:
         raise ValueError(f"unknown model {name!r}; accepted: {', '.join(MODELS)}")
     return builders[name]()
@@ -147,7 +186,10 @@ def build_case(config: dict, device: torch.device):
     ``conv3d``), ``data`` (``"digits"``, ``"photos"``, ``"random"``, or None for the
     model's own real data), ``seed``. ``"streaming-net"`` is StreamingCNN's example
     network on mosaics of scikit-image's retina photograph, with ``tile`` (input pixels
-    per tile of the ``memconv-streaming`` engine, default 512).
+    per tile of the ``memconv-streaming`` engine, default 512); the ``stream-*`` models
+    are trunks as torchvision writes them with a global-pool + Linear head
+    (:func:`memconv.bench.trunks.classifier`) on a mosaic of the astronaut, streamed with
+    ``tile`` or, without it, the tile chosen for ``memory_budget``.
 
     Raises:
         ValueError: for an unknown model or data source, or a side the model cannot take.
@@ -183,6 +225,18 @@ def build_case(config: dict, device: torch.device):
         else:
             x = load_mosaic("retina", side).expand(n, 3, side, side).contiguous()
         y = torch.zeros(n, dtype=torch.long)
+    elif name in STREAM_MODELS:
+        from .data import load_mosaic
+        from .trunks import classifier
+
+        model = classifier(name[len("stream-") :])
+        model.stream_budget = config.get("memory_budget")
+        model.stream_tile = config.get("tile")
+        if data == "random":
+            x = torch.randn(n, 3, side, side)
+        else:
+            x = load_mosaic("astronaut", side).expand(n, 3, side, side).contiguous()
+        y = torch.zeros(n, dtype=torch.long)
     elif name == "vit-tiny":  # its position embedding is made for the image side
         from .models import vit_tiny
 
@@ -206,6 +260,9 @@ LABELS = {
     "resnet18-tv-gn": "torchvision ResNet-18-GN",
     "nf-resnet26": "NF-ResNet-26",
     "convnext-atto": "ConvNeXt-atto",
+    "stream-resnet18": "ResNet-18 trunk",
+    "stream-resnet50": "ResNet-50 trunk",
+    "stream-convnext-tiny": "ConvNeXt-tiny trunk",
 }
 
 

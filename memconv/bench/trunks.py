@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models import TVBottleneck, TVResNet
+from .models import LayerNorm2d, TVBottleneck, TVResNet
 
 
 # ------------------------------------------------------------------ torchvision.ops.misc
@@ -140,15 +140,6 @@ def resnet_trunk(
 
 
 # ------------------------------------------------------------------ ConvNeXt
-class LayerNorm2d(nn.LayerNorm):
-    """torchvision's ``LayerNorm2d``: permute to channels-last, ``F.layer_norm``, back."""
-
-    def forward(self, x):
-        x = x.permute(0, 2, 3, 1)
-        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-        return x.permute(0, 3, 1, 2)
-
-
 class CNBlock(nn.Module):
     """torchvision's ``CNBlock``: a 7×7 depthwise convolution, a permute to channels-last,
     ``LayerNorm``, ``Linear`` (4×), GELU, ``Linear``, a permute back, the layer scale (a
@@ -179,7 +170,8 @@ def convnext_trunk(
     depths=(3, 3, 9, 3), dims=(96, 192, 384, 768), in_channels: int = 3, layer_scale: float = 1e-6
 ) -> nn.Sequential:
     """torchvision's ``convnext_tiny(...).features`` (the defaults; other depths and
-    widths for small tests): a 4×4 stride-4 patch stem with :class:`LayerNorm2d`, then
+    widths for small tests): a 4×4 stride-4 patch stem with a ``LayerNorm2d`` (written
+    as torchvision and timm write it, :class:`memconv.bench.models.LayerNorm2d`), then
     stages of :class:`CNBlock` s separated by ``LayerNorm2d`` + 2×2 stride-2
     convolutions; torchvision's initialisation (truncated normal, std 0.02)."""
     norm_layer = partial(LayerNorm2d, eps=1e-6)
@@ -498,7 +490,6 @@ __all__ = [
     "CNBlock",
     "ConvNormActivation",
     "InvertedResidual",
-    "LayerNorm2d",
     "MBConv",
     "Permute",
     "SqueezeExcitation",

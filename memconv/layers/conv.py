@@ -117,8 +117,10 @@ class ConvRule(LayerRule):
 
 
 # ------------------------------------------------------------------ operations
-_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-_CONV_T_ARGS = (
+#: The arguments of torch's functional (transposed) convolutions, in order, and their
+#: defaults.
+CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+CONV_T_ARGS = (
     "input",
     "weight",
     "bias",
@@ -128,8 +130,8 @@ _CONV_T_ARGS = (
     "groups",
     "dilation",
 )
-_CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
-_CONV_T_DEFAULTS = {**_CONV_DEFAULTS, "output_padding": 0}
+CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+CONV_T_DEFAULTS = {**CONV_DEFAULTS, "output_padding": 0}
 _CONV_TYPES = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 _CONV_T_TYPES = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 
@@ -147,7 +149,7 @@ def _conv_args(names: tuple, args, kwargs, defaults) -> dict | None:
 @register_op(torch.conv1d, torch.conv2d, torch.conv3d)
 def bind_conv(args, kwargs) -> BoundOp | None:
     """``F.conv*d``: the shell is the ``nn.Conv*d`` of the call's geometry."""
-    a = _conv_args(_CONV_ARGS, args, kwargs, _CONV_DEFAULTS)
+    a = _conv_args(CONV_ARGS, args, kwargs, CONV_DEFAULTS)
     if a is None:
         return None
     w, groups = a["weight"], a["groups"]
@@ -172,7 +174,7 @@ def bind_conv(args, kwargs) -> BoundOp | None:
 @register_op(torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d)
 def bind_conv_transpose(args, kwargs) -> BoundOp | None:
     """``F.conv_transpose*d``: the shell is the ``nn.ConvTranspose*d`` of the call."""
-    a = _conv_args(_CONV_T_ARGS, args, kwargs, _CONV_T_DEFAULTS)
+    a = _conv_args(CONV_T_ARGS, args, kwargs, CONV_T_DEFAULTS)
     if a is None:
         return None
     w, groups = a["weight"], a["groups"]

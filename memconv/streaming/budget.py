@@ -6,15 +6,17 @@ A streamed step holds, besides the image and the parameters:
   input gradient;
 - the halo stores: the forward values later tiles read, kept from the forward pass to
   the backward pass, and the gradients sent to them (:mod:`memconv.streaming.halo`);
-- one tile's autograd graph in the backward pass: every node's box, the crops the
-  window ops read (their inputs with the halo, copied together), and the backward
-  pass's own buffers.
+- the parameters' gradient, twice (the sum over tiles and one tile's);
+- one tile's autograd graph in the backward pass: what autograd keeps of every node's
+  box, the crops the window ops read (their inputs with the halo, copied together), and
+  the backward pass's own buffers.
 
 :func:`predict_peak` adds these up from the tile plan (shapes only);
 :func:`choose_tile` returns the largest tile whose prediction fits the budget. The
-factor on the tile's graph (:data:`GRAPH_FACTOR`) is measured: the allocator's peak
-of ResNet-18, ResNet-50 and ConvNeXt-tiny trunks over the predicted graph bytes
-(``docs/benchmarks.md``, "Streaming the models people stream").
+tile's graph is priced as :data:`GRAPH_FACTOR` times the bytes of its boxes (all its
+nodes' positions), a factor measured at allocator level on ResNet-18, ResNet-50 and
+ConvNeXt-tiny trunks as torchvision writes them (0.9 to 1.0 once the rest is taken
+off; in-place activations share their input's memory, window crops add theirs).
 """
 
 from __future__ import annotations
@@ -22,13 +24,11 @@ from __future__ import annotations
 import math
 
 from .graph import Bound
-from .ops import Local
 from .tiling import TilePlan, tile_plan
 
-#: Peak bytes of one tile's backward pass over the bytes of its boxes and crops: autograd
-#: keeps most boxes (saved inputs of the next op), and the backward pass holds a few
-#: gradient buffers of the largest boxes at once.
-GRAPH_FACTOR = 1.5
+#: Peak bytes of one tile's backward pass over the bytes of its boxes (see the module
+#: docstring).
+GRAPH_FACTOR = 1.0
 
 
 def _width(bound: Bound, v: int) -> int:
@@ -38,19 +38,12 @@ def _width(bound: Bound, v: int) -> int:
 
 
 def tile_bytes(plan: TilePlan, tile, element_size: int) -> int:
-    """Bytes of the boxes and window crops one tile computes."""
+    """Bytes of the boxes one tile computes (every node's)."""
     bound = plan.bound
     total = 0
     for v in range(1, len(bound.nodes)):
-        node = bound.nodes[v]
-        needs = plan.needs(v, tile)
-        if needs is None:
-            continue
-        total += _width(bound, v) * math.prod(hi - lo for lo, hi in plan.own(v, tile))
-        if not isinstance(node.op, Local):
-            total += _width(bound, node.slots[0]) * math.prod(
-                n.hi - n.lo + n.pad_lo + n.pad_hi for n in needs
-            )
+        if plan.needs(v, tile) is not None:
+            total += _width(bound, v) * math.prod(hi - lo for lo, hi in plan.own(v, tile))
     return total * element_size
 
 
@@ -78,7 +71,9 @@ def _largest_tiles(plan: TilePlan) -> list:
     return list(itertools.product(*picks))
 
 
-def predict_peak(plan: TilePlan, element_size: int, input_grad: bool = False) -> int:
+def predict_peak(
+    plan: TilePlan, element_size: int, input_grad: bool = False, param_bytes: int = 0
+) -> int:
     """Predicted peak bytes of one streamed training step (forward and backward) beyond
     the image and the parameters (see the module docstring).
 
@@ -86,6 +81,7 @@ def predict_peak(plan: TilePlan, element_size: int, input_grad: bool = False) ->
         plan: the tiles of the input size.
         element_size: bytes per element (4 for float32).
         input_grad: whether the input gradient is computed.
+        param_bytes: bytes of the trunk's trainable parameters.
 
     Returns:
         Bytes.
@@ -94,30 +90,36 @@ def predict_peak(plan: TilePlan, element_size: int, input_grad: bool = False) ->
     out = math.prod(bound.output_shape()) * element_size
     graph = max(tile_bytes(plan, t, element_size) for t in _largest_tiles(plan))
     gx = math.prod(bound.nodes[0].shape) * element_size if input_grad else 0
-    return int(2 * out + gx + 2 * halo_bytes(plan, element_size) + GRAPH_FACTOR * graph)
+    halo = 2 * halo_bytes(plan, element_size)
+    return int(2 * out + gx + halo + 2 * param_bytes + GRAPH_FACTOR * graph)
 
 
 def choose_tile(
-    bound: Bound, budget: int, element_size: int, smallest: int, input_grad: bool = False
+    bound: Bound,
+    budget: int,
+    element_size: int,
+    smallest: int,
+    input_grad: bool = False,
+    param_bytes: int = 0,
 ) -> tuple[int, int]:
     """``(tile, predicted peak)``: the largest tile (input pixels, the same on every
     axis) whose predicted peak fits ``budget`` bytes.
 
     Raises:
-        ValueError: if even the smallest tile (``smallest``: the receptive field)
-            is predicted above the budget.
+        ValueError: if even the smallest tile (``smallest``: the output stride) is
+            predicted above the budget.
     """
     largest = max(bound.sizes(0))
 
     def peak(t):
         plan = tile_plan(bound, (t,) * bound.dims)
-        return predict_peak(plan, element_size, input_grad)
+        return predict_peak(plan, element_size, input_grad, param_bytes)
 
     low = peak(smallest)
     if low > budget:
         raise ValueError(
             f"memory_budget {budget / 2**20:,.0f} MiB is below the predicted peak of the "
-            f"smallest tile ({smallest} pixels, the receptive field): {low / 2**20:,.0f} MiB; "
+            f"smallest tile ({smallest} pixels, the output stride): {low / 2**20:,.0f} MiB; "
             "raise the budget"
         )
     if peak(largest) <= budget:

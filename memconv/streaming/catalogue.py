@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES
+from ..layers.conv import CONV_ARGS, CONV_DEFAULTS, CONV_T_ARGS, CONV_T_DEFAULTS
 from ..strategies.geometry import conv_spec, pad_pairs, span
 from .errors import REMEDY, NotStreamableError
 from .ops import (
     ConvApply,
-    ConvTransposeApply,
     Local,
     Transposed,
     Upsample,
@@ -318,6 +318,48 @@ RANDOM_WHY = (
     "cannot reproduce; call .eval() on it, or"
 )
 RESHAPE_WHY = "slices, reshapes or moves the spatial positions, which is not local"
+#: Module types refused, and why.
+REFUSED_MODULES = (
+    (
+        (
+            nn.AdaptiveAvgPool1d,
+            nn.AdaptiveAvgPool2d,
+            nn.AdaptiveAvgPool3d,
+            nn.AdaptiveMaxPool1d,
+            nn.AdaptiveMaxPool2d,
+            nn.AdaptiveMaxPool3d,
+        ),
+        GLOBAL,
+    ),
+    ((nn.GroupNorm, nn.modules.instancenorm._InstanceNorm), SPACE_NORM),
+    (
+        (
+            nn.MultiheadAttention,
+            nn.Transformer,
+            nn.TransformerEncoderLayer,
+            nn.TransformerDecoderLayer,
+            nn.TransformerEncoder,
+            nn.TransformerDecoder,
+        ),
+        ATTENTION_WHY,
+    ),
+    (
+        (
+            nn.Flatten,
+            nn.Unflatten,
+            nn.PixelShuffle,
+            nn.PixelUnshuffle,
+            nn.Unfold,
+            nn.Fold,
+            nn.ChannelShuffle,
+        ),
+        RESHAPE_WHY,
+    ),
+    (
+        (nn.FractionalMaxPool2d, nn.FractionalMaxPool3d),
+        RANDOM_WHY.replace("; call .eval() on it, or", ";"),
+    ),
+)
 
 
 @dataclass
@@ -545,47 +587,9 @@ def _module(node, ctx, m, slots) -> Classified:
     if isinstance(m, SOFTMAXES):
         _channel_at(node, ctx, layout, m.dim if m.dim is not None else 1)
         return _local(node, ctx, layout, m)
-    if isinstance(
-        m,
-        (
-            nn.AdaptiveAvgPool1d,
-            nn.AdaptiveAvgPool2d,
-            nn.AdaptiveAvgPool3d,
-            nn.AdaptiveMaxPool1d,
-            nn.AdaptiveMaxPool2d,
-            nn.AdaptiveMaxPool3d,
-        ),
-    ):
-        raise refuse(node, ctx, GLOBAL)
-    if isinstance(m, (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)):
-        raise refuse(node, ctx, SPACE_NORM)
-    if isinstance(
-        m,
-        (
-            nn.MultiheadAttention,
-            nn.Transformer,
-            nn.TransformerEncoderLayer,
-            nn.TransformerDecoderLayer,
-            nn.TransformerEncoder,
-            nn.TransformerDecoder,
-        ),
-    ):
-        raise refuse(node, ctx, ATTENTION_WHY)
-    if isinstance(
-        m,
-        (
-            nn.Flatten,
-            nn.Unflatten,
-            nn.PixelShuffle,
-            nn.PixelUnshuffle,
-            nn.Unfold,
-            nn.Fold,
-            nn.ChannelShuffle,
-        ),
-    ):
-        raise refuse(node, ctx, RESHAPE_WHY)
-    if isinstance(m, (nn.FractionalMaxPool2d, nn.FractionalMaxPool3d)):
-        raise refuse(node, ctx, RANDOM_WHY.replace("; call .eval() on it, or", ";"))
+    for types, why in REFUSED_MODULES:
+        if isinstance(m, types):
+            raise refuse(node, ctx, why)
     raise refuse(node, ctx, _unsupported())
 
 
@@ -604,35 +608,11 @@ def _function(node, ctx, name, slots) -> Classified:
     layout = ctx.layout(slots[0])
     if target in CONV_FUNCTIONS:
         _first_is_data(node, ctx, slots, "input")
-        a = _bind(
-            ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
-            {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
-            node,
-        )
+        a = _bind(CONV_ARGS, CONV_DEFAULTS, node)
         return _conv_functional(node, ctx, a, CONV_FUNCTIONS[target])
     if target in CONV_T_FUNCTIONS:
         _first_is_data(node, ctx, slots, "input")
-        a = _bind(
-            (
-                "input",
-                "weight",
-                "bias",
-                "stride",
-                "padding",
-                "output_padding",
-                "groups",
-                "dilation",
-            ),
-            {
-                "bias": None,
-                "stride": 1,
-                "padding": 0,
-                "output_padding": 0,
-                "groups": 1,
-                "dilation": 1,
-            },
-            node,
-        )
+        a = _bind(CONV_T_ARGS, CONV_T_DEFAULTS, node)
         weight = ctx.meta(a["weight"])
         d = CONV_T_FUNCTIONS[target]
         return _conv_t(
@@ -951,7 +931,7 @@ def _conv_t(
             o - ((n - 1) * s - 2 * p + sp)
             for o, n, s, p, sp in zip(wanted, sizes, stride, padding, spans)
         )
-    apply = ConvTransposeApply(module, weight, bias, stride, dilation, groups)
+    apply = ConvApply(module, weight, bias, stride, dilation, groups, transposed=True)
     op = Transposed(where(node, ctx), spans, stride, padding, _tuple(output_padding, d), apply)
     return Classified(op, layout, out_channels=out_channels)
 

@@ -191,14 +191,19 @@ class StreamingCNN(nn.Module):
             element = torch.empty((), dtype=dtype).element_size()
             if self.tile_size == "auto":
                 tile, peak = choose_tile(
-                    bound, self.memory_budget, element, max(self.minimum_tile), input_grad
+                    bound,
+                    self.memory_budget,
+                    element,
+                    max(self.minimum_tile),
+                    input_grad,
+                    self._param_bytes(),
                 )
                 tiles = (tile,) * self.dims
             else:
                 tiles = self.tile_size
             plan = tile_plan(bound, tiles)
             if self.verbose:
-                peak = predict_peak(plan, element, input_grad)
+                peak = predict_peak(plan, element, input_grad, self._param_bytes())
                 logger.info(
                     "input %s: tile %s input pixels (%s), %s tiles, receptive field %s, overlap %s, "
                     "predicted peak %.0f MiB",
@@ -214,6 +219,12 @@ class StreamingCNN(nn.Module):
         return self._plans[key]
 
     @property
+    def last_plan(self) -> TilePlan | None:
+        """The tiles of the last input streamed (its ``tile`` is the tile used, the one
+        chosen for the budget with ``tile_size="auto"``), or None."""
+        return next(iter(self._plans.values()), None)
+
+    @property
     def overlap(self) -> tuple:
         """Input pixels two neighbouring output positions' receptive fields share per
         axis (receptive field − output stride)."""
@@ -223,7 +234,13 @@ class StreamingCNN(nn.Module):
         """Predicted peak bytes of one streamed training step on an input of ``shape``
         beyond the image and the parameters (:func:`memconv.streaming.budget.predict_peak`)."""
         plan = self.plan(shape, input_grad=input_grad)
-        return predict_peak(plan, torch.empty((), dtype=self._dtype()).element_size(), input_grad)
+        element = torch.empty((), dtype=self._dtype()).element_size()
+        return predict_peak(plan, element, input_grad, self._param_bytes())
+
+    def _param_bytes(self) -> int:
+        return sum(
+            p.numel() * p.element_size() for p in self.stream_layers.parameters() if p.requires_grad
+        )
 
     def describe(self) -> str:
         """Receptive field, output stride and overlap after each window op (convolutions,

@@ -24,7 +24,6 @@ probed with test images.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +35,6 @@ from .._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES
 from ..conv.settings import record
 from ..modules import apply_conv
 from ..strategies.geometry import (
-    ConvGeometry,
     ConvSpec,
     conv_function,
     conv_spec,
@@ -292,9 +290,11 @@ class Local(Op):
 # ------------------------------------------------------------------ applies
 @dataclass
 class ConvApply:
-    """A convolution on an input that already carries its padding: memconv's autograd
-    function for modules (so ``save_memory``/``per_sample`` apply to the tiles), torch's
-    functional convolution for a weight computed in a ``forward``."""
+    """A convolution (padding given per call; the crop carries the rest) or a transposed
+    convolution (padding 0 on a zero-widened crop, whose result is cut to the asked-for
+    positions by :meth:`Transposed.need`'s ``skip``): memconv's autograd function for
+    modules inside a ``save_memory``/``per_sample`` block (so they apply to the tiles),
+    torch's own functions otherwise and for a weight computed in a ``forward``."""
 
     module: Any
     weight: Any
@@ -302,24 +302,22 @@ class ConvApply:
     stride: tuple[int, ...]
     dilation: tuple[int, ...]
     groups: int
+    transposed: bool = False
 
-    def __call__(self, env, x: Tensor, padding: tuple[int, ...]) -> Tensor:
+    def __call__(self, env, x: Tensor, padding: tuple[int, ...] | None = None) -> Tensor:
         weight, bias = env.value(self.weight), env.value(self.bias)
         dims = x.dim() - 2
+        padding = padding or (0,) * dims
         m = self.module
         recorded = _block_open(x, weight)
-        if isinstance(m, CONV_TYPES) and recorded is not None:
-            geom = ConvGeometry(
-                dims,
-                m.in_channels,
-                m.out_channels,
-                tuple(m.kernel_size),
-                self.stride,
-                padding,
-                self.dilation,
-                self.groups,
-            )
-            return apply_conv(m, x, weight, bias, ConvSpec(geom, None, "constant"), recorded)
+        if recorded is not None and isinstance(m, CONV_TRANSPOSE_TYPES + CONV_TYPES):
+            geom = conv_spec(m).geometry.with_padding(padding)
+            spec = ConvSpec(geom, None, "constant", self.transposed)
+            output_padding = (0,) * dims if self.transposed else None
+            return apply_conv(m, x, weight, bias, spec, recorded, output_padding)
+        if self.transposed:
+            fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
+            return fn(x, weight, bias, self.stride, 0, 0, self.groups, self.dilation)
         fn = conv_function(dims)
         return fn(x, weight, bias, self.stride, padding, self.dilation, self.groups)
 
@@ -331,33 +329,6 @@ def _block_open(x: Tensor, weight: Tensor):
         return None
     recorded = record()
     return recorded if recorded.settings is not None or recorded.per_sample else None
-
-
-@dataclass
-class ConvTransposeApply:
-    """A transposed convolution with padding 0 on a zero-widened crop (its result is
-    then cut to the asked-for positions, :meth:`Transposed.need`'s ``skip``): memconv's
-    autograd function for modules, torch's functional one for a weight computed in a
-    ``forward``."""
-
-    module: Any
-    weight: Any
-    bias: Any
-    stride: tuple[int, ...]
-    dilation: tuple[int, ...]
-    groups: int
-
-    def __call__(self, env, x: Tensor) -> Tensor:
-        weight, bias = env.value(self.weight), env.value(self.bias)
-        dims = x.dim() - 2
-        m = self.module
-        recorded = _block_open(x, weight)
-        if isinstance(m, CONV_TRANSPOSE_TYPES) and recorded is not None:
-            spec = conv_spec(m)
-            spec = ConvSpec(spec.geometry.with_padding((0,) * dims), None, "constant", True)
-            return apply_conv(m, x, weight, bias, spec, recorded, (0,) * dims)
-        fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
-        return fn(x, weight, bias, self.stride, 0, 0, self.groups, self.dilation)
 
 
 def pool_apply(kind: str, kernel, stride, dilation, divisor_override):
@@ -399,7 +370,6 @@ def ceil_div(a: int, b: int) -> int:
 
 __all__ = [
     "ConvApply",
-    "ConvTransposeApply",
     "Local",
     "Need",
     "Op",
@@ -410,6 +380,5 @@ __all__ = [
     "clip",
     "cut",
     "identity_apply",
-    "math",
     "pool_apply",
 ]

@@ -148,11 +148,13 @@ class TilePlan:
     Attributes:
         in_place: the nodes whose in-place form runs in place: their input is a new
             tensor that nothing else reads and no tile keeps in its halo.
+        tile: the tile size it was made for (input pixels per axis).
     """
 
     bound: Bound
     axes: list[AxisPlan]
     in_place: frozenset = frozenset()
+    tile: tuple = ()
 
     def tiles(self) -> list[tuple[int, ...]]:
         """Tile indices in raster order (the last axis fastest)."""
@@ -185,7 +187,7 @@ def tile_plan(bound: Bound, tile: tuple[int, ...]) -> TilePlan:
     """The tiles of ``bound``'s input size with about ``tile`` new input positions per
     tile and axis."""
     axes = [axis_plan(bound, a, output_bounds(bound, a, t)) for a, t in enumerate(tile)]
-    return TilePlan(bound, axes, _in_place(bound, axes))
+    return TilePlan(bound, axes, _in_place(bound, axes), tuple(tile))
 
 
 def _in_place(bound: Bound, axes: list[AxisPlan]) -> frozenset:
