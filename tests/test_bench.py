@@ -466,15 +466,29 @@ def test_report_renders_the_streaming_table_with_scaled_conventional_steps(tmp_p
     a smaller side, marked as such; the targets are read from the rows."""
     from memconv.bench.report import render
 
-    head = {"record": "run", "mode": "matrix", "command": "memconv bench --table streaming",
-            "machine": {"cpu": "x", "threads": 2, "torch": "t", "memconv": "m", "python": "p"},
-            "started": "2025-01-01T00:00:00+00:00", "plot": None, "table": "streaming",
-            "task": "grads"}  # fmt: skip
+    head = {
+        "record": "run",
+        "mode": "matrix",
+        "command": "memconv bench --table streaming",
+        "machine": {"cpu": "x", "threads": 2, "torch": "t", "memconv": "m", "python": "p"},
+        "started": "2025-01-01T00:00:00+00:00",
+        "plot": None,
+        "table": "streaming",
+        "task": "grads",
+    }
 
     def row(model, side, engine, rss, alloc, time, **more):
-        return {"record": "row", "task": "grads", "case": f"{model}-{side}",
-                "config": {"model": model, "batch": 1, "side": side}, "engine": engine,
-                "peak_rss_mib": rss, "peak_alloc_mib": alloc, "time_s": time, **more}  # fmt: skip
+        return {
+            "record": "row",
+            "task": "grads",
+            "case": f"{model}-{side}",
+            "config": {"model": model, "batch": 1, "side": side},
+            "engine": engine,
+            "peak_rss_mib": rss,
+            "peak_alloc_mib": alloc,
+            "time_s": time,
+            **more,
+        }
 
     lines = [
         head,
@@ -488,7 +502,7 @@ def test_report_renders_the_streaming_table_with_scaled_conventional_steps(tmp_p
             60.0,
             deviation=1e-6,
             stream={"tile": 1024, "tiles": 9},
-        ),  # fmt: skip
+        ),
         {
             "record": "row",
             "task": "grads",
@@ -497,7 +511,7 @@ def test_report_renders_the_streaming_table_with_scaled_conventional_steps(tmp_p
             "config": {"model": "stream-resnet50", "batch": 1, "side": 4096},
             "aborted": True,
             "rss_at_abort_mib": 20480.0,
-        },  # fmt: skip
+        },
         row(
             "stream-resnet50",
             4096,
@@ -506,7 +520,7 @@ def test_report_renders_the_streaming_table_with_scaled_conventional_steps(tmp_p
             1500.0,
             250.0,
             stream={"tile": 1400, "tiles": 16},
-        ),  # fmt: skip
+        ),
         row("stream-resnet50", 4096, "lightstream", 3000.0, 2500.0, 400.0, deviation=0.5),
         row("stream-resnet50", 8192, "memconv-streaming", 3500.0, 3000.0, 900.0),
     ]

@@ -402,8 +402,15 @@ class TVResNet(nn.Module):
             double it).
     """
 
-    def __init__(self, layers=(2, 2, 2, 2), num_classes=10, norm_layer=nn.BatchNorm2d,
-                 in_channels=3, block=None, width=64):  # fmt: skip
+    def __init__(
+        self,
+        layers=(2, 2, 2, 2),
+        num_classes=10,
+        norm_layer=nn.BatchNorm2d,
+        in_channels=3,
+        block=None,
+        width=64,
+    ):
         super().__init__()
         self._norm_layer = norm_layer
         self._block = block or TVBasicBlock

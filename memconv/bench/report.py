@@ -759,8 +759,8 @@ def format_streaming(records: list[dict]) -> str:
     lines = [
         "| trunk | side | step | peak RSS increase (MiB) | allocator peak (MiB) | time (s) | "
         "RSS / conventional | allocator / conventional | time / conventional | "
-        "max rel. deviation from conventional | tile (tiles) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "max rel. deviation from conventional | tile (tiles) | CPU time (s) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     keys = sorted({(m, s) for m, s, _ in by}, key=lambda k: (list(LABELS).index(k[0]), k[1]))
     for model, side in keys:
@@ -775,9 +775,9 @@ def format_streaming(records: list[dict]) -> str:
             if engine == "autograd" and not _measured(row) and ref is not None:
                 cells[2] = f"conventional ({_stream_note(row)}; scaled from {ref[3]}²)"
                 cells += [f"~{_fmt(ref[0])}", f"~{_fmt(ref[1])}", f"~{_fmt(ref[2], '.0f')}"]
-                cells += ["", "", "", "", ""]
+                cells += ["", "", "", "", "", ""]
             elif not _measured(row):
-                cells += [_stream_note(row)] + [""] * 7
+                cells += [_stream_note(row)] + [""] * 8
             else:
                 scaled = ref is not None and ref[3] != side
                 mark = "~" if scaled else ""
@@ -799,6 +799,7 @@ def format_streaming(records: list[dict]) -> str:
                     *ratios,
                     _fmt(row.get("deviation"), ".1e", "n/a"),
                     str(tiles),
+                    _fmt(row.get("cpu_s"), ".0f"),
                 ]
             lines.append("| " + " | ".join(cells) + " |")
     return _with_targets(lines, streaming_targets(records), "Targets:")

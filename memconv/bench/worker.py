@@ -49,6 +49,13 @@ def _watchdog(limit_mib: float) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def _cpu_time() -> float:
+    """CPU seconds this process has used (user and system): on a shared machine, less
+    dependent on the other processes than the wall time."""
+    usage = os.times()
+    return usage.user + usage.system
+
+
 def engine_options(engine, config: dict) -> dict:
     """``run`` keyword arguments of an engine under ``config``.
 
@@ -112,11 +119,11 @@ def run(config: dict) -> dict:
         call(x[:2], y[:2])
     if config.get("abort_rss_mib"):
         _watchdog(float(config["abort_rss_mib"]))
-    alloc = once = None
+    alloc = once = cpu = None
     if config.get("once"):  # one call: both peaks and its time (with the profiler's cost)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), _cpu_time()
         rss, alloc, result = peak_both(call, device)
-        once = time.perf_counter() - start
+        once, cpu = time.perf_counter() - start, _cpu_time() - start_cpu
     elif config.get("combined"):
         rss, alloc, result = peak_both(call, device)
     else:
@@ -140,6 +147,7 @@ def run(config: dict) -> dict:
         "time_s": t,
         "result_mib": result_bytes / MiB,
         "params": sum(p.numel() for p in model.parameters()),
+        **({"cpu_s": cpu} if cpu is not None else {}),
         **figures,
         # the machine's load (1-minute average) when the measurement ended: other
         # processes on a shared machine slow the timings down

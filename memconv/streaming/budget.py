@@ -5,7 +5,8 @@ A streamed step holds, besides the image and the parameters:
 - the output and its gradient (``[N, C_out, *S_out]`` each) and, when asked for, the
   input gradient;
 - the halo stores: the forward values later tiles read, kept from the forward pass to
-  the backward pass, and the gradients sent to them (:mod:`memconv.streaming.halo`);
+  the backward pass, and the gradients sent to them, about one row of tiles' worth
+  (:mod:`memconv.streaming.halo`);
 - the parameters' gradient, twice (the sum over tiles and one tile's);
 - one tile's autograd graph in the backward pass: what autograd keeps of every node's
   box, the crops the window ops read (their inputs with the halo, copied together), and
@@ -47,17 +48,45 @@ def tile_bytes(plan: TilePlan, tile, element_size: int) -> int:
     return total * element_size
 
 
-def halo_bytes(plan: TilePlan, element_size: int) -> int:
-    """Bytes of one halo store (forward values; the gradient store is as large)."""
+def _slab_bytes(plan: TilePlan, axis: int, k: int, element_size: int, rows=None) -> int:
+    """Bytes of the halo slabs of every node along ``axis`` at tile boundary ``k`` (with
+    ``rows``, across that many positions of the first axis' extent of each node, out of
+    its whole)."""
     bound = plan.bound
     total = 0
     for v in range(1, len(bound.nodes)):
-        sizes = bound.sizes(v)
-        for a, axis in enumerate(plan.axes):
-            if axis.length[v]:
-                others = math.prod(s for b, s in enumerate(sizes) if b != a)
-                total += _width(bound, v) * axis.length[v] * others
+        depth = plan.axes[axis].depth[v][k]
+        if depth:
+            sizes = list(bound.sizes(v))
+            if rows is not None:
+                sizes[0] = -(-sizes[0] * rows // bound.sizes(0)[0])
+            others = math.prod(n for b, n in enumerate(sizes) if b != axis)
+            total += _width(bound, v) * depth * others
     return total * element_size
+
+
+def halo_bytes(plan: TilePlan, element_size: int) -> int:
+    """Bytes of the forward values' halo store (every slab, kept from the forward pass
+    to the backward pass)."""
+    return sum(
+        _slab_bytes(plan, a, k, element_size)
+        for a, axis in enumerate(plan.axes)
+        for k in range(axis.count)
+    )
+
+
+def gradient_halo_bytes(plan: TilePlan, element_size: int) -> int:
+    """Bytes of the gradients' halo store at its fullest: two boundaries' slabs along the
+    first axis, and along the others the slabs of one row of tiles."""
+    first = plan.axes[0]
+    rows = sorted(_slab_bytes(plan, 0, k, element_size) for k in range(first.count))[-2:]
+    tall = max(hi - lo for lo, hi in (first.own(0, k) for k in range(first.count)))
+    across = sum(
+        _slab_bytes(plan, a, k, element_size, rows=tall)
+        for a in range(1, len(plan.axes))
+        for k in range(plan.axes[a].count)
+    )
+    return sum(rows) + across
 
 
 def _largest_tiles(plan: TilePlan) -> list:
@@ -90,7 +119,7 @@ def predict_peak(
     out = math.prod(bound.output_shape()) * element_size
     graph = max(tile_bytes(plan, t, element_size) for t in _largest_tiles(plan))
     gx = math.prod(bound.nodes[0].shape) * element_size if input_grad else 0
-    halo = 2 * halo_bytes(plan, element_size)
+    halo = halo_bytes(plan, element_size) + gradient_halo_bytes(plan, element_size)
     return int(2 * out + gx + halo + 2 * param_bytes + GRAPH_FACTOR * graph)
 
 
@@ -105,9 +134,13 @@ def choose_tile(
     """``(tile, predicted peak)``: the largest tile (input pixels, the same on every
     axis) whose predicted peak fits ``budget`` bytes.
 
+    The prediction is not monotone in the tile: small tiles keep more halo slabs (one per
+    tile boundary), large ones a larger graph. Tiles from ``smallest`` (at least 64
+    pixels) to the image's side are priced on a geometric grid (× 1.25), then the gap
+    above the largest that fits is bisected.
+
     Raises:
-        ValueError: if even the smallest tile (``smallest``: the output stride) is
-            predicted above the budget.
+        ValueError: if no tile is predicted within the budget (naming the least peak).
     """
     largest = max(bound.sizes(0))
 
@@ -115,23 +148,39 @@ def choose_tile(
         plan = tile_plan(bound, (t,) * bound.dims)
         return predict_peak(plan, element_size, input_grad, param_bytes)
 
-    low = peak(smallest)
-    if low > budget:
+    grid, t = [], min(max(smallest, 64), largest)
+    while t < largest:
+        grid.append(t)
+        t = max(t + 1, int(t * 1.25))
+    grid.append(largest)
+    peaks = [peak(t) for t in grid]
+    fitting = [i for i, p in enumerate(peaks) if p <= budget]
+    if not fitting:
+        least = min(range(len(grid)), key=peaks.__getitem__)
         raise ValueError(
-            f"memory_budget {budget / 2**20:,.0f} MiB is below the predicted peak of the "
-            f"smallest tile ({smallest} pixels, the output stride): {low / 2**20:,.0f} MiB; "
-            "raise the budget"
+            f"memory_budget {budget / 2**20:,.0f} MiB is below the least predicted peak: "
+            f"{peaks[least] / 2**20:,.0f} MiB with {grid[least]}-pixel tiles (the output, its "
+            "gradient and the parameters' gradients alone take some); raise the budget"
         )
-    if peak(largest) <= budget:
-        return largest, peak(largest)
-    lo, hi = smallest, largest  # peak(lo) fits, peak(hi) does not
-    while hi - lo > max(8, lo // 16):
-        mid = (lo + hi) // 2
-        if peak(mid) <= budget:
-            lo = mid
-        else:
-            hi = mid
-    return lo, peak(lo)
+    i = fitting[-1]
+    lo, found = grid[i], peaks[i]
+    if i + 1 < len(grid):  # bisect the gap to the next tile of the grid, which does not fit
+        hi = grid[i + 1]
+        while hi - lo > max(8, lo // 32):
+            mid = (lo + hi) // 2
+            p = peak(mid)
+            if p <= budget:
+                lo, found = mid, p
+            else:
+                hi = mid
+    return lo, found
 
 
-__all__ = ["GRAPH_FACTOR", "choose_tile", "halo_bytes", "predict_peak", "tile_bytes"]
+__all__ = [
+    "GRAPH_FACTOR",
+    "choose_tile",
+    "gradient_halo_bytes",
+    "halo_bytes",
+    "predict_peak",
+    "tile_bytes",
+]

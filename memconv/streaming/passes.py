@@ -275,12 +275,14 @@ def backward_pass(
                 a.add_(g)
         for (u, axis, k, box, _), g in zip(leaves, got[len(params) : len(params) + len(leaves)]):
             if g is not None:
-                grads_halo.add(u, axis, k, box, g)
+                grads_halo.add(u, axis, k, box, g, tile)
         if want_input:
             for (box, _), g in zip(inputs, got[len(params) + len(leaves) :]):
                 if g is not None:
                     crop(gx, box).add_(g.to(gx.device))
         del got, leaves, inputs
+        grads_halo.release(tile, gradients=True)
+        runner.halo.release(tile, gradients=False)
         release_freed_memory(runner.device or runner.x.device)
     return gx, acc
 
