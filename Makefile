@@ -18,7 +18,8 @@ MIN_PYTHON := 3.10
 PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>/dev/null)
 
 .PHONY: install compare test test-slow lint format docs docs-clean clean benchmarks benchmarks-report \
-	benchmarks-steps benchmarks-private benchmarks-models benchmarks-gpu calibrate-gpu FORCE
+	benchmarks-steps benchmarks-private benchmarks-models benchmarks-reversible benchmarks-gpu \
+	calibrate-gpu FORCE
 
 # Rebuilt (with the whole venv) only when the interpreter changed; FORCE makes make
 # look at it every time, but its timestamp moves only on a rebuild.
@@ -84,6 +85,7 @@ benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	$(BENCH) --sweep side --range 28,56,112,224 --json $(BENCH_DIR)/sweep-side.jsonl --plot $(BENCH_DIR)/sweep-side.png
 	$(MAKE) benchmarks-private
 	$(MAKE) benchmarks-models
+	$(MAKE) benchmarks-reversible
 	$(MAKE) benchmarks-report
 	$(MAKE) benchmarks-steps
 
@@ -93,11 +95,29 @@ benchmarks: $(VENV)/.installed-bench+backpack+opacus
 benchmarks-steps: $(VENV)/.installed-bench+opacus
 	$(BIN)/python -m memconv.bench.steps --repeats 30 --json $(BENCH_DIR)/steps.json --markdown docs/benchmarks.md
 
+# "Reversible networks" (docs/benchmarks.md) and the reconstruction error (docs/reversible.md):
+# one training step of a RevNet-style CNN at depths 4 to 64 -- conventional,
+# torch.utils.checkpoint per block, MemCNN 1.5.2, memconv.reversible, DP clipping steps --
+# memory in a fresh process per step, times taking turns in one process per depth (one torch
+# thread); about an hour on 2 CPU cores. MemCNN gets a virtual environment of its own
+# (its core needs torch and numpy; memory_profiler and psutil measure it), with the
+# CPU build of torch that constraints.txt pins.
+MEMCNN_VENV ?= .venv-memcnn
+$(MEMCNN_VENV)/.installed: constraints.txt
+	rm -rf $(MEMCNN_VENV) && $(PYTHON) -m venv $(MEMCNN_VENV)
+	$(MEMCNN_VENV)/bin/python -m pip install -q -c constraints.txt torch numpy memory_profiler psutil
+	$(MEMCNN_VENV)/bin/python -m pip install -q --no-deps memcnn==1.5.2
+	@touch $@
+
+benchmarks-reversible: $(VENV)/.installed-bench $(MEMCNN_VENV)/.installed
+	$(BIN)/python -m memconv.bench.reversible steps --depths 4,8,16,32,64 --memcnn-python $(MEMCNN_VENV)/bin/python --json $(BENCH_DIR)/reversible.jsonl --markdown docs/benchmarks.md
+	$(BIN)/python -m memconv.bench.reversible errors --depths 4,8,16,32,64 --json $(BENCH_DIR)/reversible-errors.jsonl --markdown docs/reversible.md
+
 # The private-training path (memconv.integrations.opacus.make_private's model) against
 # Opacus' hooks and ghost modes, clip_and_accumulate and non-private training.
-PRIVATE_ENGINES := non-private,opacus-hooks,opacus-ghost,memconv:default,memconv-private
+PRIVATE_ENGINES := non-private,opacus-hooks,opacus-ghost,memconv:default,memconv:step,memconv-private,memconv:clipping
 benchmarks-private: $(VENV)/.installed-bench+backpack+opacus
-	-$(BENCH) --task clip --cases resnet18-gn,vit-tiny --engines $(PRIVATE_ENGINES) --json $(BENCH_DIR)/private.jsonl
+	-$(BENCH) --task clip --cases resnet18-gn,vit-tiny,vit-tiny-dropout,opacus-mnist --engines $(PRIVATE_ENGINES) --repeats 5 --json $(BENCH_DIR)/private.jsonl
 
 # "DP on the models people train": torchvision's ResNet-18-GN, timm's NF-ResNet-26 and
 # ConvNeXt-atto (3x64x64) and ViT-tiny (3x32x32, patch 4), batch 64, each step in a fresh
@@ -145,5 +165,5 @@ docs-clean:
 	rm -rf docs/_build docs/auto_examples docs/api/generated docs/sg_execution_times.rst
 
 clean: docs-clean
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis results
+	rm -rf $(VENV) $(MEMCNN_VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis results
 	find memconv tests examples docs -name __pycache__ -type d -prune -exec rm -rf {} +

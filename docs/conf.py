@@ -69,7 +69,9 @@ sphinx_gallery_conf = {
     "reset_modules": ("matplotlib",),
     "matplotlib_animations": False,
     "min_reported_time": 0,
-    "write_computation_times": True,
+    # no computation-time pages: sphinx-gallery writes them with scripts loaded from
+    # the internet (jQuery, DataTables), and the site loads nothing from the network
+    "write_computation_times": False,
     "show_signature": False,
     "line_numbers": False,
     "capture_repr": (),

@@ -102,4 +102,22 @@ check("registered rule")
 # the planner and, once installed, the Opacus bridge.
 norms = memconv.per_sample_norms(model, loss_fn, x, y)
 print("per-sample gradient norms of the first samples:", norms[:4].tolist())
+
+# %%
+# What a rule returns is checked wherever memconv calls it (the keys, the shapes
+# ``[N, *parameter.shape]``, the dtype and the device): a rule that forgot the bias
+# would give norms without it and, for DP-SGD, a clipped sum above its bound. It is an
+# error naming the rule, the layer and the parameter, before anything reaches ``.grad``.
+
+
+@memconv.layers.register(WSConv2d)
+class ForgetfulRule(memconv.layers.LayerRule):
+    def grad_sample(self, module, inputs, grad_output):
+        return {"weight": WSConv2dRule().grad_sample(module, inputs, grad_output)["weight"]}
+
+
+try:
+    memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=1.0)
+except ValueError as err:
+    print("refused:", err)
 memconv.layers.unregister(WSConv2d)

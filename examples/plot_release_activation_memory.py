@@ -14,6 +14,11 @@ This example measures both, as the resident set size (RSS) of this process. The
 tensors are large (64 MiB, 512 MiB with ``MEMCONV_FULL=1``), so the C library maps
 them directly from the operating system and gives their pages back the moment they
 are freed: RSS then follows the tensors exactly, to the page.
+
+To train reversible networks this way, use :mod:`memconv.reversible`
+(:doc:`/reversible`): its ``InvertibleModuleWrapper`` releases a block's input without
+emptying any storage in place, checks the inverse, and runs with
+``torch.autograd.grad``, ``DistributedDataParallel`` and memconv's per-sample functions.
 """
 
 import gc
@@ -153,5 +158,5 @@ print(
 # - no other code may read ``x`` between the forward and the backward pass;
 # - ``x._version`` does not change, so autograd cannot detect misuse: this is a tool
 #   for layer authors, not a switch for users. memconv's own memory savings
-#   (:doc:`/strategies/index`, :class:`memconv.streaming.StreamingCNN`) need no such
-#   trick.
+#   (:doc:`/strategies/index`, :class:`memconv.streaming.StreamingCNN`,
+#   :class:`memconv.reversible.InvertibleModuleWrapper`) need no such trick.

@@ -12,7 +12,7 @@ Example:
     >>> model[0].weight.grad_batch.shape    # [N, C_out, C_in/G, k, k]
 """
 
-from . import layers, modules, strategies
+from . import layers, modules, reversible, strategies
 from ._version import __version__ as __version__
 from .conv.grads import bias_grad
 from .conv.memory import predict_memory
@@ -44,6 +44,7 @@ from .tasks.adaptive import AdaptiveClipping
 from .tasks.clipping import clip_and_accumulate
 from .tasks.grads import per_sample_grads
 from .tasks.norms import per_sample_norms
+from .tasks.recorded import clipping, recording
 from .tasks.step import PrivateStep
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "available_strategies",
     "bias_grad",
     "clip_and_accumulate",
+    "clipping",
     "convert",
     "current_strategy",
     "per_sample",
@@ -77,9 +79,11 @@ __all__ = [
     "per_sample_norms",
     "plan",
     "predict_memory",
+    "recording",
     "save_memory",
     "groups",
     "layers",
+    "reversible",
     "strategies",
     "weight_vjp",
 ]

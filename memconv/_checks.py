@@ -95,19 +95,19 @@ def check_tensor(value, argument: str) -> None:
         raise TypeError(f"{argument} must be a torch.Tensor, got {type(value).__name__}")
 
 
-def check_positive_int(value, argument: str) -> None:
-    """Raise unless ``value`` is a positive int (a bool is not).
+def check_positive_int(value, argument: str, *, none: bool = True) -> None:
+    """Raise unless ``value`` is a positive int (a bool is not); ``none``: the argument
+    also accepts None (checked by the caller), as the message says.
 
     Raises:
         TypeError: not an int.
         ValueError: not positive.
     """
+    accepted = "a positive int or None" if none else "a positive int"
     if not _is_int(value):
-        raise TypeError(
-            f"{argument} must be a positive int or None, got {type(value).__name__} {value!r}"
-        )
+        raise TypeError(f"{argument} must be {accepted}, got {type(value).__name__} {value!r}")
     if value <= 0:
-        raise ValueError(f"{argument} must be a positive int or None, got {value}")
+        raise ValueError(f"{argument} must be {accepted}, got {value}")
 
 
 def check_budget(memory_budget, argument: str = "memory_budget") -> None:
@@ -452,3 +452,76 @@ def check_conv_grad_output(spec, x_shape, g, argument: str = "grad_output") -> N
             f"{argument} must have shape {expected} (the output of the convolution "
             f"for input {tuple(x_shape)}), got {tuple(g.shape)}"
         )
+
+
+def check_flag(value, argument: str) -> None:
+    """Raise ``TypeError`` unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def check_invertible_module(fn, argument: str = "fn") -> None:
+    """Raise ``TypeError`` unless ``fn`` is an ``nn.Module`` with a callable ``inverse``
+    (``fn.inverse(fn(x))`` gives ``x`` back, MemCNN's convention)."""
+    check_module(fn, argument)
+    if not callable(getattr(fn, "inverse", None)):
+        raise TypeError(
+            f"{argument} must be a torch.nn.Module with an inverse method "
+            f"(fn.inverse(fn(x)) == x); {type(fn).__name__} has none: write its inverse, or "
+            "build it from memconv.reversible.AdditiveCoupling or AffineCoupling"
+        )
+
+
+def check_block_inputs(inputs: tuple, where: str) -> None:
+    """Raise ``TypeError`` unless a reversible block gets one or more tensors, all
+    positional (``where``: the block, for the message)."""
+    if not inputs or not all(isinstance(t, Tensor) for t in inputs):
+        kinds = ", ".join(type(t).__name__ for t in inputs) or "nothing"
+        raise TypeError(f"{where} takes one or more tensors as positional arguments, got {kinds}")
+
+
+def check_split(x: Tensor, split_dim: int, where: str) -> None:
+    """Raise ``ValueError`` unless ``x`` splits into two halves of one size along
+    ``split_dim`` (a coupling's two parts)."""
+    if not -x.dim() <= split_dim < x.dim() or x.shape[split_dim] % 2:
+        size = x.shape[split_dim] if -x.dim() <= split_dim < x.dim() else "no such axis"
+        raise ValueError(
+            f"{where}: split_dim={split_dim} of an input of shape {tuple(x.shape)} ({size}): "
+            "a coupling splits its input into two halves of one size, so that axis must "
+            "exist and have an even size"
+        )
+
+
+def check_split_dim(split_dim, argument: str = "split_dim") -> None:
+    """Raise ``TypeError`` unless ``split_dim`` is an int (an axis, negative counts from
+    the end)."""
+    if not _is_int(split_dim):
+        raise TypeError(f"{argument} must be an int (an axis), got {type(split_dim).__name__}")
+
+
+def check_optional_module(value, argument: str) -> None:
+    """Raise ``TypeError`` unless ``value`` is None or an ``nn.Module``."""
+    if value is not None:
+        check_module(value, argument)
+
+
+def check_test_input_shape(shape) -> tuple:
+    """A shape or several shapes as a tuple of shapes (MemCNN's ``is_invertible_module``
+    convention).
+
+    Raises:
+        ValueError: neither a tuple of ints nor a tuple of tuples of ints.
+    """
+    ints = isinstance(shape, (tuple, list)) and shape and all(_is_int(e) for e in shape)
+    if ints:
+        return (tuple(shape),)
+    nested = (
+        isinstance(shape, (tuple, list))
+        and shape
+        and all(isinstance(e, (tuple, list)) and all(_is_int(v) for v in e) for e in shape)
+    )
+    if not nested:
+        raise ValueError(
+            f"test_input_shape must be a tuple of ints or a tuple of tuples of ints, got {shape!r}"
+        )
+    return tuple(tuple(e) for e in shape)

@@ -26,6 +26,7 @@ __all__ = [
     "sequence_nr",
     "storage_key",
     "storage_ptr",
+    "storage_weakref",
     "tree_flatten",
     "tree_unflatten",
     "version",
@@ -62,6 +63,15 @@ def version(t: Tensor) -> int | None:
 def storage_ptr(t: Tensor) -> int:
     """The address of ``t``'s storage (tensors that share memory share it)."""
     return t.untyped_storage().data_ptr()
+
+
+def storage_weakref(t: Tensor):
+    """A weak reference to ``t``'s storage: its ``expired()`` tells whether any tensor
+    still holds that memory (torch's ``StorageWeakRef``, which torch's own tensor
+    bookkeeping uses; it keeps nothing alive)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
 
 
 def storage_key(t: Tensor) -> tuple:

@@ -212,3 +212,59 @@ def run(rank: int, out: str) -> None:
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def reversible_model():
+    """A stem, two reversible additive-coupling blocks (memconv.reversible) and a head."""
+    from memconv.reversible import AdditiveCoupling, InvertibleModuleWrapper
+
+    torch.manual_seed(4)
+
+    def half():
+        return nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.GroupNorm(1, 2), nn.Tanh())
+
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        InvertibleModuleWrapper(AdditiveCoupling(half())),
+        InvertibleModuleWrapper(AdditiveCoupling(half())),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 3),
+    ).double()
+
+
+def run_reversible(rank: int, out: str) -> None:
+    """Entry point of ``torch.multiprocessing.spawn`` for :mod:`test_reversible`: DDP's
+    own training step through reversible blocks (twice: the first backward pass checks
+    the inverse), and ``memconv.clip_and_accumulate`` on both routes."""
+    torch.set_num_threads(1)
+    _use_loopback()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out}/store",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        x, y = batch()
+        r = SPLITS["halves"][rank]
+        result = {"step": [], "clip": {}}
+        model = DDP(reversible_model())
+        for _ in range(2):
+            model.zero_grad()
+            nn.CrossEntropyLoss()(model(x[r]), y[r]).backward()
+            result["step"].append(_grads(model.module))
+        for route in CLIP_ROUTES:
+            model = DDP(reversible_model())
+            norms = memconv.clip_and_accumulate(
+                model,
+                nn.CrossEntropyLoss(reduction="sum"),
+                x[r],
+                y[r],
+                max_norm=MAX_NORM,
+                clip_route=route,
+            )
+            result["clip"][route] = (_grads(model.module), norms)
+        torch.save(result, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

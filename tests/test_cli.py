@@ -222,3 +222,25 @@ def test_bench_without_a_needed_package_stops_before_measuring(monkeypatch, caps
                   "--data", "digits"])  # fmt: skip
     assert f"{missing}: pip install 'memconv[bench]'" in capsys.readouterr().err
     assert not measured
+
+
+def test_plot_and_json_folders_are_made_before_the_run(tmp_path):
+    from memconv.bench import bench, compare
+
+    plot, json_path = tmp_path / "a" / "plot.png", tmp_path / "b" / "out.jsonl"
+    args = cli.build_parser().parse_args(
+        ["bench", "--quick", "--plot", str(plot), "--json", str(json_path)]
+    )
+    bench.check_arguments(args)
+    assert plot.parent.is_dir() and json_path.parent.is_dir()
+    plot = tmp_path / "c" / "compare.png"
+    args = cli.build_parser().parse_args(["compare", "--plot", str(plot)])
+    compare.check_arguments(args)
+    assert plot.parent.is_dir()
+
+
+def test_the_run_record_names_the_device():
+    from memconv.bench import bench
+
+    args = cli.build_parser().parse_args(["bench", "--quick", "--device", "cpu"])
+    assert bench._header(args, "matrix")["device"] == {"type": "cpu"}

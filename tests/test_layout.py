@@ -8,10 +8,11 @@ The order (docs/design.md, "Layout"):
 3. ``layers/``: one layer (its rule), one operation (its binder);
 4. ``modules.py``: the extended layers;
 5. ``streaming/``: whole trunks over huge images;
-6. ``engine/``: one model (recorder, probes, calls, coverage, walk, plans, passes);
-7. ``tasks/``: the whole-model calls (per-sample gradients, norms, clipping);
-8. ``integrations/``: BackPACK and Opacus;
-9. ``bench/`` (the measurements and the command line), ``__main__`` and the package itself.
+6. ``reversible/``: reversible blocks (their inputs released, reconstructed);
+7. ``engine/``: one model (recorder, probes, calls, coverage, walk, plans, passes);
+8. ``tasks/``: the whole-model calls (per-sample gradients, norms, clipping);
+9. ``integrations/``: BackPACK and Opacus;
+10. ``bench/`` (the measurements and the command line), ``__main__`` and the package itself.
 
 The imports are read from the source (every ``import`` and ``from ... import``, those
 inside functions included), so a deferred import cannot hide a step back up.
@@ -34,6 +35,7 @@ LEVELS = (
     ("layers",),
     ("modules",),
     ("streaming",),
+    ("reversible",),
     ("engine",),
     ("tasks",),
     ("integrations",),

@@ -279,7 +279,8 @@ def test_accumulating_two_batches_raises():
         (dict(loss_reduction="none"), ValueError, "loss_reduction"),
         (dict(clip_route="three-pass"), ValueError, "clip_route"),
         (dict(module="model"), TypeError, "module"),
-        (dict(grad_sample_mode="ghost"), ValueError, "grad_sample_mode"),
+        (dict(grad_sample_mode="fast"), ValueError, "grad_sample_mode"),
+        (dict(wrap_model=False), ValueError, "wrap_model"),
     ],
 )
 def test_bad_arguments_raise_before_any_work(kwargs, error, match):
@@ -292,12 +293,37 @@ def test_bad_arguments_raise_before_any_work(kwargs, error, match):
         mo.make_private(PrivacyEngine(), **args)
 
 
-def test_dropout_is_refused_and_named():
-    model = nn.Sequential(nn.Flatten(), nn.Linear(36, 8), nn.Dropout(0.1), nn.Linear(8, 3))
-    with pytest.raises(ValueError, match="'2'.*Dropout"):
-        mo.make_private(PrivacyEngine(), module=model, data_loader=DataLoader(TensorDataset(*data())),
-                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                        noise_multiplier=1.0, max_grad_norm=1.0)  # fmt: skip
+def test_dropout_trains_with_the_mask_of_the_users_forward_pass():
+    """A model with dropout trains (its forward pass runs once: the mask is the one
+    the user's forward pass drew), equal to the clipped sum of the per-sample loss
+    gradients of that forward pass."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(36, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+    model = model.double()
+    x, y = data(6)
+    params = dict(model.named_parameters())
+    torch.manual_seed(3)
+    losses = nn.CrossEntropyLoss(reduction="none")(model(x), y)
+    rows = [
+        torch.autograd.grad(losses[n], list(params.values()), retain_graph=True) for n in range(6)
+    ]
+    ref = {k: torch.stack([r[i] for r in rows]) for i, k in enumerate(params)}
+    norms = torch.stack([v.reshape(6, -1).pow(2).sum(1) for v in ref.values()]).sum(0).sqrt()
+    c = (float(norms.median()) / norms).clamp(max=1.0)
+    m, _, _ = mo.make_private(
+        PrivacyEngine(),
+        module=model,
+        data_loader=DataLoader(TensorDataset(*data())),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        noise_multiplier=1.0,
+        max_grad_norm=float(norms.median()),
+    )
+    torch.manual_seed(3)
+    nn.CrossEntropyLoss()(m(x), y).backward()
+    for k, p in params.items():
+        want = torch.einsum("n,n...->...", c, ref[k])
+        assert (p.grad - want).abs().max() <= TOL * want.abs().max(), k
+    assert torch.allclose(m.last_norms, norms, rtol=TOL, atol=0)
 
 
 def test_eval_mode_runs_the_model_as_it_is():
@@ -311,3 +337,40 @@ def test_eval_mode_runs_the_model_as_it_is():
     m.eval()
     assert torch.equal(m(x), model(x))
     assert getattr(m, "0") is model[0]  # attributes of the wrapped model
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+def test_opacus_grad_sample_modes_are_accepted_and_ghost_returns_the_criterion(mode):
+    model = resnet().double()
+    criterion = nn.CrossEntropyLoss()
+    out = mo.make_private(
+        PrivacyEngine(),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(*data())),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        criterion=criterion,
+        grad_sample_mode=mode,
+    )
+    if mode == "ghost":  # Opacus' four values: model, optimizer, criterion, loader
+        assert len(out) == 4 and out[2] is criterion
+    else:
+        assert len(out) == 3
+    x, y = data(4)
+    out[0].train()
+    criterion(out[0](x), y).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_batch_norm_refusal_names_fix():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 3))
+    with pytest.raises(ValueError, match=r"BatchNorm2d in training mode.*opacus\.fix\(module\)"):
+        mo.make_private(
+            PrivacyEngine(),
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(*data())),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )

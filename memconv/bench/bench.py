@@ -36,11 +36,13 @@ from .options import (
     check_dependencies,
     check_device,
     command_line,
+    device_record,
     machine,
     parse_names,
     parse_range,
     positive_float,
     positive_int,
+    prepare_outputs,
 )
 
 logger = logging.getLogger("memconv")
@@ -293,8 +295,10 @@ def check_arguments(args) -> dict:
             if not os.path.isfile(path):
                 raise ValueError(f"--report: no such file {path!r}")
         check_dependencies(plot=bool(args.plot), measure=False)
+        prepare_outputs(args.plot, getattr(args, "markdown", None))
         return plan
     check_device(args.device)
+    prepare_outputs(args.plot, args.json)
     task = args.task
     if args.cases is not None:
         cases = parse_names(args.cases, CASES, "--cases")
@@ -388,6 +392,7 @@ def _header(args, mode: str) -> dict:
         "task": args.task,
         "command": command_line(getattr(args, "argv", None)),
         "machine": machine(),
+        "device": device_record(getattr(args, "device", "cpu")),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "plot": args.plot,
         "table": getattr(args, "table", None),

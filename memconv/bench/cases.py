@@ -17,14 +17,15 @@ import torch
 STREAM_MODELS = ("stream-resnet18", "stream-resnet50", "stream-convnext-tiny")
 MODELS = (
     "seed", "resnet18", "resnet18-gn", "wrn16-4-gn", "conv1d", "conv3d", "streaming-net",
-    "vit-tiny", "resnet18-tv-gn", "nf-resnet26", "convnext-atto", *STREAM_MODELS,
+    "vit-tiny", "resnet18-tv-gn", "nf-resnet26", "convnext-atto", "opacus-mnist",
+    "vit-tiny-dropout", *STREAM_MODELS,
 )  # fmt: skip
 #: Smallest side each model accepts (the seed CNN's four poolings need 27 pixels).
 MIN_SIDE = {
     "seed": 27, "resnet18": 8, "resnet18-gn": 8, "wrn16-4-gn": 8, "conv1d": 8, "conv3d": 4,
     "streaming-net": 64, "vit-tiny": 8, "resnet18-tv-gn": 8, "nf-resnet26": 8,
-    "convnext-atto": 32, "stream-resnet18": 64, "stream-resnet50": 64,
-    "stream-convnext-tiny": 64,
+    "convnext-atto": 32, "opacus-mnist": 28, "vit-tiny-dropout": 8, "stream-resnet18": 64,
+    "stream-resnet50": 64, "stream-convnext-tiny": 64,
 }  # fmt: skip
 #: The real data each model gets unless told otherwise.
 NATURAL_DATA = {
@@ -39,6 +40,8 @@ NATURAL_DATA = {
     "resnet18-tv-gn": "photos",
     "nf-resnet26": "photos",
     "convnext-atto": "photos",
+    "opacus-mnist": "digits",
+    "vit-tiny-dropout": "photos",
     "stream-resnet18": "photos",
     "stream-resnet50": "photos",
     "stream-convnext-tiny": "photos",
@@ -164,6 +167,12 @@ CASES: dict[str, Case] = {
              summary="a small 1-D CNN on rows of photos"),
         Case("conv3d", "conv3d", 8, 24, depth=16, quick=(2, 8, 4),
              summary="a small 3-D CNN on stacks of shifted photo crops"),
+        Case("opacus-mnist", "opacus-mnist", 64, 28, quick=(4, 28, None),
+             summary="the small CNN of Opacus' examples/mnist.py as the script writes it, "
+                     "on digits"),
+        Case("vit-tiny-dropout", "vit-tiny-dropout", 64, 32, quick=(2, 16, None),
+             summary="ViT-Tiny with timm's dropout 0.1 (after the position embedding and in "
+                     "the MLPs), on photo crops"),
         Case("streaming-4096", "streaming-net", 1, 4096, quick=(1, 128, None),
              summary="StreamingCNN's example network on one 4096x4096 mosaic of the retina "
                      "photograph (the memconv-streaming engine against autograd)"),
@@ -260,11 +269,16 @@ def build_case(config: dict, device: torch.device):
         else:
             x = load_mosaic("astronaut", side).expand(n, 3, side, side).contiguous()
         y = torch.zeros(n, dtype=torch.long)
-    elif name == "vit-tiny":  # its position embedding is made for the image side
+    elif name in ("vit-tiny", "vit-tiny-dropout"):  # position embedding: the image's side
         from .models import vit_tiny
 
-        model = vit_tiny(img_size=side)
+        model = vit_tiny(img_size=side, drop_rate=0.1 if name == "vit-tiny-dropout" else 0.0)
         x, y = load_batch(n, side, channels=3, source=data)
+    elif name == "opacus-mnist":
+        from .models import OpacusMnistCNN
+
+        model = OpacusMnistCNN()
+        x, y = load_batch(n, side, source=data)
     else:
         model = build_model(name)
         x, y = load_batch(n, side, channels=3, source=data)
@@ -283,6 +297,8 @@ LABELS = {
     "resnet18-tv-gn": "torchvision ResNet-18-GN",
     "nf-resnet26": "NF-ResNet-26",
     "convnext-atto": "ConvNeXt-atto",
+    "opacus-mnist": "Opacus' MNIST CNN",
+    "vit-tiny-dropout": "ViT-Tiny with dropout",
     "stream-resnet18": "ResNet-18 trunk",
     "stream-resnet50": "ResNet-50 trunk",
     "stream-convnext-tiny": "ConvNeXt-tiny trunk",
@@ -292,7 +308,7 @@ LABELS = {
 def shape_of(config: dict) -> str:
     """The per-sample input shape, e.g. ``1×112×112``."""
     name, side = config.get("model", "seed"), config["side"]
-    if name == "seed":
+    if name in ("seed", "opacus-mnist"):
         return f"1×{side}×{side}"
     if name == "conv1d":
         return f"1×{side}"

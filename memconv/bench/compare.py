@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 
 import memconv
 
+from . import options
 from .cases import MIN_SIDE
 from .engines import get_engine
 from .options import (
@@ -76,6 +77,7 @@ def check_arguments(args) -> list[str]:
     names = parse_names(args.strategies, memconv.available_strategies(), "--strategies")
     engines = ["autograd", "torch.func"] + [f"memconv:{s}" for s in names]
     check_dependencies([get_engine(e) for e in engines], plot=bool(args.plot), data=args.data)
+    options.prepare_outputs(args.plot, args.json)
     return engines
 
 
@@ -102,14 +104,18 @@ def main(args) -> int:
             "mode": "compare",
             "command": command_line(getattr(args, "argv", None)),
             "machine": machine(),
+            "device": options.device_record(args.device),
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "plot": args.plot,
         },
     )
     config = {k: base[k] for k in ("model", "batch", "side", "data")}
 
+    done = [0]
+
     def on_row(row):
-        logger.info("%s: %s", row["engine"], _summary(row))
+        done[0] += 1
+        logger.info("[%d/%d] %s: %s", done[0], len(engines), row["engine"], _summary(row))
         out.write({"record": "row", "task": "grads", "case": "compare", "config": config, **row})
 
     rows = measure_engines(base, engines, task="grads", on_row=on_row)

@@ -414,20 +414,50 @@ def memconv_step_clip():
     return run
 
 
-def memconv_private_clip(model, x, y, max_norm, **_):
-    """memconv's private-training path (``memconv.integrations.opacus.make_private``)
-    as a training loop runs it, noise and step left out: ``criterion(model(x),
-    y).backward()`` on its ``PrivateModule`` (a forward pass without graph, then
-    ``memconv.clip_and_accumulate`` with default arguments from the output gradient)."""
+def memconv_private_clip():
+    """memconv's private-training path (``memconv.integrations.opacus.make_private``'s
+    model) as a training loop runs it, noise and step left out: the private module made
+    once, then ``criterion(model(x), y).backward()`` each step (the forward pass
+    recorded, its backward pass driven by memconv from the output gradient)."""
     from memconv.integrations.opacus import PrivateModule
 
-    model.zero_grad(set_to_none=True)
-    private = PrivateModule(model, max_grad_norm=max_norm, loss_reduction="sum", clip_options={})
-    _loss()(private(x), y).backward()
-    out = {n: p.grad for n, p in model.named_parameters()}
-    out[NORMS] = private.last_norms
-    model.zero_grad(set_to_none=True)
-    return out
+    state: dict = {}
+
+    def run(model, x, y, max_norm, **_):
+        if state.get("model") is not model:
+            state["model"] = model
+            state["private"] = PrivateModule(
+                model, max_grad_norm=max_norm, loss_reduction="sum", clip_options={}
+            )
+        model.zero_grad(set_to_none=True)
+        private = state["private"]
+        _loss()(private(x), y).backward()
+        out = {n: p.grad for n, p in model.named_parameters()}
+        out[NORMS] = private.last_norms
+        model.zero_grad(set_to_none=True)
+        return out
+
+    return run
+
+
+def memconv_clipping_block():
+    """``with memconv.clipping(model, max_norm=C) as clip: criterion(model(x),
+    y).backward()``: the block form of the private path, made once."""
+    state: dict = {}
+
+    def run(model, x, y, max_norm, **_):
+        if state.get("model") is not model:
+            state["model"] = model
+            state["block"] = memconv.clipping(model, max_norm=max_norm, loss_reduction="sum")
+        model.zero_grad(set_to_none=True)
+        with state["block"] as clip:
+            _loss()(model(x), y).backward()
+        out = {n: p.grad for n, p in model.named_parameters()}
+        out[NORMS] = clip.norms
+        model.zero_grad(set_to_none=True)
+        return out
+
+    return run
 
 
 def _streamable_prefix(model: nn.Sequential, tile) -> int:
@@ -596,9 +626,13 @@ def _clip_registry() -> list[Engine]:
         Engine(STEP_ENGINE, "clip", memconv_step_clip(),
                "memconv.PrivateStep(model, loss).clip_and_accumulate, made once (a training "
                "loop's steady state: checks, probe and plan reused)"),
-        Engine("memconv-private", "clip", memconv_private_clip,
-               "memconv's private-training path on Opacus (make_private's model): forward "
-               "without graph, then clip_and_accumulate from the output gradient"),
+        Engine("memconv-private", "clip", memconv_private_clip(),
+               "memconv's private-training path on Opacus (make_private's model, made "
+               "once): the forward pass recorded, its backward driven from the output "
+               "gradient"),
+        Engine("memconv:clipping", "clip", memconv_clipping_block(),
+               "with memconv.clipping(model, max_norm): criterion(model(x), y).backward() "
+               "(the block made once)"),
     ]  # fmt: skip
 
 

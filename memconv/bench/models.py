@@ -247,13 +247,17 @@ class Attention(nn.Module):
 class ViTBlock(nn.Module):
     """timm's pre-norm transformer block: ``x + attn(norm1(x))``, ``x + mlp(norm2(x))``."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0):
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, drop: float = 0.0):
         super().__init__()
         hidden = int(dim * mlp_ratio)
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, num_heads)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        # timm's Mlp: fc1, act, drop, fc2, drop (its proj_drop_rate)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(drop), nn.Linear(hidden, dim),
+            nn.Dropout(drop),
+        )  # fmt: skip
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -271,31 +275,81 @@ class VisionTransformer(nn.Module):
         in_chans: input channels.
         num_classes: outputs.
         embed_dim, depth, num_heads: width, blocks and attention heads.
+        drop_rate: dropout after the position embedding and in the blocks' MLPs
+            (timm's ``drop_rate`` and ``proj_drop_rate``).
     """
 
     def __init__(self, img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=192,
-                 depth=12, num_heads=3):  # fmt: skip
+                 depth=12, num_heads=3, drop_rate=0.0):  # fmt: skip
         super().__init__()
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(
             torch.randn(1, self.patch_embed.num_patches + 1, embed_dim) * 0.02
         )
-        self.blocks = nn.Sequential(*[ViTBlock(embed_dim, num_heads) for _ in range(depth)])
+        self.pos_drop = nn.Dropout(drop_rate)
+        self.blocks = nn.Sequential(
+            *[ViTBlock(embed_dim, num_heads, drop=drop_rate) for _ in range(depth)]
+        )
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.head = nn.Linear(embed_dim, num_classes)
 
     def forward(self, x):
         x = self.patch_embed(x)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
-        x = self.norm(self.blocks(x))
+        x = self.norm(self.blocks(self.pos_drop(x)))
         return self.head(x[:, 0])
 
 
-def vit_tiny(in_channels: int = 3, num_classes: int = 10, img_size: int = 32) -> nn.Module:
+def vit_tiny(
+    in_channels: int = 3, num_classes: int = 10, img_size: int = 32, drop_rate: float = 0.0
+) -> nn.Module:
     """ViT-Tiny (embed 192, depth 12, 3 heads; 5.4 M parameters) with 4×4 patches
-    (on 32×32 images: 64 tokens and a class token)."""
-    return VisionTransformer(img_size, 4, in_channels, num_classes, 192, 12, 3)
+    (on 32×32 images: 64 tokens and a class token); ``drop_rate``: timm's dropout."""
+    return VisionTransformer(img_size, 4, in_channels, num_classes, 192, 12, 3, drop_rate)
+
+
+class OpacusMnistCNN(nn.Module):
+    """Opacus' ``examples/mnist.py`` model (``SampleConvNet``), as the script writes it,
+    on ``[N, 1, 28, 28]``; ``dropout`` adds one between the two Linear layers (0: the
+    script's)."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 8, 2, padding=3)
+        self.conv2 = nn.Conv2d(16, 32, 4, 2)
+        self.fc1 = nn.Linear(32 * 4 * 4, 32)
+        self.fc2 = nn.Linear(32, 10)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = nn.functional.relu(self.conv1(x))  # -> [B, 16, 14, 14]
+        x = nn.functional.max_pool2d(x, 2, 1)  # -> [B, 16, 13, 13]
+        x = nn.functional.relu(self.conv2(x))  # -> [B, 32, 5, 5]
+        x = nn.functional.max_pool2d(x, 2, 1)  # -> [B, 32, 4, 4]
+        x = x.view(-1, 32 * 4 * 4)  # -> [B, 512]
+        x = self.dropout(nn.functional.relu(self.fc1(x)))  # -> [B, 32]
+        return self.fc2(x)  # -> [B, 10]
+
+
+def opacus_cifar10_convnet(num_classes: int = 10) -> nn.Sequential:
+    """Opacus' ``examples/cifar10.py`` model (``convnet``), as the script writes it."""
+    return nn.Sequential(
+        nn.Conv2d(3, 32, kernel_size=3, stride=1, padding=1),
+        nn.ReLU(),
+        nn.AvgPool2d(kernel_size=2, stride=2),
+        nn.Conv2d(32, 64, kernel_size=3, stride=1, padding=1),
+        nn.ReLU(),
+        nn.AvgPool2d(kernel_size=2, stride=2),
+        nn.Conv2d(64, 64, kernel_size=3, stride=1, padding=1),
+        nn.ReLU(),
+        nn.AvgPool2d(kernel_size=2, stride=2),
+        nn.Conv2d(64, 128, kernel_size=3, stride=1, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d((1, 1)),
+        nn.Flatten(start_dim=1, end_dim=-1),
+        nn.Linear(128, num_classes, bias=True),
+    )
 
 
 # ---------------------------------------------------------------- the model zoo

@@ -186,6 +186,33 @@ def command_line(argv=None) -> str:
     return "memconv " + shlex.join(argv)
 
 
+def prepare_outputs(*paths) -> None:
+    """Create the folders of the output files given (None: no file) before any work,
+    so that a run does not fail at its end on a missing folder."""
+    from pathlib import Path
+
+    for path in paths:
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+
+def device_record(device: str) -> dict:
+    """The device a run measures on: its type, its name (the card's, for CUDA) and, on
+    CUDA, whether TF32 is on for matrix products and convolutions (it changes float32
+    results at the 1e-3 level)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return {"type": dev.type}
+    return {
+        "type": "cuda",
+        "name": torch.cuda.get_device_name(dev),
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+    }
+
+
 def machine() -> dict:
     """CPU model, threads and versions, for the JSON records."""
     import platform

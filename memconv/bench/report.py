@@ -418,10 +418,58 @@ def _per_layer_targets(records: list[dict]) -> list[str]:
     return out
 
 
+#: The private path's engines (the Opacus wrapper and the block) and the targets of
+#: their step: ≤ 1.05 × clip_and_accumulate's time and allocator peak (one run), and
+#: ≤ 1.30 × the non-private step's time on ResNet-18-GN.
+PRIVATE_ENGINES = ("memconv-private", "memconv:clipping")
+PRIVATE_TARGETS = (1.05, 1.30)
+
+
+def _private_targets(records: list[dict]) -> list[str]:
+    """The private path's step against ``clip_and_accumulate``, the non-private step and
+    Opacus' hooks step, each ratio within the run that measured both."""
+    out = []
+    to_clip, to_floor = PRIVATE_TARGETS
+    runs = {r.get("file") for r in records if r.get("engine") in PRIVATE_ENGINES}
+    for run in sorted(x for x in runs if x):
+        rows = [r for r in records if r.get("file") == run]
+        for case in dict.fromkeys(r.get("case") for r in rows if r.get("case") in CASES):
+            name = LABELS[CASES[case].model]
+            base = _find(rows, "clip", case, DEFAULT_ENGINE)
+            floor = _find(rows, "clip", case, "non-private")
+            hooks = _find(rows, "clip", case, "opacus-hooks")
+            for engine in PRIVATE_ENGINES:
+                ours = _find(rows, "clip", case, engine)
+                if not (ours and ours.get("time_s")):
+                    continue
+                parts = []
+                if base and base.get("time_s") and base.get("peak_alloc_mib"):
+                    t = ours["time_s"] / base["time_s"]
+                    a = ours["peak_alloc_mib"] / base["peak_alloc_mib"]
+                    parts.append(
+                        f"≤ {to_clip:.2f} × clip_and_accumulate: time {t:.2f} × "
+                        f"({_verdict(t <= to_clip)}), allocator {a:.2f} × "
+                        f"({_verdict(a <= to_clip)})"
+                    )
+                if case == "resnet18-gn" and floor and floor.get("time_s"):
+                    t = ours["time_s"] / floor["time_s"]
+                    parts.append(
+                        f"time ≤ {to_floor:.2f} × non-private: {t:.2f} × "
+                        f"({_verdict(t <= to_floor)})"
+                    )
+                if case == "opacus-mnist" and hooks and hooks.get("time_s"):
+                    t = ours["time_s"] / hooks["time_s"]
+                    parts.append(f"time ≤ Opacus' hooks step: {t:.2f} × ({_verdict(t <= 1)})")
+                if parts:
+                    batch = ours["config"]["batch"]
+                    out.append(f"- {name}, batch {batch}, {engine}: " + "; ".join(parts))
+    return out
+
+
 def targets(records: list[dict]) -> list[str]:
     """The targets as measured ratios (each line says met or missed); targets whose
     measurements are not in ``records`` are left out."""
-    out = []
+    out = _private_targets(records)
     # DP-SGD's clipped sum against the non-private step: (case, peak, time or None)
     for case, peak, time in (("resnet18-gn", 1.10, 1.25), ("wrn16-4-gn", 1.15, None)):
         floor = _find(records, "clip", case, "non-private")

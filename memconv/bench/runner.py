@@ -86,8 +86,12 @@ class memory_cgroup:
         logger.warning("could not remove the memory cgroup %s", self.path)
 
 
-def run_in_subprocess(config: dict, timeout: float = DEFAULT_TIMEOUT) -> dict:
-    """Run one measurement (:mod:`memconv.bench.worker`) in a fresh Python process.
+def run_in_subprocess(
+    config: dict, timeout: float = DEFAULT_TIMEOUT, python: str | None = None
+) -> dict:
+    """Run one measurement (:mod:`memconv.bench.worker`) in a fresh Python process
+    (``python``: another interpreter than this one, e.g. a virtual environment with a
+    peer library installed; this checkout of memconv is put on its path).
 
     Returns:
         The worker's figures; ``{"aborted": True, ...}`` if it stopped past its
@@ -98,7 +102,7 @@ def run_in_subprocess(config: dict, timeout: float = DEFAULT_TIMEOUT) -> dict:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    python = config.get("python") or sys.executable
+    python = python or config.get("python") or sys.executable
     command = [python, "-m", "memconv.bench.worker", json.dumps(config)]
     # Files, not pipes, and a session of its own: memory_profiler forks a child that
     # inherits the worker's outputs and outlives a worker that stops itself

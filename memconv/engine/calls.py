@@ -213,6 +213,27 @@ class LayerCall:
 
 
 @dataclass(eq=False)
+class BlockCall(LayerCall):
+    """One forward call of a reversible block
+    (:class:`memconv.reversible.InvertibleModuleWrapper`): its layers ran without
+    gradients, so the walk saw none of their calls; the block's backward pass runs them
+    again, and a walk of its own records and visits their calls then
+    (:meth:`memconv.engine.walk._BackwardWalk.recompute_block`). Coverage treats the
+    call as a generic call of the block (:attr:`params`: the block's parameters whose
+    uses lie in it); it has no arguments, no output gradients and no route of its own.
+
+    Attributes:
+        node: the block's autograd node.
+    """
+
+    node: object = None
+
+    @property
+    def what(self) -> str:
+        return f"reversible block {self.name!r}"
+
+
+@dataclass(eq=False)
 class OpCall(LayerCall):
     """One call of an operation with a rule (:mod:`memconv.layers.operations`) on parameters,
     or on functions of parameters alone (``w' = f(w)``), whatever module makes it.

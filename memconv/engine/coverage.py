@@ -53,12 +53,12 @@ def rule_for(module, args, kwargs, in_axes, output, out_axes, ours) -> LayerRule
     return None
 
 
-def use_graph(root) -> tuple[set, dict]:
-    """Nodes reachable from ``root``, and the uses of leaves: ``{id(parameter):
+def use_graph(*roots) -> tuple[set, dict]:
+    """Nodes reachable from ``roots``, and the uses of leaves: ``{id(parameter):
     [sequence numbers of the using nodes]}``."""
     reachable: set = set()
     uses: dict[int, list[int]] = {}
-    stack = [root]
+    stack = list(roots)
     while stack:
         node = stack.pop()
         if node in reachable:

@@ -60,13 +60,30 @@ def _same_states(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+#: The start of torch's note that vmap loops over an operator without a batching rule.
+_FALLBACK_NOTE = "There is a performance drop because we have"
+
+
 @contextlib.contextmanager
 def quiet_fallbacks():
     """Silence torch's note that an operator has no batching rule (vmap then loops over
-    it internally: the numbers are the same, only slower)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="There is a performance drop because we have")
+    it internally: the numbers are the same, only slower).
+
+    The note is dropped where warnings are shown (``warnings.showwarning``), not by a
+    filter: entering ``warnings.catch_warnings()`` resets Python's record of the
+    warnings already shown once, so the user's own warnings would reappear after
+    every call."""
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not str(message).startswith(_FALLBACK_NOTE):
+            previous(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
         yield
+    finally:
+        warnings.showwarning = previous
 
 
 def chunk_size(n: int, per_sample_bytes: int, budget: int | None) -> int | None:

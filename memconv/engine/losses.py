@@ -206,3 +206,17 @@ def per_sample_losses(loss_fn, output, targets, *, vectorise: bool = True) -> Te
         if losses is not None:
             return losses
     return _looped(loss_fn, output, targets)
+
+
+def linear_loss(output: Tensor, target: Tensor) -> Tensor:
+    """``⟨output, target⟩``: with ``target`` sample n's output gradient of its own loss,
+    its gradient with respect to the parameters is sample n's loss gradient, exactly.
+    The per-sample loss of a pass whose backward the user's ``loss.backward()`` starts
+    (:class:`memconv.engine.passes.UserPass`)."""
+    return (output * target).sum()
+
+
+def linear_losses(output: Tensor, targets: Tensor) -> Tensor:
+    """:func:`linear_loss` of every sample: ``[N]`` (batch axis first)."""
+    n = output.shape[0]
+    return (output * targets.to(output.dtype)).reshape(n, -1).sum(1)

@@ -20,11 +20,11 @@ from torch import Tensor
 from ..conv.settings import activate
 from ..layers import RuleSettings
 from .generic import chunk_size, model_grad_sample
-from .losses import per_sample_losses
+from .losses import linear_loss, linear_losses, per_sample_losses
 from .prepared import CallPlan
 from .request import Batch
 from .resources import process_budget
-from .walk import backward_walk
+from .walk import BackwardWalk, backward_walk
 
 
 class MicroBatch(NamedTuple):
@@ -127,3 +127,97 @@ def sample_by_sample(batch: Batch, params: dict):
             i,
             {k: g if g is not None else torch.zeros_like(params[k]) for k, g in zip(names, grads)},
         )
+
+
+class UserPass:
+    """One pass whose forward is the user's call of the model and whose backward the
+    user's ``loss.backward()`` starts: the walk records the forward pass
+    (:meth:`forward`, or :meth:`start`/:meth:`stop` around a call the user makes), and
+    :meth:`backward`, given ``∂L/∂output`` scaled to each sample's own loss, walks it
+    from the per-sample losses ``⟨outputₙ, targetsₙ⟩`` (:func:`memconv.engine.losses.linear_loss`,
+    whose parameter gradient is sample n's loss gradient), then takes the model route.
+
+    The whole batch is one micro-batch: the forward pass's activations are the user's;
+    the plan's per-layer budget bounds the routes' temporaries.
+
+    Args:
+        cp: the plan of the call (:class:`memconv.engine.prepared.CallPlan`, made on
+            this model and an input of the batch's shape).
+        model: the model whose call is recorded.
+        visitor: what visits its calls, as :func:`walk_micro_batches` takes it.
+    """
+
+    def __init__(self, cp: CallPlan, model, visitor):
+        self.cp, self.model, self.visitor = cp, model, visitor
+        self.walk: BackwardWalk | None = None
+        self.inputs: Tensor | None = None
+        self.output: Tensor | None = None
+
+    def _walk(self, inputs: Tensor) -> BackwardWalk:
+        self.inputs = inputs.detach()
+        cp = self.cp
+        self.walk = BackwardWalk(
+            self.model,
+            cp.names,
+            cp.axes,
+            self.visitor.visit,
+            caller=cp.request.caller,
+            owners=cp.owners,
+            m=len(inputs),
+        )
+        return self.walk
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        """The model's output on ``inputs``, its calls recorded."""
+        walk = self._walk(inputs)
+        try:
+            self.output = walk.forward(inputs)
+        except BaseException:
+            walk.close()
+            raise
+        return self.output
+
+    def start(self, inputs: Tensor, root_call: tuple | None = None) -> None:
+        """Record the calls of the model's call that begins now (its input ``inputs``);
+        ``root_call``: ``(args, kwargs)`` of that call if the model owns trainable
+        parameters itself (its call is then recorded by hand, see :meth:`stop`)."""
+        walk = self._walk(inputs)
+        walk.start(outside=self.model if root_call is not None else None)
+        if root_call is not None:
+            walk.pre_hook(self.model, *root_call)
+
+    def stop(self, output: Tensor, root_call: tuple | None = None) -> Tensor:
+        """The end of the call :meth:`start` began: its output (or the copy the walk
+        hooks)."""
+        walk = self.walk
+        try:
+            if root_call is not None:
+                new = walk.forward_hook(self.model, *root_call, output)
+                output = output if new is None else new
+        finally:
+            walk.stop()
+        self.output = output
+        return output
+
+    def backward(self, targets: Tensor, *, keep_graph: bool = False) -> MicroBatch:
+        """The backward half from the per-sample losses ``⟨outputₙ, targetsₙ⟩``, then the
+        model route.
+
+        Args:
+            targets: ``[N, ...]``, each sample's output gradient of its own loss.
+            keep_graph: keep the graph for a second backward pass of the losses.
+        """
+        with torch.enable_grad():
+            losses = linear_losses(self.output, targets)
+            walk = self.walk.finish(losses, keep_graph=keep_graph, prepare=self.visitor.prepare)
+        self.output = None
+        part = Batch(self.model, linear_loss, self.inputs, targets)
+        for name, grads in model_route(part, walk, self.cp.rule_settings).items():
+            self.visitor.from_model_route(name, grads)
+        return MicroBatch(rows=slice(0, len(targets)), visitor=self.visitor, losses=walk.losses)
+
+    def close(self) -> None:
+        """Drop what the recorded forward pass holds (a pass whose backward never ran)."""
+        if self.walk is not None:
+            self.walk.close()
+        self.walk = self.output = self.inputs = None

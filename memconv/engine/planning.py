@@ -19,7 +19,12 @@ forward pass of one and two samples):
   gradients before they are stored);
 - the result (``N·P`` elements of per-sample gradients; ``N`` norms); for
   book-keeping, what each layer keeps; for the clipped sum, the parameters'
-  gradients.
+  gradients;
+- a reversible block's recomputation (:mod:`memconv.reversible`): what the block saves
+  for its backward pass when run with a graph, the largest block's, ``r₀ + r₁·m``,
+  alive at every layer of the backward pass (a block's layers save nothing in the
+  forward pass; its backward pass runs them again, a half-step at a time for a
+  coupling: the whole block's is an upper bound).
 
 A budget below the smallest feasible one (one sample, the leanest strategies)
 raises a ``ValueError`` naming it. Activation recomputation for single samples too
@@ -28,6 +33,7 @@ large to keep (huge images) is :class:`memconv.streaming.StreamingCNN`'s job.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -47,6 +53,8 @@ from .._torch import storage_ptr, tree_flatten
 from ..conv.settings import activate, use_block_settings
 from ..layers import RuleSettings, find_rule, own_trainable, using
 from ..layers.dispatch import rule_memory
+from ..reversible import InvertibleModuleWrapper
+from ..reversible.recompute import frozen_buffers
 from .probes import call_axes, keep_rng, recording_calls
 from .recorder import paused
 from .request import Request
@@ -101,6 +109,8 @@ class Profile:
         owner_calls: the calls of the parametrised modules in the passes of one and
             of two samples (:func:`memconv.engine.probes.recording_calls`), from which
             :meth:`axes` reads their batch axes.
+        recompute: ``(r₀, r₁)``: the largest reversible block's recomputation saves
+            ``r₀ + r₁·m`` bytes (zeros without reversible blocks).
     """
 
     activations: tuple[float, float]
@@ -109,6 +119,7 @@ class Profile:
     params: int
     param_bytes: int
     owner_calls: tuple = ((), ())
+    recompute: tuple[float, float] = (0.0, 0.0)
 
     def axes(self) -> list:
         """The batch axes of the parametrised calls (:func:`memconv.engine.probes.call_axes`).
@@ -141,9 +152,10 @@ def profile(model: nn.Module, example: Tensor) -> Profile:
     param_storages = {storage_ptr(p) for p in model.parameters()}
     leaves = [mod for mod in model.modules() if not list(mod.children()) or own_trainable(mod)]
     runs, owner_calls = [], []
+    blocks = {m: None for m in model.modules() if isinstance(m, InvertibleModuleWrapper)}
     for m in (1, 2):
         x = example[:1].expand(m, *example.shape[1:]).clone()
-        with recording_calls(model) as calls:
+        with recording_calls(model) as calls, _block_inputs(blocks):
             runs.append(_probe(model, x, leaves, param_storages))
         owner_calls.append(calls)
     one, two = runs
@@ -169,7 +181,62 @@ def profile(model: nn.Module, example: Tensor) -> Profile:
         params=sum(p.numel() for p in params.values()),
         param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
         owner_calls=tuple(owner_calls),
+        recompute=_recomputation(blocks, param_storages),
     )
+
+
+@contextlib.contextmanager
+def _block_inputs(blocks: dict):
+    """Record, into ``blocks`` ``{reversible block: None}``, the shape of one sample of
+    each tensor argument of each block's first forward call in the block."""
+
+    def pre_hook(module, args):
+        if blocks[module] is None:
+            blocks[module] = [(a.shape[1:], a.dtype, a.device) for a in args]
+
+    handles = [b.register_forward_pre_hook(pre_hook) for b in blocks]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _recomputation(blocks: dict, param_storages: set) -> tuple[float, float]:
+    """``(r₀, r₁)`` of the block whose recomputation saves the most for m samples
+    (``r₀ + r₁·m`` bytes): each block run with a graph on zeros of its inputs' shapes,
+    for one and two samples, its buffers and the random generators left as they were."""
+    best = (0.0, 0.0)
+    for block, inputs in blocks.items():
+        if not inputs or not all(isinstance(t, tuple) and len(t) == 3 for t in inputs):
+            continue
+        saved = []
+        for m in (1, 2):
+            xs = [
+                torch.zeros((m, *shape), dtype=dtype, device=device, requires_grad=True)
+                for shape, dtype, device in inputs
+            ]
+            seen: dict[int, int] = {}
+
+            def pack(t, seen=seen):
+                ptr = storage_ptr(t)
+                if ptr not in param_storages:
+                    seen[ptr] = t.untyped_storage().nbytes()
+                return t.detach()
+
+            with (
+                torch.enable_grad(),
+                keep_rng(),
+                frozen_buffers(block),
+                activate(None, False),
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            ):
+                block._fn(*xs)
+            saved.append(sum(seen.values()))
+        fit = _fit(*saved)
+        if fit[0] + 2 * fit[1] > best[0] + 2 * best[1]:
+            best = fit
+    return best
 
 
 class _LeafCall(NamedTuple):
@@ -337,9 +404,12 @@ def predict(prof: Profile, request: Request, *, m: int, layer_budget: int | None
     two_pass = task == "clip" and clip_route == "two-pass"
     keeping = task == "clip" and clip_route == "book-keeping"
     backward, kept = 0.0, 0.0
+    r0, r1 = prof.recompute
+    recompute = r0 + r1 * m  # a reversible block's, at any layer: an upper bound
     for layer in reversed(prof.layers):
         c0, c1 = layer.saved
         alive = activations if two_pass else c0 + c1 * m  # freed as the pass goes back
+        alive += recompute
         # the node: its gradients and the backend's copy of the weight (oneDNN reorders it)
         weight = layer.params * layer.itemsize
         backward = max(backward, alive + layer.grad_bytes(m) + kept + weight)
@@ -366,6 +436,8 @@ def predict(prof: Profile, request: Request, *, m: int, layer_budget: int | None
     breakdown = {"activations": int(activations), "backward": int(backward), "result": int(result)}
     if kept:
         breakdown["kept"] = int(kept)
+    if recompute:
+        breakdown["recompute"] = int(recompute)
     return int(peak), breakdown
 
 
@@ -569,13 +641,6 @@ def plan(
             memory_budget=memory_budget,
             breakdown={},
         )
-    request = Request(
-        task=task,
-        n=n,
-        settings=settings,
-        memory_budget=memory_budget,
-        norm_route=norm_route,
-        clip_route=clip_route,
-        caller="memconv.plan",
-    )
+    routes = dict(norm_route=norm_route, clip_route=clip_route)
+    request = Request(task, n, settings, memory_budget, caller="memconv.plan", **routes)
     return make_plan(profile(model, inputs), request, budget=memory_budget)

@@ -2,7 +2,7 @@
 route: the layer's rule, the generic route, or the model route.
 
 How each trainable parameter is covered is **checked, not assumed**. The forward pass
-(:meth:`_BackwardWalk.forward`) records every call of a module that owns trainable
+(:meth:`BackwardWalk.forward`) records every call of a module that owns trainable
 parameters: its arguments, the batch axis of each argument and output (from a probe
 of one and two samples, :mod:`memconv.engine.probes`, checked against it call by call), and
 the window of autograd nodes the call created (their sequence numbers), as a
@@ -12,26 +12,39 @@ Before the backward pass, every use of a parameter in the graph of the loss is
 attributed to the innermost call that can differentiate it, or to the model route
 (:mod:`memconv.engine.coverage`). The backward pass then hands each call, once its output
 gradients have arrived, to the visitor (:class:`_Visits`), and the final checks
-(:meth:`_BackwardWalk.check`) raise for an output gradient that never arrived.
+(:meth:`BackwardWalk.check`) raise for an output gradient that never arrived.
 Autograd itself computes no parameter gradient in the walk.
+
+A reversible block (:class:`memconv.reversible.InvertibleModuleWrapper`) runs its layers
+without gradients in the forward pass and again in its backward pass. The walk is the
+blocks' observer (:func:`memconv.reversible.recompute.observing`): the forward pass
+records each block's call as a :class:`memconv.engine.calls.BlockCall` (the uses of the
+block's parameters are attributed to it), and when the block's backward pass runs, the
+walk takes its recomputation over (:meth:`BackwardWalk.recompute_block`): a walk of the
+block alone, its output gradients given, whose forward pass records the block's layer
+calls (their batch axes those the probe saw in the model's forward pass) and whose
+backward pass visits them and returns the gradients of the block's inputs; then the
+calls are released, so a chain of blocks holds the calls of one block at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .._torch import is_view, sequence_nr
 from ..conv.settings import Autocast
 from ..layers import own_trainable
 from ..layers.operations import BoundOp
+from ..reversible.recompute import observing, vjp
 from . import coverage
-from .calls import CallRecord, LayerCall, OpCall, WalkState, op_call
+from .calls import BlockCall, CallRecord, LayerCall, OpCall, WalkState, op_call
 from .losses import PerSampleLoss
 from .probes import (
     CallAxes,
@@ -121,15 +134,20 @@ def backward_walk(
     per_sample = loss_fn if isinstance(loss_fn, PerSampleLoss) else PerSampleLoss(loss_fn)
     if owners is None:
         owners = owner_names(model)
-    walk = _BackwardWalk(model, names, axes, visit, caller=caller, owners=owners, m=len(inputs))
+    walk = BackwardWalk(model, names, axes, visit, caller=caller, owners=owners, m=len(inputs))
     return walk.run(per_sample, inputs, targets, keep_graph=keep_graph, prepare=prepare)
 
 
-class _BackwardWalk:
-    """One :func:`backward_walk`: the forward pass recorded through hooks
-    (:meth:`pre_hook`, :meth:`forward_hook`, :meth:`on_op`), the parameters' uses
-    attributed (:meth:`attribute`), the backward pass (:meth:`backward`) and the
-    final checks (:meth:`check`).
+class BackwardWalk:
+    """One walk: the forward pass recorded through hooks (:meth:`forward`:
+    :meth:`pre_hook`, :meth:`forward_hook`, :meth:`on_op`), then, once the per-sample
+    losses exist, :meth:`finish`: the parameters' uses attributed (:meth:`attribute`),
+    the backward pass (:meth:`backward`) and the final checks (:meth:`check`).
+
+    :func:`backward_walk` runs both halves on memconv's own forward pass; a pass whose
+    forward the user runs (:class:`memconv.engine.passes.UserPass`) calls
+    :meth:`forward` from the model's call and :meth:`finish` from the backward pass the
+    user's ``loss.backward()`` starts.
 
     Attributes:
         calls: the calls recorded so far, in forward order.
@@ -162,52 +180,115 @@ class _BackwardWalk:
         self.covering: dict = {}
         self.recorder: OpRecorder | None = None
         self.grad_hooks: list = []
+        self.handles: list = []  # the recording hooks (see start)
+        self.observe = None  # the observing block of reversible blocks (see start)
+        self.in_backward = False  # the blocks' backward passes are this walk's
+        self.result: Walk | None = None  # the model's walk (a block's walk adds to it)
+        self.prepare: Callable | None = None
+        self.block_names: dict | None = None
+        # {model name: calls computing it} of this walk, and of the walks around a block's
+        self.counts: dict = {}
+        self.shared_counts: dict = {}
+        self.open_blocks: list = []
 
     def run(self, per_sample, inputs, targets, *, keep_graph: bool, prepare) -> Walk:
+        """Both halves on memconv's own forward pass of ``inputs``."""
         try:
-            return self._run(per_sample, inputs, targets, keep_graph=keep_graph, prepare=prepare)
-        finally:
-            for handle in self.grad_hooks:
-                handle.remove()
-            # no cycle left to keep the visitor (and the results it holds) alive until
-            # Python's collector runs: the recorder calls back into the walk
-            self.grad_hooks, self.recorder, self.visits.visit = [], None, None
+            losses = per_sample(self.forward(inputs), targets)
+        except BaseException:
+            self.close()
+            raise
+        return self.finish(losses, keep_graph=keep_graph, prepare=prepare)
 
-    def _run(self, per_sample, inputs, targets, *, keep_graph: bool, prepare) -> Walk:
-        losses = per_sample(self.forward(inputs), targets)
-        walk = Walk(
-            losses=losses if keep_graph else losses.detach(),
-            calls=self.calls,
-            model_params=[],
-            calls_per_param={},
-        )
-        if losses.grad_fn is None:
+    def finish(self, losses: Tensor, *, keep_graph: bool, prepare=None) -> Walk:
+        """The backward half, from the per-sample losses ``[m]`` of the recorded
+        forward pass: every call visited as its output gradients arrive; then the walk
+        is closed (:meth:`close`).
+
+        Args:
+            losses: the per-sample losses, with their graph.
+            keep_graph: keep the graph for a second backward pass of the losses.
+            prepare: called with the calls the visitor will get, in forward order,
+                before the backward pass.
+        """
+        try:
+            walk = Walk(
+                losses=losses if keep_graph else losses.detach(),
+                calls=self.calls,
+                model_params=[],
+                calls_per_param={},
+            )
+            if losses.grad_fn is None:
+                return walk
+            self.result, self.prepare = walk, prepare
+            reachable, uses = self.attribute([losses.grad_fn], walk)
+            if prepare is not None:
+                prepare(self.to_visit())
+            self.backward([losses.sum()], [None], reachable, keep_graph)
+            self.check(uses)
             return walk
-        reachable, uses = self.attribute(losses, walk)
-        if prepare is not None:
-            prepare([c for c in self.calls if not c.state.done])
-        self.backward(losses, reachable, keep_graph)
-        self.check(uses)
-        return walk
+        finally:
+            self.close()
+
+    def to_visit(self) -> list:
+        """The calls the visitor will get (a reversible block's call is not one: its
+        layers' calls are, in its own walk)."""
+        return [c for c in self.calls if not c.state.done and not isinstance(c, BlockCall)]
+
+    def close(self) -> None:
+        """Remove the hooks on the captured outputs and break the walk's cycles (the
+        recorder calls back into the walk), so that nothing keeps the visitor and the
+        results it holds alive until Python's collector runs."""
+        self.stop()
+        for handle in self.grad_hooks:
+            handle.remove()
+        self.grad_hooks, self.recorder, self.visits.visit = [], None, None
 
     def forward(self, inputs: Tensor):
-        """The model's output, every call of a parametrised module or an operation with
-        a rule recorded."""
-        handles = []
-        for o in self.owners:  # (dict order: the model's modules)
-            handles.append(
-                o.register_forward_pre_hook(self.pre_hook, with_kwargs=True, prepend=True)
-            )
-            handles.append(o.register_forward_hook(self.forward_hook, with_kwargs=True))
-        self.ours.update(h.id for h in handles)
-        self.recorder = OpRecorder(self.model, self.on_op)
+        """The model's output on ``inputs`` (detached), every call of a parametrised
+        module or an operation with a rule recorded."""
+        self.start()
         try:
-            with self.recorder:
-                return self.model(inputs.detach())
+            return self.model(inputs.detach())
         finally:
-            for h in handles:
-                h.remove()
-            self.recorder.pure = {}
+            self.stop()
+
+    def start(self, outside: nn.Module | None = None) -> None:
+        """Record the calls made from now on (until :meth:`stop`): hooks on the modules
+        owning trainable parameters, but ``outside`` (a module whose call has begun: its
+        caller hands that call to :meth:`pre_hook` and :meth:`forward_hook` itself), and
+        the operation recorder."""
+        for o in self.owners:  # (dict order: the model's modules)
+            if o is outside:
+                continue
+            pre = o.register_forward_pre_hook(self.pre_hook, with_kwargs=True, prepend=True)
+            post = o.register_forward_hook(self.forward_hook, with_kwargs=True)
+            self.handles += [pre, post]
+            self.ours.update((pre.id, post.id))
+        self.recorder = OpRecorder(self.model, self.on_op)
+        self.recorder.__enter__()
+        self.observe = observing(self)  # reversible blocks report their calls here
+        self.observe.__enter__()
+
+    def stop(self) -> None:
+        """Stop recording (see :meth:`start`)."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if self.observe is not None:
+            self.observe.__exit__(None, None, None)
+            self.recorder.__exit__(None, None, None)
+            self.recorder.pure = {}  # the forward pass's tensors, no longer needed
+            self.observe = None
+
+    @contextlib.contextmanager
+    def recording(self):
+        """:meth:`start` … :meth:`stop` as a block."""
+        self.start()
+        try:
+            yield
+        finally:
+            self.stop()
 
     def pre_hook(self, module, args, kwargs):
         # first of the module's pre-hooks: the call's arguments as the caller gave them,
@@ -311,33 +392,152 @@ class _BackwardWalk:
             call.state.edges.append((j, get_gradient_edge(t)))
         return unflatten_call(new_leaves, out_spec, isinstance(output, Tensor))
 
-    def attribute(self, losses: Tensor, walk: Walk) -> tuple[set, dict]:
-        """Attribute every parameter use in the graph of ``losses`` to the calls or the
-        model route (:mod:`memconv.engine.coverage`), into ``walk``; the calls with nothing to
-        compute are released. Returns the graph's nodes and the parameters' uses."""
-        reachable, uses = coverage.use_graph(losses.grad_fn)
+    def attribute(self, roots: list, walk: Walk) -> tuple[set, dict]:
+        """Attribute every parameter use in the graph below ``roots`` (autograd nodes)
+        to the calls or the model route (:mod:`memconv.engine.coverage`), into ``walk``;
+        the calls with nothing to compute are released. Returns the graph's nodes and
+        the parameters' uses."""
+        reachable, uses = coverage.use_graph(*roots)
         claims = coverage.claims(
             [c for c in self.calls if isinstance(c, OpCall)], reachable, self.names
         )
         walk.model_params, walk.calls_per_param = coverage.assign(
             self.calls, uses, self.names, claims
         )
+        self.counts = walk.calls_per_param
         for call in self.calls:
-            call.state.expected = {j for j, e in call.state.edges if e.node in reachable}
+            if isinstance(call, BlockCall):  # its backward pass must run: it visits
+                call.state.expected = {0} if call.node in reachable else set()
+            else:
+                call.state.expected = {j for j, e in call.state.edges if e.node in reachable}
+            call.shared |= {
+                k for k, full in call.params.items() if self.shared_counts.get(full, 0) > 1
+            }
             if not call.params or not call.state.expected:
                 call.release()
                 call.state.done = True
         return reachable, uses
 
-    def backward(self, losses: Tensor, reachable: set, keep_graph: bool) -> None:
-        """The backward pass down to the deepest captured outputs, each call visited as
-        its output gradients arrive."""
+    def backward(
+        self, outputs: list, grad_outputs: list, reachable: set, keep_graph: bool, inputs=()
+    ) -> tuple:
+        """The backward pass of ``outputs`` down to the deepest captured outputs (and to
+        ``inputs``), each call visited as its output gradients arrive; returns the
+        gradients of ``inputs``."""
         wanted = {e.node: e for c in self.calls if not c.state.done for _, e in c.state.edges}
         deepest = coverage.deepest(set(wanted), reachable)
         edges = [wanted[n] for n in deepest]
-        if edges:
-            torch.autograd.grad(losses.sum(), edges, allow_unused=True, retain_graph=keep_graph)
+        grads: tuple = (None,) * len(inputs)
+        self.in_backward = True
+        try:
+            if edges or inputs:
+                grads = torch.autograd.grad(
+                    outputs,
+                    [*inputs, *edges],
+                    grad_outputs,
+                    allow_unused=True,
+                    retain_graph=keep_graph,
+                )
+        finally:
+            self.in_backward = False
         self.visits.finish()
+        return tuple(grads[: len(inputs)])
+
+    # reversible blocks (memconv.reversible's observer protocol)
+
+    def enter(self, block: nn.Module, fn: nn.Module) -> _Block:
+        """A reversible block's forward pass starts (before its autograd Function)."""
+        with paused():
+            token = _Block(self, block, fn, self.seq.now(), self.index)
+        self.open_blocks.append(token)
+        return token
+
+    def mark(self, fn: nn.Module) -> None:
+        """The next part of the open block running ``fn`` starts (a coupling's second
+        half-step): where its layer calls start in the probe's."""
+        if self.open_blocks and self.open_blocks[-1].fn is fn:
+            self.open_blocks[-1].parts.append(self.index)
+
+    def leave(self, token: _Block, outputs: tuple) -> None:
+        """A reversible block's forward pass ended: its call recorded, with an edge
+        below its node (asking autograd for it runs the block's backward pass)."""
+        self.open_blocks.remove(token)
+        node = next((y.grad_fn for y in outputs if y.grad_fn is not None), None)
+        if node is None:
+            return
+        with paused():
+            end = self.seq.now()
+        if self.block_names is None:
+            self.block_names = {m: n for n, m in self.model.named_modules()}
+        block = token.block
+        record = CallRecord(
+            module=block,
+            name=self.block_names.get(block) or type(block).__name__,
+            rule=None,
+            in_axes=(),
+            out_axes=(),
+            window=(token.start, end),
+            autocast=Autocast.of(outputs),
+            output_elements=sum(y.numel() for y in outputs),
+        )
+        below = next((GradientEdge(n, i) for n, i in node.next_functions if n is not None), None)
+        state = WalkState(edges=[(0, below)] if below is not None else [])
+        token.call = BlockCall(record=record, args=(), kwargs={}, state=state, node=node)
+        self.calls.append(token.call)
+
+    def recompute_block(self, token: _Block, run, inputs: tuple, grad_outputs: tuple, part: int):
+        """A part of a reversible block's backward pass: ``run(inputs)`` (the part under
+        the forward pass's state; it returns its outputs and the leaves it made)
+        recorded and walked as a model of its own, its layer calls visited; returns the
+        gradients of ``inputs`` and of the leaves ``run`` made."""
+        call = token.call
+        if call is None or not call.params or not call.state.expected:  # nothing to visit
+            with torch.enable_grad():
+                ys, made = run(inputs)
+            return vjp(ys, grad_outputs, (*inputs, *made))
+        call.state.done = True
+        block = call.module
+        named = dict(block.named_parameters(remove_duplicate=False))
+        names = {id(named[k]): full for k, full in call.params.items()}
+        owners = {m: self.owners[m] for m in block.modules() if m in self.owners}
+        inner = BackwardWalk(
+            block, names, self.axes, self.visits.visit, caller=self.caller, owners=owners, m=self.m
+        )
+        inner.index = token.parts[part]
+        inner.block_names, inner.prepare, inner.result = self.block_names, self.prepare, self.result
+        inner.shared_counts = {
+            k: max(self.counts.get(k, 0), self.shared_counts.get(k, 0))
+            for k in self.counts.keys() | self.shared_counts.keys()
+        }
+        try:
+            with torch.enable_grad():
+                with inner.recording():
+                    ys, made = run(inputs)
+                return inner.walk_block(ys, grad_outputs, (*inputs, *made))
+        finally:
+            inner.close()
+
+    def walk_block(self, ys: tuple, grad_outputs: tuple, xs: tuple) -> tuple:
+        """Coverage, backward pass and checks of a block (or a part of one) recomputed
+        inside :meth:`recording`; returns the gradients of the leaves ``xs``. Its
+        parameters left to the model route join the model's."""
+        pairs = [(y, g) for y, g in zip(ys, grad_outputs) if y.grad_fn is not None]
+        walk = Walk(losses=ys[0], calls=self.calls, model_params=[], calls_per_param={})
+        reachable, uses = self.attribute([y.grad_fn for y, _ in pairs], walk)
+        model = self.result.model_params
+        model.extend(k for k in walk.model_params if k not in model)
+        if self.prepare is not None:
+            self.prepare(self.to_visit())
+        wanted = [x for x in xs if x.requires_grad]
+        found = iter(
+            self.backward([y for y, _ in pairs], [g for _, g in pairs], reachable, False, wanted)
+        )
+        self.check(uses)
+        for c in self.calls:  # the block's graph goes (a visitor may keep a call's tensors)
+            c.state.edges = []
+            if not c.state.kept:
+                c.release()
+        return tuple(next(found) if x.requires_grad else None for x in xs)
 
     def check(self, uses: dict) -> None:
         """Raise for a call whose output gradient never arrived; warn of layers that ran
@@ -364,6 +564,96 @@ class _BackwardWalk:
                 "reported as zeros. Use torch.utils.checkpoint with use_reentrant=False.",
                 stacklevel=5,
             )
+
+
+class _Visits:
+    """Hands each call to ``visit`` as soon as all its output gradients have arrived,
+    before its own backward node runs.
+
+    A visitor that keeps a result it allocates (book-keeping's per-sample gradients)
+    returns that work instead of doing it, and the work runs once the node that
+    produced the call's output has run (a post hook on it), so that the kept result
+    never adds to the node's temporaries (a strided convolution's input gradient
+    takes three input-sized buffers). Work whose node does not run (the deepest
+    captured outputs, whose nodes autograd is not asked to run) runs in
+    :meth:`finish`.
+    """
+
+    def __init__(self, visit: Callable[[LayerCall], Callable[[], None] | None]):
+        self.visit = visit
+        self.active = True
+        self.later: list = []  # [call, work or None once done, hook handle]
+
+    def hook(self, call: LayerCall, j: int):
+        def on_grad(grad):
+            state = call.state
+            if not self.active or state.done:  # a second backward pass of a kept graph
+                return
+            state.grads[j] = grad
+            if not all(state.grads[k] is not None for k in state.expected):
+                return
+            state.done = True
+            work = self.visit(call)
+            if work is None:
+                if not state.kept:  # a visitor that keeps the call releases it itself
+                    call.release()
+                return
+            entry = [call, work, None]
+            node = dict(state.edges)[j].node  # the node that produced this output
+            entry[2] = node.register_hook(lambda grad_inputs, grad_outputs: self._run(entry))
+            self.later.append(entry)
+
+        return on_grad
+
+    def _run(self, entry: list) -> None:
+        call, work, _ = entry
+        if work is not None:
+            entry[1] = None
+            work()
+            if not call.state.kept:
+                call.release()
+
+    def finish(self) -> None:
+        """Run the work still waiting, and remove the post hooks."""
+        self.active = False
+        for entry in self.later:
+            self._run(entry)
+            entry[2].remove()
+        self.later = []
+
+
+class _Block:
+    """A reversible block's call in a walk: the token of memconv.reversible's observer
+    protocol (:mod:`memconv.reversible.recompute`).
+
+    Attributes:
+        walk: the walk whose forward pass called the block.
+        block: the :class:`memconv.reversible.InvertibleModuleWrapper`.
+        fn: the module it wraps.
+        start: the sequence number before its autograd Function.
+        parts: the places of each part's first layer call in the probe's calls (one
+            part, or a coupling's two half-steps).
+        call: its :class:`memconv.engine.calls.BlockCall` (None until the call ends).
+    """
+
+    def __init__(self, walk: BackwardWalk, block: nn.Module, fn: nn.Module, start: int, index: int):
+        self.walk, self.block, self.fn, self.start = walk, block, fn, start
+        self.parts = [index]
+        self.call: BlockCall | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the walk runs its backward pass (the block's pass is the walk's)."""
+        return self.walk.in_backward
+
+    def recompute(self, run, inputs: tuple, grad_outputs: tuple, part: int = 0) -> tuple:
+        """See :meth:`BackwardWalk.recompute_block`."""
+        return self.walk.recompute_block(self, run, inputs, grad_outputs, part)
+
+    def differentiate(self, run, inputs: tuple, grad_outputs: tuple, params: tuple, part: int):
+        """:func:`memconv.reversible.recompute.differentiate` done by the walk: the
+        part's layer calls visited; no parameter gradient."""
+        return self.recompute(run, inputs, grad_outputs, part), (None,) * len(params)
 
 
 class _Visits:

@@ -146,52 +146,39 @@ def _conv_args(names: tuple, args, kwargs, defaults) -> dict | None:
     return a if isinstance(a["groups"], int) else None
 
 
-@register_op(torch.conv1d, torch.conv2d, torch.conv3d)
-def bind_conv(args, kwargs) -> BoundOp | None:
-    """``F.conv*d``: the shell is the ``nn.Conv*d`` of the call's geometry."""
-    a = _conv_args(CONV_ARGS, args, kwargs, CONV_DEFAULTS)
+def _bind(args, kwargs, transposed: bool) -> BoundOp | None:
+    """A (transposed) convolution call: the shell is the ``nn.Conv*d`` (or
+    ``nn.ConvTranspose*d``) of the call's geometry, its options the call's."""
+    names, defaults, kinds = (
+        (CONV_T_ARGS, CONV_T_DEFAULTS, _CONV_T_TYPES)
+        if transposed
+        else (CONV_ARGS, CONV_DEFAULTS, _CONV_TYPES)
+    )
+    a = _conv_args(names, args, kwargs, defaults)
     if a is None:
         return None
     w, groups = a["weight"], a["groups"]
+    # a convolution's weight is [C_out, C_in/G, *k], a transposed one's [C_in, C_out/G, *k]
+    first, second = w.shape[0], w.shape[1] * groups
+    channels = (first, second) if transposed else (second, first)
+    options = {k: a[k] for k in names if k not in ("input", "weight", "bias")}
 
     def shell(params):
-        layer = _CONV_TYPES[w.dim() - 2](
-            w.shape[1] * groups,
-            w.shape[0],
-            tuple(w.shape[2:]),
-            stride=a["stride"],
-            padding=a["padding"],
-            dilation=a["dilation"],
-            groups=groups,
-            bias=a["bias"] is not None,
-            device="meta",
+        layer = kinds[w.dim() - 2](
+            *channels, tuple(w.shape[2:]), bias=a["bias"] is not None, device="meta", **options
         )
         return with_params(layer, params)
 
     return BoundOp(a["input"], {"weight": w, "bias": a["bias"]}, shell)
+
+
+@register_op(torch.conv1d, torch.conv2d, torch.conv3d)
+def bind_conv(args, kwargs) -> BoundOp | None:
+    """``F.conv*d``: the shell is the ``nn.Conv*d`` of the call's geometry."""
+    return _bind(args, kwargs, transposed=False)
 
 
 @register_op(torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d)
 def bind_conv_transpose(args, kwargs) -> BoundOp | None:
     """``F.conv_transpose*d``: the shell is the ``nn.ConvTranspose*d`` of the call."""
-    a = _conv_args(CONV_T_ARGS, args, kwargs, CONV_T_DEFAULTS)
-    if a is None:
-        return None
-    w, groups = a["weight"], a["groups"]
-
-    def shell(params):
-        layer = _CONV_T_TYPES[w.dim() - 2](
-            w.shape[0],
-            w.shape[1] * groups,
-            tuple(w.shape[2:]),
-            stride=a["stride"],
-            padding=a["padding"],
-            output_padding=a["output_padding"],
-            groups=groups,
-            bias=a["bias"] is not None,
-            dilation=a["dilation"],
-            device="meta",
-        )
-        return with_params(layer, params)
-
-    return BoundOp(a["input"], {"weight": w, "bias": a["bias"]}, shell)
+    return _bind(args, kwargs, transposed=True)

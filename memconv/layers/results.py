@@ -74,7 +74,9 @@ def check_result(
     needed = set(own if expected is None else expected)
     missing = sorted(needed - set(out))
     if missing:
-        promised = ", ".join(f"{k!r}: {list(shape(own[k], 'N'))}" for k in missing if k in own)
+        promised = ", ".join(
+            f"{k!r}: [{', '.join(map(str, shape(own[k], 'N')))}]" for k in missing if k in own
+        )
         raise ValueError(
             f"{at}: rule {name} returned no result for the trainable parameter(s) "
             f"{', '.join(map(repr, missing))} (expected {{{promised}}}); a rule returns every "

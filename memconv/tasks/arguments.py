@@ -9,6 +9,7 @@ each layer's rule says whether it mixes samples), and the strategy of the open
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 from torch import nn
@@ -53,13 +54,10 @@ def unwrap_ddp(model):
 
 def check_call(
     prepared: Prepared,
+    given: Batch,
     *,
     task: str,
     caller: str,
-    model,
-    loss_fn,
-    inputs,
-    targets,
     strategy,
     memory_budget,
     norm_route=None,
@@ -71,10 +69,10 @@ def check_call(
     Args:
         prepared: what the last call kept (the model's checks are run again only when
             the model or the settings changed).
+        given: the call's model, loss and samples, as given.
         task: ``"grads"``, ``"norms"`` or ``"clip"``.
         caller: the public function's name, for messages.
-        model, loss_fn, inputs, targets, strategy, memory_budget, norm_route,
-            clip_route: the call's.
+        strategy, memory_budget, norm_route, clip_route: the call's.
         unwrap: take a ``DistributedDataParallel`` wrapper off (norms and clipping
             run on the local samples; clipping sums the ranks itself).
 
@@ -82,21 +80,12 @@ def check_call(
         TypeError, ValueError, RuntimeError: as the public functions document.
     """
     settings = use_block_settings(strategy)
-    ddp = None
-    if unwrap:
-        model, ddp = unwrap_ddp(model)
+    model, ddp = unwrap_ddp(given.model) if unwrap else (given.model, None)
     check_clip_route(clip_route)
     model = prepared.check_model(model, settings)
-    n = check_batch(inputs, targets)
+    n = check_batch(given.inputs, given.targets)
     check_budget(memory_budget)
     check_route(norm_route)
-    request = Request(
-        task=task,
-        n=n,
-        settings=settings,
-        memory_budget=memory_budget,
-        norm_route=norm_route,
-        clip_route=clip_route,
-        caller=caller,
-    )
-    return Checked(request, Batch(model, loss_fn, inputs, targets), ddp)
+    routes = dict(norm_route=norm_route, clip_route=clip_route, caller=caller)
+    request = Request(task=task, n=n, settings=settings, memory_budget=memory_budget, **routes)
+    return Checked(request, replace(given, model=model), ddp)

@@ -100,58 +100,27 @@ def clip_and_accumulate(
             :func:`memconv.tasks.groups.resolve_groups`); an unknown ``clip_route``. Before
             any work, every ``.grad`` unchanged.
     """
+    given = Batch(model, loss_fn, inputs, targets)
+    options = dict(strategy=strategy, memory_budget=memory_budget, norm_route=norm_route)
     return clip_with(
-        Prepared(),
-        model,
-        loss_fn,
-        inputs,
-        targets,
-        max_norm=max_norm,
-        strategy=strategy,
-        memory_budget=memory_budget,
-        norm_route=norm_route,
-        clip_route=clip_route,
-        groups=groups,
+        Prepared(), given, max_norm=max_norm, clip_route=clip_route, groups=groups, **options
     )
 
 
-def clip_with(
-    prepared: Prepared,
-    model,
-    loss_fn,
-    inputs,
-    targets,
-    *,
-    max_norm,
-    strategy,
-    memory_budget,
-    norm_route,
-    clip_route,
-    groups="all",
-) -> Tensor | dict[str, Tensor]:
-    """:func:`clip_and_accumulate`, reusing what ``prepared`` kept from the last call:
-    the arguments checked, then per micro-batch of the plan the norms, the clip
-    factors and the clipped sums by the plan's route, then the sums added to ``.grad``."""
+def clip_with(prepared: Prepared, given: Batch, *, max_norm, groups="all", **options):
+    """:func:`clip_and_accumulate` of ``given``, reusing what ``prepared`` kept from the
+    last call: the arguments checked, then per micro-batch of the plan the norms, the
+    clip factors and the clipped sums by the plan's route, then the sums added to
+    ``.grad``."""
     check_max_norm(max_norm)
-    request, batch, ddp = check_call(
-        prepared,
-        task="clip",
-        caller="memconv.clip_and_accumulate",
-        model=model,
-        loss_fn=loss_fn,
-        inputs=inputs,
-        targets=targets,
-        strategy=strategy,
-        memory_budget=memory_budget,
-        norm_route=norm_route,
-        clip_route=clip_route,
-        unwrap=True,
-    )
+    caller = "memconv.clip_and_accumulate"
+    checked = check_call(prepared, given, task="clip", caller=caller, unwrap=True, **options)
+    request, batch, ddp = checked
     grouping = resolve_groups(batch.model, groups, max_norm)
     params = prepared.trainable()
     if request.n == 0:
         accumulate(params, {}, ddp)
-        zero = inputs.new_zeros(0, dtype=torch.float32)
+        zero = given.inputs.new_zeros(0, dtype=torch.float32)
         return joined(grouping, [{g: zero for g in grouping.members}])
     if prepared.streams:  # one sample at a time: its norm from its gradient, gathered
         with activate(request.settings):
@@ -165,34 +134,43 @@ def clip_with(
 
 
 def _clipped_sums(cp: CallPlan, batch: Batch, grouping: Grouping, params: dict):
-    """``(clipped sums {name: tensor}, norms)`` of the batch, a micro-batch at a time:
-    its norms, their clip factors, the clipped sums by the plan's route (clip factors
-    are per sample: the micro-batches' clipped sums add up)."""
-    caller = cp.request.caller
+    """``(clipped sums {name: tensor}, norms)`` of the batch, a micro-batch at a time
+    (clip factors are per sample: the micro-batches' clipped sums add up)."""
     total: dict[str, Tensor] = {}
-    all_norms = []
-    onepass = None
-    if grouping.kind != "all":  # groups within one layer call: clipped in the pass
+    onepass = one_pass(cp, grouping, total)
+    parts = gather_norms(batch, cp, onepass)
+    norms = [clip_part(part, cp, grouping, params, total) for part in parts]
+    return total, joined(grouping, norms)
 
-        def onepass():
-            return OnePass(grouping, cp.rule_settings, total, caller)
 
-    for part in gather_norms(batch, cp, onepass):
-        gathered = part.visitor
-        norms = group_norms(grouping, gathered.result(cp.params), len(part.losses), caller)
-        done = gathered.onepass.groups if gathered.onepass is not None else set()
-        factors = {
-            g: clip_factors(v, grouping.max_norm[g]) for g, v in norms.items() if g not in done
-        }
-        if cp.plan.clip_route == "book-keeping":
-            c = {k: factors[g] for k, g in grouping.of.items() if g in factors}
-            gathered.add_clipped_sums(c, total)
-        else:
-            del gathered
-            _second_passes(part.losses, factors, grouping, params, total, caller)
-        del part
-        all_norms.append(norms)
-    return total, joined(grouping, all_norms)
+def one_pass(cp: CallPlan, grouping: Grouping, total: dict):
+    """What makes each walk's :class:`memconv.tasks.groups.OnePass` (groups within one
+    layer call are clipped during the backward pass, into ``total``), or None for
+    ``groups="all"``."""
+    if grouping.kind == "all":
+        return None
+    return lambda: OnePass(grouping, cp.rule_settings, total, cp.request.caller)
+
+
+def clip_part(part, cp: CallPlan, grouping: Grouping, params: dict, total: dict) -> dict:
+    """One walked micro-batch (:class:`memconv.engine.passes.MicroBatch` whose visitor is
+    a :class:`memconv.tasks.norms.NormGatherer`): its norms by group → their clip factors
+    → the clipped sums by the plan's route, added into ``total``.
+
+    Returns:
+        ``{group: norms [m]}`` before clipping (checked finite).
+    """
+    caller = cp.request.caller
+    gathered = part.visitor
+    norms = group_norms(grouping, gathered.result(cp.params), len(part.losses), caller)
+    done = gathered.onepass.groups if gathered.onepass is not None else set()
+    factors = {g: clip_factors(v, grouping.max_norm[g]) for g, v in norms.items() if g not in done}
+    if cp.plan.clip_route == "book-keeping":
+        c = {k: factors[g] for k, g in grouping.of.items() if g in factors}
+        gathered.add_clipped_sums(c, total)
+    else:
+        _second_passes(part.losses, factors, grouping, params, total, caller)
+    return norms
 
 
 def _second_passes(losses, factors: dict, grouping: Grouping, params: dict, total: dict, caller):

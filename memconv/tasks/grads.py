@@ -85,26 +85,16 @@ def per_sample_grads(
             gradient of a parameter that influences the loss was not reached
             (naming it).
     """
-    return grads_with(
-        Prepared(), model, loss_fn, inputs, targets, strategy=strategy, memory_budget=memory_budget
-    )
+    given = Batch(model, loss_fn, inputs, targets)
+    return grads_with(Prepared(), given, strategy=strategy, memory_budget=memory_budget)
 
 
-def grads_with(prepared: Prepared, model, loss_fn, inputs, targets, *, strategy, memory_budget):
-    """:func:`per_sample_grads`, reusing what ``prepared`` kept from the last call: the
-    arguments checked, then the result allocated and filled micro-batch by micro-batch
-    of the plan (the plan raises before any work if the result cannot fit)."""
-    request, batch, _ = check_call(
-        prepared,
-        task="grads",
-        caller="memconv.per_sample_grads",
-        model=model,
-        loss_fn=loss_fn,
-        inputs=inputs,
-        targets=targets,
-        strategy=strategy,
-        memory_budget=memory_budget,
-    )
+def grads_with(prepared: Prepared, given: Batch, **options):
+    """:func:`per_sample_grads` of ``given``, reusing what ``prepared`` kept from the last
+    call: the arguments checked, then the result allocated and filled micro-batch by
+    micro-batch of the plan (the plan raises before any work if the result cannot fit)."""
+    caller = "memconv.per_sample_grads"
+    request, batch, _ = check_call(prepared, given, task="grads", caller=caller, **options)
     params = prepared.trainable()
     if request.n == 0 or prepared.streams:
         return _sample_by_sample(batch, params, request)
@@ -116,8 +106,8 @@ def _walked(cp: CallPlan, batch: Batch, params: dict) -> dict[str, Tensor]:
     n = batch.n
     out = {name: p.new_empty(n, *p.shape) for name, p in params.items()}
 
-    def for_rows(rows: slice) -> _Rows:
-        return _Rows(out, rows, cp.rule_settings, whole=cp.plan.micro_batch >= n)
+    def for_rows(rows: slice) -> RowWriter:
+        return RowWriter(out, rows, cp.rule_settings, whole=cp.plan.micro_batch >= n)
 
     for part in walk_micro_batches(batch, cp, visitor=for_rows):
         part.visitor.zero_rest()
@@ -135,7 +125,7 @@ def _sample_by_sample(batch: Batch, params: dict, request) -> dict[str, Tensor]:
     return out
 
 
-class _Rows:
+class RowWriter:
     """Per-sample gradients of one micro-batch's rows into ``out`` (uninitialised): a
     parameter's first part is copied in (or, when the rows are the whole batch and the
     part is a tensor of its own, becomes the result itself: no copy), the others added

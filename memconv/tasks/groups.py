@@ -172,7 +172,9 @@ class OnePass:
         self.groups: set = set()
 
     def prepare(self, calls: list) -> None:
-        """Pick the calls whose groups all lie within them (before the pass)."""
+        """Pick the calls whose groups all lie within them (before the pass; again
+        for each reversible block's calls, before the block's own backward pass: the
+        picks add up)."""
         of = self.grouping.of
         owners: dict = {}
         for call in calls:
@@ -185,10 +187,9 @@ class OnePass:
             (call,) = owner
             if not call.shared and set(self.grouping.members[g]) <= set(call.params.values()):
                 within.add(g)
-        self.calls = {
-            c for c in calls if c.params and all(of[f] in within for f in c.params.values())
-        }
-        self.groups = {of[f] for c in self.calls for f in c.params.values()}
+        picked = {c for c in calls if c.params and all(of[f] in within for f in c.params.values())}
+        self.calls |= picked
+        self.groups |= {of[f] for c in picked for f in c.params.values()}
 
     def visit(self, call) -> dict[str, Tensor]:
         """Clip the call: its clipped sums added into ``total``; returns its squared

@@ -209,53 +209,23 @@ def per_sample_norms(
             :func:`memconv.tasks.groups.resolve_groups`), or ``groups`` with
             ``per_parameter``. Before any work.
     """
-    return norms_with(
-        Prepared(),
-        model,
-        loss_fn,
-        inputs,
-        targets,
-        strategy=strategy,
-        memory_budget=memory_budget,
-        per_parameter=per_parameter,
-        norm_route=norm_route,
-        groups=groups,
-    )
+    given = Batch(model, loss_fn, inputs, targets)
+    options = dict(strategy=strategy, memory_budget=memory_budget, norm_route=norm_route)
+    return norms_with(Prepared(), given, per_parameter=per_parameter, groups=groups, **options)
 
 
-def norms_with(
-    prepared: Prepared,
-    model,
-    loss_fn,
-    inputs,
-    targets,
-    *,
-    strategy,
-    memory_budget,
-    per_parameter,
-    norm_route,
-    groups="all",
-):
-    """:func:`per_sample_norms`, reusing what ``prepared`` kept from the last call."""
-    request, batch, _ = check_call(
-        prepared,
-        task="norms",
-        caller="memconv.per_sample_norms",
-        model=model,
-        loss_fn=loss_fn,
-        inputs=inputs,
-        targets=targets,
-        strategy=strategy,
-        memory_budget=memory_budget,
-        norm_route=norm_route,
-        unwrap=True,
-    )
+def norms_with(prepared: Prepared, given: Batch, *, per_parameter=False, groups="all", **options):
+    """:func:`per_sample_norms` of ``given``, reusing what ``prepared`` kept from the last
+    call."""
+    caller = "memconv.per_sample_norms"
+    checked = check_call(prepared, given, task="norms", caller=caller, unwrap=True, **options)
+    request, batch = checked.request, checked.batch
     grouping = resolve_groups(batch.model, groups)
     if per_parameter and grouping.kind != "all":
         raise ValueError("per_parameter=True is groups='parameter'; pass one of them")
     params = prepared.trainable()
     if request.n == 0:
-        return _empty(grouping, params, per_parameter, inputs)
+        return _empty(grouping, params, per_parameter, given.inputs)
     if prepared.streams:  # one sample at a time, by autograd (its layers are hidden)
         with activate(request.settings):
             parts = [
@@ -303,17 +273,23 @@ def _empty(grouping: Grouping, params: dict, per_parameter: bool, inputs: Tensor
 def gather_norms(batch: Batch, cp: CallPlan, onepass=None):
     """The walks of the micro-batches of the plan ``cp``, one at a time
     (:func:`memconv.engine.passes.walk_micro_batches`), each gathering norms in a
-    :class:`NormGatherer` (and, for book-keeping, what the clipped sum needs; with
-    ``onepass``, which makes each walk's :class:`memconv.tasks.groups.OnePass`, the
-    clipped sums of the calls it clips, added into its total)."""
+    :class:`NormGatherer` (:func:`gatherer`)."""
     route = cp.plan.clip_route
-    rs = cp.rule_settings
+    return walk_micro_batches(
+        batch,
+        cp,
+        visitor=lambda rows: gatherer(cp, _len(rows), onepass),
+        keep_graph=route == "two-pass",
+    )
 
-    def gatherer(rows: slice) -> NormGatherer:
-        keep = route == "book-keeping"
-        return NormGatherer(_len(rows), rs, keep=keep, onepass=onepass and onepass())
 
-    return walk_micro_batches(batch, cp, visitor=gatherer, keep_graph=route == "two-pass")
+def gatherer(cp: CallPlan, n: int, onepass=None) -> NormGatherer:
+    """The :class:`NormGatherer` of a walk of ``n`` samples under the plan ``cp``: for
+    book-keeping it keeps what the clipped sum needs; with ``onepass``, which makes
+    the walk's :class:`memconv.tasks.groups.OnePass`, the calls it clips add their
+    clipped sums during the backward pass."""
+    keep = cp.plan.clip_route == "book-keeping"
+    return NormGatherer(n, cp.rule_settings, keep=keep, onepass=onepass and onepass())
 
 
 def group_norms(grouping: Grouping, sq: dict, n: int, caller: str) -> dict[str, Tensor]:

@@ -26,6 +26,7 @@ from .._checks import (
 from ..conv.settings import use_block_settings
 from ..engine.planning import Plan
 from ..engine.prepared import Prepared
+from ..engine.request import Batch
 from .clipping import clip_with
 from .grads import grads_with
 from .norms import norms_with
@@ -116,15 +117,7 @@ class PrivateStep:
         Raises:
             As :func:`memconv.per_sample_grads`.
         """
-        return grads_with(
-            self._prepared,
-            self.model,
-            self.loss_fn,
-            inputs,
-            targets,
-            strategy=self.strategy,
-            memory_budget=self.memory_budget,
-        )
+        return self._call(grads_with, inputs, targets)
 
     def per_sample_norms(
         self, inputs: Tensor, targets: Tensor, *, per_parameter: bool = False, groups="all"
@@ -144,18 +137,7 @@ class PrivateStep:
         Raises:
             As :func:`memconv.per_sample_norms`.
         """
-        return norms_with(
-            self._prepared,
-            self.model,
-            self.loss_fn,
-            inputs,
-            targets,
-            strategy=self.strategy,
-            memory_budget=self.memory_budget,
-            per_parameter=per_parameter,
-            norm_route=self.norm_route,
-            groups=groups,
-        )
+        return self._call(norms_with, inputs, targets, per_parameter=per_parameter, groups=groups)
 
     def clip_and_accumulate(
         self, inputs: Tensor, targets: Tensor, *, max_norm: float | dict, groups="all"
@@ -175,16 +157,15 @@ class PrivateStep:
         Raises:
             As :func:`memconv.clip_and_accumulate`.
         """
-        return clip_with(
-            self._prepared,
-            self.model,
-            self.loss_fn,
-            inputs,
-            targets,
-            max_norm=max_norm,
-            strategy=self.strategy,
-            memory_budget=self.memory_budget,
-            norm_route=self.norm_route,
-            clip_route=self.clip_route,
-            groups=groups,
+        return self._call(
+            clip_with, inputs, targets, max_norm=max_norm, clip_route=self.clip_route, groups=groups
         )
+
+    def _call(self, call_with, inputs, targets, **options):
+        """``call_with`` (a public function's ``*_with`` form) on the step's model, loss,
+        settings and what was kept from the last call."""
+        if call_with is not grads_with:
+            options["norm_route"] = self.norm_route
+        given = Batch(self.model, self.loss_fn, inputs, targets)
+        options.update(strategy=self.strategy, memory_budget=self.memory_budget)
+        return call_with(self._prepared, given, **options)

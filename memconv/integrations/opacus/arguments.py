@@ -5,11 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from ..._checks import check_budget, check_clip_route, check_route, check_threshold
+from ..._checks import (
+    check_budget,
+    check_choice,
+    check_clip_route,
+    check_route,
+    check_threshold,
+)
 from ...engine.prepared import check_per_sample_model
 from .private_module import PrivateModule, unwrap_parallel
 
@@ -54,6 +61,17 @@ class ClipSettings:
     clip_route: str | None
     adaptive_args: Mapping[str, float | None]
     thresholds: dict[str, float] | None = None
+
+    #: The fields that are ``make_private``'s arguments of the same names.
+    GIVEN: ClassVar[tuple[str, ...]] = (
+        "clipping",
+        "max_grad_norm",
+        "loss_reduction",
+        "strategy",
+        "memory_budget",
+        "norm_route",
+        "clip_route",
+    )
 
     @property
     def groups(self) -> str:
@@ -123,14 +141,24 @@ def check_arguments(
     return replace(settings, thresholds=_per_layer_thresholds(inner, optimizer, norms))
 
 
-def _refuse_hook_options(options: Mapping) -> None:
-    """Raise on the options of Opacus' hooks, which the private path has not."""
-    for name in ("grad_sample_mode", "wrap_model"):
-        if name in options:
-            raise ValueError(
-                f"{name} is an option of Opacus' hooks; memconv's private path has none. For "
-                "Opacus' own modes use mo.install() and PrivacyEngine.make_private"
-            )
+#: Opacus' ``grad_sample_mode`` values; memconv's pass replaces each of them.
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "ghost_fsdp", "no_op")
+
+
+def _refuse_hook_options(options: dict) -> None:
+    """Check Opacus' hook options: any ``grad_sample_mode`` of Opacus' is accepted (and
+    taken out of ``options``); ``wrap_model`` must be True.
+
+    Raises:
+        ValueError: an unknown mode, or ``wrap_model=False``.
+    """
+    mode = options.pop("grad_sample_mode", "hooks")
+    check_choice(mode, GRAD_SAMPLE_MODES, "grad_sample_mode", none=False)
+    if options.pop("wrap_model", True) is not True:
+        raise ValueError(
+            "wrap_model=False is Opacus' hooks-only mode; memconv's private path returns "
+            "the wrapped model (its backward adds the clipped sum)"
+        )
 
 
 def _check_types(privacy_engine, module, optimizer) -> None:
@@ -203,7 +231,7 @@ def _check_max_grad_norm(max_grad_norm, clipping: str) -> list[float] | None:
 
 def _check_model(module: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
     """Raise unless the optimizer's parameters are the model's and memconv can treat
-    every layer per sample, with no random draw in the forward pass.
+    every layer per sample (a BatchNorm in training mode: the message names :func:`fix`).
 
     Returns:
         The model a ``DPDDP`` wraps (or ``module``).
@@ -214,15 +242,16 @@ def _check_model(module: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Modu
             if p not in params:
                 raise ValueError("optimizer holds parameters that are not module's")
     inner = unwrap_parallel(module)
-    check_per_sample_model(inner, argument="module")
-    for name, layer in inner.named_modules():
-        if isinstance(layer, nn.modules.dropout._DropoutNd) and layer.p > 0:
+    try:
+        check_per_sample_model(inner, argument="module")
+    except ValueError as err:
+        batch_norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+        if any(isinstance(m, batch_norms) for m in inner.modules()):
             raise ValueError(
-                f"module's layer {name!r} ({type(layer).__name__}, p={layer.p}) draws random "
-                "numbers, and memconv's private path runs the forward pass again for its "
-                "clipped sum, so the two draws would differ: set p=0, or use mo.install() "
-                "with PrivacyEngine.make_private (Opacus' hooks)"
-            )
+                f"{err}; memconv.integrations.opacus.fix(module) replaces every BatchNorm "
+                "by a GroupNorm (as Opacus' ModuleValidator.fix)"
+            ) from None
+        raise
     return inner
 
 

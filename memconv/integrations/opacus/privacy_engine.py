@@ -13,7 +13,7 @@ from torch import nn
 
 from ...tasks.adaptive import AdaptiveClipping
 from .adaptive import adaclip_optimizer_class, adaptive_state
-from .arguments import ClipSettings, check_arguments, check_epsilon_arguments
+from .arguments import ADAPTIVE_ARGS, ClipSettings, check_arguments, check_epsilon_arguments
 from .private_module import PrivateModule
 from .samplers import require_opacus
 
@@ -55,6 +55,8 @@ def make_private(
     norm_route: str | None = None,
     clip_route: str | None = None,
     criterion=None,
+    grad_sample_mode: str = "hooks",
+    wrap_model: bool = True,
     target_unclipped_quantile: float | None = None,
     clipbound_learning_rate: float | None = None,
     max_clipbound: float | None = None,
@@ -94,8 +96,9 @@ def make_private(
 
     The criterion must reduce per-sample losses by ``loss_reduction`` over the
     batch axis, each depending on its sample's output only (``CrossEntropyLoss``,
-    ``MSELoss``, ...). Cost: one forward pass without graph (the user's), then
-    memconv's forward and backward pass.
+    ``MSELoss``, ...). Cost: the user's forward pass, recorded, and one backward pass
+    that memconv drives from ``∂L/∂output`` (dropout keeps the mask the forward pass
+    drew).
 
     ``clipping`` takes Opacus' modes with its argument names. ``"per_layer"``: a
     threshold per trainable parameter of the optimizer, in its order (as Opacus'
@@ -132,8 +135,12 @@ def make_private(
         rand_on_empty: as Opacus'.
         strategy, memory_budget, norm_route, clip_route: passed to
             :func:`memconv.clip_and_accumulate`.
-        criterion: accepted for Opacus' signature and not used (the returned model
-            works with the criterion of the loop).
+        criterion: returned as it is with a ghost ``grad_sample_mode`` (Opacus returns
+            its criterion there; memconv's backward pass needs no wrapper around it).
+        grad_sample_mode: any of Opacus' (``"hooks"``, the default, ``"functorch"``,
+            ``"ew"``, ``"ghost"``, ``"ghost_fsdp"``, ``"no_op"``): memconv's pass
+            replaces all of them; a ghost mode returns four values, as Opacus does.
+        wrap_model: must be True (the returned model is the private module).
         target_unclipped_quantile: with ``"adaptive"``, the target fraction of
             unclipped samples (required with ``"adaptive"``, refused otherwise, as
             are the four below; each as Opacus' ``AdaClipDPOptimizer`` takes it).
@@ -144,8 +151,8 @@ def make_private(
         **kwargs: passed to Opacus' optimizer.
 
     Returns:
-        ``(model, optimizer, data_loader)`` as ``make_private`` with
-        ``grad_sample_mode="hooks"`` returns them: the model is a
+        ``(model, optimizer, data_loader)`` as ``make_private`` returns them (with a
+        ghost ``grad_sample_mode``: ``(model, optimizer, criterion, data_loader)``): the model is a
         :class:`~memconv.integrations.opacus.PrivateModule`, the optimizer Opacus'
         ``DPOptimizerFastGradientClipping`` (or its distributed version; with
         ``"per_layer"`` its ``max_grad_norms`` holds the thresholds), or with
@@ -171,22 +178,11 @@ def make_private(
             ``batch_first`` not True; ``noise_generator`` in secure mode. All before
             any work.
     """
+    given = locals()
     require_opacus()
     requested = ClipSettings(
-        clipping=clipping,
-        max_grad_norm=max_grad_norm,
-        loss_reduction=loss_reduction,
-        strategy=strategy,
-        memory_budget=memory_budget,
-        norm_route=norm_route,
-        clip_route=clip_route,
-        adaptive_args=dict(
-            target_unclipped_quantile=target_unclipped_quantile,
-            clipbound_learning_rate=clipbound_learning_rate,
-            max_clipbound=max_clipbound,
-            min_clipbound=min_clipbound,
-            unclipped_num_std=unclipped_num_std,
-        ),
+        **{name: given[name] for name in ClipSettings.GIVEN},
+        adaptive_args={name: given[name] for name in ADAPTIVE_ARGS},
     )
     clip = check_arguments(
         privacy_engine,
@@ -195,7 +191,7 @@ def make_private(
         settings=requested,
         batch_first=batch_first,
         noise_generator=noise_generator,
-        options=kwargs,
+        options=dict(kwargs, grad_sample_mode=grad_sample_mode, wrap_model=wrap_model),
     )
     distributed = _is_distributed(module)
     state = adaptive_state(clip, noise_multiplier=noise_multiplier, distributed=distributed)
@@ -217,7 +213,15 @@ def make_private(
         privacy_engine, optimizer, clip=clip, noise=noise, state=state, options=kwargs
     )
     _attach_accountant(privacy_engine, dp_optimizer, data_loader)
+    if "ghost" in grad_sample_mode:  # Opacus returns its criterion there too
+        return model, dp_optimizer, _criterion(criterion), data_loader
     return model, dp_optimizer, data_loader
+
+
+def _criterion(criterion):
+    """The criterion returned with a ghost ``grad_sample_mode``: the user's (memconv's
+    backward pass clips whatever reduces the batch), or Opacus' default."""
+    return nn.CrossEntropyLoss() if criterion is None else criterion
 
 
 def _is_distributed(module: nn.Module) -> bool:

@@ -1,0 +1,476 @@
+"""The user's own forward and backward pass as the per-sample pass.
+
+:func:`memconv.clipping` and :func:`memconv.recording` are blocks around a training
+step written as usual, in BackPACK's idiom (``with backpack(BatchGrad()):
+loss.backward()``)::
+
+    with memconv.clipping(model, max_norm=1.0) as clip:
+        loss = criterion(model(x), y)     # the user's forward: recorded
+        loss.backward()                   # .grad: the clipped sum Σₙ min(1, C/‖gₙ‖)·gₙ
+    clip.norms                            # [N], before clipping
+
+While the block is open, each call of ``model`` in training mode with gradients
+enabled is recorded (:class:`memconv.engine.passes.UserPass`: hooks on the layers,
+the operation recorder), and its output is handed back detached through one autograd
+node; the backward pass the user's ``loss.backward()`` starts reaches that node with
+``∂L/∂output``, and memconv drives the model's own backward pass from there: per-layer
+norms as the output gradients arrive, then the clip factors and the clipped sum
+(:func:`memconv.tasks.clipping.clip_part`), which is added to ``.grad``. One forward
+and one backward pass; autograd computes no parameter gradient of its own, and
+dropout keeps the mask the user's forward pass drew.
+
+Sample n's loss is the one the criterion reduces: its output gradient is
+``∂L/∂outputₙ`` times N for ``loss_reduction="mean"`` (as Opacus' ``loss_reduction``),
+as is for ``"sum"``. So the criterion must reduce per-sample losses over the batch
+axis, each depending on its own sample's output only (``CrossEntropyLoss``,
+``MSELoss``, label smoothing, auxiliary terms per sample, ...). A loss that mixes the
+samples (a batch statistic of the outputs) cannot be told from its gradient: it is not
+detected, and the norms would be those of another loss.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import torch
+from torch import Tensor, nn
+
+from .._checks import (
+    check_budget,
+    check_choice,
+    check_clip_route,
+    check_max_norm,
+    check_module,
+    check_route,
+)
+from ..conv.settings import use_block_settings
+from ..engine.losses import linear_loss
+from ..engine.passes import UserPass
+from ..engine.prepared import CallPlan, Prepared
+from ..engine.request import Batch
+from ..layers import own_trainable
+from .arguments import check_call
+from .clipping import accumulate, clip_part, one_pass
+from .grads import RowWriter
+from .groups import resolve_groups
+from .norms import gatherer, joined, squared, total_sq
+
+#: How a criterion reduces the per-sample losses (Opacus' ``loss_reduction``).
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+class Handoff(torch.autograd.Function):
+    """Identity on the model's output (detached from the model's graph): its backward
+    hands ``∂L/∂output`` to ``receive``, the pass that recorded the forward.
+
+    ``Handoff.apply(receive, anchor, output)``: ``anchor`` is a tensor requiring grad
+    (so that the result does), ``output`` the detached output."""
+
+    @staticmethod
+    def forward(ctx, receive, anchor, output):
+        ctx.receive = receive
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        receive, ctx.receive = ctx.receive, None
+        receive(grad_output)
+        return None, None, None
+
+
+class RecordedBackward:
+    """A block in which the model's calls are recorded and their backward passes
+    driven by memconv (see the module docstring); :class:`Clipping` and
+    :class:`Recording` say what each backward pass computes.
+
+    The block also works without ``with`` for a model that calls it itself
+    (:meth:`forward`: Opacus' private module does).
+
+    Args:
+        model: the model (one input tensor ``[N, ...]``, one output tensor ``[N, ...]``).
+        caller: the public name, for messages.
+        loss_reduction: ``"mean"`` or ``"sum"``: the criterion's reduction.
+        strategy: the convolutions' weight-VJP strategy (None: the open
+            :class:`memconv.save_memory` block's, or ``"auto"``).
+        memory_budget: bytes each layer's route may use for its temporaries (None:
+            the rules' defaults). The forward pass is the user's: its activations are
+            not bounded here.
+        norm_route: ``"ghost"``, ``"instantiate"`` or None (per layer).
+        clip_route: ``"book-keeping"``, ``"two-pass"`` or None (book-keeping).
+
+    Raises:
+        TypeError, ValueError: bad arguments (before any work), as the whole-model
+            functions; a ``DistributedDataParallel`` model (record the module it wraps).
+    """
+
+    task = "grads"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        caller: str,
+        loss_reduction: str = "mean",
+        strategy=None,
+        memory_budget: int | None = None,
+        norm_route=None,
+        clip_route=None,
+    ):
+        check_module(model)
+        check_choice(loss_reduction, LOSS_REDUCTIONS, "loss_reduction", none=False)
+        if memory_budget is not None:
+            check_budget(memory_budget)
+            if isinstance(memory_budget, str):
+                raise ValueError(
+                    f"{caller}: memory_budget bounds each layer's temporaries here: a "
+                    f"positive int (bytes) or None, got {memory_budget!r}"
+                )
+        check_route(norm_route)
+        check_clip_route(clip_route)
+        use_block_settings(strategy)
+        if _is_parallel(model):
+            raise ValueError(
+                f"{caller}: the model is a DistributedDataParallel wrapper, whose reducer "
+                "expects autograd to compute .grad; record the module it wraps "
+                "(model.module) and call that, or use memconv.clip_and_accumulate on the "
+                "wrapper (it sums the ranks' clipped sums)"
+            )
+        self.model, self.caller = model, caller
+        self.loss_reduction = loss_reduction
+        self.strategy, self.memory_budget = strategy, memory_budget
+        self.norm_route, self.clip_route = norm_route, clip_route
+        self._prepared = Prepared()
+        self._anchor = torch.empty(0, requires_grad=True)
+        self._handles: list = []
+        self._open: list = []  # (pass, its root call) of the calls under way
+        self._waiting: set = set()  # passes recorded, their backward not yet run
+        self._probing = False
+
+    # ------------------------------------------------------------ the block
+    def __enter__(self):
+        if self._handles:
+            raise RuntimeError(f"{self.caller}: this block is already open")
+        model = self.model
+        self._handles = [
+            model.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True),
+            model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for upass, _ in self._open:
+            upass.close()
+        self._open = []
+        waiting, self._waiting = self._waiting, set()
+        for upass in waiting:
+            upass.close()
+        if waiting and kind is None:
+            warnings.warn(
+                f"{self.caller}: {len(waiting)} recorded forward pass(es) of the model had "
+                "no backward pass inside the block, so nothing was computed for them; call "
+                "loss.backward() inside the block (or run the model in eval mode or under "
+                "torch.no_grad() for what needs no gradient)",
+                stacklevel=2,
+            )
+        return False
+
+    def _pre_hook(self, module, args, kwargs):
+        if self._probing or self._open or not (module.training and torch.is_grad_enabled()):
+            return None
+        x = _one_input(args, kwargs, self.caller)
+        upass = self._pass(x)
+        root_call = (args, kwargs) if own_trainable(module) else None
+        upass.start(x, root_call)
+        self._open.append((upass, root_call))
+        return None
+
+    def _post_hook(self, module, args, kwargs, output):
+        if self._probing or not self._open:
+            return None
+        upass, root_call = self._open.pop()
+        if output is None:  # the forward pass raised
+            upass.close()
+            return None
+        out = upass.stop(output, root_call)
+        return self._hand_off(upass, out)
+
+    # ------------------------------------------------------------ one pass
+    def forward(self, x: Tensor) -> Tensor:
+        """Run the model on ``x`` recorded, its backward pass driven by memconv (the
+        wrapper form of the block, for a module that calls the model itself).
+
+        Returns:
+            The model's output, detached from its graph and attached to the node
+            whose backward runs the pass.
+        """
+        _one_input((x,), {}, self.caller)
+        upass = self._pass(x)
+        return self._hand_off(upass, upass.forward(x))
+
+    def _pass(self, x: Tensor) -> UserPass:
+        """Check the model and plan its pass on ``x`` (the probe, two forward passes of
+        one and two samples, kept while the model and the input's shape do not change)."""
+        self._probing = True  # the probe's calls of the model are not recorded
+        try:
+            request, batch, _ = check_call(
+                self._prepared,
+                Batch(self.model, linear_loss, x, x),
+                task=self.task,
+                caller=self.caller,
+                strategy=self.strategy,
+                memory_budget=None,
+                norm_route=self.norm_route,
+                clip_route=self.clip_route,
+            )
+            cp = self._prepared.call_plan(batch, request)
+        finally:
+            self._probing = False
+        if self.memory_budget is not None:
+            cp = replace(cp, plan=replace(cp.plan, layer_budget=self.memory_budget))
+        return UserPass(cp, batch.model, self._visitor(cp, len(x)))
+
+    def _hand_off(self, upass: UserPass, out) -> Tensor:
+        if not isinstance(out, Tensor) or out.dim() == 0 or len(out) != len(upass.inputs):
+            upass.close()
+            raise TypeError(
+                f"{self.caller}: the model must return one tensor [N, ...] (batch axis "
+                f"first), got {type(out).__name__}"
+            )
+        self._waiting.add(upass)
+
+        def receive(grad_output):
+            self._waiting.discard(upass)
+            self._backward(upass, grad_output)
+
+        return Handoff.apply(receive, self._anchor, out.detach())
+
+    def _backward(self, upass: UserPass, grad_output: Tensor) -> None:
+        n = len(upass.inputs)
+        scale = n if self.loss_reduction == "mean" else 1
+        targets = grad_output.detach() * scale
+        try:
+            with torch.enable_grad():  # a backward node's own backward runs without
+                keep = upass.cp.plan.clip_route == "two-pass"
+                part = upass.backward(targets, keep_graph=keep)
+                self._finish(upass.cp, part, scale)
+        finally:
+            upass.close()
+
+    # what each backward pass computes (subclasses)
+    def _visitor(self, cp: CallPlan, n: int):
+        raise NotImplementedError
+
+    def _finish(self, cp: CallPlan, part, scale: int) -> None:
+        raise NotImplementedError
+
+
+class Clipping(RecordedBackward):
+    """:func:`memconv.clipping`'s block: each recorded backward pass adds the clipped sum
+    to ``.grad`` (see :func:`memconv.clipping`).
+
+    Attributes:
+        norms: the per-sample norms before clipping of the last backward pass: ``[N]``,
+            or ``{group: [N]}`` with ``groups`` other than ``"all"``.
+        max_norm: the threshold(s); may be changed between steps.
+    """
+
+    task = "clip"
+
+    def __init__(self, model: nn.Module, *, max_norm, groups="all", caller: str, **options):
+        super().__init__(model, caller=caller, **options)
+        check_max_norm(max_norm)
+        resolve_groups(model, groups, max_norm)  # checked before any work
+        self.max_norm, self.groups = max_norm, groups
+        self.norms: Tensor | dict | None = None
+        self._totals: dict = {}
+
+    def _visitor(self, cp: CallPlan, n: int):
+        grouping = resolve_groups(self.model, self.groups, self.max_norm)
+        total: dict = {}
+        visitor = gatherer(cp, n, one_pass(cp, grouping, total))
+        self._totals[id(visitor)] = (grouping, total)
+        return visitor
+
+    def _finish(self, cp: CallPlan, part, scale: int) -> None:
+        grouping, total = self._totals.pop(id(part.visitor))
+        params = self._prepared.trainable()
+        norms = clip_part(part, cp, grouping, params, total)
+        accumulate(params, total, None)
+        self.norms = joined(grouping, [norms])
+
+
+class Recording(RecordedBackward):
+    """:func:`memconv.recording`'s block: each recorded backward pass keeps the
+    per-sample gradients and norms and adds the ordinary gradient to ``.grad``.
+
+    Attributes:
+        grads: ``{name: [N, *param.shape]}``: each sample's own loss gradient, of the
+            last backward pass.
+        norms: their norms over all trainable parameters ``[N]``.
+    """
+
+    task = "grads"
+
+    def __init__(self, model: nn.Module, *, caller: str, **options):
+        super().__init__(model, caller=caller, **options)
+        self.grads: dict | None = None
+        self.norms: Tensor | None = None
+        self._outs: dict = {}
+
+    def _visitor(self, cp: CallPlan, n: int):
+        params = self._prepared.trainable()
+        out = {name: p.new_empty(n, *p.shape) for name, p in params.items()}
+        visitor = RowWriter(out, slice(0, n), cp.rule_settings, whole=True)
+        self._outs[id(visitor)] = out
+        return visitor
+
+    def _finish(self, cp: CallPlan, part, scale: int) -> None:
+        part.visitor.zero_rest()
+        grads = self._outs.pop(id(part.visitor))
+        params = self._prepared.trainable()
+        n = len(part.losses)
+        sq = {k: squared(v) for k, v in grads.items()}
+        self.grads = grads
+        self.norms = total_sq(sq, n).sqrt()
+        # .grad: what loss.backward() adds (each sample's gradient over the reduction)
+        accumulate(params, {k: v.sum(0) / scale for k, v in grads.items()}, None)
+
+
+def _one_input(args: tuple, kwargs: dict, caller: str) -> Tensor:
+    """The model call's one input tensor ``[N, ...]``.
+
+    Raises:
+        TypeError: another call, or an input that requires grad (the pass computes the
+            parameters' per-sample quantities, not an input gradient).
+    """
+    if kwargs or len(args) != 1 or not isinstance(args[0], Tensor) or args[0].dim() == 0:
+        raise TypeError(
+            f"{caller}: the model is called with one input tensor [N, ...] (batch axis "
+            f"first): got {len(args)} positional and {len(kwargs)} keyword argument(s)"
+        )
+    if args[0].requires_grad:
+        raise TypeError(
+            f"{caller}: the model's input requires grad; the recorded pass computes the "
+            "parameters' per-sample quantities, not an input gradient: pass x.detach()"
+        )
+    return args[0]
+
+
+def _is_parallel(model: nn.Module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel) or type(model).__name__ in (
+        "DPDDP",
+        "DifferentiallyPrivateDistributedDataParallel",
+    )
+
+
+def clipping(
+    model: nn.Module,
+    *,
+    max_norm: float | dict,
+    groups: str | dict = "all",
+    loss_reduction: str = "mean",
+    strategy: str | bool | None = None,
+    memory_budget: int | None = None,
+    norm_route: str | None = None,
+    clip_route: str | None = None,
+) -> Clipping:
+    """A block in which ``loss.backward()`` adds DP-SGD's clipped sum
+    Σₙ min(1, C/‖gₙ‖)·gₙ to ``.grad`` instead of the gradient, from the user's own
+    forward and backward pass (one of each; see :mod:`memconv.tasks.recorded`).
+
+    Example::
+
+        with memconv.clipping(model, max_norm=1.0) as clip:
+            for x, y in loader:
+                optimizer.zero_grad()
+                criterion(model(x), y).backward()   # .grad: the clipped sum
+                noise_and_step(optimizer)           # DP-SGD's noise stays the user's
+        clip.norms                                  # [N] of the last step
+
+    ``gₙ`` is the gradient of sample n's own loss: ``∂L/∂outputₙ`` times N for
+    ``loss_reduction="mean"`` (Opacus' convention), as is for ``"sum"``. The numbers
+    are :func:`memconv.clip_and_accumulate`'s with the same loss; dropout keeps the
+    mask of the user's forward pass.
+
+    Args:
+        model: the model, called with one input tensor ``[N, ...]`` and returning one
+            tensor ``[N, ...]``; its calls in training mode with gradients enabled are
+            recorded (in eval mode or under ``no_grad`` it runs as it is).
+        max_norm: the threshold C, or ``{group: C_g}`` (see ``groups``).
+        groups: as :func:`memconv.clip_and_accumulate` (``"all"``, ``"layer"``,
+            ``"parameter"`` or ``{parameter name: group}``).
+        loss_reduction: ``"mean"`` or ``"sum"``: how the criterion reduces the batch.
+        strategy: the convolutions' weight-VJP strategy (None: the open block's).
+        memory_budget: bytes each layer's route may use for its temporaries (None: the
+            rules' defaults); the forward pass's activations are the user's.
+        norm_route: ``"ghost"``, ``"instantiate"`` or None.
+        clip_route: ``"book-keeping"`` (the default: one backward pass) or
+            ``"two-pass"`` (a second backward pass through the kept graph).
+
+    Returns:
+        The :class:`Clipping` block (``.norms`` after each backward pass).
+
+    Raises:
+        TypeError, ValueError: bad arguments, before any work; at the model's call, a
+            layer that mixes samples (BatchNorm in training mode), a call with other
+            than one input tensor, an output without a batch axis.
+        RuntimeError: at the backward pass, a non-finite per-sample norm (nothing is
+            added to ``.grad``), a gradient that should arrive but does not.
+    """
+    return Clipping(
+        model,
+        max_norm=max_norm,
+        groups=groups,
+        caller="memconv.clipping",
+        loss_reduction=loss_reduction,
+        strategy=strategy,
+        memory_budget=memory_budget,
+        norm_route=norm_route,
+        clip_route=clip_route,
+    )
+
+
+def recording(
+    model: nn.Module,
+    *,
+    loss_reduction: str = "mean",
+    strategy: str | bool | None = None,
+    memory_budget: int | None = None,
+) -> Recording:
+    """A block in which ``loss.backward()`` also leaves each sample's gradient and its
+    norm, from the user's own forward and backward pass (BackPACK's ``BatchGrad`` and
+    ``BatchL2Grad``, Opacus' ``grad_sample``; see :mod:`memconv.tasks.recorded`).
+
+    Example::
+
+        with memconv.recording(model) as rec:
+            criterion(model(x), y).backward()   # .grad as usual
+        rec.grads["0.weight"]                   # [N, *weight.shape]
+        rec.norms                               # [N]
+
+    Args:
+        model: as :func:`clipping`.
+        loss_reduction: ``"mean"`` or ``"sum"``: how the criterion reduces the batch;
+            ``grads[name][n]`` is the gradient of sample n's own loss either way.
+        strategy, memory_budget: as :func:`clipping`.
+
+    Returns:
+        The :class:`Recording` block (``.grads`` and ``.norms`` after each backward
+        pass; ``.grad`` gets the batch's gradient as ``loss.backward()`` gives it).
+
+    Raises:
+        As :func:`clipping`.
+    """
+    return Recording(
+        model,
+        caller="memconv.recording",
+        loss_reduction=loss_reduction,
+        strategy=strategy,
+        memory_budget=memory_budget,
+    )
