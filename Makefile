@@ -67,7 +67,7 @@ BENCH_DIR := docs/bench
 BENCH_FILES := clip.jsonl clip-more.jsonl grads.jsonl grads-more.jsonl largest-grads.jsonl \
 	largest-clip.jsonl largest-container-grads.jsonl largest-container-clip.jsonl \
 	sweep-batch.jsonl sweep-side.jsonl private.jsonl clip-layer.jsonl models.jsonl models-grads.jsonl \
-	streaming.jsonl
+	streaming.jsonl streaming-4096.jsonl streaming-8192.jsonl streaming-16384.jsonl
 GRADS_ENGINES := autograd,torch.func,expanded-weights,opacus-hooks,backpack-save-memory,memconv:standard,memconv:rochette,memconv:unfold,memconv:shift,memconv:auto,memconv:budget,memconv:default,memconv-modules:auto,memconv-backpack:auto
 benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	$(BENCH) --task clip --cases resnet18-gn,seed-112 --json $(BENCH_DIR)/clip.jsonl --plot $(BENCH_DIR)/clip.png
@@ -137,10 +137,10 @@ benchmarks-models: $(VENV)/.installed-bench+opacus
 # without torchvision, whose import fails here). A conventional step that would not fit
 # (ResNet-50 and ConvNeXt-tiny from 4096 on, every trunk from 8192 on) is not run: the page
 # scales it from 2048 by the area. --abort-gib stops a measurement past 12 GiB. Several
-# hours on 2 CPU cores (the 8192 and 16384 steps take tens of minutes each); every command
-# appends to streaming.jsonl and the page is refilled at the end.
+# hours on 2 CPU cores (the 8192 and 16384 steps take tens of minutes each); each command
+# writes a file of its own (--json overwrites) and the page is refilled at the end.
 LIGHTSTREAM_VENV ?= .venv-lightstream
-STREAM_BENCH := $(BENCH) --task grads --table streaming --once --abort-gib 12 --json $(BENCH_DIR)/streaming.jsonl
+STREAM_BENCH := $(BENCH) --task grads --table streaming --once --abort-gib 12
 $(LIGHTSTREAM_VENV)/.installed: constraints.txt
 	rm -rf $(LIGHTSTREAM_VENV) && $(PYTHON) -m venv $(LIGHTSTREAM_VENV)
 	$(LIGHTSTREAM_VENV)/bin/python -m pip install -q -c constraints.txt torch numpy memory_profiler psutil tqdm scikit-image
@@ -148,12 +148,10 @@ $(LIGHTSTREAM_VENV)/.installed: constraints.txt
 	@touch $@
 
 benchmarks-streaming: $(VENV)/.installed-bench $(LIGHTSTREAM_VENV)/.installed
-	rm -f $(BENCH_DIR)/streaming.jsonl
-	-$(STREAM_BENCH) --cases stream-resnet18-2048,stream-resnet50-2048,stream-convnext-tiny-2048,stream-resnet18-4096 --engines autograd,memconv-streaming,lightstream --lightstream-python $(LIGHTSTREAM_VENV)/bin/python
-	-$(STREAM_BENCH) --cases stream-resnet50-4096,stream-convnext-tiny-4096 --engines memconv-streaming,lightstream --lightstream-python $(LIGHTSTREAM_VENV)/bin/python
-	-$(STREAM_BENCH) --cases stream-resnet50-8192,stream-resnet18-8192 --engines memconv-streaming
-	-$(STREAM_BENCH) --cases stream-resnet18-16384 --engines memconv-streaming
-	-$(STREAM_BENCH) --cases stream-convnext-tiny-8192 --engines memconv-streaming
+	-$(STREAM_BENCH) --cases stream-resnet18-2048,stream-resnet50-2048,stream-convnext-tiny-2048,stream-resnet18-4096 --engines autograd,memconv-streaming,lightstream --lightstream-python $(LIGHTSTREAM_VENV)/bin/python --json $(BENCH_DIR)/streaming.jsonl
+	-$(STREAM_BENCH) --cases stream-resnet50-4096,stream-convnext-tiny-4096 --engines memconv-streaming,lightstream --lightstream-python $(LIGHTSTREAM_VENV)/bin/python --json $(BENCH_DIR)/streaming-4096.jsonl
+	-$(STREAM_BENCH) --cases stream-resnet50-8192,stream-resnet18-8192,stream-convnext-tiny-8192 --engines memconv-streaming --json $(BENCH_DIR)/streaming-8192.jsonl
+	-$(STREAM_BENCH) --cases stream-resnet18-16384 --engines memconv-streaming --json $(BENCH_DIR)/streaming-16384.jsonl
 	$(MAKE) benchmarks-report
 
 # Refill docs/benchmarks.md from the JSON Lines files (seconds; no measurement).
