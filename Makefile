@@ -154,9 +154,9 @@ benchmarks-streaming: $(VENV)/.installed-bench $(LIGHTSTREAM_VENV)/.installed
 	-$(STREAM_BENCH) --cases stream-resnet18-16384 --engines memconv-streaming --json $(BENCH_DIR)/streaming-16384.jsonl
 	$(MAKE) benchmarks-report
 
-# Refill docs/benchmarks.md from the JSON Lines files (seconds; no measurement).
+# Refill docs/benchmarks.md from the JSON Lines files there are (seconds; no measurement).
 benchmarks-report: $(VENV)/.installed-bench
-	$(BENCH) --report $(addprefix $(BENCH_DIR)/,$(BENCH_FILES)) --markdown docs/benchmarks.md
+	$(BENCH) --report $(wildcard $(addprefix $(BENCH_DIR)/,$(BENCH_FILES))) --markdown docs/benchmarks.md
 
 # The same on a machine with a CUDA GPU, one command: the cost models fitted on the GPU
 # (memconv/calibration/cuda.json, read for CUDA tensors) and checked against its allocator,
