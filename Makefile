@@ -19,7 +19,7 @@ PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version
 
 .PHONY: install compare test test-slow lint format docs docs-clean clean benchmarks benchmarks-report \
 	benchmarks-steps benchmarks-ops benchmarks-private benchmarks-models benchmarks-reversible \
-	benchmarks-gpu calibrate-gpu calibrate FORCE
+	benchmarks-streaming benchmarks-gpu calibrate-gpu calibrate FORCE
 
 # Rebuilt (with the whole venv) only when the interpreter changed; FORCE makes make
 # look at it every time, but its timestamp moves only on a rebuild.
@@ -66,7 +66,8 @@ BENCH := $(BIN)/memconv bench
 BENCH_DIR := docs/bench
 BENCH_FILES := clip.jsonl clip-more.jsonl grads.jsonl grads-more.jsonl largest-grads.jsonl \
 	largest-clip.jsonl largest-container-grads.jsonl largest-container-clip.jsonl \
-	sweep-batch.jsonl sweep-side.jsonl private.jsonl clip-layer.jsonl models.jsonl models-grads.jsonl
+	sweep-batch.jsonl sweep-side.jsonl private.jsonl clip-layer.jsonl models.jsonl models-grads.jsonl \
+	streaming.jsonl streaming-4096.jsonl streaming-8192.jsonl streaming-16384.jsonl
 GRADS_ENGINES := autograd,torch.func,expanded-weights,opacus-hooks,backpack-save-memory,memconv:standard,memconv:rochette,memconv:unfold,memconv:shift,memconv:auto,memconv:budget,memconv:default,memconv-modules:auto,memconv-backpack:auto
 benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	$(BENCH) --task clip --cases resnet18-gn,seed-112 --json $(BENCH_DIR)/clip.jsonl --plot $(BENCH_DIR)/clip.png
@@ -141,9 +142,34 @@ benchmarks-models: $(VENV)/.installed-bench+opacus
 	-$(BENCH) --task clip --table models --cases $(MODEL_CASES) --engines non-private,memconv:default,memconv:step,opacus-ghost,torch.func --json $(BENCH_DIR)/models.jsonl
 	-$(BENCH) --task grads --table models --cases $(MODEL_CASES) --engines torch.func,memconv:default,memconv:step --json $(BENCH_DIR)/models-grads.jsonl
 
-# Refill docs/benchmarks.md from the JSON Lines files (seconds; no measurement).
+# "Streaming the models people stream": ResNet-18, ResNet-50 and ConvNeXt-tiny trunks as
+# torchvision writes them (memconv.bench.trunks) with a global-pool + Linear head, one
+# float32 training step on a mosaic of scikit-image's astronaut, each in a fresh process:
+# conventional (autograd), memconv streaming (the tile chosen for the case's memory budget)
+# and Lightstream 1.0.7 in a virtual environment of its own (lightstream and lightning,
+# without torchvision, whose import fails here). A conventional step that would not fit
+# (ResNet-50 and ConvNeXt-tiny from 4096 on, every trunk from 8192 on) is not run: the page
+# scales it from 2048 by the area. --abort-gib stops a measurement past 12 GiB. Several
+# hours on 2 CPU cores (the 8192 and 16384 steps take tens of minutes each); each command
+# writes a file of its own (--json overwrites) and the page is refilled at the end.
+LIGHTSTREAM_VENV ?= .venv-lightstream
+STREAM_BENCH := $(BENCH) --task grads --table streaming --once --abort-gib 12
+$(LIGHTSTREAM_VENV)/.installed: constraints.txt
+	rm -rf $(LIGHTSTREAM_VENV) && $(PYTHON) -m venv $(LIGHTSTREAM_VENV)
+	$(LIGHTSTREAM_VENV)/bin/python -m pip install -q -c constraints.txt torch numpy memory_profiler psutil tqdm scikit-image
+	$(LIGHTSTREAM_VENV)/bin/python -m pip install -q -c constraints.txt lightstream==1.0.7 lightning
+	@touch $@
+
+benchmarks-streaming: $(VENV)/.installed-bench $(LIGHTSTREAM_VENV)/.installed
+	-$(STREAM_BENCH) --cases stream-resnet18-2048,stream-resnet50-2048,stream-convnext-tiny-2048,stream-resnet18-4096 --engines autograd,memconv-streaming,lightstream --lightstream-python $(LIGHTSTREAM_VENV)/bin/python --json $(BENCH_DIR)/streaming.jsonl
+	-$(STREAM_BENCH) --cases stream-resnet50-4096,stream-convnext-tiny-4096 --engines memconv-streaming,lightstream --lightstream-python $(LIGHTSTREAM_VENV)/bin/python --json $(BENCH_DIR)/streaming-4096.jsonl
+	-$(STREAM_BENCH) --cases stream-resnet50-8192,stream-resnet18-8192,stream-convnext-tiny-8192 --engines memconv-streaming --json $(BENCH_DIR)/streaming-8192.jsonl
+	-$(STREAM_BENCH) --cases stream-resnet18-16384 --engines memconv-streaming --json $(BENCH_DIR)/streaming-16384.jsonl
+	$(MAKE) benchmarks-report
+
+# Refill docs/benchmarks.md from the JSON Lines files there are (seconds; no measurement).
 benchmarks-report: $(VENV)/.installed-bench
-	$(BENCH) --report $(addprefix $(BENCH_DIR)/,$(BENCH_FILES)) --markdown docs/benchmarks.md
+	$(BENCH) --report $(wildcard $(addprefix $(BENCH_DIR)/,$(BENCH_FILES))) --markdown docs/benchmarks.md
 
 # The same on a machine with a CUDA GPU, one command: the cost models fitted on the GPU
 # (memconv/calibration/cuda.json, read for CUDA tensors) and checked against its allocator,

@@ -281,6 +281,41 @@ def check_tile_argument(tile_size, tile_shape):
     return tuple(tile_shape[2:])
 
 
+def check_stream_tile(tile_size, tile_shape, memory_budget):
+    """``(tile, channels)`` of a streamed trunk: the spatial tile from ``tile_size`` (an
+    int, a tuple of ints or ``"auto"``) or Lightstream's ``tile_shape`` ``(N, C,
+    *spatial)``, and the channels ``tile_shape`` gives (else None).
+
+    Raises:
+        ValueError: both or neither of ``tile_size`` and ``tile_shape``; ``"auto"``
+            without a ``memory_budget`` (a positive int, bytes), or a budget with a
+            fixed tile; a ``tile_shape`` without spatial sizes.
+        TypeError: a ``memory_budget`` that is not an int.
+    """
+    if tile_size == "auto":
+        if memory_budget is None:
+            raise ValueError(
+                "tile_size='auto' needs memory_budget (bytes a training step may use "
+                "beyond the image and the parameters)"
+            )
+        if isinstance(memory_budget, str) or not _is_int(memory_budget):
+            raise TypeError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
+        if memory_budget <= 0:
+            raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget}")
+        return "auto", None
+    if memory_budget is not None:
+        raise ValueError(
+            "memory_budget chooses the tile: give it with tile_size='auto', not with a fixed "
+            "tile size"
+        )
+    tile = check_tile_argument(tile_size, tile_shape)
+    channels = None
+    if tile_shape is not None:
+        check_positive_int(tile_shape[1], "tile_shape's channels")
+        channels = int(tile_shape[1])
+    return tile, channels
+
+
 def check_strategy_name(strategy, names: tuple, argument: str = "strategy") -> str:
     """The strategy's name: ``True``/``False`` are ``"rochette"``/``"standard"``
     (BackPACK's ``save_memory(True/False)``), a string must be one of ``names``.

@@ -15,6 +15,19 @@ if os.environ.get("CI"):
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """Each test starts with the process's torch thread count: code that sets it (the
+    benchmarks' cases, run at toy sizes by tests) must not change the reduction order,
+    hence the float32 round-off, of the tests after it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def strategy_calls(monkeypatch):
     """Every strategy VJP memconv runs, as ``(strategy name, per_sample)`` in call order

@@ -57,6 +57,23 @@ def stream_head():
     return nn.Sequential(nn.Flatten(), nn.Linear(4 * 7 * 7, 3)).double()
 
 
+def torchvision_trunk():
+    """A narrow torchvision ResNet-18 trunk, as written there (BatchNorm in eval mode,
+    its statistics and affine parameters away from their initial values), and a head."""
+    from memconv.bench.trunks import resnet_trunk
+
+    torch.manual_seed(4)
+    trunk = resnet_trunk(18, in_channels=2, width=4, layers=(1, 1, 1, 1)).double()
+    for m in trunk.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.2, 0.2)
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 3)).double()
+    return trunk, head
+
+
 #: noise multiplier, learning rate and noise seed of the private step
 PRIVATE = dict(sigma=0.7, lr=0.5, seed=3)
 
@@ -185,6 +202,12 @@ def run(rank: int, out: str) -> None:
         model = DDP(nn.Sequential(StreamingCNN(stream_layers(), 8), *stream_head()))
         nn.CrossEntropyLoss()(model(xs[r]), ys[r]).backward()
         result["streaming"] = _grads(model.module)
+        # a torchvision-style trunk, several tiles per image, each rank its own images
+        xs, ys = batch(70)
+        trunk, head = torchvision_trunk()
+        model = DDP(nn.Sequential(StreamingCNN(trunk, 32), head))
+        nn.CrossEntropyLoss()(model(xs[r]), ys[r]).backward()
+        result["streaming_torchvision"] = _grads(model.module)
         result["private"] = _private_step(rank, x, y)
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:

@@ -484,3 +484,101 @@ def test_a_peer_that_does_not_import_is_reported_not_run(monkeypatch):
         assert "json does not import here (no scipy)" == engines.available(engine)
     finally:
         engines._import_error.cache_clear()
+
+
+def test_streaming_engine_on_a_torchvision_trunk_case():
+    """The stream-* cases: a trunk as torchvision writes it and a head; the tile chosen
+    for the case's budget, several tiles; the same summed gradient as autograd's."""
+    from memconv.streaming import StreamingCNN
+
+    config = {"model": "stream-resnet18", "batch": 1, "side": 256, "data": "random"}
+    model, x, y = build_case(config, CPU)
+    model, x = model.double(), x.double()
+    peaks = [StreamingCNN(model[0], t).predicted_peak(tuple(x.shape)) for t in (64, 256)]
+    model.stream_budget = sum(peaks) // 2
+    reference = ENGINES["grads"]["autograd"].run(model, x, y)
+    result = ENGINES["grads"]["memconv-streaming"].run(model, x, y)
+    stream = model._memconv_bench_stream[0]
+    assert stream.tile_size == "auto" and stream.last_plan.count > 1
+    assert max_rel_deviation(result, reference) < 1e-10
+    from memconv.bench.engines import available
+
+    reason = available(ENGINES["grads"]["lightstream"])
+    if reason is not None:  # Lightstream lives in its own environment
+        assert "--lightstream-python" in reason
+
+
+def test_report_renders_the_streaming_table_with_scaled_conventional_steps(tmp_path):
+    """Where the conventional step does not fit, its figures are scaled by the area from
+    a smaller side, marked as such; the targets are read from the rows."""
+    from memconv.bench.report import render
+
+    head = {
+        "record": "run",
+        "mode": "matrix",
+        "command": "memconv bench --table streaming",
+        "machine": {"cpu": "x", "threads": 2, "torch": "t", "memconv": "m", "python": "p"},
+        "started": "2025-01-01T00:00:00+00:00",
+        "plot": None,
+        "table": "streaming",
+        "task": "grads",
+    }
+
+    def row(model, side, engine, rss, alloc, time, **more):
+        return {
+            "record": "row",
+            "task": "grads",
+            "case": f"{model}-{side}",
+            "config": {"model": model, "batch": 1, "side": side},
+            "engine": engine,
+            "peak_rss_mib": rss,
+            "peak_alloc_mib": alloc,
+            "time_s": time,
+            **more,
+        }
+
+    lines = [
+        head,
+        row("stream-resnet50", 2048, "autograd", 9000.0, 8800.0, 50.0),
+        row(
+            "stream-resnet50",
+            2048,
+            "memconv-streaming",
+            1000.0,
+            900.0,
+            60.0,
+            deviation=1e-6,
+            stream={"tile": 1024, "tiles": 9},
+        ),
+        {
+            "record": "row",
+            "task": "grads",
+            "case": "stream-resnet50-4096",
+            "engine": "autograd",
+            "config": {"model": "stream-resnet50", "batch": 1, "side": 4096},
+            "aborted": True,
+            "rss_at_abort_mib": 20480.0,
+        },
+        row(
+            "stream-resnet50",
+            4096,
+            "memconv-streaming",
+            2000.0,
+            1500.0,
+            250.0,
+            stream={"tile": 1400, "tiles": 16},
+        ),
+        row("stream-resnet50", 4096, "lightstream", 3000.0, 2500.0, 400.0, deviation=0.5),
+        row("stream-resnet50", 8192, "memconv-streaming", 3500.0, 3000.0, 900.0),
+    ]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    sections = render(read_records([str(tmp_path / "s.jsonl")]))
+    table = sections["streaming"]
+    assert "| ResNet-50 trunk | 2048² | conventional | 9,000 | 8,800 | 50.0 | 1.00 |" in table
+    assert "conventional (stopped past 20.0 GiB; scaled from 2048²) | ~36,000 | ~35,200 |" in table
+    assert "| memconv streaming | 2,000 | 1,500 | 250.0 | ~0.06 | ~0.04 | ~1.25 |" in table
+    assert "1400 (16)" in table
+    assert "RSS 0.06 × (met)" in table and "time ≤ 1.5 ×: 1.25 × (met)" in table
+    assert "against Lightstream: RSS 0.67 ×, time 0.62 × (met" in table
+    assert "ResNet-50 trunk, 8192²: streamed step within 4 GiB: peak RSS increase 3.42 GiB" in table
+    assert "no measurements" in sections["grads"]

@@ -31,6 +31,7 @@ from ddp_worker import (
     run,
     stream_head,
     stream_layers,
+    torchvision_trunk,
 )
 from helpers import loop_reference, rel_err
 from torch import nn
@@ -138,6 +139,24 @@ def test_streaming_cnn_under_ddp(ranks):
         assert len(grads) == len(expected)
         for a, b in zip(grads, expected):
             assert rel_err(a, b) < TOL
+
+
+def test_streamed_torchvision_trunk_under_ddp(ranks):
+    """A ResNet trunk as torchvision writes it, streamed on every rank over its own
+    images: DDP's step equals the single-process one (BatchNorm's affine parameters
+    included)."""
+    trunk, head = torchvision_trunk()
+    model = nn.Sequential(trunk, head)
+    x, y = batch(70)
+    nn.CrossEntropyLoss()(model(x), y).backward()
+    expected = {
+        (f"0.stream_layers.{n[2:]}" if n.startswith("0.") else n): p.grad
+        for n, p in model.named_parameters()
+    }
+    for got in ranks:
+        assert got["streaming_torchvision"].keys() == expected.keys()
+        for name, g in got["streaming_torchvision"].items():
+            assert rel_err(g, expected[name]) < TOL, name
 
 
 def test_private_path_step_under_dpddp(ranks):

@@ -98,7 +98,10 @@ QUICK_ENGINES = {
 }
 SWEEPS = ("batch", "side")
 #: Tables of the benchmarks page that take a run's records whole (``--table``).
-TABLES = ("models",)
+TABLES = ("models", "streaming")
+#: The engines of the table "Streaming the models people stream", compared with the
+#: conventional pass ("autograd").
+STREAM_ENGINES = ("autograd", "memconv-streaming", "lightstream")
 DEFAULT_RANGE = {"batch": "8,16,32,64,128,256,512", "side": "28,56,112,168,224"}
 #: A sweep stops an engine's run past this RSS increase, and runs it no further.
 SWEEP_ABORT_MIB = 16 * 1024
@@ -218,8 +221,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--table",
         choices=TABLES,
         help="in the matrix mode: mark the records as the measurements of one table of the "
-        "benchmarks page (models: 'DP on the models people train'); --report renders them "
-        "in that table rather than in the per-case tables",
+        "benchmarks page (models: 'DP on the models people train'; streaming: 'Streaming "
+        "the models people stream', compared with the conventional pass, autograd); "
+        "--report renders them in that table rather than in the per-case tables",
+    )
+    big = parser.add_argument_group("huge images (the streaming table)")
+    big.add_argument(
+        "--once",
+        action="store_true",
+        help="one measured call per engine: RSS, allocator peak and its time together (the "
+        "profiler's cost included), for steps of many minutes",
+    )
+    big.add_argument(
+        "--abort-gib",
+        type=positive_float,
+        metavar="GIB",
+        help="stop a measurement whose RSS grows past GIB (its row says so), e.g. a "
+        "conventional step that would not fit the machine",
+    )
+    big.add_argument(
+        "--lightstream-python",
+        metavar="PATH",
+        help="the interpreter of an environment with Lightstream 1.0.7 (and without "
+        "torchvision), which runs the lightstream engine",
     )
     modes.add_argument(
         "--markdown",
@@ -263,6 +287,9 @@ def check_arguments(args) -> dict:
             raise ValueError(f"{option} applies only with {flag}")
     if getattr(args, "table", None) is not None and mode != "matrix":
         raise ValueError("--table applies only in the matrix mode")
+    python = getattr(args, "lightstream_python", None)
+    if python is not None and not os.access(python, os.X_OK):
+        raise ValueError(f"--lightstream-python: {python!r} is not an executable")
     plan: dict = {"mode": mode}
     if mode == "report":
         for path in args.report:
@@ -304,12 +331,15 @@ def check_arguments(args) -> dict:
     plan["cases"] = cases
     plan["engines"] = engines
     # engines asked for by name need their peers now; default ones are skipped with a reason
+    elsewhere = {"lightstream"} if python is not None else set()  # its own environment
     check_dependencies(
-        [get_engine(e, task) for e in engines or []], plot=bool(args.plot), data=args.data
+        [get_engine(e, task) for e in engines or [] if e not in elsewhere],
+        plot=bool(args.plot),
+        data=args.data,
     )
     chosen = engines or [e for c in cases for e in default_engines(mode, task, c)]
     for e in dict.fromkeys(chosen):
-        reason = available(get_engine(e, task))
+        reason = available(get_engine(e, task), python if e in elsewhere else None)
         if reason:
             logger.warning("engine %s will be skipped: %s", e, reason)
     return plan
@@ -323,6 +353,8 @@ def default_engines(mode: str, task: str, case: str) -> list[str]:
         return list(LARGEST_ENGINES[task])
     if task != "grads" or CASES[case].model == "seed":
         return list(ENGINES[task])
+    if CASES[case].model.startswith("stream-"):
+        return list(STREAM_ENGINES)
     return list(CORE_GRADS)
 
 
@@ -340,6 +372,12 @@ def case_config(args, name: str) -> dict:
     budget = args.budget_mib or case.budget_mib.get(args.task)
     if budget:
         config["memory_budget"] = int(budget * MiB)
+    if getattr(args, "once", False):
+        config["once"] = True
+    if getattr(args, "abort_gib", None):
+        config["abort_rss_mib"] = args.abort_gib * 1024
+    if getattr(args, "lightstream_python", None):
+        config["interpreters"] = {"lightstream": args.lightstream_python}
     return config
 
 
@@ -433,8 +471,14 @@ def run_matrix(args, plan: dict, out) -> list[tuple[str, dict, list[dict]]]:
             logger.info("[%d/%d] %s %s: %s", done[0], total, name, row["engine"], _summary(row))
             out.write({"record": "row", "task": args.task, "case": name, "config": public, **row})
 
+        reference = "autograd" if getattr(args, "table", None) == "streaming" else None
         rows = measure_engines(
-            config, engines, task=args.task, on_row=on_row, deadline=getattr(args, "deadline", None)
+            config,
+            engines,
+            task=args.task,
+            on_row=on_row,
+            reference=reference,
+            deadline=getattr(args, "deadline", None),
         )
         order = {e: i for i, e in enumerate(ENGINES[args.task])}
         rows.sort(key=lambda r: order[r["engine"]])

@@ -12,16 +12,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+#: Trunks as torchvision writes them, with a global-pool + Linear head, streamed by the
+#: engines of the table "Streaming the models people stream" (:mod:`memconv.bench.trunks`).
+STREAM_MODELS = ("stream-resnet18", "stream-resnet50", "stream-convnext-tiny")
 MODELS = (
     "seed", "resnet18", "resnet18-gn", "wrn16-4-gn", "conv1d", "conv3d", "streaming-net",
     "vit-tiny", "resnet18-tv-gn", "nf-resnet26", "convnext-atto", "opacus-mnist",
-    "vit-tiny-dropout",
+    "vit-tiny-dropout", *STREAM_MODELS,
 )  # fmt: skip
 #: Smallest side each model accepts (the seed CNN's four poolings need 27 pixels).
 MIN_SIDE = {
     "seed": 27, "resnet18": 8, "resnet18-gn": 8, "wrn16-4-gn": 8, "conv1d": 8, "conv3d": 4,
     "streaming-net": 64, "vit-tiny": 8, "resnet18-tv-gn": 8, "nf-resnet26": 8,
-    "convnext-atto": 32, "opacus-mnist": 28, "vit-tiny-dropout": 8,
+    "convnext-atto": 32, "opacus-mnist": 28, "vit-tiny-dropout": 8, "stream-resnet18": 64,
+    "stream-resnet50": 64, "stream-convnext-tiny": 64,
 }  # fmt: skip
 #: The real data each model gets unless told otherwise.
 NATURAL_DATA = {
@@ -38,6 +42,9 @@ NATURAL_DATA = {
     "convnext-atto": "photos",
     "opacus-mnist": "digits",
     "vit-tiny-dropout": "photos",
+    "stream-resnet18": "photos",
+    "stream-resnet50": "photos",
+    "stream-convnext-tiny": "photos",
 }
 #: The models people train, as their libraries write them: the cases of the table "DP
 #: on the models people train" (``memconv bench --table models``).
@@ -56,8 +63,10 @@ class Case:
         side: image side (signal length for ``conv1d``, volume side for ``conv3d``).
         depth: volume depth (``conv3d`` only).
         quick: ``(batch, side, depth)`` for ``--quick``.
-        budget_mib: ``{task: MiB}``: the ``memory_budget`` of the ``memconv:budget`` rows.
+        budget_mib: ``{task: MiB}``: the ``memory_budget`` of the ``memconv:budget`` rows
+            (of the streaming engines' tile choice, for the streamed trunks).
         summary: one line for the help and the docs.
+        extra: more worker keys (``warm_side``: the warm-up's image side).
     """
 
     name: str
@@ -68,6 +77,7 @@ class Case:
     quick: tuple = ()
     budget_mib: dict = field(default_factory=dict)
     summary: str = ""
+    extra: dict = field(default_factory=dict)
 
     def config(self, *, quick: bool = False, batch=None, side=None) -> dict:
         """The worker configuration of this case (``batch``/``side`` override)."""
@@ -75,7 +85,54 @@ class Case:
         out = {"case": self.name, "model": self.model, "batch": batch or n, "side": side or s}
         if d is not None:
             out["depth"] = d
+        out.update(self.extra)
         return out
+
+
+#: Memory budget (MiB) of the streamed trunks' tile choice (``tile_size="auto"``), per
+#: trunk and image side: within a quarter of the conventional step's allocator peak at
+#: 4096² (ResNet-18: 7.9 GiB; ResNet-50 and ConvNeXt-tiny, scaled from 2048²: 28 and
+#: 36 GiB), 3.5 GiB for ResNet-50 at 8192² (its target: 4 GiB), and about twice the
+#: least peak the tile choice predicts elsewhere (larger tiles run faster).
+STREAM_BUDGET_MIB = {
+    ("resnet18", 2048): 768,
+    ("resnet18", 4096): 1280,
+    ("resnet18", 8192): 3072,
+    ("resnet18", 16384): 6144,
+    ("resnet50", 2048): 1536,
+    ("resnet50", 4096): 3072,
+    ("resnet50", 8192): 3584,
+    ("convnext-tiny", 2048): 3072,
+    ("convnext-tiny", 4096): 4096,
+    ("convnext-tiny", 8192): 6144,
+}
+
+
+def _stream_cases() -> list[Case]:
+    """The cases of the table "Streaming the models people stream": one training step on
+    one mosaic of scikit-image's astronaut, float32."""
+    sizes = {
+        "resnet18": (2048, 4096, 8192, 16384),
+        "resnet50": (2048, 4096, 8192),
+        "convnext-tiny": (2048, 4096, 8192),
+    }
+    labels = {"resnet18": "ResNet-18", "resnet50": "ResNet-50", "convnext-tiny": "ConvNeXt-tiny"}
+    return [
+        Case(
+            f"stream-{trunk}-{side}",
+            f"stream-{trunk}",
+            1,
+            side,
+            quick=(1, 256, None),
+            budget_mib={"grads": STREAM_BUDGET_MIB[trunk, side]},
+            extra={"warm_side": 256},
+            summary=f"a {labels[trunk]} trunk as torchvision writes it and a global-pool + "
+            f"Linear head, one training step on a {side}x{side} mosaic of the "
+            "astronaut (conventional, memconv streaming, Lightstream)",
+        )
+        for trunk, sides in sizes.items()
+        for side in sides
+    ]
 
 
 CASES: dict[str, Case] = {
@@ -119,6 +176,7 @@ CASES: dict[str, Case] = {
         Case("streaming-4096", "streaming-net", 1, 4096, quick=(1, 128, None),
              summary="StreamingCNN's example network on one 4096x4096 mosaic of the retina "
                      "photograph (the memconv-streaming engine against autograd)"),
+        *_stream_cases(),
     )
 }  # fmt: skip
 
@@ -143,6 +201,10 @@ def build_model(name: str) -> torch.nn.Module:
         "nf-resnet26": models.nf_resnet26,
         "convnext-atto": models.convnext_atto,
     }
+    if name in STREAM_MODELS:
+        from .trunks import classifier
+
+        return classifier(name[len("stream-") :])
     if name not in builders:
         raise ValueError(f"unknown model {name!r}; accepted: {', '.join(MODELS)}")
     return builders[name]()
@@ -156,7 +218,10 @@ def build_case(config: dict, device: torch.device):
     ``conv3d``), ``data`` (``"digits"``, ``"photos"``, ``"random"``, or None for the
     model's own real data), ``seed``. ``"streaming-net"`` is StreamingCNN's example
     network on mosaics of scikit-image's retina photograph, with ``tile`` (input pixels
-    per tile of the ``memconv-streaming`` engine, default 512).
+    per tile of the ``memconv-streaming`` engine, default 512); the ``stream-*`` models
+    are trunks as torchvision writes them with a global-pool + Linear head
+    (:func:`memconv.bench.trunks.classifier`) on a mosaic of the astronaut, streamed with
+    ``tile`` or, without it, the tile chosen for ``memory_budget``.
 
     Raises:
         ValueError: for an unknown model or data source, or a side the model cannot take.
@@ -192,6 +257,18 @@ def build_case(config: dict, device: torch.device):
         else:
             x = load_mosaic("retina", side).expand(n, 3, side, side).contiguous()
         y = torch.zeros(n, dtype=torch.long)
+    elif name in STREAM_MODELS:
+        from .data import load_mosaic
+        from .trunks import classifier
+
+        model = classifier(name[len("stream-") :])
+        model.stream_budget = config.get("memory_budget")
+        model.stream_tile = config.get("tile")
+        if data == "random":
+            x = torch.randn(n, 3, side, side)
+        else:
+            x = load_mosaic("astronaut", side).expand(n, 3, side, side).contiguous()
+        y = torch.zeros(n, dtype=torch.long)
     elif name in ("vit-tiny", "vit-tiny-dropout"):  # position embedding: the image's side
         from .models import vit_tiny
 
@@ -222,6 +299,9 @@ LABELS = {
     "convnext-atto": "ConvNeXt-atto",
     "opacus-mnist": "Opacus' MNIST CNN",
     "vit-tiny-dropout": "ViT-Tiny with dropout",
+    "stream-resnet18": "ResNet-18 trunk",
+    "stream-resnet50": "ResNet-50 trunk",
+    "stream-convnext-tiny": "ConvNeXt-tiny trunk",
 }
 
 

@@ -461,37 +461,84 @@ def memconv_clipping_block():
     return run
 
 
-def _streamable_prefix(model: nn.Sequential) -> int:
+def _streamable_prefix(model: nn.Sequential, tile) -> int:
     """Length of the longest leading run of ``model``'s layers StreamingCNN accepts."""
-    from memconv.streaming import NotStreamableError, analyse
+    from memconv.streaming import NotStreamableError, StreamingCNN
 
     for end in range(len(model), 0, -1):
         try:
-            analyse(model[:end])
+            StreamingCNN(model[:end], tile)
         except (NotStreamableError, ValueError, TypeError):
             continue
         return end
     raise ValueError("no leading layer of the model can be streamed")
 
 
-def memconv_streaming(model, x, y, **_):
-    """:class:`memconv.streaming.StreamingCNN` over the model's leading local layers,
-    the rest as usual: the summed gradient, as ``"autograd"`` (the tile is the
-    model's ``stream_tile`` attribute, else 512 input pixels)."""
+def _streamed(model):
+    """``(StreamingCNN, the rest)`` of a model, made once: a trunk classifier
+    (:func:`memconv.bench.trunks.classifier`) streams its trunk with its ``stream_tile``,
+    or the tile chosen for its ``stream_budget``; another ``nn.Sequential`` its leading
+    local layers (its ``stream_tile``, else 512 input pixels)."""
     from memconv.streaming import StreamingCNN
 
     if not isinstance(model, nn.Sequential):
         raise TypeError("the memconv-streaming engine needs an nn.Sequential model")
     if getattr(model, "_memconv_bench_stream", None) is None:
-        end = _streamable_prefix(model)
-        stream = StreamingCNN(model[:end], tile_size=getattr(model, "stream_tile", 512))
-        object.__setattr__(model, "_memconv_bench_stream", (stream, model[end:]))
-    stream, rest = model._memconv_bench_stream
+        if hasattr(model, "stream_budget"):  # a trunk and a head
+            tile = model.stream_tile or "auto"
+            budget = model.stream_budget if tile == "auto" else None
+            stream, rest = StreamingCNN(model[0], tile, memory_budget=budget), model[1]
+        else:
+            tile = getattr(model, "stream_tile", None) or 512
+            end = _streamable_prefix(model, tile)
+            stream, rest = StreamingCNN(model[:end], tile_size=tile), model[end:]
+        object.__setattr__(model, "_memconv_bench_stream", (stream, rest))
+    return model._memconv_bench_stream
+
+
+def memconv_streaming(model, x, y, **_):
+    """:class:`memconv.streaming.StreamingCNN` over the model's trunk (or leading local
+    layers), the rest as usual: the summed gradient, as ``"autograd"``."""
+    stream, rest = _streamed(model)
     model.zero_grad(set_to_none=True)
     _loss()(rest(stream(x)), y).backward()
     out = {n: p.grad for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return out
+
+
+#: Lightstream's tile for the trunk classifiers: the tile memconv's engine chooses for
+#: the same budget would do, but Lightstream needs its tile to exceed the receptive field
+#: and fixes it at construction; 1024 pixels.
+LIGHTSTREAM_TILE = 1024
+
+
+def lightstream(model, x, y, **_):
+    """Lightstream 1.0.7's ``StreamingCNN`` over the trunk (Lightstream's own call
+    sequence: a forward pass without autograd, the head's backward pass, then
+    ``sCNN.backward(image, grad)``): the summed gradient. Runs in Lightstream's own
+    environment (``memconv bench --lightstream-python``)."""
+    from lightstream.core.scnn.scnn import StreamingCNN
+
+    made = getattr(model, "_lightstream", None)
+    if made is None:
+        made = {}
+        object.__setattr__(model, "_lightstream", made)
+    tile = min(model.stream_tile or LIGHTSTREAM_TILE, x.shape[-1])
+    if tile not in made:  # the warm-up's small image gets its own
+        made[tile] = StreamingCNN(
+            model[0], tile_shape=(1, x.shape[1], tile, tile), copy_to_gpu=False
+        )
+    scnn = made[tile]
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        out = scnn.forward(x)
+    out = out.detach().requires_grad_()
+    _loss()(model[1](out), y).backward()
+    scnn.backward(x, out.grad)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
 
 
 # ---------------------------------------------------------------- registry
@@ -511,8 +558,12 @@ def _grads_registry() -> list[Engine]:
         Engine("backpack-save-memory", "grads", backpack_save_memory,
                "BackPACK BatchGrad inside weight_jac_t_save_memory(True)", requires="backpack"),
         Engine("memconv-streaming", "grads", memconv_streaming,
-               "memconv.streaming.StreamingCNN over the leading local layers: summed "
-               "gradient only, tile by tile", per_sample=False),
+               "memconv.streaming.StreamingCNN over the trunk (or the leading local layers): "
+               "summed gradient only, tile by tile", per_sample=False),
+        Engine("lightstream", "grads", lightstream,
+               "Lightstream 1.0.7's StreamingCNN over the trunk, backward(image, grad): summed "
+               "gradient only (its own environment: --lightstream-python)", per_sample=False,
+               requires="lightstream"),
     ]  # fmt: skip
     for s in memconv.available_strategies():
         engines.append(
@@ -634,14 +685,25 @@ def get_engine(name: str, task: str = "grads") -> Engine:
     return engines[name]
 
 
-def available(engine: Engine) -> str | None:
-    """None if the engine can run here, else why not: a missing optional peer, or one
-    that does not import (Opacus without scipy, on a GPU machine's own Python)."""
+def available(engine: Engine, python: str | None = None) -> str | None:
+    """None if the engine can run here (or in the interpreter ``python``), else why not: a
+    missing optional peer, or one that does not import (Opacus without scipy, on a GPU
+    machine's own Python)."""
     if engine.requires is None:
         return None
-    if importlib.util.find_spec(engine.requires) is None:
-        return f"{engine.requires} is not installed (pip install '{EXTRAS[engine.requires]}')"
-    return _import_error(engine.requires)
+    if python is not None:
+        import subprocess
+
+        check = subprocess.run([python, "-c", f"import {engine.requires}"], capture_output=True)
+        return None if check.returncode == 0 else f"{python} cannot import {engine.requires}"
+    if importlib.util.find_spec(engine.requires) is not None:
+        return _import_error(engine.requires)
+    if engine.requires not in EXTRAS:  # a peer that lives in its own environment
+        return (
+            f"{engine.requires} is not installed here; give its environment's interpreter "
+            f"(memconv bench --{engine.requires}-python PATH)"
+        )
+    return f"{engine.requires} is not installed (pip install '{EXTRAS[engine.requires]}')"
 
 
 @functools.cache

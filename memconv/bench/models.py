@@ -401,33 +401,84 @@ class TVBasicBlock(nn.Module):
         return out
 
 
+class TVBottleneck(nn.Module):
+    """torchvision's ``Bottleneck`` (ResNet-50 and deeper), as written there: 1×1, 3×3
+    (the stride) and 1×1 convolutions with ``expansion = 4``, ``ReLU(inplace=True)`` and
+    ``out += identity``.
+
+    Args:
+        inplanes: input channels.
+        planes: the bottleneck's width (output channels ``planes * 4``).
+        stride: stride of the 3×3 convolution.
+        downsample: the shortcut's module (None: identity).
+        norm_layer: ``norm_layer(channels)`` builds a normalisation layer.
+    """
+
+    expansion = 4
+
+    def __init__(self, inplanes, planes, stride=1, downsample=None, norm_layer=nn.BatchNorm2d):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.bn1 = norm_layer(planes)
+        self.conv2 = _tv_conv3x3(planes, planes, stride)
+        self.bn2 = norm_layer(planes)
+        self.conv3 = nn.Conv2d(planes, planes * self.expansion, 1, bias=False)
+        self.bn3 = norm_layer(planes * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+        self.stride = stride
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        out = self.relu(out)
+        return out
+
+
 class TVResNet(nn.Module):
-    """torchvision's ``ResNet`` with :class:`TVBasicBlock` s: a 7×7 stride-2 stem, a
-    3×3 stride-2 max-pool, four stages, global average pooling and a Linear layer;
-    torchvision's initialisation (Kaiming normal, fan-out, for the convolutions).
+    """torchvision's ``ResNet`` with :class:`TVBasicBlock` s (or :class:`TVBottleneck` s):
+    a 7×7 stride-2 stem, a 3×3 stride-2 max-pool, four stages, global average pooling
+    and a Linear layer; torchvision's initialisation (Kaiming normal, fan-out, for the
+    convolutions).
 
     Args:
         layers: blocks per stage.
         num_classes: outputs.
         norm_layer: ``norm_layer(channels)`` builds every normalisation layer.
         in_channels: input channels.
+        block: :class:`TVBasicBlock` (ResNet-18/34) or :class:`TVBottleneck` (ResNet-50).
+        width: channels of the stem and the first stage (torchvision: 64; the stages
+            double it).
     """
 
-    def __init__(self, layers=(2, 2, 2, 2), num_classes=10, norm_layer=nn.BatchNorm2d,
-                 in_channels=3):  # fmt: skip
+    def __init__(
+        self,
+        layers=(2, 2, 2, 2),
+        num_classes=10,
+        norm_layer=nn.BatchNorm2d,
+        in_channels=3,
+        block=None,
+        width=64,
+    ):
         super().__init__()
         self._norm_layer = norm_layer
-        self.inplanes = 64
-        self.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
-        self.bn1 = norm_layer(64)
+        self._block = block or TVBasicBlock
+        self.inplanes = width
+        self.conv1 = nn.Conv2d(in_channels, width, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = norm_layer(width)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
-        self.layer1 = self._make_layer(64, layers[0])
-        self.layer2 = self._make_layer(128, layers[1], stride=2)
-        self.layer3 = self._make_layer(256, layers[2], stride=2)
-        self.layer4 = self._make_layer(512, layers[3], stride=2)
+        self.layer1 = self._make_layer(width, layers[0])
+        self.layer2 = self._make_layer(2 * width, layers[1], stride=2)
+        self.layer3 = self._make_layer(4 * width, layers[2], stride=2)
+        self.layer4 = self._make_layer(8 * width, layers[3], stride=2)
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(512, num_classes)
+        self.fc = nn.Linear(8 * width * self._block.expansion, num_classes)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -436,14 +487,15 @@ class TVResNet(nn.Module):
                 nn.init.constant_(m.bias, 0)
 
     def _make_layer(self, planes, blocks, stride=1):
-        norm_layer, downsample = self._norm_layer, None
-        if stride != 1 or self.inplanes != planes:
+        norm_layer, downsample, block = self._norm_layer, None, self._block
+        width = planes * block.expansion
+        if stride != 1 or self.inplanes != width:
             downsample = nn.Sequential(
-                nn.Conv2d(self.inplanes, planes, 1, stride=stride, bias=False), norm_layer(planes)
+                nn.Conv2d(self.inplanes, width, 1, stride=stride, bias=False), norm_layer(width)
             )
-        layers = [TVBasicBlock(self.inplanes, planes, stride, downsample, norm_layer)]
-        self.inplanes = planes
-        layers += [TVBasicBlock(planes, planes, norm_layer=norm_layer) for _ in range(1, blocks)]
+        layers = [block(self.inplanes, planes, stride, downsample, norm_layer)]
+        self.inplanes = width
+        layers += [block(width, planes, norm_layer=norm_layer) for _ in range(1, blocks)]
         return nn.Sequential(*layers)
 
     def forward(self, x):

@@ -20,7 +20,7 @@ from .engines import BUDGET_ENGINE, DEFAULT_ENGINE, FLOOR, REFERENCE, STEP_ENGIN
 
 SECTIONS = (
     "commands", "machine", "grads", "cost-model", "clip", "clip-layer", "budget", "targets",
-    "largest", "sweeps", "models",
+    "largest", "sweeps", "models", "streaming",
 )  # fmt: skip
 #: Per-layer clipping in one backward pass against the non-private step: the cases
 #: (the ViT-tiny's once :mod:`memconv.bench.cases` has it), and the largest ratios of
@@ -685,9 +685,13 @@ def format_models(records: list[dict]) -> str:
         else:
             cells += [_fmt(step["time_s"], ".3f"), _ratio(step["time_s"], ref.get("time_s"))]
         lines.append("| " + " | ".join(cells) + " |")
-    found = model_targets(records)
+    return _with_targets(lines, model_targets(records), "Targets (at the cases' documented sizes):")
+
+
+def _with_targets(lines: list[str], found: list[str], title: str) -> str:
+    """A table's lines, then its targets (if any) under ``title``."""
     if found:
-        lines += ["", "Targets (at the cases' documented sizes):", "", *found]
+        lines = [*lines, "", title, "", *found]
     return "\n".join(lines)
 
 
@@ -737,6 +741,174 @@ def model_targets(records: list[dict]) -> list[str]:
     return out
 
 
+# ---------------------------------------------------------------- the models people stream
+#: "Streaming the models people stream" (runs with ``--table streaming``): at 4096² the
+#: streamed step's peak memory and time against the conventional step's; at 8192² the
+#: ResNet-50 trunk's streamed step's peak RSS (GiB).
+STREAM_TARGETS = {"memory": 0.25, "time": 1.5, "resnet50-8192-gib": 4.0}
+STREAM_ENGINES = {
+    "autograd": "conventional",
+    "memconv-streaming": "memconv streaming",
+    "lightstream": "Lightstream 1.0.7",
+}
+
+
+def _stream_rows(records: list[dict]) -> dict:
+    """``{(model, side, engine): row}`` of the ``--table streaming`` runs (the last run
+    that measured each)."""
+    files = table_files(records, "streaming")
+    rows = [r for r in records if r.get("record") == "row" and r.get("file") in files]
+    return {(r["config"]["model"], r["config"]["side"], r["engine"]): r for r in rows}
+
+
+def _measured(row) -> bool:
+    return (
+        row is not None and "error" not in row and "skipped" not in row and not row.get("aborted")
+    )
+
+
+def conventional_estimate(by: dict, model: str, side: int):
+    """The conventional step's ``(RSS MiB, allocator MiB, time s, from side)`` at ``side``:
+    measured, or scaled by the area from the largest side measured below it (its
+    activations, memory and work grow with the image's area); None without either."""
+    row = by.get((model, side, "autograd"))
+    if _measured(row):
+        return row["peak_rss_mib"], row["peak_alloc_mib"], row["time_s"], side
+    below = [
+        s
+        for (m, s, e), r in by.items()
+        if m == model and e == "autograd" and s < side and _measured(r)
+    ]
+    if not below:
+        return None
+    base = by[(model, max(below), "autograd")]
+    area = (side / max(below)) ** 2
+    return (
+        base["peak_rss_mib"] * area,
+        base["peak_alloc_mib"] * area,
+        base["time_s"] * area,
+        max(below),
+    )
+
+
+def _stream_note(row) -> str:
+    if row.get("aborted"):
+        return f"stopped past {row.get('rss_at_abort_mib', 0) / 1024:,.1f} GiB"
+    return _why(row)
+
+
+def format_streaming(records: list[dict]) -> str:
+    """The table "Streaming the models people stream": per trunk and image side, one
+    training step of each engine, ratios to the conventional step (measured, or scaled
+    from a smaller side where it does not fit), then the targets."""
+    by = _stream_rows(records)
+    if not by:
+        return "(no runs of `memconv bench --table streaming` in these files)"
+    lines = [
+        "| trunk | side | step | peak RSS increase (MiB) | allocator peak (MiB) | time (s) | "
+        "RSS / conventional | allocator / conventional | time / conventional | "
+        "max rel. deviation from conventional | tile (tiles) | CPU time (s) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    keys = sorted({(m, s) for m, s, _ in by}, key=lambda k: (list(LABELS).index(k[0]), k[1]))
+    for model, side in keys:
+        ref = conventional_estimate(by, model, side)
+        first = True
+        for engine, name in STREAM_ENGINES.items():
+            row = by.get((model, side, engine))
+            if row is None:
+                continue
+            cells = [LABELS.get(model, model) if first else "", f"{side}²" if first else "", name]
+            first = False
+            if engine == "autograd" and not _measured(row) and ref is not None:
+                cells[2] = f"conventional ({_stream_note(row)}; scaled from {ref[3]}²)"
+                cells += [f"~{_fmt(ref[0])}", f"~{_fmt(ref[1])}", f"~{_fmt(ref[2], '.0f')}"]
+                cells += ["", "", "", "", "", ""]
+            elif not _measured(row):
+                cells += [_stream_note(row)] + [""] * 8
+            else:
+                scaled = ref is not None and ref[3] != side
+                mark = "~" if scaled else ""
+                ratios = [
+                    mark + _ratio(row["peak_rss_mib"], ref[0]) if ref else "-",
+                    mark + _ratio(row["peak_alloc_mib"], ref[1]) if ref else "-",
+                    mark + _ratio(row["time_s"], ref[2]) if ref and row.get("time_s") else "-",
+                ]
+                tile = row.get("stream") or {}
+                if engine == "lightstream":
+                    tile = {"tile": row.get("tile", "1024")}
+                tiles = (
+                    f"{tile['tile']} ({tile['tiles']})" if "tiles" in tile else tile.get("tile", "")
+                )
+                cells += [
+                    _fmt(row["peak_rss_mib"]),
+                    _fmt(row["peak_alloc_mib"]),
+                    _fmt(row.get("time_s"), ".1f"),
+                    *ratios,
+                    _fmt(row.get("deviation"), ".1e", "n/a"),
+                    str(tiles),
+                    _fmt(row.get("cpu_s"), ".0f"),
+                ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return _with_targets(lines, streaming_targets(records), "Targets:")
+
+
+def streaming_targets(records: list[dict]) -> list[str]:
+    """The targets of the streaming table as measured ratios (:data:`STREAM_TARGETS`)."""
+    by = _stream_rows(records)
+    out = []
+    mem, time = STREAM_TARGETS["memory"], STREAM_TARGETS["time"]
+    for model in dict.fromkeys(m for m, s, _ in by if s == 4096):
+        ours = by.get((model, 4096, "memconv-streaming"))
+        ref = conventional_estimate(by, model, 4096)
+        name = LABELS.get(model, model)
+        if not _measured(ours) or ref is None:
+            continue
+        how = "measured" if ref[3] == 4096 else f"scaled from {ref[3]}²"
+        r, t = ours["peak_rss_mib"] / ref[0], ours["time_s"] / ref[2]
+        a = ours["peak_alloc_mib"] / ref[1]
+        line = (
+            f"- {name}, 4096²: memory ≤ {mem} × conventional ({how}): RSS {r:.2f} × "
+            f"({_verdict(r <= mem)}), allocator {a:.2f} × ({_verdict(a <= mem)}); time ≤ "
+            f"{time} ×: {t:.2f} × ({_verdict(t <= time)})"
+        )
+        ls = by.get((model, 4096, "lightstream"))
+        if _measured(ls):
+            both = ours["peak_rss_mib"] <= ls["peak_rss_mib"] and ours["time_s"] <= ls["time_s"]
+            line += (
+                f"; against Lightstream: RSS {ours['peak_rss_mib'] / ls['peak_rss_mib']:.2f} ×, "
+                f"time {ours['time_s'] / ls['time_s']:.2f} × ({_verdict(both)}; its gradients "
+                f"deviate by {ls.get('deviation', float('nan')):.1e})"
+            )
+        elif ls is not None:
+            line += f"; Lightstream: {_stream_note(ls)}"
+        out.append(line)
+    r50 = by.get(("stream-resnet50", 8192, "memconv-streaming"))
+    if _measured(r50):
+        gib = r50["peak_rss_mib"] / 1024
+        limit = STREAM_TARGETS["resnet50-8192-gib"]
+        ref = conventional_estimate(by, "stream-resnet50", 8192)
+        need = f"; the conventional step would need ~{ref[0] / 1024:,.0f} GiB" if ref else ""
+        out.append(
+            f"- ResNet-50 trunk, 8192²: streamed step within {limit:.0f} GiB: peak RSS increase "
+            f"{gib:.2f} GiB, allocator {r50['peak_alloc_mib'] / 1024:.2f} GiB "
+            f"({_verdict(gib <= limit)}){need}"
+        )
+    big = by.get(("stream-resnet18", 16384, "memconv-streaming"))
+    if big is not None:
+        done = _measured(big)
+        what = (
+            f"{big['time_s'] / 60:.1f} min, peak RSS increase {big['peak_rss_mib'] / 1024:.1f} GiB"
+            if done
+            else _stream_note(big)
+        )
+        out.append(
+            f"- ResNet-18 trunk, one 16384² image, training step on this machine: {what} "
+            f"({_verdict(done)})"
+        )
+    return out
+
+
 # ---------------------------------------------------------------- the page
 def format_commands(records: list[dict]) -> str:
     """The commands that produced the records, with their wall time."""
@@ -768,7 +940,7 @@ def format_machine(records: list[dict]) -> str:
 def render(records: list[dict], page_dir: str | None = None) -> dict[str, str]:
     """Every section of :data:`SECTIONS`, rendered from ``records`` (the records of a
     run made for a table, ``--table``, go to that table alone)."""
-    tabled = {f for name in ("models",) for f in table_files(records, name)}
+    tabled = {f for name in ("models", "streaming") for f in table_files(records, name)}
     own = [r for r in records if r.get("file") not in tabled]
     cases = {
         task: "\n\n".join(
@@ -793,6 +965,7 @@ def render(records: list[dict], page_dir: str | None = None) -> dict[str, str]:
         "largest": format_largest(records),
         "sweeps": format_sweeps(records, page_dir),
         "models": format_models(records),
+        "streaming": format_streaming(records),
     }
 
 

@@ -102,7 +102,8 @@ def run_in_subprocess(
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    command = [python or sys.executable, "-m", "memconv.bench.worker", json.dumps(config)]
+    python = python or config.get("python") or sys.executable
+    command = [python, "-m", "memconv.bench.worker", json.dumps(config)]
     # Files, not pipes, and a session of its own: memory_profiler forks a child that
     # inherits the worker's outputs and outlives a worker that stops itself
     # (os._exit), so pipes would stay open until the timeout; the whole session is
@@ -196,7 +197,9 @@ def measure_engines(
     clipping task's floor, whose result is not clipped).
 
     Args:
-        base: the worker configuration without ``engine`` (case, task, repeats, ...).
+        base: the worker configuration without ``engine`` (case, task, repeats, ...);
+            its ``interpreters`` (``{engine: python}``) run an engine in another
+            environment (Lightstream's).
         names: engine names (validated before any work).
         task: ``"grads"`` or ``"clip"``.
         on_row: called with each row as soon as it is complete.
@@ -218,15 +221,17 @@ def measure_engines(
     engines = {n: get_engine(n, task) for n in names}
     rows, reference_result = [], None
     with tempfile.TemporaryDirectory() as tmp:
+        interpreters = base.get("interpreters") or {}
         for i, name in enumerate(names):
-            reason = available(engines[name]) or past(deadline)
+            python = interpreters.get(name)
+            reason = available(engines[name], python) or past(deadline)
             if reason:
                 row = {"engine": name, "skipped": reason}
             elif engines[name].budget and not base.get("memory_budget"):
                 row = {"engine": name, "skipped": "no memory budget for this case"}
             else:
                 path = os.path.join(tmp, f"{i}.pt") if validate else None
-                config = {**base, "task": task, "engine": name, "out": path}
+                config = {**base, "task": task, "engine": name, "out": path, "python": python}
                 row = {"engine": name, **run_in_subprocess(config, timeout)}
                 if path and "error" not in row:
                     result = torch.load(path)

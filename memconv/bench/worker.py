@@ -50,6 +50,13 @@ def _watchdog(limit_mib: float) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def _cpu_time() -> float:
+    """CPU seconds this process has used (user and system): on a shared machine, less
+    dependent on the other processes than the wall time."""
+    usage = os.times()
+    return usage.user + usage.system
+
+
 def engine_options(engine, config: dict) -> dict:
     """``run`` keyword arguments of an engine under ``config``.
 
@@ -72,8 +79,10 @@ def run(config: dict) -> dict:
     Keys read, besides the case's (:func:`memconv.bench.cases.build_case`): ``engine``,
     ``task`` (``"grads"``/``"clip"``), ``device``, ``repeats`` (timed calls; 0: no
     timing), ``alloc`` (measure the allocator level; default True), ``combined``
-    (RSS and allocator in one call, for probes), ``abort_rss_mib`` (stop past this
-    RSS increase), ``max_norm``, ``memory_budget`` (bytes), ``out``.
+    (RSS and allocator in one call, for probes), ``once`` (one call: RSS, allocator
+    and its time, for the huge images), ``warm_side`` (the warm-up's image side),
+    ``abort_rss_mib`` (stop past this RSS increase), ``max_norm``, ``memory_budget``
+    (bytes), ``out``.
 
     Returns:
         ``peak_rss_mib``, ``peak_alloc_mib`` (None when not measured), ``time_s`` (None
@@ -102,12 +111,22 @@ def run(config: dict) -> dict:
     def call(xb=x, yb=y):
         return engine.run(model, xb, yb, **options)
 
-    # warm-up on two samples: thread pools and kernels are initialised before measuring
-    call(x[:2], y[:2])
+    # warm-up on two samples (on huge images, a crop of ``warm_side`` pixels): thread
+    # pools and kernels are initialised before measuring
+    side = config.get("warm_side")
+    if side and x.dim() > 2 and max(x.shape[2:]) > side:
+        index = (slice(0, 2), slice(None)) + (slice(0, side),) * (x.dim() - 2)
+        call(x[index].contiguous(), y[:2])
+    else:
+        call(x[:2], y[:2])
     if config.get("abort_rss_mib"):
         _watchdog(float(config["abort_rss_mib"]))
-    alloc = None
-    if config.get("combined"):
+    alloc = once = cpu = None
+    if config.get("once"):  # one call: both peaks and its time (with the profiler's cost)
+        start, start_cpu = time.perf_counter(), _cpu_time()
+        rss, alloc, result = peak_both(call, device)
+        once, cpu = time.perf_counter() - start, _cpu_time() - start_cpu
+    elif config.get("combined"):
         rss, alloc, result = peak_both(call, device)
     else:
         rss, result = peak_rss_increase(call)
@@ -115,17 +134,22 @@ def run(config: dict) -> dict:
     if config.get("out"):
         torch.save({k: v.detach().cpu() for k, v in result.items()}, config["out"])
     del result
-    if config.get("alloc", True) and not config.get("combined"):
+    if config.get("alloc", True) and not (config.get("combined") or config.get("once")):
         alloc, _ = peak_allocated(call, device)
     repeats = config.get("repeats", 3)
     # the calls above warmed the engine up at full size
-    t = median_time(call, repeats, device, warm_up=False) if repeats else None
+    t = median_time(call, repeats, device, warm_up=False) if repeats and once is None else once
+    streamed = getattr(model, "_memconv_bench_stream", None)
+    if streamed is not None and streamed[0].last_plan is not None:  # the tile used
+        plan = streamed[0].last_plan
+        figures["stream"] = {"tile": plan.tile[0], "tiles": plan.count}
     return {
         "peak_rss_mib": rss,
         "peak_alloc_mib": alloc,
         "time_s": t,
         "result_mib": result_bytes / MiB,
         "params": sum(p.numel() for p in model.parameters()),
+        **({"cpu_s": cpu} if cpu is not None else {}),
         **figures,
         # the machine's load (1-minute average) when the measurement ended: other
         # processes on a shared machine slow the timings down

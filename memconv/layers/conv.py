@@ -124,8 +124,10 @@ class ConvRule(LayerRule):
 
 
 # ------------------------------------------------------------------ operations
-_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-_CONV_T_ARGS = (
+#: The arguments of torch's functional (transposed) convolutions, in order, and their
+#: defaults.
+CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+CONV_T_ARGS = (
     "input",
     "weight",
     "bias",
@@ -135,8 +137,8 @@ _CONV_T_ARGS = (
     "groups",
     "dilation",
 )
-_CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
-_CONV_T_DEFAULTS = {**_CONV_DEFAULTS, "output_padding": 0}
+CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+CONV_T_DEFAULTS = {**CONV_DEFAULTS, "output_padding": 0}
 _CONV_TYPES = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 _CONV_T_TYPES = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 
@@ -155,9 +157,9 @@ def _bind(args, kwargs, transposed: bool) -> BoundOp | None:
     """A (transposed) convolution call: the shell is the ``nn.Conv*d`` (or
     ``nn.ConvTranspose*d``) of the call's geometry, its options the call's."""
     names, defaults, kinds = (
-        (_CONV_T_ARGS, _CONV_T_DEFAULTS, _CONV_T_TYPES)
+        (CONV_T_ARGS, CONV_T_DEFAULTS, _CONV_T_TYPES)
         if transposed
-        else (_CONV_ARGS, _CONV_DEFAULTS, _CONV_TYPES)
+        else (CONV_ARGS, CONV_DEFAULTS, _CONV_TYPES)
     )
     a = _conv_args(names, args, kwargs, defaults)
     if a is None:

@@ -1,87 +1,96 @@
-"""Streaming a stack of local layers over an image too large for memory.
+"""Streaming a convolutional trunk over an image too large for memory.
 
 In the manner of StreamingCNN (Pinckaers, van Ginneken & Litjens, "Streaming
 convolutional neural networks for end-to-end learning with multi-megapixel
-images", TPAMI 2020) and Lightstream: the forward pass runs tile by tile without
-keeping activations and stitches the output; the backward pass runs tile by tile
-again, recomputing each tile from the input crop its receptive field covers.
+images", TPAMI 2020) and Lightstream, whose names and arguments this module keeps
+(``StreamingCNN``, ``tile_shape``, ``copy_to_gpu``, ``backward(image, grad)``): the
+forward pass runs tile by tile without keeping activations and stitches the output;
+the backward pass runs tile by tile again.
 
-memconv's variant is exact for any image size by construction: the output is cut
-into disjoint tiles; for each one, the exact input range (with the layers' own
-padding applied only where the range meets the image border) is derived from
-kernel, stride, padding and dilation (:mod:`memconv.streaming.plan`); in the
-backward pass the tile's recomputed graph is differentiated with the tile's part
-of the output gradient only. Since every output position belongs to exactly one
-tile, the parameter and input gradients summed over tiles are those of the
-conventional pass: nothing needs cropping, and sides that are not multiples of
-the output stride need no special case. Convolutions in the recomputed tiles run
-through memconv's autograd function, so their weight gradients use the strategy
-of the active :class:`memconv.save_memory` block.
+memconv's variant reads the trunk's dataflow whatever its modules' ``forward`` does
+(torch.fx, :mod:`memconv.streaming.graph`), so a torchvision ResNet's
+``nn.Sequential(net.conv1, ..., net.layer4)`` streams as written, and it is exact for
+any image size by construction: every position of every node is computed by one tile
+from exactly the inputs it reads, the layers' padding applied only at the image
+border (:mod:`memconv.streaming.tiling`). A tile never recomputes its halo: the
+positions it shares with earlier tiles are kept once (:mod:`memconv.streaming.halo`),
+so a step computes the trunk's forward pass twice (as checkpointing does) whatever the
+receptive field, and holds one tile's graph plus thin halo slabs.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+from fractions import Fraction
 
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_tile, check_tile_argument
+from .._checks import check_stream_tile
+from .._torch import version
 from ..conv.settings import activate, record
-from .plan import Node, NotStreamableError, analyse, crop, starts
+from .budget import choose_tile, predict_peak
+from .errors import NotStreamableError
+from .graph import Bound, analyse, infer_channels, receptive_fields
+from .halo import HaloStore
+from .ops import Transposed, Upsample, Window
+from .passes import TileRunner, backward_pass, forward_pass
+from .tiling import TilePlan, tile_plan
 
 logger = logging.getLogger("memconv")
 
 
-def receptive_field(node: Node, dims: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(receptive field, output stride)`` of a plan node, in input pixels per axis.
-
-    Raises:
-        NotStreamableError: if the two branches of a residual block have different
-            output strides.
-    """
-    _, rf, jump = node.walk((1,) * dims, (1,) * dims)
-    return rf, jump
+def receptive_field(stream: StreamingCNN) -> tuple[tuple[int, ...], tuple]:
+    """``(receptive field, output stride)`` of a streamed trunk, in input pixels per axis
+    (the stride as a whole number, or a fraction after upsampling)."""
+    return stream.receptive_field, stream.output_stride
 
 
 class StreamingCNN(nn.Module):
-    """Run the streamable part of a network tile by tile, exactly.
+    """Run a convolutional trunk tile by tile, exactly, whatever its ``forward`` does.
 
     Args:
-        stream_layers: an ``nn.Sequential`` (or a single layer) of local layers:
-            Conv1d/2d/3d (memconv's or torch's), max/average pooling with finite
-            kernels, element-wise activations, Dropout and BatchNorm in eval mode,
-            nested ``nn.Sequential`` and :class:`memconv.streaming.Residual` blocks.
-        tile_size: **input pixels** per tile and spatial axis, halo not included (an
-            int, or one int per axis). Rounded down to a multiple of the output
-            stride; at least the receptive field. (``memconv.save_memory``'s
-            ``tile_size`` counts *output positions* of one layer instead.)
-        tile_shape: Lightstream's spelling of the same: the shape of one input tile
-            ``(N, C, *tile_size)``; only its spatial part is used. Give ``tile_size``
-            or ``tile_shape``, not both.
-        tile_device: run each tile on this device (e.g. the layers' ``"cuda"``)
-            while the image, the streamed output and the input gradient stay where
-            they are (host memory), as Lightstream's ``copy_to_gpu``; ``None`` runs
-            the tiles where the image is.
-        verbose: log receptive field, overlap and tile counts on the ``memconv``
-            logger (INFO) and show progress bars over tiles.
+        stream_layers: the trunk, written as its library writes it: e.g. a torchvision
+            ResNet's ``nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool,
+            net.layer1, ..., net.layer4)``, ConvNeXt's or DenseNet's ``features``, a
+            U-Net. Its dataflow is traced with torch.fx; every operation on the image must
+            be local (:mod:`memconv.streaming.catalogue`).
+        tile_size: **input pixels** each tile computes anew per spatial axis (an int, one
+            int per axis, or ``"auto"``: the largest tile whose predicted peak fits
+            ``memory_budget``, chosen per input size). At least the receptive field.
+        tile_shape: Lightstream's spelling: the shape of one input tile ``(N, C,
+            *tile_size)`` (its channels also tell the input's). Give ``tile_size`` or
+            ``tile_shape``, not both.
+        memory_budget: bytes a training step may use beyond the image and the
+            parameters, for ``tile_size="auto"``.
+        tile_device: run each tile on this device (e.g. the layers' ``"cuda"``) while the
+            image, the output and the input gradient stay where they are.
+        copy_to_gpu: Lightstream's argument: True moves the image to the layers' device
+            as a whole before streaming (the output stays there); False keeps it where it
+            is and moves each tile (``tile_device`` = the layers' device). None: tiles run
+            where the image is.
+        verbose: log the receptive field, the overlap, the chosen tile and the tile
+            counts (logger ``memconv``, INFO) and show tqdm progress bars over tiles.
 
-    The :class:`memconv.save_memory` block open around the streamed forward pass
-    applies to the convolutions of its recomputed tiles in the backward pass (the
-    rule of :class:`memconv.save_memory`).
+    The :class:`memconv.save_memory` block open around the streamed forward pass applies
+    to the trunk's convolution modules in the backward pass; BatchNorm's (eval mode)
+    and LayerNorm's affine parameters receive their exact gradients.
 
     Raises:
-        ValueError: a layer that is not local or cannot be streamed exactly (named),
-            a tile that is not a positive int (tuple), has the wrong length, or is
-            smaller than the receptive field, both or neither of ``tile_size`` and
-            ``tile_shape``. Raised here, before any work.
-        TypeError: a tile size that is not an int or tuple of ints.
+        NotStreamableError: an operation that is not local (global or adaptive pooling,
+            batch statistics, normalisation over space, attention, random operations,
+            ``align_corners=True``, reshapes), a ``forward`` with control flow on traced
+            values: named with the module path, before any work.
+        ValueError: a tile smaller than the receptive field, both or neither of
+            ``tile_size`` and ``tile_shape``, ``"auto"`` without ``memory_budget``,
+            ``copy_to_gpu`` with ``tile_device``.
+        TypeError: a tile size that is not an int, a tuple of ints or ``"auto"``.
 
     Example:
-        >>> stream = StreamingCNN(layers, tile_size=256)
-        >>> out = stream(image)              # [N, C, *S_out], no activations kept
-        >>> loss_fn(head(out), y).backward() # fills layers' .grad tile by tile
+        >>> trunk = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool,
+        ...                       net.layer1, net.layer2, net.layer3, net.layer4)
+        >>> stream = StreamingCNN(trunk, tile_shape=(1, 3, 1024, 1024))
+        >>> loss_fn(head(stream(image)), y).backward()   # fills trunk's .grad, exactly
     """
 
     def __init__(
@@ -90,7 +99,9 @@ class StreamingCNN(nn.Module):
         tile_size=None,
         *,
         tile_shape=None,
+        memory_budget: int | None = None,
         tile_device=None,
+        copy_to_gpu: bool | None = None,
         verbose: bool = False,
     ):
         super().__init__()
@@ -98,45 +109,160 @@ class StreamingCNN(nn.Module):
             raise TypeError(
                 f"stream_layers must be an nn.Module, got {type(stream_layers).__name__}"
             )
-        tile_size = check_tile_argument(tile_size, tile_shape)
-        plan = analyse(stream_layers)
-        windows = plan.windows()
-        dims_found = {len(w.kernel) for w in windows}
-        if len(dims_found) > 1:
-            raise NotStreamableError(f"stream_layers mix spatial dimensions {dims_found}")
-        dims = dims_found.pop() if dims_found else _tile_dims(tile_size)
+        tile, channels = check_stream_tile(tile_size, tile_shape, memory_budget)
+        if copy_to_gpu is not None and tile_device is not None:
+            raise ValueError("give copy_to_gpu (Lightstream's) or tile_device, not both")
         self.stream_layers = stream_layers
-        self.plan = plan
-        self.dims = dims
-        self.tile_size = check_tile(tile_size, dims)
-        self.tile_device = torch.device(tile_device) if tile_device is not None else None
-        self.receptive_field, self.output_stride = receptive_field(plan, dims)
-        minimum = tuple(max(r, j) for r, j in zip(self.receptive_field, self.output_stride))
-        if any(t < m for t, m in zip(self.tile_size, minimum)):
+        self.graph = analyse(stream_layers)
+        dims = self.graph.dims or (len(tile) if isinstance(tile, tuple) else None)
+        if dims is None:
             raise ValueError(
-                f"tile_size {self.tile_size} is smaller than the receptive field "
-                f"{self.receptive_field} (output stride {self.output_stride}); use at "
-                f"least {minimum}"
+                "stream_layers has no convolution or pooling layer, so the number of spatial "
+                "axes is unknown: give tile_size as a tuple"
             )
+        self.dims = dims
+        self.tile_size = "auto" if tile == "auto" else _per_axis(tile, dims)
+        self.memory_budget = memory_budget
+        self.channels = channels or infer_channels(self.graph)
+        if self.channels is None:
+            raise ValueError(
+                "cannot tell the input's channels from stream_layers; give "
+                "tile_shape=(1, C, *tile_size)"
+            )
+        self.copy_to_gpu = copy_to_gpu
+        self.tile_device = torch.device(tile_device) if tile_device is not None else None
         self.verbose = verbose
+        self._plans: dict = {}
+        self._kept = None
+        self._virtual = self._virtual_bound()
+        out = self._virtual.output
+        ((self.receptive_field, jump),) = receptive_fields(self._virtual, [out])
+        self.output_stride = tuple(int(j) if j.denominator == 1 else j for j in jump)
+        # a tile computes at least one output position; it never recomputes its halo, so
+        # it may be smaller than the receptive field
+        self.minimum_tile = tuple(max(1, int(-(-j // 1))) for j in jump)
+        if self.tile_size != "auto" and any(
+            t < m for t, m in zip(self.tile_size, self.minimum_tile)
+        ):
+            raise ValueError(
+                f"tile_size {self.tile_size} is smaller than the output stride "
+                f"{self.output_stride} (input pixels per output position); use at least "
+                f"{self.minimum_tile}"
+            )
         if verbose:
             logger.info("%s", self.describe())
 
-    # ------------------------------------------------------------------ reports
-    def describe(self) -> str:
-        """Receptive field, output stride and overlap after each window layer.
+    # ------------------------------------------------------------------ analysis
+    def _dtype(self) -> torch.dtype:
+        for p in self.stream_layers.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return torch.get_default_dtype()
 
-        Along each path through the network (the branches of a residual block start
-        from the receptive field before the block).
+    def _virtual_bound(self) -> Bound:
+        """The graph at an image large enough for the receptive field to fit inside."""
+        side = max(512, *(self.tile_size if self.tile_size != "auto" else (0,)))
+        while True:
+            bound = self.graph.bind((1, self.channels, *(side,) * self.dims), self._dtype())
+            ((rf, _),) = receptive_fields(bound, [bound.output])
+            if max(rf) * 2 < side or side >= 2**16:
+                return bound
+            side *= 2
+
+    def bound(self, shape: tuple, dtype: torch.dtype | None = None) -> Bound:
+        """The graph at input ``shape`` ``[N, C, *S]`` (see
+        :meth:`memconv.streaming.graph.StreamGraph.bind`)."""
+        return self.graph.bind(tuple(shape), dtype or self._dtype())
+
+    def plan(
+        self, shape: tuple, dtype: torch.dtype | None = None, *, input_grad: bool = False
+    ) -> TilePlan:
+        """The tiles for an input of ``shape`` ``[N, C, *S]`` (the tile chosen for the
+        budget when ``tile_size="auto"``); kept for the last shape.
+
+        Raises:
+            ValueError: an input too small for the layers; a budget below the smallest
+                tile's predicted peak.
         """
+        dtype = dtype or self._dtype()
+        key = (tuple(shape), dtype, input_grad)
+        if key not in self._plans:
+            bound = self.bound(shape, dtype)
+            element = torch.empty((), dtype=dtype).element_size()
+            if self.tile_size == "auto":
+                tile, peak = choose_tile(
+                    bound,
+                    self.memory_budget,
+                    element,
+                    max(self.minimum_tile),
+                    input_grad,
+                    self._param_bytes(),
+                )
+                tiles = (tile,) * self.dims
+            else:
+                tiles = self.tile_size
+            plan = tile_plan(bound, tiles)
+            if self.verbose:
+                peak = predict_peak(plan, element, input_grad, self._param_bytes())
+                logger.info(
+                    "input %s: tile %s input pixels (%s), %s tiles, receptive field %s, overlap %s, "
+                    "predicted peak %.0f MiB",
+                    tuple(shape[2:]),
+                    tiles,
+                    "auto" if self.tile_size == "auto" else "given",
+                    "×".join(str(a.count) for a in plan.axes),
+                    self.receptive_field,
+                    self.overlap,
+                    peak / 2**20,
+                )
+            self._plans = {key: plan}
+        return self._plans[key]
+
+    @property
+    def last_plan(self) -> TilePlan | None:
+        """The tiles of the last input streamed (its ``tile`` is the tile used, the one
+        chosen for the budget with ``tile_size="auto"``), or None."""
+        return next(iter(self._plans.values()), None)
+
+    @property
+    def overlap(self) -> tuple:
+        """Input pixels two neighbouring output positions' receptive fields share per
+        axis (receptive field − output stride)."""
+        return tuple(max(r - j, 0) for r, j in zip(self.receptive_field, self.output_stride))
+
+    def predicted_peak(self, shape: tuple, *, input_grad: bool = False) -> int:
+        """Predicted peak bytes of one streamed training step on an input of ``shape``
+        beyond the image and the parameters (:func:`memconv.streaming.budget.predict_peak`)."""
+        plan = self.plan(shape, input_grad=input_grad)
+        element = torch.empty((), dtype=self._dtype()).element_size()
+        return predict_peak(plan, element, input_grad, self._param_bytes())
+
+    def _param_bytes(self) -> int:
+        return sum(
+            p.numel() * p.element_size() for p in self.stream_layers.parameters() if p.requires_grad
+        )
+
+    def describe(self) -> str:
+        """Receptive field, output stride and overlap after each window op (convolutions,
+        pooling, padding, upsampling), along every path into it."""
+        bound = self._virtual
+        rows = [
+            i for i, n in enumerate(bound.nodes) if isinstance(n.op, (Window, Transposed, Upsample))
+        ]
         lines = ["layer | kernel | stride | receptive field | output stride | overlap"]
-        rows, _, _ = self.plan.walk((1,) * self.dims, (1,) * self.dims)
-        for w, rf, jump in rows:
+        for i, (rf, jump) in zip(rows, receptive_fields(bound, rows)):
+            op = bound.nodes[i].op
+            jump = tuple(int(j) if j.denominator == 1 else j for j in jump)
+            windows = [op.window(a) for a in range(self.dims)]
             overlap = tuple(max(r - j, 0) for r, j in zip(rf, jump))
-            lines.append(f"{w.name} | {w.kernel} | {w.stride} | {rf} | {jump} | {overlap}")
+            lines.append(
+                f"{bound.nodes[i].label} | {tuple(w for w, _ in windows)} | "
+                f"{tuple(s for _, s in windows)} | {rf} | {_show(jump)} | {_show(overlap)}"
+            )
+        tile = "auto (per input size)" if self.tile_size == "auto" else f"{self.tile_size}"
         lines.append(
             f"total: receptive field {self.receptive_field}, output stride "
-            f"{self.output_stride}, tile {self.tile_size} (+ halo)"
+            f"{_show(self.output_stride)}, tile {tile} (halo kept, not recomputed)"
         )
         return "\n".join(lines)
 
@@ -146,17 +272,30 @@ class StreamingCNN(nn.Module):
         Raises:
             ValueError: if the input is too small for the layers.
         """
-        out = self.plan.out_size(tuple(size))
-        if any(s < 1 for s in out):
-            raise ValueError(f"input of spatial size {tuple(size)} is too small for the layers")
-        return out
+        bound = self.bound((1, self.channels, *size))
+        return bound.sizes(bound.output)
 
     def tiles(self, size: tuple[int, ...]) -> list:
-        """Output ranges ``((lo, hi) per axis)`` of the tiles for an input size."""
-        out = self.output_size(size)
-        step = tuple(max(t // j, 1) for t, j in zip(self.tile_size, self.output_stride))
-        axes = [[(a, min(a + s, o)) for a in range(0, o, s)] for o, s in zip(out, step)]
-        return [tuple(r) for r in itertools.product(*axes)]
+        """Output ranges ``((lo, hi) per axis)`` of the tiles for an input spatial size."""
+        plan = self.plan((1, self.channels, *size))
+        return [plan.output_range(t) for t in plan.tiles()]
+
+    def _check_input(self, x) -> None:
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            raise TypeError("input must be a floating-point torch.Tensor")
+        if x.dim() != self.dims + 2:
+            raise ValueError(
+                f"input must have shape [N, C, {self.dims} spatial dims], got {tuple(x.shape)}"
+            )
+        if x.shape[1] != self.channels:
+            raise ValueError(f"input has {x.shape[1]} channels; stream_layers take {self.channels}")
+
+    def _device(self) -> torch.device | None:
+        if self.tile_device is not None:
+            return self.tile_device
+        if self.copy_to_gpu is False:
+            return next(self.stream_layers.parameters()).device
+        return None
 
     def _progress(self, tiles, desc):
         if not self.verbose:
@@ -164,18 +303,6 @@ class StreamingCNN(nn.Module):
         from tqdm import tqdm
 
         return tqdm(tiles, desc=desc, unit="tile")
-
-    def _check_input(self, x):
-        if not isinstance(x, Tensor) or not x.is_floating_point():
-            raise TypeError("input must be a floating-point torch.Tensor")
-        if x.dim() != self.dims + 2:
-            raise ValueError(
-                f"input must have shape [N, C, {self.dims} spatial dims], got {tuple(x.shape)}"
-            )
-        self.output_size(tuple(x.shape[2:]))
-
-    def _to_tile(self, t: Tensor) -> Tensor:
-        return t if self.tile_device is None else t.to(self.tile_device)
 
     # ------------------------------------------------------------------ passes
     def forward(self, x: Tensor) -> Tensor:
@@ -185,41 +312,45 @@ class StreamingCNN(nn.Module):
             x: ``[N, C, *S]``.
 
         Returns:
-            ``[N, C_out, *S_out]``, equal to ``stream_layers(x)``, on ``x``'s device.
+            ``[N, C_out, *S_out]``, equal to ``stream_layers(x)``: on ``x``'s device,
+            or on the layers' with ``copy_to_gpu=True``.
         """
         self._check_input(x)
+        if self.copy_to_gpu:
+            x = x.to(next(self.stream_layers.parameters()).device)
         params = list(self.stream_layers.parameters())
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             return _StreamFunction.apply(self, x, *params)
-        with torch.no_grad():
-            return self.stream_forward(x)
-
-    def stream_forward(self, x: Tensor) -> Tensor:
-        """Forward pass tile by tile, without autograd (activations freed per tile)."""
-        size = tuple(x.shape[2:])
-        tiles = self.tiles(size)
-        if self.verbose:
-            logger.info("forward: %d tiles for input %s", len(tiles), size)
-        out = None
-        for rng in self._progress(tiles, "forward"):
-            in_rng, plan = self.plan.required(rng, size)
-            y = self.plan.run(self._to_tile(crop(x, in_rng)), starts(in_rng), plan)
-            if out is None:
-                out = x.new_empty(x.shape[0], y.shape[1], *self.output_size(size), dtype=y.dtype)
-            crop(out, rng).copy_(y)
-            del y
+        runner, out = self._forward(x)
+        self._kept = (_key(x), runner)  # for backward(image, grad), Lightstream's call
         return out
 
-    def backward(self, x: Tensor, grad: Tensor, *, input_grad: bool | None = None):
-        """Backward pass by hand, as StreamingCNN's ``backward(image, grad)``.
+    def _forward(self, x: Tensor, *, input_grad: bool = False):
+        plan = self.plan(tuple(x.shape), x.dtype, input_grad=input_grad)
+        if self.verbose:
+            logger.info("forward: %d tiles for input %s", plan.count, tuple(x.shape[2:]))
+        runner = TileRunner(plan, x.detach(), HaloStore(plan), self._device())
+        with torch.no_grad():
+            out = forward_pass(runner, plan.bound.env(self._device() or x.device), self._progress)
+        return runner, out
+
+    def stream_forward(self, x: Tensor) -> Tensor:
+        """Forward pass tile by tile, without autograd."""
+        self._check_input(x)
+        return self._forward(x)[1]
+
+    def backward(self, image: Tensor, grad: Tensor, *, input_grad: bool | None = None):
+        """Backward pass by hand, as Lightstream's ``sCNN.backward(image, grad)``.
 
         Accumulates the parameter gradients into ``.grad``; the convolutions use the
-        :class:`memconv.save_memory` block open around this call.
+        :class:`memconv.save_memory` block open around this call. Reuses the halo of the
+        last forward pass on ``image`` made without autograd, else streams a forward
+        pass first.
 
         Args:
-            x: the input the forward pass saw, ``[N, C, *S]``.
+            image: the input the forward pass saw, ``[N, C, *S]``.
             grad: gradient of the loss w.r.t. the streamed output ``[N, C_out, *S_out]``.
-            input_grad: return the input gradient (default: ``x.requires_grad``).
+            input_grad: return the input gradient (default: ``image.requires_grad``).
 
         Returns:
             The input gradient ``[N, C, *S]``, or None.
@@ -227,82 +358,68 @@ class StreamingCNN(nn.Module):
         Raises:
             ValueError: if ``grad`` does not have the output's shape.
         """
-        self._check_input(x)
-        want_x = x.requires_grad if input_grad is None else bool(input_grad)
+        self._check_input(image)
+        if self.copy_to_gpu:
+            image = image.to(next(self.stream_layers.parameters()).device)
+        want_x = image.requires_grad if input_grad is None else bool(input_grad)
         params = [p for p in self.stream_layers.parameters() if p.requires_grad]
-        gx, grads = self.stream_backward(x.detach(), grad, want_x, params)
+        kept, self._kept = self._kept, None
+        runner = kept[1] if kept is not None and kept[0] == _key(image) else self._forward(image)[0]
+        gx, grads = self.stream_backward(runner, grad, want_x, params)
         for p, g in zip(params, grads):
             p.grad = g if p.grad is None else p.grad + g
         return gx
 
-    def stream_backward(self, x, grad, want_x: bool, params):
+    def stream_backward(self, runner: TileRunner, grad: Tensor, want_x: bool, params):
         """Input gradient (or None) and gradients of ``params``, tile by tile."""
-        size = tuple(x.shape[2:])
-        expected = (x.shape[0], None, *self.output_size(size))
-        if (
-            grad.dim() != len(expected)
-            or grad.shape[0] != x.shape[0]
-            or tuple(grad.shape[2:]) != tuple(expected[2:])
-        ):
+        bound = runner.plan.bound
+        expected = bound.output_shape()
+        if tuple(grad.shape) != tuple(expected):
             raise ValueError(
-                f"grad must have the streamed output's shape [N, C_out, "
-                f"{', '.join(map(str, expected[2:]))}], got {tuple(grad.shape)}"
+                f"grad must have the streamed output's shape {list(expected)}, got "
+                f"{list(grad.shape)}"
             )
-        acc = [torch.zeros_like(p) for p in params]
-        gx = torch.zeros_like(x) if want_x else None
-        tiles = self.tiles(size)
-        if self.verbose:
-            logger.info("backward: %d tiles for input %s", len(tiles), size)
-        for rng in self._progress(tiles, "backward"):
-            in_rng, plan = self.plan.required(rng, size)
-            with torch.enable_grad():
-                piece = self._to_tile(crop(x, in_rng)).detach().requires_grad_(want_x)
-                y = self.plan.run(piece, starts(in_rng), plan)
-                inputs = ([piece] if want_x else []) + list(params)
-                if not inputs:
-                    break
-                grads = torch.autograd.grad(
-                    y, inputs, self._to_tile(crop(grad, rng)), allow_unused=True
-                )
-            if want_x:
-                crop(gx, in_rng).add_(grads[0].to(gx.device))
-                grads = grads[1:]
-            for a, g in zip(acc, grads):
-                if g is not None:
-                    a.add_(g)
-            del y, grads, piece
-        return gx, acc
+        device = self._device() or runner.x.device
+        return backward_pass(
+            runner, lambda: bound.env(device), grad, params, want_x, self._progress
+        )
+
+
+def _key(x: Tensor) -> tuple:
+    return (id(x), version(x), tuple(x.shape), x.dtype, x.device)
+
+
+def _per_axis(tile, dims: int) -> tuple[int, ...]:
+    from .._checks import check_tile
+
+    return check_tile(tile, dims)
+
+
+def _show(values) -> str:
+    return "(" + ", ".join(str(v) for v in values) + (",)" if len(values) == 1 else ")")
 
 
 class _StreamFunction(torch.autograd.Function):
-    """Autograd function around the streamed part: forward and backward stream."""
+    """Autograd function around the streamed trunk: forward and backward stream."""
 
     @staticmethod
     def forward(ctx, stream: StreamingCNN, x, *params):
         ctx.stream = stream
         # the block around this forward pass applies to the tiles' recomputation
         ctx.recorded = record()
-        ctx.save_for_backward(x)
-        return stream.stream_forward(x)
+        ctx.runner, out = stream._forward(x, input_grad=ctx.needs_input_grad[1])
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        params = list(ctx.stream.stream_layers.parameters())
+        stream, runner = ctx.stream, ctx.runner
+        ctx.runner = None  # the halo is freed once the backward pass is done
+        params = list(stream.stream_layers.parameters())
         needed = [p for p, n in zip(params, ctx.needs_input_grad[2:]) if n]
         with activate(ctx.recorded.settings, ctx.recorded.per_sample):
-            gx, grads = ctx.stream.stream_backward(x, grad, ctx.needs_input_grad[1], needed)
+            gx, grads = stream.stream_backward(runner, grad, ctx.needs_input_grad[1], needed)
         by_id = {id(p): g for p, g in zip(needed, grads)}
         return (None, gx, *(by_id.get(id(p)) for p in params))
 
 
-def _tile_dims(tile_size) -> int:
-    if isinstance(tile_size, (tuple, list)):
-        return len(tile_size)
-    raise ValueError(
-        "stream_layers has no convolution or pooling layer, so the number of spatial "
-        "axes is unknown: give tile_size as a tuple"
-    )
-
-
-__all__ = ["StreamingCNN", "receptive_field"]
+__all__ = ["Fraction", "NotStreamableError", "StreamingCNN", "receptive_field"]
