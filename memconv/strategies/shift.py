@@ -63,6 +63,18 @@ def chunk_size(problem: Problem, options: Options, out_given: bool = False) -> i
     return max(1, min(problem.n, budget // max(per * problem.itemsize, 1)))
 
 
+class _Offsets:
+    """``store``'s offset ``k`` (its last axis) as a view taken when indexed: autograd
+    records in-place writes through a view only if it was taken after the store's last
+    in-place write (views taken together by ``unbind`` cannot be written to at all)."""
+
+    def __init__(self, store: Tensor):
+        self.store = store
+
+    def __getitem__(self, k: int) -> Tensor:
+        return self.store.select(-1, k)
+
+
 class Shift:
     """Weight VJP by one batched matrix product per kernel offset.
 
@@ -89,7 +101,9 @@ class Shift:
                 store = x.new_zeros(((n,) if per_sample else ()) + (grp, og, cg, kk))
             else:
                 store = out.view(((n,) if per_sample else ()) + (grp, og, cg, kk))
-            blocks = store.unbind(-1)  # each offset's [(N,) G, C_out/G, C_in/G]
+            # each offset's [(N,) G, C_out/G, C_in/G]: one unbind; where autograd records
+            # the in-place sums (create_graph), a view taken when it is written
+            blocks = store.unbind(-1) if not differentiable else _Offsets(store)
         problem = Problem(
             geom, n, tuple(x.shape[2:]), x.element_size(), per_sample, device=x.device.type
         )
