@@ -36,8 +36,8 @@ CLIP = ("non-private", "opacus-ghost", "torch.func", "memconv:step")
 MODELS = ("non-private", "opacus-ghost", "memconv:step")
 GRADS = ("autograd", "torch.func", "memconv:step")
 #: ``(task, case, batch, engines)``, the floor first, in the order the targets are
-#: judged by (ResNet-18-GN at 256 and 1024, the models people train at 256, the seed
-#: CNN's per-sample gradients at 256).
+#: judged by (ResNet-18-GN at 256 and 1024, the models people train and the seed
+#: CNN's per-sample gradients at 256, then at 1024).
 ROWS = (
     ("clip", "resnet18-gn", 256, CLIP),
     ("clip", "vit-tiny", 256, MODELS),
@@ -47,6 +47,10 @@ ROWS = (
     ("clip", "nf-resnet26", 256, MODELS),
     ("clip", "resnet18-tv-gn", 256, MODELS),
     ("clip", "vit-tiny", 1024, MODELS),
+    ("clip", "convnext-atto", 1024, MODELS),
+    ("clip", "nf-resnet26", 1024, MODELS),
+    ("clip", "resnet18-tv-gn", 1024, MODELS),
+    ("grads", "seed-112", 1024, GRADS),
 )
 #: The rows of ``--quick``: two small cases at their quick sizes, seconds on a CPU.
 QUICK_ROWS = (
