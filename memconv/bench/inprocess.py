@@ -47,11 +47,11 @@ ROWS = (
     ("clip", "nf-resnet26", 256, MODELS),
     ("clip", "resnet18-tv-gn", 256, MODELS),
     ("clip", "vit-tiny", 1024, MODELS),
-    ("clip", "convnext-atto", 1024, MODELS),
-    ("clip", "nf-resnet26", 1024, MODELS),
-    ("clip", "resnet18-tv-gn", 1024, MODELS),
-    ("grads", "seed-112", 1024, GRADS),
 )
+ROWS += tuple(
+    ("clip", case, 1024, MODELS) for case in ("convnext-atto", "nf-resnet26", "resnet18-tv-gn")
+)
+ROWS += (("grads", "seed-112", 1024, GRADS),)
 #: The rows of ``--quick``: two small cases at their quick sizes, seconds on a CPU.
 QUICK_ROWS = (
     ("clip", "resnet18-gn", 2, CLIP),
