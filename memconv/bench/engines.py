@@ -433,10 +433,7 @@ def memconv_private_clip():
         model.zero_grad(set_to_none=True)
         private = state["private"]
         _loss()(private(x), y).backward()
-        out = {n: p.grad for n, p in model.named_parameters()}
-        out[NORMS] = private.last_norms
-        model.zero_grad(set_to_none=True)
-        return out
+        return _taken_grads(model, private.last_norms)
 
     return run
 
@@ -453,12 +450,18 @@ def memconv_clipping_block():
         model.zero_grad(set_to_none=True)
         with state["block"] as clip:
             _loss()(model(x), y).backward()
-        out = {n: p.grad for n, p in model.named_parameters()}
-        out[NORMS] = clip.norms
-        model.zero_grad(set_to_none=True)
-        return out
+        return _taken_grads(model, clip.norms)
 
     return run
+
+
+def _taken_grads(model: nn.Module, norms) -> dict:
+    """The clipped sums left in ``.grad`` and the per-sample ``norms``, taken out of the
+    model (its ``.grad`` cleared for the next call)."""
+    out = {n: p.grad for n, p in model.named_parameters()}
+    out[NORMS] = norms
+    model.zero_grad(set_to_none=True)
+    return out
 
 
 def _streamable_prefix(model: nn.Sequential, tile) -> int:
