@@ -100,9 +100,13 @@ benchmarks-steps: $(VENV)/.installed-bench+opacus
 # "Operations per call" (docs/benchmarks.md): top-level ATen operations and host syncs of
 # one call, by batch size, of the non-private step, memconv's PrivateStep and Opacus'
 # ghost clipping (and per-sample gradients against autograd); a few minutes on 2 CPU
-# cores. Counts, not times: the same on every machine.
+# cores. Counts, not times: the same on every machine for the same routes; the routes
+# are priced once by this CPU's calibration and once by the shipped CUDA one (a GPU's).
 benchmarks-ops: $(VENV)/.installed-bench+opacus
-	$(BIN)/python -m memconv.bench.ops --json $(BENCH_DIR)/ops.jsonl --markdown docs/benchmarks.md
+	$(BIN)/python -m memconv.bench.ops --batches 4,64 --json $(BENCH_DIR)/ops.jsonl
+	$(BIN)/python -m memconv.bench.ops --batches 4,64 --pricing cuda --json $(BENCH_DIR)/ops-cuda.jsonl
+	$(BIN)/python -m memconv.bench.ops --report $(BENCH_DIR)/ops.jsonl $(BENCH_DIR)/ops-cuda.jsonl \
+		--markdown docs/benchmarks.md
 
 # The CPU cost models refitted on this machine (memconv/calibration/cpu.json; its
 # measurements in docs/bench/calibration-cpu.jsonl): about an hour on 2 CPU cores.

@@ -315,7 +315,7 @@ class _PerSampleMixin:
         rule = find_rule(self)
         x = input.detach()
         state = Autocast.current(out.device.type)
-        settings = RuleSettings(DEFAULT_SETTINGS, autocast=state)
+        settings = RuleSettings(DEFAULT_SETTINGS, autocast=state, contiguous=True)
 
         def on_grad(g):
             with using(settings):

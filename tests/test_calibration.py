@@ -6,6 +6,7 @@ known coefficients; the calibration command runs on the CPU."""
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,8 +15,9 @@ import memconv
 from memconv.bench.cases import build_case
 from memconv.conv import ghost
 from memconv.conv import norm_routes as norms
-from memconv.strategies import Options, Problem, auto, costs
+from memconv.strategies import NO_OPTIONS, Options, Problem, auto, costs, get_strategy
 from memconv.strategies import tiling as streaming
+from memconv.strategies.base import pieces
 from memconv.strategies.geometry import ConvGeometry
 
 MiB = 2**20
@@ -49,14 +51,17 @@ SHAPES = {
 # The expected choices below were recorded with the packaged CPU file as refitted with
 # the per-operation term (issue 39; the hand-typed constants of memconv 0.1.0 before
 # it): "auto" and "streaming" choose among batched strategies ("loop" runs only where
-# it is named), and without a budget a route runs the whole batch in one piece.
+# it is named), and without a budget a route runs the whole batch in one piece; "auto"
+# splits a layer (shift's chunks, streaming's tiles) only where no whole-layer strategy
+# fits the budget, so at 16 MiB a whole "rochette" or "unfold" runs where a chunked
+# "shift" was predicted faster.
 #: ``"auto"``'s choice per shape (per-sample, summed) under each of BUDGETS.
 AUTO = {
     "seed-conv1": ("rochette", "rochette", "rochette", "rochette"),
-    "seed-conv2": ("shift", "streaming", "shift", "shift"),
+    "seed-conv2": ("shift", "streaming", "rochette", "shift"),
     "seed-28-conv2": ("shift", "shift", "shift", "shift"),
     "rn-stem": ("rochette", "rochette", "rochette", "rochette"),
-    "rn-3x3-64": ("shift", "shift", "shift", "shift"),
+    "rn-3x3-64": ("shift", "shift", "rochette", "shift"),
     "rn-3x3-s2": ("unfold", "shift", "shift", "unfold"),
     "rn-1x1-s2": ("shift", "shift", "shift", "shift"),
     "rn-3x3-512": ("shift", "shift", "shift", "shift"),
@@ -70,7 +75,11 @@ AUTO = {
     "large-image": ("rochette", "rochette", "rochette", "rochette"),
 }
 #: Where the summed VJP's choice differs from the per-sample one.
-AUTO_SUMMED = {"seed-conv2": ("unfold", "streaming", "shift", "shift")}
+AUTO_SUMMED = {
+    "seed-conv2": ("unfold", "streaming", "rochette", "shift"),
+    "rn-1x1-s2": ("shift", "shift", "unfold", "shift"),
+    "rn-3x3-64": ("shift", "shift", "shift", "shift"),
+}
 #: The norm route and the ghost norms' method per shape under each of BUDGETS.
 ROUTES = {
     "seed-conv1": (
@@ -172,7 +181,7 @@ STREAMING = {
 #: The planner per model and task: (clip route, peak) without a budget; (micro-batch,
 #: layer budget, clip route, peak) within a budget halfway to the smallest.
 PLANS = {
-    ("seed", "grads"): (None, 160836224, 11, 8899968, None, 93830528),
+    ("seed", "grads"): (None, 130247296, 9, 7281792, None, 81668480),
     ("seed", "norms"): (None, 110192008, 10, 16181760, None, 57766464),
     ("seed", "clip"): ("book-keeping", 116290928, 9, 14563584, "book-keeping", 57784848),
     ("resnet18-gn", "grads"): (None, 943538816, 8, 8388608, None, 829336192),
@@ -354,3 +363,57 @@ def test_calibrate_on_cuda_without_cuda_says_so(capsys):
     with pytest.raises(SystemExit):
         main(["calibrate", "--device", "cuda", "--out", "cuda.json"])
     assert "no CUDA device is available" in capsys.readouterr().err
+
+
+def test_auto_prices_the_vjp_it_runs_on_its_device(monkeypatch):
+    """``"auto"`` prices the VJP it runs (not one adding into a result) with the
+    calibration of the tensors' device type, and a result kept in the weight's layout
+    as such."""
+    seen = []
+    choose = auto.choose
+
+    def spy(problem, options):
+        seen.append(problem)
+        return choose(problem, options)
+
+    monkeypatch.setattr(auto, "choose", spy)
+    geom, n, size = SHAPES["rn-3x3-64"]
+    x, g = torch.randn(2, 64, 8, 8), torch.randn(2, 64, 8, 8)
+    auto.AUTO.vjp(x, g, geom, per_sample=True, options=Options())
+    auto.AUTO.vjp(x, g, geom, per_sample=True, options=Options(), contiguous=True)
+    assert [(p.device, p.into, p.contiguous) for p in seen] == [
+        ("cpu", False, False),
+        ("cpu", False, True),
+    ]
+
+
+def test_a_kept_per_sample_result_prices_its_relayout():
+    """``"shift"`` returns per-sample gradients offset-major: kept in the weight's layout
+    they are copied once more, which its time and memory models add (and only then)."""
+    strategy = get_strategy("shift")
+    problem = _problem("rn-3x3-64")
+    kept = replace(problem, contiguous=True)
+    assert strategy.time(kept, NO_OPTIONS) > strategy.time(problem, NO_OPTIONS)
+    extra = problem.per_sample_elements() * problem.itemsize
+    assert strategy.memory(kept, NO_OPTIONS) == strategy.memory(problem, NO_OPTIONS) + extra
+    summed = _problem("rn-3x3-64", per_sample=False)
+    assert strategy.time(replace(summed, contiguous=True), NO_OPTIONS) == strategy.time(
+        summed, NO_OPTIONS
+    )
+    x, g = torch.randn(2, 64, 8, 8), torch.randn(2, 64, 8, 8)
+    out = strategy.vjp(x, g, problem.geom, per_sample=True, options=NO_OPTIONS)
+    assert not out.is_contiguous()  # (else the copy this prices would not happen)
+
+
+def test_auto_splits_a_layer_only_where_no_whole_strategy_fits():
+    """At a budget where ``"shift"`` would run in chunks, ``"auto"`` runs a strategy
+    that fits in one piece; with a budget none does, it splits."""
+    problem = _problem("rn-3x3-64")
+    options = Options(memory_budget=16 * MiB)
+    shift = get_strategy("shift")
+    assert pieces(shift, problem, options) > 1
+    chosen, sub, _, fits = auto.choose(problem, options)
+    assert fits and pieces(chosen, problem, sub) == 1
+    tight = Options(memory_budget=MiB)
+    chosen, sub, _, fits = auto.choose(problem, tight)
+    assert fits and pieces(chosen, problem, sub) > 1

@@ -18,7 +18,9 @@ Run it as::
 
 which measures every row of :data:`ROWS` at batch sizes 4, 16 and 64 (a few minutes
 on 2 CPU cores) and refills the block between ``<!-- ops:table -->`` and
-``<!-- /ops:table -->`` of the page.
+``<!-- /ops:table -->`` of the page. The count depends on the routes memconv's cost
+models choose, which depend on the device's calibration: ``--pricing cuda`` counts the
+routes the shipped CUDA calibration picks (a GPU's), still on the CPU.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from datetime import datetime, timezone
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ..strategies import costs
 from .cases import CASES, build_case
 from .engines import FLOOR, available, get_engine
 from .options import command_line, device_record, machine
@@ -75,10 +78,14 @@ def count(fn, warmup: int = 2) -> dict:
     return {"top_level": len(top), "all": len(events), "host_syncs": syncs}
 
 
-def measure(case: str, task: str, engine: str, batch: int) -> dict:
+def measure(case: str, task: str, engine: str, batch: int, pricing: str = "cpu") -> dict:
     """The operation counts of one engine's call on ``case`` at ``batch`` samples (a
     fresh model; the engine's per-model state, a :class:`memconv.PrivateStep`, made by
-    the warm-up calls)."""
+    the warm-up calls), memconv's routes priced by the calibration of the device type
+    ``pricing`` (``"cuda"``: the routes a GPU would take, counted on the CPU)."""
+    if pricing != "cpu":
+        with costs.using("cpu", costs.calibration(pricing)):
+            return {**measure(case, task, engine, batch), "pricing": pricing}
     config = {**CASES[case].config(batch=batch), "data": "random"}
     model, x, y = build_case(config, torch.device("cpu"))
     run = get_engine(engine, task).run
@@ -100,6 +107,11 @@ def table(records: list[dict]) -> str:
     the growth from the smallest batch to the largest, and host synchronisations."""
     rows = [r for r in records if r.get("record") == "ops"]
     batches = sorted({r["batch"] for r in rows})
+    # rows priced for another device are their engine's own rows ("engine@cuda")
+    rows = [
+        {**r, "engine": f"{r['engine']}@{r['pricing']}"} if r.get("pricing", "cpu") != "cpu" else r
+        for r in rows
+    ]
     got = {(r["case"], r["engine"], r["batch"]): r for r in rows}
     lines = [
         "| case | engine | "
@@ -119,7 +131,8 @@ def table(records: list[dict]) -> str:
             ratio = f"{first:.2f} → {last:.2f}" if len(batches) > 1 else f"{first:.2f}"
             growth = f"{counts[-1]['top_level'] / counts[0]['top_level'] - 1:+.0%}"
         syncs = sorted({c["host_syncs"] for c in counts if c})
-        label = LABELS.get(engine, engine)
+        base, _, pricing = engine.partition("@")
+        label = LABELS.get(base, base) + (f", routes priced for {pricing}" if pricing else "")
         lines.append(
             f"| {case} ({task}) | {label} | "
             + " | ".join(cells)
@@ -177,6 +190,13 @@ def main(argv=None) -> int:
         default=",".join(map(str, BATCHES)),
         help="comma-separated batch sizes (default: 4,16,64)",
     )
+    parser.add_argument(
+        "--pricing",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="the calibration that prices memconv's routes: this CPU's (default), or "
+        "the shipped CUDA one (the routes a GPU takes; memconv's engines only)",
+    )
     parser.add_argument("--json", help="write the run and every count to this file (JSON Lines)")
     parser.add_argument("--markdown", help=f"refill the {BLOCK} block of this page")
     parser.add_argument(
@@ -217,12 +237,14 @@ def main(argv=None) -> int:
             out.write(json.dumps(run) + "\n")
         for case, task, engines in rows:
             for engine in engines:
+                if args.pricing != "cpu" and not engine.startswith("memconv"):
+                    continue  # (a peer's operations do not depend on memconv's prices)
                 why = available(get_engine(engine, task))
                 if why:
                     print(f"{case} {engine}: skipped, {why}", flush=True)
                     continue
                 for b in batches:
-                    record = measure(case, task, engine, b)
+                    record = measure(case, task, engine, b, args.pricing)
                     records.append(record)
                     if out:
                         out.write(json.dumps(record) + "\n")

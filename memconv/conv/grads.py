@@ -19,11 +19,14 @@ from torch import Tensor
 
 from .._torch import is_view
 from ..strategies import Options, get_strategy
+from ..strategies.auto import AUTO
 from ..strategies.geometry import Operands, conv_spec, convolution_backward
 from .settings import Settings
 
 
-def weight_grad(ops: Operands, settings: Settings, per_sample: bool) -> Tensor:
+def weight_grad(
+    ops: Operands, settings: Settings, per_sample: bool, *, contiguous: bool = False
+) -> Tensor:
     """Run the strategy of ``settings`` on a layer's operands.
 
     A ``memory_budget`` covers the copy that brought the input to normal form (if
@@ -33,12 +36,17 @@ def weight_grad(ops: Operands, settings: Settings, per_sample: bool) -> Tensor:
         ops: the operands (:meth:`memconv.strategies.geometry.ConvSpec.operands`).
         settings: strategy and options.
         per_sample: ``[N, *weight.shape]`` if True, else the sum over N.
+        contiguous: the caller keeps the per-sample result in the weight's layout
+            (``"auto"`` then prices a strategy returning another layout with the copy
+            that makes it: :attr:`memconv.strategies.Problem.contiguous`).
     """
     geom = ops.geometry
     if ops.x.shape[0] == 0:  # an empty batch has a zero gradient
         return ops.x.new_zeros((0, *geom.weight_shape) if per_sample else geom.weight_shape)
     options = spend(settings.options, ops.copied * ops.x.element_size())
     strategy = get_strategy(settings.strategy)
+    if contiguous and strategy is AUTO:
+        return AUTO.vjp(ops.x, ops.g, geom, per_sample=per_sample, options=options, contiguous=True)
     return strategy.vjp(ops.x, ops.g, geom, per_sample=per_sample, options=options)
 
 
@@ -60,7 +68,9 @@ def spend(options: Options, spent: int) -> Options:
     return replace(options, memory_budget=max(options.memory_budget - spent, 1))
 
 
-def conv_weight_grad(module, input: Tensor, grad_output: Tensor, settings: Settings, per_sample):
+def conv_weight_grad(
+    module, input: Tensor, grad_output: Tensor, settings: Settings, per_sample, *, contiguous=False
+):
     """Weight gradient of a convolution or transposed convolution by a strategy.
 
     Args:
@@ -71,13 +81,16 @@ def conv_weight_grad(module, input: Tensor, grad_output: Tensor, settings: Setti
             the forward pass computed in.
         settings: strategy and options.
         per_sample: ``[N, *weight.shape]`` if True, else the sum over N.
+        contiguous: the per-sample result is kept in the weight's layout
+            (:func:`weight_grad`).
 
     Returns:
         The gradient, in the output gradient's dtype.
     """
     if input.dtype != grad_output.dtype:
         input = input.to(grad_output.dtype)
-    return weight_grad(conv_spec(module).operands(input, grad_output), settings, per_sample)
+    ops = conv_spec(module).operands(input, grad_output)
+    return weight_grad(ops, settings, per_sample, contiguous=contiguous)
 
 
 def bias_grad(g: Tensor, *, per_sample: bool) -> Tensor:

@@ -11,7 +11,7 @@ on parameters or on functions of parameters alone, whatever module makes it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -137,9 +137,7 @@ class LayerCall:
         return 0
 
     def settings(self, rs: RuleSettings) -> RuleSettings:
-        return RuleSettings(
-            settings=rs.settings, norm_route=rs.norm_route, budget=rs.budget, autocast=self.autocast
-        )
+        return replace(rs, autocast=self.autocast)
 
     def grad_sample(self, rs: RuleSettings) -> dict[str, Tensor]:
         """Per-sample gradients ``{name in module: [N, ...]}`` of :attr:`params`."""

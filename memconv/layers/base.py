@@ -38,12 +38,17 @@ class RuleSettings:
         budget: bytes a layer's temporaries may use (None: the rule's default).
         autocast: the :class:`memconv.conv.settings.Autocast` state of the forward
             pass, for rules that recompute part of it (None: as it is now).
+        contiguous: the per-sample gradients a rule returns are kept as they are
+            (returned to the user, or stored as ``grad_sample``/``grad_batch``), in
+            the parameter's layout: a rule that can make them in another layout
+            counts the copy (the convolutions' ``"auto"``).
     """
 
     settings: Settings = DEFAULT_SETTINGS
     norm_route: str | None = None
     budget: int | None = None
     autocast: Autocast | None = None
+    contiguous: bool = False
 
     @contextlib.contextmanager
     def autocast_context(self):

@@ -48,7 +48,9 @@ class ConvRule(LayerRule):
         settings = budgeted(rs.settings, rs.budget)
         out = {}
         if trainable(module, "weight"):
-            out["weight"] = conv_weight_grad(module, x, grad_output, settings, per_sample=True)
+            out["weight"] = conv_weight_grad(
+                module, x, grad_output, settings, per_sample=True, contiguous=rs.contiguous
+            )
         if trainable(module, "bias"):
             out["bias"] = bias_grad(grad_output, per_sample=True)
         return out

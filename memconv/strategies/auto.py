@@ -5,7 +5,9 @@ with N is a candidate (a strategy that loops over samples, ``"loop"``, is not:
 :func:`memconv.strategies.base.batched`): each predicts its extra memory (bytes) and
 its run time (seconds, a per-operation term included) from the layer's sizes, and
 ``"auto"`` runs the one predicted fastest among those within ``memory_budget`` (any,
-without a budget). ``"streaming"`` chooses its tile to fit the budget, so it is what runs
+without a budget) that do the layer in one piece; only when none of those fits, the
+fastest of those that split it (``"shift"``'s chunks of the batch, ``"streaming"``'s
+tiles: :func:`memconv.strategies.base.pieces`), whose operations repeat per piece. ``"streaming"`` chooses its tile to fit the budget, so it is what runs
 when no whole-layer strategy fits; when not even its smallest tile fits, a
 warning says so and the leanest candidate runs. The choice is logged on the
 ``memconv`` logger at DEBUG level.
@@ -27,6 +29,7 @@ from .base import (
     cost_model,
     fastest_that_fits,
     get_strategy,
+    pieces,
     register_strategy,
     strategy_names,
 )
@@ -53,17 +56,26 @@ def choose(problem: Problem, options: Options):
         False when no candidate fits the budget (the leanest is returned then).
     """
     budget = options.memory_budget
-    candidates = []  # (strategy, options, bytes, time)
+    candidates = []  # (strategy, options, bytes, time, pieces)
     for name in strategy_names():
         strategy = get_strategy(name)
         if name != Auto.name and batched(strategy):
             sub = _candidate_options(strategy, options)
-            candidates.append(
-                (strategy, sub, strategy.memory(problem, sub), strategy.time(problem, sub))
-            )
-    (strategy, sub, memory, _), fits = fastest_that_fits(
-        candidates, budget, memory=lambda c: c[2], time=lambda c: c[3]
-    )
+            memory, time = strategy.memory(problem, sub), strategy.time(problem, sub)
+            candidates.append((strategy, sub, memory, time, pieces(strategy, problem, sub)))
+    # split only where memory demands it: the candidates that do the layer in one
+    # piece first (a piece repeats its operations, whose number then grows with N)
+    whole = [c for c in candidates if c[4] == 1]
+    for pool in (whole, candidates) if whole else (candidates,):
+        (strategy, sub, memory, *_), fits = fastest_that_fits(
+            pool, budget, memory=lambda c: c[2], time=lambda c: c[3]
+        )
+        if fits:
+            break
+    if not fits:  # the leanest of all
+        (strategy, sub, memory, *_), fits = fastest_that_fits(
+            candidates, budget, memory=lambda c: c[2], time=lambda c: c[3]
+        )
     return strategy, sub, memory, fits
 
 
@@ -74,9 +86,19 @@ class Auto:
     options: ClassVar[frozenset[str]] = frozenset({"memory_budget"})
     composite: ClassVar[bool] = True
 
-    def vjp(self, x, g, geom, *, per_sample, options, out=None) -> Tensor:
+    def vjp(self, x, g, geom, *, per_sample, options, out=None, contiguous=False) -> Tensor:
+        """The weight VJP by the strategy :func:`choose` picks; ``contiguous``: the
+        caller keeps the per-sample result in the weight's layout
+        (:attr:`Problem.contiguous`), so a strategy returning another layout is
+        priced with the copy that makes it."""
         problem = Problem(
-            geom, x.shape[0], tuple(x.shape[2:]), x.element_size(), per_sample, x.device.type
+            geom,
+            x.shape[0],
+            tuple(x.shape[2:]),
+            x.element_size(),
+            per_sample,
+            device=x.device.type,
+            contiguous=contiguous and out is None,
         )
         strategy, sub, memory, fits = choose(problem, options)
         if not fits:

@@ -65,6 +65,10 @@ class Problem:
             it as extra memory.
         device: the device type of the tensors (``"cpu"``, ``"cuda"``, ...): which
             calibration prices the problem (:mod:`memconv.strategies.costs`).
+        contiguous: the caller keeps the per-sample result in the weight's layout
+            (``[N, C_out, C_in/G, *k]``, contiguous, as a per-sample gradient returned
+            to the user is): a strategy that returns it laid out otherwise costs a
+            copy of it (:meth:`relayout`).
     """
 
     geom: ConvGeometry
@@ -74,6 +78,7 @@ class Problem:
     per_sample: bool
     into: bool = False
     device: str = "cpu"
+    contiguous: bool = False
 
     @property
     def output_size(self) -> tuple[int, ...]:
@@ -111,6 +116,14 @@ class Problem:
     def per_sample_elements(self) -> int:
         """Elements of the per-sample gradients, N·C_out·(C_in/G)·K."""
         return self.n * numel(self.geom.weight_shape)
+
+    def relayout(self, dense: bool) -> int:
+        """Elements the caller copies to keep a result that is ``dense`` (contiguous,
+        filling its own storage) or not in the weight's layout: the per-sample
+        gradients when :attr:`contiguous` asks for that layout and the strategy
+        returns another, else 0."""
+        kept = self.contiguous and self.per_sample and not self.into
+        return self.per_sample_elements() if kept and not dense else 0
 
 
 @runtime_checkable
@@ -247,6 +260,15 @@ def batched(strategy: Strategy) -> bool:
     """Whether ``strategy`` runs a batch in a number of tensor operations that does not
     depend on N (its ``batched`` attribute; True when it has none)."""
     return getattr(strategy, "batched", True)
+
+
+def pieces(strategy: Strategy, problem: Problem, options: Options) -> int:
+    """Pieces ``strategy`` splits this VJP into to fit ``options.memory_budget`` (chunks
+    of the batch, tiles of the positions; its ``pieces`` method, 1 when it has none):
+    each piece repeats the strategy's operations, so with more than one their number
+    grows with the batch."""
+    count = getattr(strategy, "pieces", None)
+    return 1 if count is None else count(problem, options)
 
 
 def candidates() -> tuple[Strategy, ...]:

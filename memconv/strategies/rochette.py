@@ -64,8 +64,9 @@ class Rochette:
         raw = n * geom.out_channels * geom.in_per_group
         if geom.dims < 3:
             # the backend writes the convolution's output twice (a temporary and the
-            # returned buffer, of which the result is a crop)
+            # returned buffer, of which the result is a crop: copied when kept)
             extra = 2 * raw * numel(raw_kernel(geom, size)) - problem.result_elements
+            extra += problem.relayout(dense=_dense(problem))
             nbytes = (extra + depthwise_copies(problem)) * problem.itemsize + problem.held()
             return scale_memory("rochette", problem.device, nbytes)
         t = problem.output_size
@@ -82,6 +83,7 @@ class Rochette:
         geom, n = problem.geom, problem.n
         raw = n * geom.out_channels * geom.in_per_group * numel(raw_kernel(geom, problem.size))
         traffic = problem.input_elements() + problem.grad_elements() + 2 * raw
+        traffic += 2 * problem.relayout(dense=_dense(problem))
         if geom.dims == 3:  # slices of input and output gradient copied per k_0
             traffic += geom.kernel_size[0] * (
                 2 * problem.input_elements() + problem.grad_elements()
@@ -94,6 +96,12 @@ class Rochette:
         else:
             ops = operations(problem, 4)
         return time + operations_time(ops, problem.device)
+
+
+def _dense(problem: Problem) -> bool:
+    """Whether the result is its own contiguous tensor (no crop of the raw kernel)."""
+    geom = problem.geom
+    return geom.dims == 3 or raw_kernel(geom, problem.size) == geom.kernel_size
 
 
 def _rochette_3d(x: Tensor, g: Tensor, geom: ConvGeometry, per_sample: bool, out):

@@ -134,7 +134,13 @@ class Shift:
     def memory(self, problem: Problem, options: Options) -> int:
         chunk = chunk_size(problem, options, problem.into)
         per = _per_sample_temporaries(problem.geom, problem.size, problem.per_sample, problem.into)
-        return scale_memory("shift", problem.device, chunk * per * problem.itemsize)
+        # a per-sample result is offset-major: kept in the weight's layout, it is copied
+        copied = problem.relayout(dense=False)
+        return scale_memory("shift", problem.device, (chunk * per + copied) * problem.itemsize)
+
+    def pieces(self, problem: Problem, options: Options) -> int:
+        """Chunks of the batch (:func:`chunk_size`)."""
+        return math.ceil(problem.n / chunk_size(problem, options, problem.into))
 
     def time(self, problem: Problem, options: Options) -> float:
         geom, n = problem.geom, problem.n
@@ -146,7 +152,8 @@ class Shift:
             length = problem.positions
             copies = 2 * n * geom.in_channels * length  # each offset's view copied
         operands = n * (geom.in_channels + geom.out_channels) * length + copies
-        traffic = geom.kernel_numel * operands + problem.per_sample_elements()
+        relayout = problem.relayout(dense=False)  # read and written once more
+        traffic = geom.kernel_numel * operands + problem.per_sample_elements() + 2 * relayout
         per_flop, per_element, flop_depthwise = time_coefficients("shift", problem.device)
         time = linear_time((per_flop, per_element, 0.0), problem.flops(), traffic, 0)
         # per chunk: its operands, and a strided view and a product per kernel offset
@@ -162,7 +169,7 @@ class Shift:
         per_chunk += kk * (1 if direct else 2 if problem.per_sample else 3)
         if chunks > 1:  # the chunk's slices of the operands and of each offset's block
             per_chunk += 2 + (kk if problem.per_sample else 0)
-        ops = (4 if direct else 2) + chunks * per_chunk
+        ops = (4 if direct else 2) + chunks * per_chunk + (1 if relayout else 0)
         time += operations_time(ops, problem.device)
         if geom.groups > 1 and geom.in_per_group == 1:
             # depthwise: each offset's product is a batch of N·C dot products, which

@@ -52,6 +52,15 @@ def depthwise_copies(problem: Problem) -> int:
     return n * geom.in_channels * numel(problem.size) + n * geom.out_channels * problem.positions
 
 
+def _dense(problem: Problem) -> bool:
+    """Whether the result is its own contiguous tensor: no crop of the raw kernel, and
+    the transpose of ``C_in/G`` and ``C_out/G`` a copy (with G = 1 the reshape keeps it a
+    strided view) or trivial (either of them 1)."""
+    geom = problem.geom
+    uncropped = raw_kernel(geom, problem.size) == geom.kernel_size
+    return uncropped and (geom.groups > 1 or min(geom.in_per_group, geom.out_per_group) == 1)
+
+
 class Standard:
     """Weight VJP by a grouped convolution of the same order (BackPACK's default)."""
 
@@ -89,7 +98,7 @@ class Standard:
         raw = n * geom.in_channels * geom.out_per_group * numel(raw_kernel(geom, problem.size))
         # the backend writes the convolution's output twice (a temporary and the
         # returned buffer, of which the result is a crop)
-        extra = repeated + 2 * raw - problem.result_elements
+        extra = repeated + 2 * raw - problem.result_elements + problem.relayout(_dense(problem))
         nbytes = (extra + depthwise_copies(problem)) * problem.itemsize + problem.held()
         return scale_memory("standard", problem.device, nbytes)
 
@@ -104,6 +113,7 @@ class Standard:
             + 2 * repeated
             + 2 * raw
             + problem.per_sample_elements()
+            + 2 * problem.relayout(_dense(problem))
         )
         # one convolution group per sample and input channel
         coefficients = time_coefficients("standard", problem.device)

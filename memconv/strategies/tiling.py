@@ -31,6 +31,7 @@ from .base import (
     cost_model,
     get_strategy,
     numel,
+    pieces,
     register_strategy,
 )
 from .costs import operations_time, time_coefficients
@@ -190,6 +191,12 @@ class Streaming:
     def time(self, problem: Problem, options: Options) -> float:
         inner, tile = plan(problem, options)
         return _time(problem, tile, inner, options)
+
+    def pieces(self, problem: Problem, options: Options) -> int:
+        """Tiles, times the pieces the inner strategy splits each into."""
+        inner, tile = plan(problem, options)
+        sub = _tile_problem(problem, tile)
+        return _tile_count(problem, tile) * pieces(inner, sub, _inner_options(inner, options))
 
 
 STREAMING = register_strategy(Streaming())

@@ -12,6 +12,7 @@ parameter gradient: nothing is computed twice.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from torch import Tensor, nn
 
@@ -140,7 +141,9 @@ class RowWriter:
     prepare = None
 
     def __init__(self, out: dict, rows: slice, rs: RuleSettings, whole: bool, like=None):
-        self.out, self.rows, self.rs, self.whole = out, rows, rs, whole
+        self.out, self.rows, self.whole = out, rows, whole
+        # a whole batch's results are taken as they are if in the parameter's layout
+        self.rs = replace(rs, contiguous=True) if whole else rs
         self.like = like
         self.written: set = set()
         self.adopted: set = set()  # parts taken as they are: never written in place

@@ -68,7 +68,9 @@ def _call(layer: nn.Module, activations, backprops: Tensor, method: str) -> dict
         )
     settings = context.use_block_settings(None)
     rule.check_settings(layer, settings)
-    rs = RuleSettings(settings, None, settings.options.memory_budget)
+    # per-sample gradients are kept as Opacus' grad_sample: in the parameter's layout
+    kept = method == "grad_sample"
+    rs = RuleSettings(settings, None, settings.options.memory_budget, contiguous=kept)
     with using(rs):
         return run_rule(rule, method, layer, inputs, backprops)
 
