@@ -70,12 +70,8 @@ def choose(problem: Problem, options: Options):
         (strategy, sub, memory, *_), fits = fastest_that_fits(
             pool, budget, memory=lambda c: c[2], time=lambda c: c[3]
         )
-        if fits:
+        if fits:  # (else, after the last pool, the leanest of all)
             break
-    if not fits:  # the leanest of all
-        (strategy, sub, memory, *_), fits = fastest_that_fits(
-            candidates, budget, memory=lambda c: c[2], time=lambda c: c[3]
-        )
     return strategy, sub, memory, fits
 
 
