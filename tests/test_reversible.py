@@ -239,6 +239,58 @@ def test_batch_norm_statistics_are_updated_once_per_step():
             assert torch.equal(a, b)
 
 
+def batch_norm_chain(wrap: bool, train: bool, **options):
+    """Two additive couplings whose functions hold BatchNorm, float64, with running
+    statistics away from their initial values."""
+    torch.manual_seed(0)
+    first = AdditiveCoupling(
+        nn.Sequential(nn.Conv2d(2, 2, 3, padding=1, bias=False), nn.BatchNorm2d(2), nn.Tanh())
+    )
+    blocks = [first, copy.deepcopy(first)]
+    model = nn.Sequential(*(InvertibleModuleWrapper(b, **options) if wrap else b for b in blocks))
+    model.double()
+    with torch.no_grad():
+        for b in model.buffers():
+            b.add_(torch.rand(b.shape, dtype=torch.float64) if b.is_floating_point() else 3)
+    return model.train(train)
+
+
+@pytest.mark.parametrize(
+    "keep_input, keep_input_inverse", [(False, False), (True, False), (False, True), (True, True)]
+)
+@pytest.mark.filterwarnings("error::UserWarning")  # every input released (blocks called in a loop)
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_batch_norm_inside_blocks_every_direction_and_mode(
+    train, inverse, keep_input, keep_input_inverse
+):
+    plain = batch_norm_chain(False, train)
+    wrapped = batch_norm_chain(
+        True, train, keep_input=keep_input, keep_input_inverse=keep_input_inverse
+    )
+    x, _ = data()
+    x = torch.cat([x, x.flip(0)], 1)
+    for _ in range(2):  # the first pass checks the inverse, the second reconstructs
+        results = []
+        for model in (plain, wrapped):
+            model.zero_grad(set_to_none=True)
+            xr = x.clone().requires_grad_()
+            out = xr
+            for block in model:
+                out = block.inverse(out) if inverse else block(out)
+            out.square().sum().backward()
+            results.append(
+                {
+                    "output": out.detach(),
+                    "input": xr.grad,
+                    **renamed({k: p.grad for k, p in model.named_parameters()}),
+                }
+            )
+        assert_close(results[1], results[0])
+        for (k, a), (_, b) in zip(plain.named_buffers(), wrapped.named_buffers()):
+            assert torch.equal(a, b), k  # updated once per call, as the conventional chain
+
+
 def test_autocast_state_is_replayed():
     plain, wrapped = network(wrap=False).float(), network().float()
     x, _ = data()

@@ -378,7 +378,7 @@ class InvertibleModuleWrapper(nn.Module):
             setattr(self, argument, value)
         self._verified = False
         self._warned = False
-        self._where: str | None = None
+        self._where: str | None = None  # the block's path, once looked for
 
     def forward(self, *xin: Tensor):
         """``fn(*xin)``, its inputs released (see the class). Returns a tensor for one
@@ -402,8 +402,8 @@ class InvertibleModuleWrapper(nn.Module):
             out = fn(*xin) if forward else fn.inverse(*xin)
             return out[0] if isinstance(out, tuple) and len(out) == 1 else out
         check_block_inputs(xin, f"InvertibleModuleWrapper({type(fn).__name__})")
-        if self._where is None:
-            self._where = _locate(self)
+        if self._where is None:  # looked for once ("": not found, the type names it)
+            self._where = _locate(self) or ""
         observer = current_observer()
         token = observer.enter(self, fn) if observer is not None else None
         call = _BlockCall(self, forward, xin, token)
@@ -418,9 +418,15 @@ class InvertibleModuleWrapper(nn.Module):
 
 def _locate(block: nn.Module, frames: int = 64) -> str | None:
     """``block``'s path in the outermost module whose ``forward`` is on the call stack
-    and holds it (read once per wrapper, for messages)."""
+    and holds it (read once per wrapper, for messages).
+
+    The walk starts at the caller's frame: reading this function's own frame's locals
+    would make a cycle (the frame, its locals, the frame) that keeps the callers'
+    locals — the blocks' inputs — alive until the garbage collector runs."""
     owners = []
-    frame = inspect.currentframe()
+    here = inspect.currentframe()
+    frame = here.f_back if here is not None else None
+    del here
     while frame is not None and len(owners) < frames:
         owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Module) and owner is not block:
