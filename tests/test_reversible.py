@@ -27,7 +27,9 @@ from memconv.reversible import (
     AffineAdapterSigmoid,
     AffineCoupling,
     InvertibleModuleWrapper,
+    ReversibleBlock,
     check_reconstruction,
+    create_coupling,
     is_invertible_module,
 )
 
@@ -696,9 +698,15 @@ def test_random_numbers_without_preserve_rng_state_are_caught():
         block(x).sum().backward()
 
 
-def test_a_module_without_inverse_is_refused():
-    with pytest.raises(TypeError, match="fn must be a torch.nn.Module with an inverse"):
-        InvertibleModuleWrapper(half())
+def test_a_module_without_inverse_is_refused_at_its_call():
+    block = InvertibleModuleWrapper(half())  # MemCNN takes it; is_invertible_module says False
+    assert not is_invertible_module(block, (2, 2, 5, 5))
+    x = torch.randn(2, 2, 5, 5, requires_grad=True)
+    for call in (block, block.inverse):
+        with pytest.raises(TypeError, match="fn must be a torch.nn.Module with an inverse"):
+            call(x)
+    disabled = InvertibleModuleWrapper(half(), disable=True)  # calls fn as it is
+    assert torch.equal(disabled(x), disabled._fn(x))
 
 
 @pytest.mark.parametrize(
@@ -774,8 +782,19 @@ def test_memcnn_names_and_arguments():
         "disable",
         "preserve_rng_state",
     ]
-    assert args(AdditiveCoupling) == ["Fm", "Gm", "split_dim"]
-    assert args(AffineCoupling) == ["Fm", "Gm", "adapter", "split_dim"]
+    implementations = ["implementation_fwd", "implementation_bwd"]
+    assert args(AdditiveCoupling) == ["Fm", "Gm", *implementations, "split_dim"]
+    assert args(AffineCoupling) == ["Fm", "Gm", "adapter", *implementations, "split_dim"]
+    assert args(create_coupling) == ["Fm", "Gm", "coupling", *implementations, "adapter"]
+    assert args(ReversibleBlock) == [
+        "Fm",
+        "Gm",
+        "coupling",
+        "keep_input",
+        "keep_input_inverse",
+        *implementations,
+        "adapter",
+    ]
     assert args(is_invertible_module) == [
         "module_in",
         "test_input_shape",
@@ -790,6 +809,62 @@ def test_memcnn_names_and_arguments():
     assert all(
         not torch.equal(a, b) or a is not b for a, b in zip(fm.parameters(), block.Gm.parameters())
     )
+
+
+def test_positional_arguments_bind_as_memcnn_binds_them():
+    torch.manual_seed(0)
+    f, g = half(), half()
+    x = torch.randn(2, 4, 5, 5)
+    block = AdditiveCoupling(f, g, -1)  # MemCNN: implementation_fwd=-1, split_dim stays 1
+    assert (block.implementation_fwd, block.implementation_bwd, block.split_dim) == (-1, -1, 1)
+    assert torch.equal(block(x), AdditiveCoupling(f, g, split_dim=1)(x))
+    affine = AffineCoupling(f, g, AffineAdapterNaive, -1, -1, 1)
+    assert affine.split_dim == 1 and isinstance(affine.Fm, AffineAdapterNaive)
+    with pytest.raises(NotImplementedError, match="implementation_fwd=2"):
+        AdditiveCoupling(f, g, 2)
+    with pytest.raises(NotImplementedError, match="implementation_bwd=-2"):
+        AffineCoupling(f, g, None, 0, -2)
+    with pytest.raises(TypeError, match="implementation_fwd must be -1, 0 or 1"):
+        AdditiveCoupling(f, g, 1.0)
+    with pytest.raises(NotImplementedError, match="unknown coupling method 'reversible'"):
+        create_coupling(f, g, "reversible")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("implementation", [0, 1])
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize("kind", ["additive", "affine"])
+def test_memcnn_implementations_give_the_gradients_of_autograd(kind, inverse, implementation):
+    """MemCNN's implementations 0 (recompute from the kept input) and 1 (reconstruct
+    from the output): the gradients of the coupling's own graph (-1)."""
+    adapter = AffineAdapterNaive if kind == "affine" else None
+
+    def make(implementation):
+        torch.manual_seed(0)
+        f = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.GroupNorm(1, 2), nn.Tanh())
+        return create_coupling(f, None, kind, implementation, implementation, adapter).double()
+
+    plain = make(-1)
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        other = make(implementation)
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64)
+    for _ in range(2):  # the first pass checks the inverse, the second reconstructs
+        grads = []
+        for block in (plain, other):
+            block.zero_grad(set_to_none=True)
+            xr = x.clone().requires_grad_()
+            out = block.inverse(xr) if inverse else block(xr)
+            out.square().sum().backward()
+            grads.append(
+                {
+                    "output": out.detach(),
+                    "input": xr.grad,
+                    **{k: p.grad for k, p in block.named_parameters()},
+                }
+            )
+        assert_close(grads[1], grads[0])
+    assert "_memcnn_passes" not in dict(other.named_modules())  # not a submodule: same state_dict
+    assert list(other.state_dict()) == list(plain.state_dict())
 
 
 # DistributedDataParallel over two gloo processes

@@ -34,6 +34,7 @@ from .._checks import (
     check_block_inputs,
     check_flag,
     check_invertible_module,
+    check_module,
     check_positive_int,
     check_test_input_shape,
 )
@@ -126,7 +127,7 @@ class _BlockCall:
         with torch.no_grad():
             outs = _tuple(self.run_fn(*[x.detach() for x in inputs]), f"{self.name}: fn")
         mine = {storage_ptr(x) for x in inputs}
-        if any(storage_ptr(y) in mine for y in outs):
+        if not self.keep and any(storage_ptr(y) in mine for y in outs):
             raise ValueError(
                 f"{self.name}: fn returns its input (or a view of it) as an output, so there is "
                 "nothing to release; call that module without InvertibleModuleWrapper"
@@ -363,7 +364,7 @@ class InvertibleModuleWrapper(nn.Module):
         preserve_rng_state: bool = False,
     ):
         super().__init__()
-        check_invertible_module(fn, "fn")
+        check_module(fn, "fn")  # its inverse is checked at each call (MemCNN takes any module)
         check_positive_int(num_bwd_passes, "num_bwd_passes", none=False)
         self._fn = fn
         self.num_bwd_passes = num_bwd_passes
@@ -396,6 +397,8 @@ class InvertibleModuleWrapper(nn.Module):
 
     def _call(self, xin: tuple, forward: bool):
         fn = self._fn
+        if not self.disable:
+            check_invertible_module(fn, "fn")
         params = tuple(p for p in fn.parameters() if p.requires_grad)
         wanted = any(x.requires_grad for x in xin if isinstance(x, Tensor)) or params
         if self.disable or not torch.is_grad_enabled() or functorch_active() or not wanted:
@@ -411,6 +414,7 @@ class InvertibleModuleWrapper(nn.Module):
         outs = outs if isinstance(outs, tuple) else (outs,)
         for y, slot in zip(outs, call.out_slots):
             setattr(y, _SLOT, slot)
+            y.retain_grad()  # MemCNN's outputs get their .grad, kept while the caller holds them
         if token is not None:
             observer.leave(token, outs)
         return outs[0] if len(outs) == 1 else outs
@@ -448,18 +452,23 @@ def is_invertible_module(
     random_seed: int = 42,
 ) -> bool:
     """Whether ``module_in.inverse`` inverts ``module_in`` on random inputs (MemCNN's
-    ``is_invertible_module``, same arguments): ``inverse(forward(x)) ≈ x`` and
-    ``forward(inverse(y)) ≈ y`` within ``atol``, for ``x`` uniform in [0, 1).
+    ``is_invertible_module``, same arguments, same answers and warnings):
+    ``inverse(forward(x)) ≈ x`` and ``forward(inverse(y)) ≈ y`` by
+    ``torch.allclose(..., atol=atol)``, for ``x`` uniform in [0, 1).
 
-    The module's buffers are left as they were; the global random generator is not
-    touched (a generator of its own is seeded with ``random_seed``).
+    It warns (``UserWarning``, as MemCNN) when an input or output is all zeros, when
+    outputs are the same tensor, or when an output is an input (an identity: nothing
+    for :class:`InvertibleModuleWrapper` to release). The module's buffers are left as
+    they were (BatchNorm's running statistics); the global random generator is not
+    touched (a generator of its own is seeded with ``random_seed``, which draws the
+    inputs MemCNN's seeded global generator draws).
 
     Args:
         module_in: a module, or an :class:`InvertibleModuleWrapper` (its ``fn`` is
             tested).
         test_input_shape: the shape of the input, or a tuple of shapes for several.
         test_input_dtype: the inputs' dtype.
-        atol: the absolute tolerance.
+        atol: the absolute tolerance (``torch.allclose``'s relative one too).
         random_seed: the seed of the inputs.
 
     Returns:
@@ -470,19 +479,53 @@ def is_invertible_module(
     """
     if isinstance(module_in, InvertibleModuleWrapper):
         module_in = module_in._fn
-    shapes = check_test_input_shape(test_input_shape)
     if not callable(getattr(module_in, "inverse", None)):
         return False
+    shapes = check_test_input_shape(test_input_shape)
     generator = torch.Generator().manual_seed(random_seed)
     xs = tuple(torch.rand(s, generator=generator, dtype=test_input_dtype) for s in shapes)
 
     def close(a: tuple, b: tuple) -> bool:
-        return len(a) == len(b) and all(
-            u.shape == v.shape and torch.allclose(u, v, atol=atol, rtol=0) for u, v in zip(a, b)
-        )
+        return all(torch.allclose(u, v, atol=atol) for u, v in zip(a, b))
+
+    def warn_if_zero(tensors: tuple, what: str) -> None:
+        if any(not t.any() for t in tensors):
+            warnings.warn(
+                f"is_invertible_module: some {what} are all zeros; pass another random_seed",
+                stacklevel=3,
+            )
 
     with torch.no_grad(), frozen_buffers(module_in):
-        ys = _tuple(module_in(*xs), "module_in")
-        if not close(_tuple(module_in.inverse(*ys), "module_in.inverse"), xs):
+        warn_if_zero(xs, "inputs")
+        if not close(_tuple(module_in.inverse(*_tuple(module_in(*xs), "module_in")), ""), xs):
             return False
-        return close(_tuple(module_in(*_tuple(module_in.inverse(*ys), "inverse")), ""), ys)
+        ys = _tuple(module_in(*xs), "module_in")
+        warn_if_zero(ys, "outputs")
+        if not close(_tuple(module_in(*_tuple(module_in.inverse(*ys), "inverse")), ""), ys):
+            return False
+        reconstructed = _tuple(module_in.inverse(*ys), "module_in.inverse")
+    _warn_if_shared(xs, ys, "forward")
+    _warn_if_shared(reconstructed, ys, "inverse")
+    return True
+
+
+def _warn_if_shared(xs: tuple, ys: tuple, direction: str) -> None:
+    """MemCNN's warnings on tensors shared among a module's inputs and outputs."""
+    ids_x, ids_y = {id(t) for t in xs}, {id(t) for t in ys}
+    if len(ids_x) != len(xs):
+        warnings.warn(
+            f"is_invertible_module: some inputs (*x) are the same tensor ({direction})",
+            stacklevel=3,
+        )
+    if len(ids_y) != len(ys):
+        warnings.warn(
+            f"is_invertible_module: some outputs (*y) are the same tensor ({direction})",
+            stacklevel=3,
+        )
+    if ids_x & ids_y:
+        warnings.warn(
+            f"is_invertible_module: an output (*y) is an input (*x) ({direction}), an identity: "
+            "InvertibleModuleWrapper has nothing to release for it and refuses it unless "
+            "keep_input=True",
+            stacklevel=3,
+        )
