@@ -690,6 +690,27 @@ def test_a_wrong_inverse_raises_at_the_first_backward_pass():
     keep(x.requires_grad_()).sum().backward()
 
 
+class TinyScale(nn.Module):
+    """An affine half-step whose scale is 1e-2: its inverse is one, but divides the
+    round-off of ``y - shift`` by 1e-2 (twice: one half's error enters the other's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, h):
+        return torch.full_like(h, 1e-2) * self.w, h + 1
+
+
+def test_an_ill_conditioned_inverse_warns_at_the_first_backward_pass():
+    torch.manual_seed(0)
+    block = InvertibleModuleWrapper(AffineCoupling(TinyScale()))
+    x = torch.randn(3, 4, 5, 5, requires_grad=True)
+    with pytest.warns(UserWarning, match="amplifies round-off"):
+        block(x).sum().backward()
+    assert block._verified  # a warning, not a refusal
+
+
 def test_random_numbers_without_preserve_rng_state_are_caught():
     torch.manual_seed(0)
     block = InvertibleModuleWrapper(AdditiveCoupling(nn.Sequential(half(), nn.Dropout(0.5))))

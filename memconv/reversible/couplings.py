@@ -23,6 +23,7 @@ recomputed from its kept input; 1: its input reconstructed from its output) run 
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 
 import torch
@@ -87,7 +88,9 @@ class _Coupling(nn.Module):
 
     def _passes(self, forward: bool) -> InvertibleModuleWrapper | None:
         """The wrapper running a direction's MemCNN implementation 0 or 1, or None for
-        -1 (the coupling's own graph). Not a submodule (it holds the coupling)."""
+        -1 (the coupling's own graph). Not a submodule (it holds the coupling). It
+        serves as many backward passes as its graph is retained for, as MemCNN's
+        implementations (autograd Functions saving their tensors) do."""
         implementation = self.implementation_fwd if forward else self.implementation_bwd
         if implementation == -1:
             return None
@@ -97,6 +100,7 @@ class _Coupling(nn.Module):
                 _Passes(self),
                 keep_input=self.implementation_fwd == 0,
                 keep_input_inverse=self.implementation_bwd == 0,
+                num_bwd_passes=sys.maxsize,
             )
             wrapper._where = f"{type(self).__name__}(implementations)"
             self.__dict__["_memcnn_passes"] = wrapper

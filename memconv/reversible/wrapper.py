@@ -236,13 +236,23 @@ class _BlockCall:
 
     def check_inverse(self, xs: tuple) -> None:
         """Raise if the first reconstruction is not the input (a wrong inverse, or
-        random numbers the inverse does not draw alike)."""
+        random numbers the inverse does not draw alike); warn if it is the input up to
+        more than round-off (an ill-conditioned inverse)."""
         rel, dtype = largest_relative(xs, self.kept)
-        tol = relative_tolerance(dtype)
-        if not rel <= tol:
+        tol, wrong = relative_tolerance(dtype), relative_tolerance(dtype, wrong=True)
+        if tol < rel <= wrong:
+            warnings.warn(
+                f"memconv.reversible: {self.name}: fn's inverse gives back its input up to "
+                f"{rel:.1e} (relative; round-off is below {tol:.1e} in {dtype}), so the "
+                "gradients through its reconstructed input are off by about as much: the "
+                f"inverse amplifies round-off (an affine coupling's scale near zero?). "
+                "Compute in float64, or pass keep_input=True to this block",
+                stacklevel=2,
+            )
+        elif not rel <= wrong:
             raise ValueError(
                 f"{self.name}: fn's inverse gives back its input up to {rel:.1e} (relative; "
-                f"{tol:.1e} accepted in {dtype}), so gradients through the reconstructed input "
+                f"{wrong:.1e} accepted in {dtype}), so gradients through the reconstructed input "
                 f"would be wrong: {type(self.wrapper._fn).__name__}.inverse is not its inverse. "
                 "Fix the inverse; pass preserve_rng_state=True if the block draws random "
                 "numbers; or keep_input=True (no memory saved) or disable=True"
