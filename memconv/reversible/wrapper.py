@@ -349,11 +349,14 @@ class InvertibleModuleWrapper(nn.Module):
             numbers of the forward pass (a block with dropout).
 
     Raises:
-        TypeError: ``fn`` not a module with an ``inverse``; flags not bools;
-            ``num_bwd_passes`` not an int; (forward) arguments other than tensors, or
-            ``fn`` returning something else.
-        ValueError: ``num_bwd_passes`` not positive; (forward) ``fn`` returning its
-            input; (first backward pass) ``fn.inverse`` not ``fn``'s inverse.
+        TypeError: ``fn`` not a module; flags not bools; ``num_bwd_passes`` not an
+            int; (each call unless ``disable``, before any work) ``fn`` without an
+            ``inverse`` (MemCNN takes such a module too, and
+            :func:`is_invertible_module` says False for it); (forward) arguments other
+            than tensors, or ``fn`` returning something else.
+        ValueError: ``num_bwd_passes`` not positive; (forward, input not kept) ``fn``
+            returning its input; (first backward pass) ``fn.inverse`` not ``fn``'s
+            inverse (one that only amplifies round-off warns).
         RuntimeError: (backward) more backward passes than ``num_bwd_passes``; a
             higher-order gradient through the block.
 
