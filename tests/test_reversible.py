@@ -241,6 +241,18 @@ def test_batch_norm_statistics_are_updated_once_per_step():
             assert torch.equal(a, b)
 
 
+def chain_step(blocks, x, inverse: bool) -> dict:
+    """One step through ``blocks`` in a direction: the output, the input's gradient and
+    the parameters' (by their names without wrappers), for ``(out ** 2).sum()``."""
+    blocks.zero_grad(set_to_none=True)
+    xr = out = x.clone().requires_grad_()
+    for block in blocks if isinstance(blocks, nn.Sequential) else [blocks]:
+        out = block.inverse(out) if inverse else block(out)
+    out.square().sum().backward()
+    params = renamed({k: p.grad for k, p in blocks.named_parameters()})
+    return {"output": out.detach(), "input": xr.grad, **params}
+
+
 def batch_norm_chain(wrap: bool, train: bool, **options):
     """Two additive couplings whose functions hold BatchNorm, float64, with running
     statistics away from their initial values."""
@@ -273,21 +285,7 @@ def test_batch_norm_inside_blocks_every_direction_and_mode(
     x, _ = data()
     x = torch.cat([x, x.flip(0)], 1)
     for _ in range(2):  # the first pass checks the inverse, the second reconstructs
-        results = []
-        for model in (plain, wrapped):
-            model.zero_grad(set_to_none=True)
-            xr = x.clone().requires_grad_()
-            out = xr
-            for block in model:
-                out = block.inverse(out) if inverse else block(out)
-            out.square().sum().backward()
-            results.append(
-                {
-                    "output": out.detach(),
-                    "input": xr.grad,
-                    **renamed({k: p.grad for k, p in model.named_parameters()}),
-                }
-            )
+        results = [chain_step(model, x, inverse) for model in (plain, wrapped)]
         assert_close(results[1], results[0])
         for (k, a), (_, b) in zip(plain.named_buffers(), wrapped.named_buffers()):
             assert torch.equal(a, b), k  # updated once per call, as the conventional chain
@@ -435,6 +433,24 @@ def test_per_sample_grads_and_norms(kind):
     norms = memconv.per_sample_norms(wrapped, LOSS, x, y, per_parameter=True)
     for k, v in renamed(norms).items():
         assert rel_err(v, ref[k].flatten(1).norm(dim=1)) < TOL, k
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("wrap", [False, True], ids=["coupling", "wrapped"])
+@pytest.mark.parametrize("implementation", [0, 1])
+def test_per_sample_grads_through_memcnn_implementations(implementation, wrap):
+    torch.manual_seed(0)
+    f = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.GroupNorm(1, 2), nn.Tanh())
+    block = AdditiveCoupling(f, None, implementation, implementation)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        InvertibleModuleWrapper(block) if wrap else block,
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 3),
+    ).double()
+    x, y = data(5)
+    step(model, x, y)  # the first step checks the inverses
+    assert_close(memconv.per_sample_grads(model, LOSS, x, y), loop_reference(model, LOSS, x, y))
 
 
 def clipped_sum(ref: dict, groups: dict, max_norm: float) -> dict:
@@ -870,19 +886,7 @@ def test_memcnn_implementations_give_the_gradients_of_autograd(kind, inverse, im
         other = make(implementation)
     x = torch.randn(3, 4, 5, 5, dtype=torch.float64)
     for _ in range(2):  # the first pass checks the inverse, the second reconstructs
-        grads = []
-        for block in (plain, other):
-            block.zero_grad(set_to_none=True)
-            xr = x.clone().requires_grad_()
-            out = block.inverse(xr) if inverse else block(xr)
-            out.square().sum().backward()
-            grads.append(
-                {
-                    "output": out.detach(),
-                    "input": xr.grad,
-                    **{k: p.grad for k, p in block.named_parameters()},
-                }
-            )
+        grads = [chain_step(block, x, inverse) for block in (plain, other)]
         assert_close(grads[1], grads[0])
     assert "_memcnn_passes" not in dict(other.named_modules())  # not a submodule: same state_dict
     assert list(other.state_dict()) == list(plain.state_dict())

@@ -123,11 +123,14 @@ class _Coupling(nn.Module):
         return self._inverse(y) if passes is None else passes.inverse(y)
 
     def _forward(self, x: Tensor, block: nn.Module | None = None) -> Tensor:
-        """The forward pass by autograd; ``block``: the module the observer knows the
-        call by (the coupling, or its :class:`_Passes`)."""
+        """The forward pass by autograd; ``block``: its :class:`_Passes` when run by
+        them (the innermost open block is the coupling's wrapper, or a wrapper of
+        those passes: the observer takes the mark of the one it knows)."""
         x1, x2 = _halves(x, self.split_dim, type(self).__name__)
         y1 = self.combine(x1, self.Fm(x2))
-        mark_part(block or self)
+        mark_part(self)
+        if block is not None:
+            mark_part(block)
         y2 = self.combine(x2, self.Gm(y1))
         return torch.cat([y1, y2], dim=self.split_dim)
 

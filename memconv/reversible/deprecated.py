@@ -91,7 +91,30 @@ class ReversibleBlock(InvertibleModuleWrapper):
         super().__init__(fn, keep_input=keep_input, keep_input_inverse=keep_input_inverse)
 
 
-class AdditiveBlock(AdditiveCoupling):
+class _Block:
+    """MemCNN's deprecated ``AdditiveBlock``/``AffineBlock``: its coupling (the class
+    after this one), implementations defaulting to 1."""
+
+    replacement = ""
+
+    def __init__(
+        self,
+        Fm: nn.Module,
+        Gm: nn.Module | None = None,
+        implementation_fwd: int = 1,
+        implementation_bwd: int = 1,
+    ):
+        warnings.warn(
+            f"{type(self).__name__} is deprecated (as in MemCNN): use {self.replacement}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(
+            Fm, Gm, implementation_fwd=implementation_fwd, implementation_bwd=implementation_bwd
+        )
+
+
+class AdditiveBlock(_Block, AdditiveCoupling):
     """MemCNN's deprecated ``AdditiveBlock``: an
     :class:`memconv.reversible.AdditiveCoupling` whose implementations default to 1.
 
@@ -102,22 +125,10 @@ class AdditiveBlock(AdditiveCoupling):
         implementation_bwd: the same for the inverse.
     """
 
-    def __init__(
-        self,
-        Fm: nn.Module,
-        Gm: nn.Module | None = None,
-        implementation_fwd: int = 1,
-        implementation_bwd: int = 1,
-    ):
-        warnings.warn(
-            "AdditiveBlock is deprecated (as in MemCNN): use AdditiveCoupling",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        super().__init__(Fm, Gm, implementation_fwd, implementation_bwd)
+    replacement = "AdditiveCoupling"
 
 
-class AffineBlock(AffineCoupling):
+class AffineBlock(_Block, AffineCoupling):
     """MemCNN's deprecated ``AffineBlock``: an
     :class:`memconv.reversible.AffineCoupling` (no adapter) whose implementations
     default to 1.
@@ -129,16 +140,4 @@ class AffineBlock(AffineCoupling):
         implementation_bwd: the same for the inverse.
     """
 
-    def __init__(
-        self,
-        Fm: nn.Module,
-        Gm: nn.Module | None = None,
-        implementation_fwd: int = 1,
-        implementation_bwd: int = 1,
-    ):
-        warnings.warn(
-            "AffineBlock is deprecated (as in MemCNN): use AffineCoupling",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        super().__init__(Fm, Gm, None, implementation_fwd, implementation_bwd)
+    replacement = "AffineCoupling"
