@@ -65,7 +65,7 @@ test: $(VENV)/.installed-$(EXTRAS_TEST) memcnn-wheel
 MEMCNN_WHEELS := .cache/memcnn
 memcnn-wheel: $(VENV)/.python
 	@ls $(MEMCNN_WHEELS)/memcnn-1.5.2-*.whl >/dev/null 2>&1 || \
-		$(BIN)/python -m pip download -q --no-deps memcnn==1.5.2 -d $(MEMCNN_WHEELS) || \
+		$(BIN)/python -m pip download -q --no-deps --retries 1 --timeout 15 memcnn==1.5.2 -d $(MEMCNN_WHEELS) || \
 		echo "memcnn 1.5.2 could not be fetched: tests/test_memcnn_suite.py will skip"
 
 # The measurements behind docs/benchmarks.md (about an hour on 2 CPU cores), each

@@ -79,7 +79,8 @@ def fetch_wheel(timeout: float = 120) -> tuple[Path | None, str]:
     if wheel is not None:
         return wheel, ""
     folder = WHEEL_DIRS[0]
-    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
+    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--retries", "1"]
+    command += ["--timeout", "15"]
     command += [f"memcnn=={VERSION}", "-d", str(folder)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
