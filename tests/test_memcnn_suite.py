@@ -19,7 +19,7 @@ import torch
 
 #: MemCNN's scored tests on a machine without CUDA: 138 collected without ``test_amp.py``,
 #: 128 pass with MemCNN 1.5.2 itself, 10 skip (CUDA, and MemCNN's "unreliable" CPU
-#: memory measurement) -- ``test_memcnn_itself_passes_no_more`` checks it against MemCNN.
+#: memory measurement) -- ``test_memcnn_itself_passes_no_more`` runs MemCNN beside it.
 PASS_WITH_MEMCNN_ON_CPU = 128
 
 
@@ -47,12 +47,10 @@ def test_memcnn_suite_through_memconv(wheel, tmp_path):
 
 @pytest.mark.slow
 def test_memcnn_itself_passes_no_more(wheel, tmp_path):
-    """Every test MemCNN itself passes here passes through memconv."""
+    """Every test MemCNN itself passes here passes through memconv (MemCNN's own count
+    is not pinned: in 2 of about 12 runs on a loaded machine it passed 127)."""
     mine = _run(wheel, tmp_path / "memconv", through_memconv=True)
     theirs = _run(wheel, tmp_path / "memcnn", through_memconv=False)
     passed = {k for k, v in theirs.items() if v == "passed"}
     assert passed, "MemCNN's own run passed nothing: the set-up is broken"
     assert sorted(k for k in passed if mine.get(k) != "passed") == []
-    if not torch.cuda.is_available():
-        others = {k: v for k, v in theirs.items() if v not in ("passed", "skipped")}
-        assert len(passed) == PASS_WITH_MEMCNN_ON_CPU, others
