@@ -17,7 +17,7 @@ MIN_PYTHON := 3.10
 # the interpreter PYTHON resolves to, and its version ("" if there is none)
 PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>/dev/null)
 
-.PHONY: install compare test test-slow lint format docs docs-clean clean benchmarks benchmarks-report \
+.PHONY: install compare test memcnn-wheel test-slow lint format docs docs-clean clean benchmarks benchmarks-report \
 	benchmarks-steps benchmarks-ops benchmarks-private benchmarks-models benchmarks-reversible \
 	benchmarks-streaming benchmarks-gpu calibrate-gpu calibrate FORCE
 
@@ -56,8 +56,17 @@ install: $(VENV)/.installed-$(EXTRAS_ALL)
 compare: $(VENV)/.installed-$(EXTRAS_COMPARE)
 	$(BIN)/memconv compare
 
-test: $(VENV)/.installed-$(EXTRAS_TEST)
+test: $(VENV)/.installed-$(EXTRAS_TEST) memcnn-wheel
 	$(BIN)/python -m pytest -q
+
+# MemCNN 1.5.2's wheel, whose own tests tests/test_memcnn_suite.py runs through
+# memconv.reversible (fetched once, no dependencies; where the registry cannot be
+# reached, that test skips and says why).
+MEMCNN_WHEELS := .cache/memcnn
+memcnn-wheel: $(VENV)/.python
+	@ls $(MEMCNN_WHEELS)/memcnn-1.5.2-*.whl >/dev/null 2>&1 || \
+		$(BIN)/python -m pip download -q --no-deps --retries 1 --timeout 15 memcnn==1.5.2 -d $(MEMCNN_WHEELS) || \
+		echo "memcnn 1.5.2 could not be fetched: tests/test_memcnn_suite.py will skip"
 
 # The measurements behind docs/benchmarks.md (about an hour on 2 CPU cores), each
 # command writing JSON Lines under docs/bench/, then the page refilled from them.
@@ -220,7 +229,7 @@ calibrate-gpu: $(GPU_READY)
 	$(MEMCONV_GPU) calibrate --device cuda --out memconv/calibration/cuda.json --json $(BENCH_DIR)/cuda/calibration.jsonl
 	-$(MEMCONV_GPU) calibrate --device cuda --check --json $(BENCH_DIR)/cuda/calibration-check.jsonl
 
-test-slow: $(VENV)/.installed-$(EXTRAS_TEST)
+test-slow: $(VENV)/.installed-$(EXTRAS_TEST) memcnn-wheel
 	$(BIN)/python -m pytest -q -m slow
 
 lint: $(VENV)/.installed-$(EXTRAS_LINT)

@@ -499,6 +499,22 @@ def check_split_dim(split_dim, argument: str = "split_dim") -> None:
         raise TypeError(f"{argument} must be an int (an axis), got {type(split_dim).__name__}")
 
 
+def check_implementation(value, argument: str) -> None:
+    """Raise unless ``value`` is one of MemCNN's coupling implementations: -1 (autograd
+    through the coupling), 0 (the coupling's graph recomputed from its kept input in
+    the backward pass) or 1 (its input reconstructed from its output, Gomez et al.'s
+    algorithm 1). ``NotImplementedError`` for another int, as MemCNN raises."""
+    if not _is_int(value):
+        raise TypeError(f"{argument} must be -1, 0 or 1 (an int), got {type(value).__name__}")
+    if value not in (-1, 0, 1):
+        raise NotImplementedError(
+            f"{argument}={value} is not an implementation of a coupling's pass: -1 (autograd, "
+            "MemCNN's default), 0 (recompute from the kept input) or 1 (reconstruct from the "
+            "output) are; to save the input's memory, wrap the coupling in "
+            "memconv.reversible.InvertibleModuleWrapper"
+        )
+
+
 def check_optional_module(value, argument: str) -> None:
     """Raise ``TypeError`` unless ``value`` is None or an ``nn.Module``."""
     if value is not None:

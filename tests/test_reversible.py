@@ -27,7 +27,9 @@ from memconv.reversible import (
     AffineAdapterSigmoid,
     AffineCoupling,
     InvertibleModuleWrapper,
+    ReversibleBlock,
     check_reconstruction,
+    create_coupling,
     is_invertible_module,
 )
 
@@ -239,6 +241,56 @@ def test_batch_norm_statistics_are_updated_once_per_step():
             assert torch.equal(a, b)
 
 
+def chain_step(blocks, x, inverse: bool) -> dict:
+    """One step through ``blocks`` in a direction: the output, the input's gradient and
+    the parameters' (by their names without wrappers), for ``(out ** 2).sum()``."""
+    blocks.zero_grad(set_to_none=True)
+    xr = out = x.clone().requires_grad_()
+    for block in blocks if isinstance(blocks, nn.Sequential) else [blocks]:
+        out = block.inverse(out) if inverse else block(out)
+    out.square().sum().backward()
+    params = renamed({k: p.grad for k, p in blocks.named_parameters()})
+    return {"output": out.detach(), "input": xr.grad, **params}
+
+
+def batch_norm_chain(wrap: bool, train: bool, **options):
+    """Two additive couplings whose functions hold BatchNorm, float64, with running
+    statistics away from their initial values."""
+    torch.manual_seed(0)
+    first = AdditiveCoupling(
+        nn.Sequential(nn.Conv2d(2, 2, 3, padding=1, bias=False), nn.BatchNorm2d(2), nn.Tanh())
+    )
+    blocks = [first, copy.deepcopy(first)]
+    model = nn.Sequential(*(InvertibleModuleWrapper(b, **options) if wrap else b for b in blocks))
+    model.double()
+    with torch.no_grad():
+        for b in model.buffers():
+            b.add_(torch.rand(b.shape, dtype=torch.float64) if b.is_floating_point() else 3)
+    return model.train(train)
+
+
+@pytest.mark.parametrize(
+    "keep_input, keep_input_inverse", [(False, False), (True, False), (False, True), (True, True)]
+)
+@pytest.mark.filterwarnings("error::UserWarning")  # every input released (blocks called in a loop)
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_batch_norm_inside_blocks_every_direction_and_mode(
+    train, inverse, keep_input, keep_input_inverse
+):
+    plain = batch_norm_chain(False, train)
+    wrapped = batch_norm_chain(
+        True, train, keep_input=keep_input, keep_input_inverse=keep_input_inverse
+    )
+    x, _ = data()
+    x = torch.cat([x, x.flip(0)], 1)
+    for _ in range(2):  # the first pass checks the inverse, the second reconstructs
+        results = [chain_step(model, x, inverse) for model in (plain, wrapped)]
+        assert_close(results[1], results[0])
+        for (k, a), (_, b) in zip(plain.named_buffers(), wrapped.named_buffers()):
+            assert torch.equal(a, b), k  # updated once per call, as the conventional chain
+
+
 def test_autocast_state_is_replayed():
     plain, wrapped = network(wrap=False).float(), network().float()
     x, _ = data()
@@ -381,6 +433,24 @@ def test_per_sample_grads_and_norms(kind):
     norms = memconv.per_sample_norms(wrapped, LOSS, x, y, per_parameter=True)
     for k, v in renamed(norms).items():
         assert rel_err(v, ref[k].flatten(1).norm(dim=1)) < TOL, k
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("wrap", [False, True], ids=["coupling", "wrapped"])
+@pytest.mark.parametrize("implementation", [0, 1])
+def test_per_sample_grads_through_memcnn_implementations(implementation, wrap):
+    torch.manual_seed(0)
+    f = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.GroupNorm(1, 2), nn.Tanh())
+    block = AdditiveCoupling(f, None, implementation, implementation)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        InvertibleModuleWrapper(block) if wrap else block,
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 3),
+    ).double()
+    x, y = data(5)
+    step(model, x, y)  # the first step checks the inverses
+    assert_close(memconv.per_sample_grads(model, LOSS, x, y), loop_reference(model, LOSS, x, y))
 
 
 def clipped_sum(ref: dict, groups: dict, max_norm: float) -> dict:
@@ -636,6 +706,27 @@ def test_a_wrong_inverse_raises_at_the_first_backward_pass():
     keep(x.requires_grad_()).sum().backward()
 
 
+class TinyScale(nn.Module):
+    """An affine half-step whose scale is 1e-2: its inverse is one, but divides the
+    round-off of ``y - shift`` by 1e-2 (twice: one half's error enters the other's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, h):
+        return torch.full_like(h, 1e-2) * self.w, h + 1
+
+
+def test_an_ill_conditioned_inverse_warns_at_the_first_backward_pass():
+    torch.manual_seed(0)
+    block = InvertibleModuleWrapper(AffineCoupling(TinyScale()))
+    x = torch.randn(3, 4, 5, 5, requires_grad=True)
+    with pytest.warns(UserWarning, match="amplifies round-off"):
+        block(x).sum().backward()
+    assert block._verified  # a warning, not a refusal
+
+
 def test_random_numbers_without_preserve_rng_state_are_caught():
     torch.manual_seed(0)
     block = InvertibleModuleWrapper(AdditiveCoupling(nn.Sequential(half(), nn.Dropout(0.5))))
@@ -644,9 +735,15 @@ def test_random_numbers_without_preserve_rng_state_are_caught():
         block(x).sum().backward()
 
 
-def test_a_module_without_inverse_is_refused():
-    with pytest.raises(TypeError, match="fn must be a torch.nn.Module with an inverse"):
-        InvertibleModuleWrapper(half())
+def test_a_module_without_inverse_is_refused_at_its_call():
+    block = InvertibleModuleWrapper(half())  # MemCNN takes it; is_invertible_module says False
+    assert not is_invertible_module(block, (2, 2, 5, 5))
+    x = torch.randn(2, 2, 5, 5, requires_grad=True)
+    for call in (block, block.inverse):
+        with pytest.raises(TypeError, match="fn must be a torch.nn.Module with an inverse"):
+            call(x)
+    disabled = InvertibleModuleWrapper(half(), disable=True)  # calls fn as it is
+    assert torch.equal(disabled(x), disabled._fn(x))
 
 
 @pytest.mark.parametrize(
@@ -722,8 +819,19 @@ def test_memcnn_names_and_arguments():
         "disable",
         "preserve_rng_state",
     ]
-    assert args(AdditiveCoupling) == ["Fm", "Gm", "split_dim"]
-    assert args(AffineCoupling) == ["Fm", "Gm", "adapter", "split_dim"]
+    implementations = ["implementation_fwd", "implementation_bwd"]
+    assert args(AdditiveCoupling) == ["Fm", "Gm", *implementations, "split_dim"]
+    assert args(AffineCoupling) == ["Fm", "Gm", "adapter", *implementations, "split_dim"]
+    assert args(create_coupling) == ["Fm", "Gm", "coupling", *implementations, "adapter"]
+    assert args(ReversibleBlock) == [
+        "Fm",
+        "Gm",
+        "coupling",
+        "keep_input",
+        "keep_input_inverse",
+        *implementations,
+        "adapter",
+    ]
     assert args(is_invertible_module) == [
         "module_in",
         "test_input_shape",
@@ -738,6 +846,50 @@ def test_memcnn_names_and_arguments():
     assert all(
         not torch.equal(a, b) or a is not b for a, b in zip(fm.parameters(), block.Gm.parameters())
     )
+
+
+def test_positional_arguments_bind_as_memcnn_binds_them():
+    torch.manual_seed(0)
+    f, g = half(), half()
+    x = torch.randn(2, 4, 5, 5)
+    block = AdditiveCoupling(f, g, -1)  # MemCNN: implementation_fwd=-1, split_dim stays 1
+    assert (block.implementation_fwd, block.implementation_bwd, block.split_dim) == (-1, -1, 1)
+    assert torch.equal(block(x), AdditiveCoupling(f, g, split_dim=1)(x))
+    affine = AffineCoupling(f, g, AffineAdapterNaive, -1, -1, 1)
+    assert affine.split_dim == 1 and isinstance(affine.Fm, AffineAdapterNaive)
+    with pytest.raises(NotImplementedError, match="implementation_fwd=2"):
+        AdditiveCoupling(f, g, 2)
+    with pytest.raises(NotImplementedError, match="implementation_bwd=-2"):
+        AffineCoupling(f, g, None, 0, -2)
+    with pytest.raises(TypeError, match="implementation_fwd must be -1, 0 or 1"):
+        AdditiveCoupling(f, g, 1.0)
+    with pytest.raises(NotImplementedError, match="unknown coupling method 'reversible'"):
+        create_coupling(f, g, "reversible")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("implementation", [0, 1])
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize("kind", ["additive", "affine"])
+def test_memcnn_implementations_give_the_gradients_of_autograd(kind, inverse, implementation):
+    """MemCNN's implementations 0 (recompute from the kept input) and 1 (reconstruct
+    from the output): the gradients of the coupling's own graph (-1)."""
+    adapter = AffineAdapterNaive if kind == "affine" else None
+
+    def make(implementation):
+        torch.manual_seed(0)
+        f = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.GroupNorm(1, 2), nn.Tanh())
+        return create_coupling(f, None, kind, implementation, implementation, adapter).double()
+
+    plain = make(-1)
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        other = make(implementation)
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64)
+    for _ in range(2):  # the first pass checks the inverse, the second reconstructs
+        grads = [chain_step(block, x, inverse) for block in (plain, other)]
+        assert_close(grads[1], grads[0])
+    assert "_memcnn_passes" not in dict(other.named_modules())  # not a submodule: same state_dict
+    assert list(other.state_dict()) == list(plain.state_dict())
 
 
 # DistributedDataParallel over two gloo processes

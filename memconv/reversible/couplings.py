@@ -10,21 +10,28 @@ a function of the other, so the inverse only runs the same functions again:
   and shift given by ``Fm``/``Gm`` through an adapter
   (:class:`AffineAdapterNaive`, :class:`AffineAdapterSigmoid`).
 
-Names, arguments and conventions are MemCNN's (``memcnn.AdditiveCoupling`` &c.,
-version 1.5.2): a missing ``Gm`` is a deep copy of ``Fm`` (its own parameters), the
-adapter wraps ``Fm`` and ``Gm``. Wrap a coupling in
+Names, arguments (in MemCNN's order) and conventions are MemCNN's
+(``memcnn.AdditiveCoupling`` &c., version 1.5.2): a missing ``Gm`` is a deep copy of
+``Fm`` (its own parameters), the adapter wraps ``Fm`` and ``Gm``, and MemCNN's
+deprecated ``implementation_fwd``/``implementation_bwd`` (0: the coupling's graph
+recomputed from its kept input; 1: its input reconstructed from its output) run as a
+:class:`memconv.reversible.InvertibleModuleWrapper` of the coupling keeping
+(0) or not keeping (1) its input. Wrap a coupling in
 :class:`memconv.reversible.InvertibleModuleWrapper` to release its input's memory.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
+import warnings
 
 import torch
 from torch import Tensor, nn
 
 from .._checks import (
     check_callable,
+    check_implementation,
     check_module,
     check_optional_module,
     check_split,
@@ -32,6 +39,7 @@ from .._checks import (
 )
 from .recompute import differentiate as _autograd
 from .recompute import mark_part
+from .wrapper import InvertibleModuleWrapper
 
 
 def _halves(x: Tensor, split_dim: int, where: str) -> tuple[Tensor, Tensor]:
@@ -52,11 +60,51 @@ class _Coupling(nn.Module):
     ``Gm``'s output; :meth:`inverse_vjp` reconstructs the input and differentiates the
     block in one pass (Gomez et al. 2017, algorithm 1)."""
 
-    def __init__(self, Fm: nn.Module, Gm: nn.Module | None, split_dim: int):
+    def __init__(
+        self,
+        Fm: nn.Module,
+        Gm: nn.Module | None,
+        implementation_fwd: int,
+        implementation_bwd: int,
+        split_dim: int,
+    ):
         super().__init__()
+        check_implementation(implementation_fwd, "implementation_fwd")
+        check_implementation(implementation_bwd, "implementation_bwd")
         check_split_dim(split_dim)
         self.Fm, self.Gm = _pair(Fm, Gm)
+        self.implementation_fwd = implementation_fwd
+        self.implementation_bwd = implementation_bwd
         self.split_dim = split_dim
+        if implementation_fwd != -1 or implementation_bwd != -1:
+            warnings.warn(
+                f"{type(self).__name__}: implementation_fwd={implementation_fwd}, "
+                f"implementation_bwd={implementation_bwd} are deprecated (as in MemCNN); keep "
+                "-1 and wrap the coupling in memconv.reversible.InvertibleModuleWrapper "
+                "(keep_input=True for 0)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+
+    def _passes(self, forward: bool) -> InvertibleModuleWrapper | None:
+        """The wrapper running a direction's MemCNN implementation 0 or 1, or None for
+        -1 (the coupling's own graph). Not a submodule (it holds the coupling). It
+        serves as many backward passes as its graph is retained for, as MemCNN's
+        implementations (autograd Functions saving their tensors) do."""
+        implementation = self.implementation_fwd if forward else self.implementation_bwd
+        if implementation == -1:
+            return None
+        wrapper = self.__dict__.get("_memcnn_passes")
+        if wrapper is None:
+            wrapper = InvertibleModuleWrapper(
+                _Passes(self),
+                keep_input=self.implementation_fwd == 0,
+                keep_input_inverse=self.implementation_bwd == 0,
+                num_bwd_passes=sys.maxsize,
+            )
+            wrapper._where = f"{type(self).__name__}(implementations)"
+            self.__dict__["_memcnn_passes"] = wrapper
+        return wrapper
 
     def combine(self, a: Tensor, c) -> Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -66,14 +114,28 @@ class _Coupling(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``x [*, 2C, *]`` → ``y`` of its shape."""
-        x1, x2 = _halves(x, self.split_dim, type(self).__name__)
-        y1 = self.combine(x1, self.Fm(x2))
-        mark_part(self)
-        y2 = self.combine(x2, self.Gm(y1))
-        return torch.cat([y1, y2], dim=self.split_dim)
+        passes = self._passes(forward=True)
+        return self._forward(x) if passes is None else passes(x)
 
     def inverse(self, y: Tensor) -> Tensor:
         """``y`` → the ``x`` with ``forward(x) == y`` (up to round-off)."""
+        passes = self._passes(forward=False)
+        return self._inverse(y) if passes is None else passes.inverse(y)
+
+    def _forward(self, x: Tensor, block: nn.Module | None = None) -> Tensor:
+        """The forward pass by autograd; ``block``: its :class:`_Passes` when run by
+        them (the innermost open block is the coupling's wrapper, or a wrapper of
+        those passes: the observer takes the mark of the one it knows)."""
+        x1, x2 = _halves(x, self.split_dim, type(self).__name__)
+        y1 = self.combine(x1, self.Fm(x2))
+        mark_part(self)
+        if block is not None:
+            mark_part(block)
+        y2 = self.combine(x2, self.Gm(y1))
+        return torch.cat([y1, y2], dim=self.split_dim)
+
+    def _inverse(self, y: Tensor) -> Tensor:
+        """The inverse by autograd."""
         y1, y2 = _halves(y, self.split_dim, f"{type(self).__name__}.inverse")
         x2 = self.uncombine(y2, self.Gm(y1))
         x1 = self.uncombine(y1, self.Fm(x2))
@@ -127,6 +189,24 @@ class _Coupling(nn.Module):
         return a, (d_other, d_a), found
 
 
+class _Passes(nn.Module):
+    """A coupling's passes by autograd, as the module wrapped by its MemCNN
+    implementations 0 and 1 (:meth:`_Coupling._passes`)."""
+
+    def __init__(self, coupling: _Coupling):
+        super().__init__()
+        self.coupling = coupling
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.coupling._forward(x, self)
+
+    def inverse(self, y: Tensor) -> Tensor:
+        return self.coupling._inverse(y)
+
+    def inverse_vjp(self, y: Tensor, grad_y: Tensor, params: tuple, differentiate=None) -> tuple:
+        return self.coupling.inverse_vjp(y, grad_y, params, differentiate)
+
+
 def _detached(c):
     return tuple(t.detach() for t in c) if isinstance(c, tuple) else c.detach()
 
@@ -141,16 +221,31 @@ class AdditiveCoupling(_Coupling):
             BN-ReLU-Conv-BN-ReLU-Conv; GroupNorm for DP-SGD).
         Gm: the same for the second half; None: a deep copy of ``Fm`` (its own
             parameters, MemCNN's convention).
+        implementation_fwd: MemCNN's implementation of the forward pass: -1 (the
+            default) autograd through the coupling; 0 the coupling's graph recomputed
+            from its kept input in the backward pass; 1 its input reconstructed from
+            its output (0 and 1 are deprecated in MemCNN and here: wrap the coupling in
+            :class:`memconv.reversible.InvertibleModuleWrapper` instead).
+        implementation_bwd: the same for :meth:`inverse`.
         split_dim: the axis split into two halves (1: channels).
 
     Raises:
-        TypeError: ``Fm`` or ``Gm`` not a module, ``split_dim`` not an int.
+        TypeError: ``Fm`` or ``Gm`` not a module, ``split_dim`` or an implementation
+            not an int.
+        NotImplementedError: an implementation other than -1, 0 or 1 (as MemCNN).
         ValueError: (forward, inverse) an input whose ``split_dim`` does not exist or
             has an odd size.
     """
 
-    def __init__(self, Fm: nn.Module, Gm: nn.Module | None = None, split_dim: int = 1):
-        super().__init__(Fm, Gm, split_dim)
+    def __init__(
+        self,
+        Fm: nn.Module,
+        Gm: nn.Module | None = None,
+        implementation_fwd: int = -1,
+        implementation_bwd: int = -1,
+        split_dim: int = 1,
+    ):
+        super().__init__(Fm, Gm, implementation_fwd, implementation_bwd, split_dim)
 
     def combine(self, a: Tensor, c: Tensor) -> Tensor:
         return a + c
@@ -172,11 +267,15 @@ class AffineCoupling(_Coupling):
             ``adapter(Fm)(x) -> (scale, shift)``, e.g. :class:`AffineAdapterNaive`
             (``exp(h), h``) or :class:`AffineAdapterSigmoid`; None: ``Fm`` and ``Gm``
             return the pair themselves. The scale must not vanish.
+        implementation_fwd: MemCNN's implementation of the forward pass (-1, 0 or 1,
+            as :class:`AdditiveCoupling`'s).
+        implementation_bwd: the same for :meth:`inverse`.
         split_dim: the axis split into two halves (1: channels).
 
     Raises:
         TypeError: ``Fm``/``Gm`` not modules, ``adapter`` not callable, ``split_dim``
-            not an int.
+            or an implementation not an int.
+        NotImplementedError: an implementation other than -1, 0 or 1 (as MemCNN).
         ValueError: (forward, inverse) an input whose ``split_dim`` does not exist or
             has an odd size.
     """
@@ -186,9 +285,11 @@ class AffineCoupling(_Coupling):
         Fm: nn.Module,
         Gm: nn.Module | None = None,
         adapter=None,
+        implementation_fwd: int = -1,
+        implementation_bwd: int = -1,
         split_dim: int = 1,
     ):
-        super().__init__(Fm, Gm, split_dim)
+        super().__init__(Fm, Gm, implementation_fwd, implementation_bwd, split_dim)
         if adapter is not None:
             check_callable(adapter, "adapter")
             self.Fm, self.Gm = adapter(self.Fm), adapter(self.Gm)

@@ -9,7 +9,8 @@ pass ran it, and the one hook point through which memconv's engine sees it.
   variables are not those of the forward pass);
 - :func:`frozen_buffers`: the block's buffers (BatchNorm's running statistics) as the
   forward pass left them, so that the inverse and the recomputation do not update
-  them a second and a third time;
+  them a second and a third time (copies stand in for them meanwhile, so that the
+  graph of the recomputation keeps what it saved);
 - :func:`observing`: an observer (memconv's walk, :mod:`memconv.engine.walk`) that
   the blocks called inside report to. A block's forward pass calls
   ``observer.enter(block, fn)`` before its autograd Function and
@@ -135,17 +136,30 @@ class ForwardState:
 
 @contextlib.contextmanager
 def frozen_buffers(module: nn.Module):
-    """``module``'s floating and integer buffers set back, at the end of the block, to
-    their values at its start (BatchNorm's running statistics and its count of
-    batches: a block run three times per step — forward, inverse, recomputation —
-    updates them once)."""
-    saved = [(b, b.detach().clone()) for b in module.buffers() if isinstance(b, Tensor)]
+    """``module``'s buffers left as they are: inside the block, each of its submodules
+    holds copies of its buffers in their place, and the originals are put back at
+    the end (BatchNorm's running statistics and its count of batches: a block run three
+    times per step — forward, inverse, recomputation — updates them once).
+
+    The originals are swapped back, not copied into: a graph built inside the block
+    keeps the copies it saved (BatchNorm saves its running statistics, in eval mode to
+    normalise with them, in training mode after updating them in place), so that
+    neither the updates inside the block nor the restoring changes a tensor autograd
+    saved. A tensor held by several submodules is copied once (it stays shared).
+    """
+    copies: dict[int, Tensor] = {}
+    swapped = []
+    for m in module.modules():
+        for name, b in m.named_buffers(recurse=False):
+            if id(b) not in copies:
+                copies[id(b)] = b.detach().clone()
+            swapped.append((m, name, b))
+            setattr(m, name, copies[id(b)])
     try:
         yield
     finally:
-        with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
+        for m, name, b in swapped:
+            setattr(m, name, b)
 
 
 def vjp(ys: tuple, grad_outputs: tuple, wanted: tuple) -> tuple:

@@ -34,6 +34,7 @@ from .._checks import (
     check_block_inputs,
     check_flag,
     check_invertible_module,
+    check_module,
     check_positive_int,
     check_test_input_shape,
 )
@@ -126,7 +127,7 @@ class _BlockCall:
         with torch.no_grad():
             outs = _tuple(self.run_fn(*[x.detach() for x in inputs]), f"{self.name}: fn")
         mine = {storage_ptr(x) for x in inputs}
-        if any(storage_ptr(y) in mine for y in outs):
+        if not self.keep and any(storage_ptr(y) in mine for y in outs):
             raise ValueError(
                 f"{self.name}: fn returns its input (or a view of it) as an output, so there is "
                 "nothing to release; call that module without InvertibleModuleWrapper"
@@ -235,13 +236,23 @@ class _BlockCall:
 
     def check_inverse(self, xs: tuple) -> None:
         """Raise if the first reconstruction is not the input (a wrong inverse, or
-        random numbers the inverse does not draw alike)."""
+        random numbers the inverse does not draw alike); warn if it is the input up to
+        more than round-off (an ill-conditioned inverse)."""
         rel, dtype = largest_relative(xs, self.kept)
-        tol = relative_tolerance(dtype)
-        if not rel <= tol:
+        tol, wrong = relative_tolerance(dtype), relative_tolerance(dtype, wrong=True)
+        if tol < rel <= wrong:
+            warnings.warn(
+                f"memconv.reversible: {self.name}: fn's inverse gives back its input up to "
+                f"{rel:.1e} (relative; round-off is below {tol:.1e} in {dtype}), so the "
+                "gradients through its reconstructed input are off by about as much: the "
+                f"inverse amplifies round-off (an affine coupling's scale near zero?). "
+                "Compute in float64, or pass keep_input=True to this block",
+                stacklevel=2,
+            )
+        elif not rel <= wrong:
             raise ValueError(
                 f"{self.name}: fn's inverse gives back its input up to {rel:.1e} (relative; "
-                f"{tol:.1e} accepted in {dtype}), so gradients through the reconstructed input "
+                f"{wrong:.1e} accepted in {dtype}), so gradients through the reconstructed input "
                 f"would be wrong: {type(self.wrapper._fn).__name__}.inverse is not its inverse. "
                 "Fix the inverse; pass preserve_rng_state=True if the block draws random "
                 "numbers; or keep_input=True (no memory saved) or disable=True"
@@ -338,11 +349,14 @@ class InvertibleModuleWrapper(nn.Module):
             numbers of the forward pass (a block with dropout).
 
     Raises:
-        TypeError: ``fn`` not a module with an ``inverse``; flags not bools;
-            ``num_bwd_passes`` not an int; (forward) arguments other than tensors, or
-            ``fn`` returning something else.
-        ValueError: ``num_bwd_passes`` not positive; (forward) ``fn`` returning its
-            input; (first backward pass) ``fn.inverse`` not ``fn``'s inverse.
+        TypeError: ``fn`` not a module; flags not bools; ``num_bwd_passes`` not an
+            int; (each call unless ``disable``, before any work) ``fn`` without an
+            ``inverse`` (MemCNN takes such a module too, and
+            :func:`is_invertible_module` says False for it); (forward) arguments other
+            than tensors, or ``fn`` returning something else.
+        ValueError: ``num_bwd_passes`` not positive; (forward, input not kept) ``fn``
+            returning its input; (first backward pass) ``fn.inverse`` not ``fn``'s
+            inverse (one that only amplifies round-off warns).
         RuntimeError: (backward) more backward passes than ``num_bwd_passes``; a
             higher-order gradient through the block.
 
@@ -363,7 +377,7 @@ class InvertibleModuleWrapper(nn.Module):
         preserve_rng_state: bool = False,
     ):
         super().__init__()
-        check_invertible_module(fn, "fn")
+        check_module(fn, "fn")  # its inverse is checked at each call (MemCNN takes any module)
         check_positive_int(num_bwd_passes, "num_bwd_passes", none=False)
         self._fn = fn
         self.num_bwd_passes = num_bwd_passes
@@ -378,7 +392,7 @@ class InvertibleModuleWrapper(nn.Module):
             setattr(self, argument, value)
         self._verified = False
         self._warned = False
-        self._where: str | None = None
+        self._where: str | None = None  # the block's path, once looked for
 
     def forward(self, *xin: Tensor):
         """``fn(*xin)``, its inputs released (see the class). Returns a tensor for one
@@ -396,14 +410,16 @@ class InvertibleModuleWrapper(nn.Module):
 
     def _call(self, xin: tuple, forward: bool):
         fn = self._fn
+        if not self.disable:
+            check_invertible_module(fn, "fn")
         params = tuple(p for p in fn.parameters() if p.requires_grad)
         wanted = any(x.requires_grad for x in xin if isinstance(x, Tensor)) or params
         if self.disable or not torch.is_grad_enabled() or functorch_active() or not wanted:
             out = fn(*xin) if forward else fn.inverse(*xin)
             return out[0] if isinstance(out, tuple) and len(out) == 1 else out
         check_block_inputs(xin, f"InvertibleModuleWrapper({type(fn).__name__})")
-        if self._where is None:
-            self._where = _locate(self)
+        if self._where is None:  # looked for once ("": not found, the type names it)
+            self._where = _locate(self) or ""
         observer = current_observer()
         token = observer.enter(self, fn) if observer is not None else None
         call = _BlockCall(self, forward, xin, token)
@@ -411,6 +427,7 @@ class InvertibleModuleWrapper(nn.Module):
         outs = outs if isinstance(outs, tuple) else (outs,)
         for y, slot in zip(outs, call.out_slots):
             setattr(y, _SLOT, slot)
+            y.retain_grad()  # MemCNN's outputs get their .grad, kept while the caller holds them
         if token is not None:
             observer.leave(token, outs)
         return outs[0] if len(outs) == 1 else outs
@@ -418,9 +435,15 @@ class InvertibleModuleWrapper(nn.Module):
 
 def _locate(block: nn.Module, frames: int = 64) -> str | None:
     """``block``'s path in the outermost module whose ``forward`` is on the call stack
-    and holds it (read once per wrapper, for messages)."""
+    and holds it (read once per wrapper, for messages).
+
+    The walk starts at the caller's frame: reading this function's own frame's locals
+    would make a cycle (the frame, its locals, the frame) that keeps the callers'
+    locals — the blocks' inputs — alive until the garbage collector runs."""
     owners = []
-    frame = inspect.currentframe()
+    here = inspect.currentframe()
+    frame = here.f_back if here is not None else None
+    del here
     while frame is not None and len(owners) < frames:
         owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Module) and owner is not block:
@@ -442,18 +465,23 @@ def is_invertible_module(
     random_seed: int = 42,
 ) -> bool:
     """Whether ``module_in.inverse`` inverts ``module_in`` on random inputs (MemCNN's
-    ``is_invertible_module``, same arguments): ``inverse(forward(x)) ≈ x`` and
-    ``forward(inverse(y)) ≈ y`` within ``atol``, for ``x`` uniform in [0, 1).
+    ``is_invertible_module``, same arguments, same answers and warnings):
+    ``inverse(forward(x)) ≈ x`` and ``forward(inverse(y)) ≈ y`` by
+    ``torch.allclose(..., atol=atol)``, for ``x`` uniform in [0, 1).
 
-    The module's buffers are left as they were; the global random generator is not
-    touched (a generator of its own is seeded with ``random_seed``).
+    It warns (``UserWarning``, as MemCNN) when an input or output is all zeros, when
+    outputs are the same tensor, or when an output is an input (an identity: nothing
+    for :class:`InvertibleModuleWrapper` to release). The module's buffers are left as
+    they were (BatchNorm's running statistics); the global random generator is not
+    touched (a generator of its own is seeded with ``random_seed``, which draws the
+    inputs MemCNN's seeded global generator draws).
 
     Args:
         module_in: a module, or an :class:`InvertibleModuleWrapper` (its ``fn`` is
             tested).
         test_input_shape: the shape of the input, or a tuple of shapes for several.
         test_input_dtype: the inputs' dtype.
-        atol: the absolute tolerance.
+        atol: the absolute tolerance (``torch.allclose``'s relative one too).
         random_seed: the seed of the inputs.
 
     Returns:
@@ -464,19 +492,53 @@ def is_invertible_module(
     """
     if isinstance(module_in, InvertibleModuleWrapper):
         module_in = module_in._fn
-    shapes = check_test_input_shape(test_input_shape)
     if not callable(getattr(module_in, "inverse", None)):
         return False
+    shapes = check_test_input_shape(test_input_shape)
     generator = torch.Generator().manual_seed(random_seed)
     xs = tuple(torch.rand(s, generator=generator, dtype=test_input_dtype) for s in shapes)
 
     def close(a: tuple, b: tuple) -> bool:
-        return len(a) == len(b) and all(
-            u.shape == v.shape and torch.allclose(u, v, atol=atol, rtol=0) for u, v in zip(a, b)
-        )
+        return all(torch.allclose(u, v, atol=atol) for u, v in zip(a, b))
+
+    def warn_if_zero(tensors: tuple, what: str) -> None:
+        if any(not t.any() for t in tensors):
+            warnings.warn(
+                f"is_invertible_module: some {what} are all zeros; pass another random_seed",
+                stacklevel=3,
+            )
 
     with torch.no_grad(), frozen_buffers(module_in):
-        ys = _tuple(module_in(*xs), "module_in")
-        if not close(_tuple(module_in.inverse(*ys), "module_in.inverse"), xs):
+        warn_if_zero(xs, "inputs")
+        if not close(_tuple(module_in.inverse(*_tuple(module_in(*xs), "module_in")), ""), xs):
             return False
-        return close(_tuple(module_in(*_tuple(module_in.inverse(*ys), "inverse")), ""), ys)
+        ys = _tuple(module_in(*xs), "module_in")
+        warn_if_zero(ys, "outputs")
+        if not close(_tuple(module_in(*_tuple(module_in.inverse(*ys), "inverse")), ""), ys):
+            return False
+        reconstructed = _tuple(module_in.inverse(*ys), "module_in.inverse")
+    _warn_if_shared(xs, ys, "forward")
+    _warn_if_shared(reconstructed, ys, "inverse")
+    return True
+
+
+def _warn_if_shared(xs: tuple, ys: tuple, direction: str) -> None:
+    """MemCNN's warnings on tensors shared among a module's inputs and outputs."""
+    ids_x, ids_y = {id(t) for t in xs}, {id(t) for t in ys}
+    if len(ids_x) != len(xs):
+        warnings.warn(
+            f"is_invertible_module: some inputs (*x) are the same tensor ({direction})",
+            stacklevel=3,
+        )
+    if len(ids_y) != len(ys):
+        warnings.warn(
+            f"is_invertible_module: some outputs (*y) are the same tensor ({direction})",
+            stacklevel=3,
+        )
+    if ids_x & ids_y:
+        warnings.warn(
+            f"is_invertible_module: an output (*y) is an input (*x) ({direction}), an identity: "
+            "InvertibleModuleWrapper has nothing to release for it and refuses it unless "
+            "keep_input=True",
+            stacklevel=3,
+        )
