@@ -1,0 +1,126 @@
+"""BackPACK's KFAC, KFLR and KFRA on convolutions through memconv: no unfold, groups.
+
+BackPACK 1.7.1's module extensions of its Kronecker-factored extensions
+(``HBPConvNd``, ``HBPConvTransposeNd``) unfold the layer input for the input factor
+(K times the input at stride 1), pad it with zeros whatever the padding mode, and
+refuse ``groups ≠ 1``. The subclasses here keep everything else of BackPACK's (the
+backpropagated quantities, the output factor, the bias, the savefields ``kfac``,
+``kflr``, ``kfra``) and take the input factor from
+:func:`memconv.conv.kronecker.input_factor`: one product per pair of kernel offsets,
+every padding mode, and block-diagonal factors per group (the convention is in
+:mod:`memconv.conv.kronecker`: ``[A, Ω]`` with ``A [G, C_out/G, C_out/G]`` and
+``Ω [G, C_in/G·K, C_in/G·K]`` for ``groups = G > 1``; BackPACK's 2-d shapes for
+``G = 1``).
+
+KFAC also gets a module extension for ``AdaptiveAvgPool1d/2d/3d``, which BackPACK's
+Kronecker-factored extensions lack (the global pooling of every torchvision ResNet):
+BackPACK's own ``AdaptiveAvgPoolNDDerivatives`` (an average pooling whose input size
+is a multiple of its output size; BackPACK raises otherwise).
+
+Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
+"""
+
+from __future__ import annotations
+
+from backpack.core.derivatives.adaptive_avg_pool_nd import AdaptiveAvgPoolNDDerivatives
+from backpack.extensions.secondorder.hbp import KFAC, KFLR, KFRA
+from backpack.extensions.secondorder.hbp.conv_transposend import HBPConvTransposeNd
+from backpack.extensions.secondorder.hbp.convnd import HBPConvNd
+from backpack.extensions.secondorder.hbp.hbp_options import (
+    BackpropStrategy,
+    ExpectationApproximation,
+)
+from backpack.extensions.secondorder.hbp.hbpbase import HBPBaseModule
+from torch import nn
+
+from ..._checks import KFAC_APPROXIMATIONS, check_choice, check_positive_int
+from ...conv.kronecker import block_diagonal, input_factor, is_transposed, output_factor
+from . import derivatives
+from .extensions import _tied
+
+#: BackPACK extensions whose convolution factors memconv computes.
+KRONECKER = (KFAC, KFLR, KFRA)
+
+_CONVS = {
+    nn.Conv1d: (HBPConvNd, derivatives.Conv1dDerivatives, 1),
+    nn.Conv2d: (HBPConvNd, derivatives.Conv2dDerivatives, 2),
+    nn.Conv3d: (HBPConvNd, derivatives.Conv3dDerivatives, 3),
+    nn.ConvTranspose1d: (HBPConvTransposeNd, derivatives.ConvTranspose1dDerivatives, 1),
+    nn.ConvTranspose2d: (HBPConvTransposeNd, derivatives.ConvTranspose2dDerivatives, 2),
+    nn.ConvTranspose3d: (HBPConvTransposeNd, derivatives.ConvTranspose3dDerivatives, 3),
+}
+_POOLS = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}
+
+
+class _KroneckerWeight:
+    """The weight factors ``[A, Ω]`` of BackPACK's HBP module extension, by memconv."""
+
+    def __init__(self, dims, derivatives_cls, kfac_approx, memory_budget):
+        super().__init__(dims)
+        self.derivatives = derivatives_cls()  # BackPACK's, memconv's weight Jacobian
+        self.kfac_approx = kfac_approx
+        self.memory_budget = memory_budget
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        """``[A, Ω]``: BackPACK's output factor (block diagonal per group) and
+        :func:`memconv.conv.kronecker.input_factor`."""
+        if ExpectationApproximation.should_average_param_jac(ext.get_ea_strategy()):
+            raise NotImplementedError(
+                f"{type(ext).__name__} on {type(module).__name__}: an expectation "
+                "approximation that averages the parameter Jacobian is undefined for "
+                "convolutions (as in BackPACK)"
+            )
+        if BackpropStrategy.is_batch_average(ext.get_backprop_strategy()):  # KFRA
+            a = block_diagonal(self._factor_from_batch_average(module, backproped), module.groups)
+        else:  # KFAC, KFLR
+            a = output_factor(backproped, module.groups)
+        if is_transposed(module):
+            self._warn_approximation_transpose_weight()
+        omega = input_factor(
+            module, module.input0, kfac_approx=self.kfac_approx, memory_budget=self.memory_budget
+        )
+        return [a, omega]
+
+
+class HBPAdaptiveAvgPoolNd(HBPBaseModule):
+    """BackPACK's Kronecker-factored extensions on ``AdaptiveAvgPool1d/2d/3d``
+    (BackPACK's own derivatives; an input size that is a multiple of the output's)."""
+
+    def __init__(self, dims: int):
+        super().__init__(derivatives=AdaptiveAvgPoolNDDerivatives(N=dims))
+
+
+def module_extension(ext, module_class, *, kfac_approx: str = "expand", memory_budget=None):
+    """memconv's module extension of a BackPACK KFAC/KFLR/KFRA object for a layer class.
+
+    Args:
+        ext: a BackPACK extension object.
+        module_class: a layer class: ``torch.nn.Conv1d/2d/3d``,
+            ``ConvTranspose1d/2d/3d`` or a subclass (memconv's), or
+            ``AdaptiveAvgPool1d/2d/3d``.
+        kfac_approx: the input factor, ``"expand"`` (BackPACK's) or ``"reduce"``
+            (KFAC-reduce); see :mod:`memconv.conv.kronecker`.
+        memory_budget: bytes the input factor's offset chunks may hold (None: the
+            size of the padded layer input).
+
+    Returns:
+        The module extension, or None when ``ext`` is not a ``KFAC``, ``KFLR`` or
+        ``KFRA`` object or ``module_class`` is not one of these layers.
+
+    Raises:
+        ValueError: for an unknown ``kfac_approx`` or a non-positive budget.
+        TypeError: for a budget that is not an int.
+    """
+    check_choice(kfac_approx, KFAC_APPROXIMATIONS, "kfac_approx", none=False)
+    if memory_budget is not None:
+        check_positive_int(memory_budget, "memory_budget")
+    if not isinstance(ext, KRONECKER) or not isinstance(module_class, type):
+        return None
+    for pool, dims in _POOLS.items():
+        if issubclass(module_class, pool):
+            return HBPAdaptiveAvgPoolNd(dims)
+    for conv, (base, derivatives_cls, dims) in _CONVS.items():
+        if issubclass(module_class, conv):
+            cls = _tied(type(base.__name__, (_KroneckerWeight, base), {"__module__": __name__}))
+            return cls(dims, derivatives_cls, kfac_approx, memory_budget)
+    return None
