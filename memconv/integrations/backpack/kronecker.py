@@ -22,6 +22,8 @@ Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
 
 from __future__ import annotations
 
+import math
+
 from backpack.core.derivatives.adaptive_avg_pool_nd import AdaptiveAvgPoolNDDerivatives
 from backpack.extensions.secondorder.hbp import KFAC, KFLR, KFRA
 from backpack.extensions.secondorder.hbp.conv_transposend import HBPConvTransposeNd
@@ -31,7 +33,7 @@ from backpack.extensions.secondorder.hbp.hbp_options import (
     ExpectationApproximation,
 )
 from backpack.extensions.secondorder.hbp.hbpbase import HBPBaseModule
-from torch import nn
+from torch import Tensor, nn
 
 from ..._checks import KFAC_APPROXIMATIONS, check_choice, check_positive_int
 from ...conv.kronecker import block_diagonal, input_factor, is_transposed, output_factor
@@ -82,12 +84,35 @@ class _KroneckerWeight:
         return [a, omega]
 
 
+class AdaptiveAvgPoolDerivatives(AdaptiveAvgPoolNDDerivatives):
+    """BackPACK's ``AdaptiveAvgPoolNDDerivatives`` with its transposed Jacobian in the
+    input's dtype: each output entry spread evenly over its window (BackPACK's runs
+    a float32 transposed convolution, which fails on float64 inputs)."""
+
+    def _spread(self, module, mat: Tensor, start: int) -> Tensor:
+        """Jᵀ on the trailing spatial axes of ``mat`` (from axis ``start``)."""
+        self.check_parameters(module)
+        stride, kernel, _ = self.get_avg_pool_parameters(module)  # stride == kernel here
+        for i, k in enumerate(kernel):
+            mat = mat.repeat_interleave(k, dim=start + i)
+        return mat / math.prod(kernel)
+
+    def _jac_t_mat_prod(self, module, g_inp, g_out, mat, subsampling=None):
+        return self._spread(module, mat, 3)
+
+    def ea_jac_t_mat_jac_prod(self, module, g_inp, g_out, mat):
+        out_shape, in_shape = module.output.shape[1:], module.input0.shape[1:]
+        rows = self._spread(module, mat.reshape(-1, *out_shape), 2).reshape(mat.shape[0], -1)
+        both = self._spread(module, rows.T.reshape(-1, *out_shape), 2)
+        return both.reshape(math.prod(in_shape), math.prod(in_shape))
+
+
 class HBPAdaptiveAvgPoolNd(HBPBaseModule):
-    """BackPACK's Kronecker-factored extensions on ``AdaptiveAvgPool1d/2d/3d``
-    (BackPACK's own derivatives; an input size that is a multiple of the output's)."""
+    """BackPACK's Kronecker-factored extensions on ``AdaptiveAvgPool1d/2d/3d`` (an
+    input size that is a multiple of the output's; BackPACK raises otherwise)."""
 
     def __init__(self, dims: int):
-        super().__init__(derivatives=AdaptiveAvgPoolNDDerivatives(N=dims))
+        super().__init__(derivatives=AdaptiveAvgPoolDerivatives(N=dims))
 
 
 def module_extension(ext, module_class, *, kfac_approx: str = "expand", memory_budget=None):
