@@ -312,3 +312,29 @@ def test_tied_weight_refused():
     x = torch.randn(2, 2, 4, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="several calls"):
         _run(model, x, torch.tensor([0, 1]), "KFLR", memconv_exts=True)
+
+
+# ---------------------------------------------------------------- the benchmark, tiny
+
+
+def test_benchmark_measures_and_tabulates():
+    from memconv.bench import second_order as bench
+
+    got = bench.measure("memconv", "KFAC", "allcnnc", classes=10, batch=2)
+    assert got["peak_alloc_mib"] > got["result_mib"] > 0 and got["time_s"] > 0
+    case = {"model": "allcnnc", "classes": 10, "batch": 8}
+    figures = {"peak_rss_mib": 10.0, "peak_alloc_mib": 20.0, "result_mib": 5.0, "time_s": 1.0}
+    rows = [
+        {**case, "extension": "plain", "engine": "plain", **figures},
+        {**case, "extension": "KFAC", "engine": "backpack", **figures, "time_s": 3.0},
+        {**case, "extension": "KFAC", "engine": "memconv", **figures, "peak_alloc_mib": 10.0},
+        {**case, "extension": "KFAC", "engine": "curvlinops", "error": "ImportError: x"},
+    ]
+    table = bench.table(rows)
+    assert "| allcnnc | 10 | 8 | KFAC | +10 / +20 MiB, 1.00 s |" in table
+    assert "+10 / +10 MiB, 1.00 s (1.0×, 0.5×, 1.0×) | 1.00, 0.50, 0.33, 0.33 | fails |" in table
+    assert "curvlinops: `ImportError: x`" in bench.errors(rows)
+    page = "a\n<!-- curvature:table -->\nold\n<!-- /curvature:table -->\nb"
+    assert bench.fill(page, "table", "new") == page.replace("old", "new")
+    with pytest.raises(ValueError, match="no <!-- curvature:errors -->"):
+        bench.fill(page, "errors", "x")

@@ -193,7 +193,12 @@ def _stepper(engine: str, extension: str, model_name: str, model: nn.Module):
     if engine == "curvlinops":
         if extension not in CURVLINOPS_FISHER:
             raise ValueError(f"curvlinops computes no exact {extension}")
-        from curvlinops import KFACLinearOperator
+        try:
+            from curvlinops import KFACLinearOperator
+        except ImportError as err:
+            raise ImportError(
+                "curvlinops-for-pytorch is not installed (make benchmarks-second-order installs it)"
+            ) from err
 
         params = [
             m.weight for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))
