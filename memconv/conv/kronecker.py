@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -188,11 +189,15 @@ def input_factor(
             ``"reduce"`` (KFAC-reduce); see the module's docstring.
         memory_budget: bytes the kernel-offset chunks may hold at once (two chunks
             of ``N·C_in·m·T`` numbers); None: the size of the padded input. At least one
-            offset per chunk.
+            offset per chunk: a smaller budget warns and holds two offsets' patches.
 
     Returns:
         ``[C_in·K, C_in·K]`` for ``groups = 1``; ``[G, C_in/G·K, C_in/G·K]`` for
         ``groups = G > 1`` (one block per group). Symmetric.
+
+    Warns:
+        UserWarning: ``memory_budget`` below two kernel offsets' patches (before the
+            products).
 
     Raises:
         TypeError: if ``module`` is not a convolution or ``memory_budget`` is not an int.
@@ -217,6 +222,13 @@ def _expand_factor(p: Patches, memory_budget: int | None) -> Tensor:
     t = math.prod(p.output_size)
     per_offset = n * c * t * p.source.element_size()
     budget = memory_budget if memory_budget is not None else max(per_offset, _nbytes(p.source))
+    if memory_budget is not None and memory_budget < 2 * per_offset:
+        warnings.warn(
+            f"input_factor: memory_budget={memory_budget:,} bytes is below two kernel "
+            f"offsets' patches ({2 * per_offset:,} bytes, the least it needs); it runs "
+            "one offset at a time and holds those; raise the budget to silence this",
+            stacklevel=3,
+        )
     m = max(1, min(k, budget // (2 * per_offset)))
     chunks = [range(i, min(i + m, k)) for i in range(0, k, m)]
     out = p.source.new_zeros(g, cg, k, cg, k)
