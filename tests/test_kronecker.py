@@ -335,7 +335,3 @@ def test_benchmark_measures_and_tabulates():
     assert "| allcnnc | 10 | 8 | KFAC | +10 / +20 MiB, 1.00 s |" in table
     assert "+10 / +10 MiB, 1.00 s (1.0×, 0.5×, 1.0×) | 1.00, 0.50, 0.33, 0.33 | fails |" in table
     assert "curvlinops: `ImportError: x`" in bench.errors(rows)
-    page = "a\n<!-- curvature:table -->\nold\n<!-- /curvature:table -->\nb"
-    assert bench.fill(page, "table", "new") == page.replace("old", "new")
-    with pytest.raises(ValueError, match="no <!-- curvature:errors -->"):
-        bench.fill(page, "errors", "x")

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -53,6 +52,7 @@ import memconv
 
 from .measure import median_time, peak_allocated, peak_rss_increase
 from .models import convnext_atto
+from .report import fill_block
 from .runner import JsonLines, read_records, run_in_subprocess
 
 CPU = torch.device("cpu")
@@ -440,19 +440,6 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def fill(page: str, name: str, text: str) -> str:
-    """``page`` with ``<!-- curvature:NAME -->…<!-- /curvature:NAME -->`` refilled.
-
-    Raises:
-        ValueError: the page has no such block.
-    """
-    start, end = f"<!-- curvature:{name} -->", f"<!-- /curvature:{name} -->"
-    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-    if not pattern.search(page):
-        raise ValueError(f"the page has no {start} block")
-    return pattern.sub(lambda _: f"{start}\n{text}\n{end}", page)
-
-
 OPTIONS = {
     "--engines": {"default": ",".join(ENGINES[1:]), "help": "backpack,memconv,curvlinops"},
     "--models": {"default": "", "help": "only these models (allcnnc,resnet18,convnext)"},
@@ -487,8 +474,8 @@ def main(argv=None) -> int:
     print(text)
     if args.markdown:
         page = Path(args.markdown)
-        filled = fill(page.read_text(), "table", text)
-        page.write_text(fill(filled, "errors", errors(rows)))
+        filled = fill_block(page.read_text(), "curvature:table", text)
+        page.write_text(fill_block(filled, "curvature:errors", errors(rows)))
     if args.plot:
         plot(rows, args.plot)
     return 0
