@@ -231,7 +231,7 @@ def _expand_factor(p: Patches, memory_budget: int | None) -> Tensor:
         )
     m = max(1, min(k, budget // (2 * per_offset)))
     chunks = [range(i, min(i + m, k)) for i in range(0, k, m)]
-    out = p.source.new_zeros(g, cg, k, cg, k)
+    out = p.source.new_empty(g, cg, k, cg, k)  # every block is written below
     for a, rows in enumerate(chunks):
         za = _slab(p, [offsets[i] for i in rows], g)
         for cols in chunks[a:]:
@@ -251,10 +251,11 @@ def _slab(p: Patches, offsets: list[tuple[int, ...]], groups: int) -> Tensor:
     n, c = p.source.shape[:2]
     cg = c // groups
     t = math.prod(p.output_size)
-    z = p.source.new_empty(groups, cg, len(offsets), n, t)
+    size = p.output_size
+    z = p.source.new_empty(groups, cg, len(offsets), n, *size)
     for j, offset in enumerate(offsets):
-        entries = p.view(offset).reshape(n, groups, cg, t)
-        z[:, :, j].copy_(entries.permute(1, 2, 0, 3))
+        entries = p.view(offset).unflatten(1, (groups, cg))  # a view: [N, G, Cg, *T]
+        z[:, :, j].copy_(entries.movedim(0, 2))  # one copy
     return z.view(groups, cg * len(offsets), n * t)
 
 
