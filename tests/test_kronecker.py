@@ -8,6 +8,7 @@ where BackPACK refuses or is wrong (groups, circular padding) against a referenc
 from torch.func (the exact GGN of the bias) and the unfolded input.
 """
 
+import copy
 import math
 import warnings
 
@@ -335,3 +336,50 @@ def test_benchmark_measures_and_tabulates():
     assert "| allcnnc | 10 | 8 | KFAC | +10 / +20 MiB, 1.00 s |" in table
     assert "+10 / +10 MiB, 1.00 s (1.0×, 0.5×, 1.0×) | 1.00, 0.50, 0.33, 0.33 | fails |" in table
     assert "curvlinops: `ImportError: x`" in bench.errors(rows)
+
+
+def _param_ggn(model, param, loss_fn, x, y):
+    """The exact GGN block of one parameter by torch.func (mean loss), ``[P, P]``."""
+    params = dict(model.named_parameters())
+    name = next(k for k, p in params.items() if p is param)
+
+    def out(w, xi):
+        return torch.func.functional_call(model, {**params, name: w}, (xi[None],))[0]
+
+    total = 0
+    for xi, yi in zip(x, y):
+        jac = torch.func.jacrev(out)(param.detach(), xi).flatten(1)
+        z = out(param.detach(), xi).detach()
+        hess = torch.func.hessian(lambda z, yi=yi: loss_fn(z[None], yi[None]))(z)
+        total = total + jac.T @ hess @ jac
+    return total / len(x)
+
+
+def test_batch_norm_in_eval():
+    """KFLR through BatchNorm2d in eval mode (BackPACK's Kronecker extensions have
+    none): γ's and β's factors are their exact GGN blocks; the convolution's below it
+    see the exact backpropagated square root."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 16, 5)
+    ).double()  # fmt: skip
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+        model[1].weight.uniform_(0.5, 2)
+    model.eval()
+    x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    y = torch.tensor([0, 3, 4])
+    loss_fn = nn.CrossEntropyLoss()
+    ref = copy.deepcopy(model)  # torch.func runs on a model without BackPACK's hooks
+    params = dict(ref.named_parameters())
+    got = _run(model, x, y, "KFLR", memconv_exts=True)
+    for name in ("1.weight", "1.bias"):
+        (factor,) = got[name]
+        assert rel_err(factor, _param_ggn(ref, params[name], loss_fn, x, y)) < TOL, name
+    a, omega = got["0.weight"]
+    assert rel_err(a, _param_ggn(ref, params["0.bias"], loss_fn, x, y)) < TOL
+    assert module_extension(extensions.KFRA(), nn.BatchNorm2d) is None
+    model.train()
+    with pytest.raises(NotImplementedError, match="training mode"):
+        _run(model, x, y, "KFAC", memconv_exts=True)

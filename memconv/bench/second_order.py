@@ -171,7 +171,7 @@ def _memconv_extension(ext):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # before the merge of the diagonals: "not covered"
         mb.install(ext)
-    layers = [*CONVERSIONS, *CONVERSIONS.values(), *kronecker._POOLS]
+    layers = [*CONVERSIONS, *CONVERSIONS.values(), *kronecker.OTHER_LAYERS]
     for cls in layers:
         module_ext = kronecker.module_extension(ext, cls)
         if module_ext is not None:

@@ -12,10 +12,11 @@ every padding mode, and block-diagonal factors per group (the convention is in
 ``Ω [G, C_in/G·K, C_in/G·K]`` for ``groups = G > 1``; BackPACK's 2-d shapes for
 ``G = 1``).
 
-KFAC also gets a module extension for ``AdaptiveAvgPool1d/2d/3d``, which BackPACK's
-Kronecker-factored extensions lack (the global pooling of every torchvision ResNet):
-BackPACK's own ``AdaptiveAvgPoolNDDerivatives`` (an average pooling whose input size
-is a multiple of its output size; BackPACK raises otherwise).
+Two layers of every torchvision ResNet that BackPACK's Kronecker-factored extensions
+lack get module extensions too: ``AdaptiveAvgPool1d/2d/3d`` (BackPACK's own
+adaptive-pooling derivatives: an input size that is a multiple of the output size,
+BackPACK raises otherwise) and, for KFAC and KFLR, ``BatchNorm1d/2d/3d`` in eval mode
+(:class:`HBPBatchNormNd`).
 
 Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import math
 
 from backpack.core.derivatives.adaptive_avg_pool_nd import AdaptiveAvgPoolNDDerivatives
+from backpack.core.derivatives.batchnorm_nd import BatchNormNdDerivatives
 from backpack.extensions.secondorder.hbp import KFAC, KFLR, KFRA
 from backpack.extensions.secondorder.hbp.conv_transposend import HBPConvTransposeNd
 from backpack.extensions.secondorder.hbp.convnd import HBPConvNd
@@ -33,6 +35,7 @@ from backpack.extensions.secondorder.hbp.hbp_options import (
     ExpectationApproximation,
 )
 from backpack.extensions.secondorder.hbp.hbpbase import HBPBaseModule
+from backpack.utils.errors import batch_norm_raise_error_if_train
 from torch import Tensor, nn
 
 from ..._checks import KFAC_APPROXIMATIONS, check_choice, check_positive_int
@@ -52,6 +55,8 @@ _CONVS = {
     nn.ConvTranspose3d: (HBPConvTransposeNd, derivatives.ConvTranspose3dDerivatives, 3),
 }
 _POOLS = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}
+#: The layers besides convolutions that memconv gives module extensions for.
+OTHER_LAYERS = (*_POOLS, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 class _KroneckerWeight:
@@ -107,6 +112,39 @@ class AdaptiveAvgPoolDerivatives(AdaptiveAvgPoolNDDerivatives):
         return both.reshape(math.prod(in_shape), math.prod(in_shape))
 
 
+class HBPBatchNormNd(HBPBaseModule):
+    """KFAC and KFLR on ``BatchNorm1d/2d/3d`` in eval mode (BackPACK's Kronecker
+    extensions have none): the backpropagated square root through BackPACK's own
+    ``BatchNormNdDerivatives``, and for ``weight`` (γ) and ``bias`` (β) one factor
+    each, their (MC or exact) GGN ``[C, C]``: ``Σᵥₙ (Jᵀ Sᵥₙ)(Jᵀ Sᵥₙ)ᵀ``, as BackPACK's
+    factor of a Linear layer's bias. In training mode BackPACK's error (samples are
+    mixed) is raised before the layer's quantities."""
+
+    def __init__(self):
+        super().__init__(derivatives=BatchNormNdDerivatives(), params=["weight", "bias"])
+
+    def check_hyperparameters_module_extension(self, ext, module, g_inp, g_out):
+        batch_norm_raise_error_if_train(module)
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        """``[G_γ]``, ``[C, C]``."""
+        vjps = self.derivatives.param_mjp(
+            "weight", module, g_inp, g_out, backproped, sum_batch=False
+        )
+        return [_gram(vjps)]
+
+    def bias(self, ext, module, g_inp, g_out, backproped):
+        """``[G_β]``, ``[C, C]``."""
+        vjps = self.derivatives.param_mjp("bias", module, g_inp, g_out, backproped, sum_batch=False)
+        return [_gram(vjps)]
+
+
+def _gram(vjps: Tensor) -> Tensor:
+    """``Σᵥₙ jᵥₙ jᵥₙᵀ`` of per-row VJPs ``[V, N, C]``."""
+    rows = vjps.flatten(end_dim=1)
+    return rows.T @ rows
+
+
 class HBPAdaptiveAvgPoolNd(HBPBaseModule):
     """BackPACK's Kronecker-factored extensions on ``AdaptiveAvgPool1d/2d/3d`` (an
     input size that is a multiple of the output's; BackPACK raises otherwise)."""
@@ -121,8 +159,9 @@ def module_extension(ext, module_class, *, kfac_approx: str = "expand", memory_b
     Args:
         ext: a BackPACK extension object.
         module_class: a layer class: ``torch.nn.Conv1d/2d/3d``,
-            ``ConvTranspose1d/2d/3d`` or a subclass (memconv's), or
-            ``AdaptiveAvgPool1d/2d/3d``.
+            ``ConvTranspose1d/2d/3d`` or a subclass (memconv's),
+            ``AdaptiveAvgPool1d/2d/3d``, or ``BatchNorm1d/2d/3d`` (KFAC and KFLR; in
+            eval mode). :data:`OTHER_LAYERS` lists the classes besides convolutions.
         kfac_approx: the input factor, ``"expand"`` (BackPACK's) or ``"reduce"``
             (KFAC-reduce); see :mod:`memconv.conv.kronecker`.
         memory_budget: bytes the input factor's offset chunks may hold (None: the
@@ -144,6 +183,9 @@ def module_extension(ext, module_class, *, kfac_approx: str = "expand", memory_b
     for pool, dims in _POOLS.items():
         if issubclass(module_class, pool):
             return HBPAdaptiveAvgPoolNd(dims)
+    if issubclass(module_class, nn.modules.batchnorm._BatchNorm):
+        # KFRA backpropagates a batch average, which BatchNorm's derivatives lack
+        return None if isinstance(ext, KFRA) else _tied(HBPBatchNormNd)()
     for conv, (base, derivatives_cls, dims) in _CONVS.items():
         if issubclass(module_class, conv):
             cls = _tied(type(base.__name__, (_KroneckerWeight, base), {"__module__": __name__}))
