@@ -122,7 +122,7 @@ CURVLINOPS := curvlinops-for-pytorch==3.0.1 einconv==0.1.0 linear_operator==0.6.
 	opt_einsum==3.4.0 jaxtyping==0.3.11 wadler_lindig==0.1.8 scipy einops
 benchmarks-second-order: $(VENV)/.installed-bench+backpack
 	$(PIP) --no-deps $(CURVLINOPS)
-	$(BIN)/python -m memconv.bench.second_order --json $(BENCH_DIR)/second-order.jsonl \
+	$(BIN)/python -m memconv.bench.second_order --repeats 3 --json $(BENCH_DIR)/second-order.jsonl \
 		--markdown docs/curvature.md --plot $(BENCH_DIR)/second-order.png
 	$(BIN)/python -m memconv.bench.second_order --from-json $(BENCH_DIR)/second-order.jsonl \
 		--markdown docs/benchmarks.md

@@ -308,6 +308,9 @@ def run(args) -> list[dict]:
     for model, exts, classes, batches in plan:
         if args.models and model not in args.models:
             continue
+        exts = tuple(e for e in exts if not args.extensions or e in args.extensions)
+        if not exts:
+            continue
         for v in classes:
             for batch in batches:
                 case = {"model": model, "classes": v, "batch": batch}
@@ -443,6 +446,7 @@ def plot(rows: list[dict], path: str) -> None:
 OPTIONS = {
     "--engines": {"default": ",".join(ENGINES[1:]), "help": "backpack,memconv,curvlinops"},
     "--models": {"default": "", "help": "only these models (allcnnc,resnet18,convnext)"},
+    "--extensions": {"default": "", "help": "only these extensions of the plan (e.g. KFAC)"},
     "--repeats": {"type": int, "default": 1, "help": "timed steps (the median)"},
     "--threads": {"type": int, "default": 1, "help": "torch threads (default 1)"},
     "--timeout": {"type": float, "default": 600, "help": "seconds per measurement"},
@@ -463,6 +467,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.engines = tuple(e for e in args.engines.split(",") if e)
     args.models = tuple(m for m in args.models.split(",") if m)
+    args.extensions = tuple(e for e in args.extensions.split(",") if e)
     unknown = sorted(set(args.engines) - set(ENGINES[1:])) + sorted(set(args.models) - set(MODELS))
     if unknown:
         parser.error(f"unknown engines or models {unknown}")

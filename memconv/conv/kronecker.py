@@ -79,7 +79,7 @@ class Patches:
 
     Attributes:
         source: the padded input ``[N, C_in, *P]``: the patch of offset ``k`` at
-            output position ``t`` is ``source[:, :, step·t + dilation·k]``.
+            output position ``t`` is ``source[:, :, stride·t + dilation·k]``.
         kernel_size: k per spatial dimension.
         stride: the step between output positions, per spatial dimension.
         dilation: the step between kernel offsets, per spatial dimension.
