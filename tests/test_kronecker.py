@@ -31,6 +31,14 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Full backward hook", "ignore:The Kronecker factors stored"
 )
 TOL = 1e-10
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one torch thread (conftest restores the count after each test)."""
+    torch.set_num_threads(1)
+
+
 KRONECKER = {"KFAC": extensions.KFAC, "KFLR": extensions.KFLR, "KFRA": extensions.KFRA}
 
 
