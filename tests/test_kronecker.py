@@ -223,16 +223,7 @@ def _run(model, x, y, name, *, memconv_exts, **options):
 
 #: KFAC and KFRA differ from KFLR only in the output factor: a few geometries each.
 FEW = ("bp-first-3", "bp-conv-1", "bp-convT-3", "circular-1d", "depthwise-2d", "convT-outpad-2d")
-#: BackPACK's derivatives settings run under ``-m slow`` (but those in FEW).
-BACKPACK_CASES = [
-    pytest.param(
-        c,
-        "KFLR",
-        id=f"{c[0]}-KFLR",
-        marks=[pytest.mark.slow] if c[0].startswith("bp-conv") and c[0] not in FEW else [],
-    )
-    for c in GEOMETRIES
-] + [
+BACKPACK_CASES = [pytest.param(c, "KFLR", id=f"{c[0]}-KFLR") for c in GEOMETRIES] + [
     pytest.param(c, name, id=f"{c[0]}-{name}")
     for c in GEOMETRIES
     for name in ("KFAC", "KFRA")
