@@ -382,3 +382,23 @@ def test_batch_norm_in_eval():
     model.train()
     with pytest.raises(NotImplementedError, match="training mode"):
         _run(model, x, y, "KFAC", memconv_exts=True)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_kronecker_layout_is_exact_for_one_position(groups):
+    """One sample and one output position: the weight's exact GGN block (of each group)
+    is ``A ⊗ Ω`` exactly, which pins down the factors' order and the grouped layout."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, (2, 3), groups=groups)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(6, 5)).double()
+    x = torch.randn(1, 4, 2, 3, dtype=torch.float64)
+    y = torch.tensor([2])
+    ref = copy.deepcopy(model)
+    full = _param_ggn(ref, ref[0].weight, nn.CrossEntropyLoss(), x, y)
+    a, omega = _run(model, x, y, "KFLR", memconv_exts=True)["0.weight"]
+    if groups == 1:
+        a, omega = a[None], omega[None]
+    size = full.shape[0] // groups
+    for g in range(groups):
+        block = full[g * size : (g + 1) * size, g * size : (g + 1) * size]
+        assert rel_err(torch.kron(a[g], omega[g]), block) < TOL
