@@ -19,7 +19,7 @@ PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version
 
 .PHONY: install compare test memcnn-wheel test-slow lint format docs docs-clean clean benchmarks benchmarks-report \
 	benchmarks-steps benchmarks-ops benchmarks-private benchmarks-models benchmarks-reversible \
-	benchmarks-streaming benchmarks-gpu calibrate-gpu calibrate FORCE
+	benchmarks-second-order benchmarks-streaming benchmarks-gpu calibrate-gpu calibrate FORCE
 
 # Rebuilt (with the whole venv) only when the interpreter changed; FORCE makes make
 # look at it every time, but its timestamp moves only on a rebuild.
@@ -121,6 +121,20 @@ benchmarks-ops: $(VENV)/.installed-bench+opacus
 # measurements in docs/bench/calibration-cpu.jsonl): about an hour on 2 CPU cores.
 calibrate: $(VENV)/.installed-bench+backpack+opacus
 	$(BIN)/memconv calibrate --device cpu --repeats 3 --out memconv/calibration/cpu.json --json $(BENCH_DIR)/calibration-cpu.jsonl
+
+# "Curvature" (docs/curvature.md and its table in docs/benchmarks.md): BackPACK's
+# second-order extensions with and without memconv, and curvlinops' KFAC, on All-CNN-C,
+# a CIFAR ResNet-18 in eval and a ConvNeXt-style net, one step per fresh process; about
+# 20 minutes on 2 CPU cores (--quick: one configuration, half a minute). curvlinops is
+# installed without its dependencies' dependencies (no torchvision).
+CURVLINOPS := curvlinops-for-pytorch==3.0.1 einconv==0.1.0 linear_operator==0.6.1 \
+	opt_einsum==3.4.0 jaxtyping==0.3.11 wadler_lindig==0.1.8 scipy einops
+benchmarks-second-order: $(VENV)/.installed-bench+backpack
+	$(PIP) --no-deps $(CURVLINOPS)
+	$(BIN)/python -m memconv.bench.second_order --repeats 3 --json $(BENCH_DIR)/second-order.jsonl \
+		--markdown docs/curvature.md --plot $(BENCH_DIR)/second-order.png
+	$(BIN)/python -m memconv.bench.second_order --from-json $(BENCH_DIR)/second-order.jsonl \
+		--markdown docs/benchmarks.md
 
 # "Reversible networks" (docs/benchmarks.md) and the reconstruction error (docs/reversible.md):
 # one training step of a RevNet-style CNN at depths 4 to 64 -- conventional,

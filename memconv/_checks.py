@@ -29,6 +29,9 @@ CLIP_ROUTES: tuple[str, ...] = get_args(ClipRoute)
 #: The named parameter groupings of clipping (or a mapping).
 GroupKind = Literal["all", "layer", "parameter"]
 GROUPINGS: tuple[str, ...] = get_args(GroupKind)
+#: The input factor of a convolution's KFAC: over all patches, or their average.
+KfacApprox = Literal["expand", "reduce"]
+KFAC_APPROXIMATIONS: tuple[str, ...] = get_args(KfacApprox)
 #: ``memory_budget="available"``: what the process can still use.
 AVAILABLE = "available"
 #: The padding modes of torch's convolutions.

@@ -1,0 +1,193 @@
+"""BackPACK's KFAC, KFLR and KFRA on convolutions through memconv: no unfold, groups.
+
+BackPACK 1.7.1's module extensions of its Kronecker-factored extensions
+(``HBPConvNd``, ``HBPConvTransposeNd``) unfold the layer input for the input factor
+(K times the input at stride 1), pad it with zeros whatever the padding mode, and
+refuse ``groups ≠ 1``. The subclasses here keep everything else of BackPACK's (the
+backpropagated quantities, the output factor, the bias, the savefields ``kfac``,
+``kflr``, ``kfra``) and take the input factor from
+:func:`memconv.conv.kronecker.input_factor`: one product per pair of kernel offsets,
+every padding mode, and block-diagonal factors per group (the convention is in
+:mod:`memconv.conv.kronecker`: ``[A, Ω]`` with ``A [G, C_out/G, C_out/G]`` and
+``Ω [G, C_in/G·K, C_in/G·K]`` for ``groups = G > 1``; BackPACK's 2-d shapes for
+``G = 1``).
+
+Two layers of every torchvision ResNet that BackPACK's Kronecker-factored extensions
+lack get module extensions too: ``AdaptiveAvgPool1d/2d/3d`` (BackPACK's own
+adaptive-pooling derivatives: an input size that is a multiple of the output size,
+BackPACK raises otherwise) and, for KFAC and KFLR, ``BatchNorm1d/2d/3d`` in eval mode
+(:class:`HBPBatchNormNd`).
+
+Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
+"""
+
+from __future__ import annotations
+
+import math
+
+from backpack.core.derivatives.adaptive_avg_pool_nd import AdaptiveAvgPoolNDDerivatives
+from backpack.core.derivatives.batchnorm_nd import BatchNormNdDerivatives
+from backpack.extensions.secondorder.hbp import KFAC, KFLR, KFRA
+from backpack.extensions.secondorder.hbp.conv_transposend import HBPConvTransposeNd
+from backpack.extensions.secondorder.hbp.convnd import HBPConvNd
+from backpack.extensions.secondorder.hbp.hbp_options import (
+    BackpropStrategy,
+    ExpectationApproximation,
+)
+from backpack.extensions.secondorder.hbp.hbpbase import HBPBaseModule
+from backpack.utils.errors import batch_norm_raise_error_if_train
+from torch import Tensor, nn
+
+from ..._checks import KFAC_APPROXIMATIONS, check_choice, check_positive_int
+from ...conv.kronecker import block_diagonal, input_factor, is_transposed, output_factor
+from . import derivatives
+from .extensions import _tied
+
+#: BackPACK extensions whose convolution factors memconv computes.
+KRONECKER = (KFAC, KFLR, KFRA)
+
+_CONVS = {
+    nn.Conv1d: (HBPConvNd, derivatives.Conv1dDerivatives, 1),
+    nn.Conv2d: (HBPConvNd, derivatives.Conv2dDerivatives, 2),
+    nn.Conv3d: (HBPConvNd, derivatives.Conv3dDerivatives, 3),
+    nn.ConvTranspose1d: (HBPConvTransposeNd, derivatives.ConvTranspose1dDerivatives, 1),
+    nn.ConvTranspose2d: (HBPConvTransposeNd, derivatives.ConvTranspose2dDerivatives, 2),
+    nn.ConvTranspose3d: (HBPConvTransposeNd, derivatives.ConvTranspose3dDerivatives, 3),
+}
+_POOLS = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}
+#: The layers besides convolutions that memconv gives module extensions for.
+OTHER_LAYERS = (*_POOLS, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+class _KroneckerWeight:
+    """The weight factors ``[A, Ω]`` of BackPACK's HBP module extension, by memconv."""
+
+    def __init__(self, dims, derivatives_cls, kfac_approx, memory_budget):
+        super().__init__(dims)
+        self.derivatives = derivatives_cls()  # BackPACK's, memconv's weight Jacobian
+        self.kfac_approx = kfac_approx
+        self.memory_budget = memory_budget
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        """``[A, Ω]``: BackPACK's output factor (block diagonal per group) and
+        :func:`memconv.conv.kronecker.input_factor`."""
+        if ExpectationApproximation.should_average_param_jac(ext.get_ea_strategy()):
+            raise NotImplementedError(
+                f"{type(ext).__name__} on {type(module).__name__}: an expectation "
+                "approximation that averages the parameter Jacobian is undefined for "
+                "convolutions (as in BackPACK)"
+            )
+        if BackpropStrategy.is_batch_average(ext.get_backprop_strategy()):  # KFRA
+            a = block_diagonal(self._factor_from_batch_average(module, backproped), module.groups)
+        else:  # KFAC, KFLR
+            a = output_factor(backproped, module.groups)
+        if is_transposed(module):
+            self._warn_approximation_transpose_weight()
+        omega = input_factor(
+            module, module.input0, kfac_approx=self.kfac_approx, memory_budget=self.memory_budget
+        )
+        return [a, omega]
+
+
+class AdaptiveAvgPoolDerivatives(AdaptiveAvgPoolNDDerivatives):
+    """BackPACK's ``AdaptiveAvgPoolNDDerivatives`` with its transposed Jacobian in the
+    input's dtype: each output entry spread evenly over its window (BackPACK's runs
+    a float32 transposed convolution, which fails on float64 inputs)."""
+
+    def _spread(self, module, mat: Tensor, start: int) -> Tensor:
+        """Jᵀ on the trailing spatial axes of ``mat`` (from axis ``start``)."""
+        self.check_parameters(module)
+        stride, kernel, _ = self.get_avg_pool_parameters(module)  # stride == kernel here
+        for i, k in enumerate(kernel):
+            mat = mat.repeat_interleave(k, dim=start + i)
+        return mat / math.prod(kernel)
+
+    def _jac_t_mat_prod(self, module, g_inp, g_out, mat, subsampling=None):
+        return self._spread(module, mat, 3)
+
+    def ea_jac_t_mat_jac_prod(self, module, g_inp, g_out, mat):
+        out_shape, in_shape = module.output.shape[1:], module.input0.shape[1:]
+        rows = self._spread(module, mat.reshape(-1, *out_shape), 2).reshape(mat.shape[0], -1)
+        both = self._spread(module, rows.T.reshape(-1, *out_shape), 2)
+        return both.reshape(math.prod(in_shape), math.prod(in_shape))
+
+
+class HBPBatchNormNd(HBPBaseModule):
+    """KFAC and KFLR on ``BatchNorm1d/2d/3d`` in eval mode (BackPACK's Kronecker
+    extensions have none): the backpropagated square root through BackPACK's own
+    ``BatchNormNdDerivatives``, and for ``weight`` (γ) and ``bias`` (β) one factor
+    each, their (MC or exact) GGN ``[C, C]``: ``Σᵥₙ (Jᵀ Sᵥₙ)(Jᵀ Sᵥₙ)ᵀ``, as BackPACK's
+    factor of a Linear layer's bias. In training mode BackPACK's error (samples are
+    mixed) is raised before the layer's quantities."""
+
+    def __init__(self):
+        super().__init__(derivatives=BatchNormNdDerivatives(), params=["weight", "bias"])
+
+    def check_hyperparameters_module_extension(self, ext, module, g_inp, g_out):
+        batch_norm_raise_error_if_train(module)
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        """``[G_γ]``, ``[C, C]``."""
+        vjps = self.derivatives.param_mjp(
+            "weight", module, g_inp, g_out, backproped, sum_batch=False
+        )
+        return [_gram(vjps)]
+
+    def bias(self, ext, module, g_inp, g_out, backproped):
+        """``[G_β]``, ``[C, C]``."""
+        vjps = self.derivatives.param_mjp("bias", module, g_inp, g_out, backproped, sum_batch=False)
+        return [_gram(vjps)]
+
+
+def _gram(vjps: Tensor) -> Tensor:
+    """``Σᵥₙ jᵥₙ jᵥₙᵀ`` of per-row VJPs ``[V, N, C]``."""
+    rows = vjps.flatten(end_dim=1)
+    return rows.T @ rows
+
+
+class HBPAdaptiveAvgPoolNd(HBPBaseModule):
+    """BackPACK's Kronecker-factored extensions on ``AdaptiveAvgPool1d/2d/3d`` (an
+    input size that is a multiple of the output's; BackPACK raises otherwise)."""
+
+    def __init__(self, dims: int):
+        super().__init__(derivatives=AdaptiveAvgPoolDerivatives(N=dims))
+
+
+def module_extension(ext, module_class, *, kfac_approx: str = "expand", memory_budget=None):
+    """memconv's module extension of a BackPACK KFAC/KFLR/KFRA object for a layer class.
+
+    Args:
+        ext: a BackPACK extension object.
+        module_class: a layer class: ``torch.nn.Conv1d/2d/3d``,
+            ``ConvTranspose1d/2d/3d`` or a subclass (memconv's),
+            ``AdaptiveAvgPool1d/2d/3d``, or ``BatchNorm1d/2d/3d`` (KFAC and KFLR; in
+            eval mode). :data:`OTHER_LAYERS` lists the classes besides convolutions.
+        kfac_approx: the input factor, ``"expand"`` (BackPACK's) or ``"reduce"``
+            (KFAC-reduce); see :mod:`memconv.conv.kronecker`.
+        memory_budget: bytes the input factor's offset chunks may hold (None: the
+            size of the padded layer input).
+
+    Returns:
+        The module extension, or None when ``ext`` is not a ``KFAC``, ``KFLR`` or
+        ``KFRA`` object or ``module_class`` is not one of these layers.
+
+    Raises:
+        ValueError: for an unknown ``kfac_approx`` or a non-positive budget.
+        TypeError: for a budget that is not an int.
+    """
+    check_choice(kfac_approx, KFAC_APPROXIMATIONS, "kfac_approx", none=False)
+    if memory_budget is not None:
+        check_positive_int(memory_budget, "memory_budget")
+    if not isinstance(ext, KRONECKER) or not isinstance(module_class, type):
+        return None
+    for pool, dims in _POOLS.items():
+        if issubclass(module_class, pool):
+            return HBPAdaptiveAvgPoolNd(dims)
+    if issubclass(module_class, nn.modules.batchnorm._BatchNorm):
+        # KFRA backpropagates a batch average, which BatchNorm's derivatives lack
+        return None if isinstance(ext, KFRA) else _tied(HBPBatchNormNd)()
+    for conv, (base, derivatives_cls, dims) in _CONVS.items():
+        if issubclass(module_class, conv):
+            cls = _tied(type(base.__name__, (_KroneckerWeight, base), {"__module__": __name__}))
+            return cls(dims, derivatives_cls, kfac_approx, memory_budget)
+    return None

@@ -1,0 +1,404 @@
+"""Kronecker factors of convolutions (KFAC, KFLR, KFRA) without unfold.
+
+The input factor against an unfold reference written here (``torch.nn.functional.unfold``
+for 2-d convolutions; a convolution or transposed convolution with one-hot kernels
+for every dimension), in float64 to 1e-10 relative; BackPACK's KFAC/KFLR/KFRA with
+memconv's module extensions against BackPACK alone on its own convolution settings;
+where BackPACK refuses or is wrong (groups, circular padding) against a reference
+from torch.func (the exact GGN of the bias) and the unfolded input.
+"""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from backpack_settings import DERIVATIVES_CONV, DERIVATIVES_CONV_TRANSPOSE, FIRSTORDER_CONV
+from helpers import CONV_TRANSPOSES, CONVS, rel_err
+from torch import nn
+
+import memconv
+from memconv.conv.kronecker import input_factor
+
+backpack = pytest.importorskip("backpack")
+from backpack import extend, extensions  # noqa: E402
+
+from memconv.integrations.backpack.kronecker import module_extension  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Full backward hook", "ignore:The Kronecker factors stored"
+)
+TOL = 1e-10
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one torch thread (conftest restores the count after each test)."""
+    torch.set_num_threads(1)
+
+
+KRONECKER = {"KFAC": extensions.KFAC, "KFLR": extensions.KFLR, "KFRA": extensions.KFRA}
+
+
+# ---------------------------------------------------------------- references
+
+
+def unfold_reference(module, x):
+    """``⟦x⟧ [N, C_in·K, T]`` by a grouped convolution with one-hot kernels."""
+    dims = len(module.kernel_size)
+    k = math.prod(module.kernel_size)
+    c = x.shape[1]
+    eye = torch.eye(k, dtype=x.dtype).reshape(k, 1, *module.kernel_size).repeat(c, 1, *[1] * dims)
+    if isinstance(module, nn.modules.conv._ConvTransposeNd):
+        # one-hot transposed kernels: output channel (c, k) gets input channel c at offset k
+        weight = (
+            torch.eye(k, dtype=x.dtype).reshape(1, k, *module.kernel_size).repeat(c, 1, *[1] * dims)
+        )
+        fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
+        out = fn(
+            x,
+            weight,
+            stride=module.stride,
+            padding=module.padding,
+            output_padding=module.output_padding,
+            dilation=module.dilation,
+            groups=c,
+        )
+        return out.flatten(2)
+    if module.padding_mode != "zeros":
+        pairs = [(p, p) for p in module.padding]
+        x = F.pad(x, tuple(v for pair in reversed(pairs) for v in pair), mode=module.padding_mode)
+        padding = 0
+    else:
+        padding = module.padding
+    fn = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+    out = fn(x, eye, stride=module.stride, padding=padding, dilation=module.dilation, groups=c)
+    return out.flatten(2)
+
+
+def omega_reference(module, x, kfac_approx="expand"):
+    """Ω from the unfolded input: ``[C·K, C·K]``, or ``[G, ...]`` per group."""
+    u = unfold_reference(module, x)
+    n, g = x.shape[0], module.groups
+    u = u.reshape(n, g, u.shape[1] // g, u.shape[2])
+    if kfac_approx == "reduce":
+        u = u.mean(3, keepdim=True)
+    out = torch.einsum("ngit,ngjt->gij", u, u) / n
+    return out[0] if g == 1 else out
+
+
+def bias_ggn(model, conv, loss_fn, x, y):
+    """The exact GGN of ``conv.bias`` by torch.func: Σₙ Jₙᵀ ∇²ℓₙ Jₙ, ``[C_out, C_out]``."""
+    params = dict(model.named_parameters())
+    name = next(k for k, p in params.items() if p is conv.bias)
+
+    def out(b, xi):
+        return torch.func.functional_call(model, {**params, name: b}, (xi[None],))[0]
+
+    total = 0
+    for xi, yi in zip(x, y):
+        jac = torch.func.jacrev(out)(conv.bias.detach(), xi)  # [D, C_out]
+        z = out(conv.bias.detach(), xi).detach()
+        hess = torch.func.hessian(lambda z, yi=yi: loss_fn(z[None], yi[None]))(z)
+        total = total + jac.T @ hess @ jac
+    return total / len(x)  # mean loss: BackPACK's S carries 1/√N
+
+
+def _block_diag(a, groups):
+    if groups == 1:
+        return a
+    c = a.shape[0] // groups
+    return torch.stack([a[i * c : (i + 1) * c, i * c : (i + 1) * c] for i in range(groups)])
+
+
+# ---------------------------------------------------------------- geometries
+
+
+def _geometries():
+    """(name, layer class, kwargs, input shape): BackPACK's settings and held-out ones."""
+    out = []
+    for i, (shape, dims, params) in enumerate(FIRSTORDER_CONV):
+        names = ("in_channels", "out_channels", "kernel_size", "stride", "padding")
+        names += ("dilation", "groups", "bias")
+        out.append((f"bp-first-{i}", CONVS[dims], dict(zip(names, params)), shape))
+    for i, (shape, dims, kwargs) in enumerate(DERIVATIVES_CONV):
+        out.append((f"bp-conv-{i}", CONVS[dims], kwargs, shape))
+    for i, (shape, dims, kwargs) in enumerate(DERIVATIVES_CONV_TRANSPOSE):
+        out.append((f"bp-convT-{i}", CONV_TRANSPOSES[dims], kwargs, shape))
+    held_out = [
+        ("circular-1d", nn.Conv1d, dict(in_channels=3, out_channels=4, kernel_size=3, padding=2, padding_mode="circular", dilation=2), (2, 3, 9)),
+        ("reflect-2d", nn.Conv2d, dict(in_channels=2, out_channels=3, kernel_size=3, padding=1, padding_mode="reflect", stride=2), (2, 2, 7, 6)),
+        ("replicate-3d", nn.Conv3d, dict(in_channels=2, out_channels=2, kernel_size=2, padding=1, padding_mode="replicate"), (2, 2, 3, 4, 3)),
+        ("same-even-2d", nn.Conv2d, dict(in_channels=3, out_channels=2, kernel_size=(2, 4), padding="same", dilation=(1, 2)), (2, 3, 6, 7)),
+        ("depthwise-2d", nn.Conv2d, dict(in_channels=4, out_channels=8, kernel_size=3, padding=1, groups=4), (3, 4, 6, 6)),
+        ("groups-3d", nn.Conv3d, dict(in_channels=4, out_channels=6, kernel_size=(1, 2, 2), stride=(1, 2, 1), groups=2), (2, 4, 2, 5, 4)),
+        ("convT-outpad-2d", nn.ConvTranspose2d, dict(in_channels=3, out_channels=2, kernel_size=3, stride=2, padding=1, output_padding=1), (2, 3, 4, 5)),
+        ("convT-groups-1d", nn.ConvTranspose1d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=3, dilation=2, padding=2, groups=2), (2, 4, 5)),
+        ("convT-3d", nn.ConvTranspose3d, dict(in_channels=2, out_channels=3, kernel_size=2, stride=(2, 1, 2), output_padding=(1, 0, 0)), (2, 2, 2, 3, 2)),
+    ]  # fmt: skip
+    return out + held_out
+
+
+GEOMETRIES = _geometries()
+IDS = [g[0] for g in GEOMETRIES]
+
+
+def _layer(cls, kwargs, seed=0):
+    torch.manual_seed(seed)
+    return cls(**kwargs).double()
+
+
+@pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
+@pytest.mark.parametrize("case", GEOMETRIES, ids=IDS)
+def test_input_factor_equals_unfold(case, kfac_approx):
+    _, cls, kwargs, shape = case
+    layer = _layer(cls, kwargs)
+    x = torch.randn(shape, dtype=torch.float64)
+    ref = omega_reference(layer, x, kfac_approx)
+    assert rel_err(input_factor(layer, x, kfac_approx=kfac_approx), ref) < TOL
+    if kfac_approx == "expand":  # one offset per chunk, and all of them in one
+        with pytest.warns(UserWarning, match="below two kernel offsets"):
+            assert rel_err(input_factor(layer, x, memory_budget=1), ref) < TOL
+        assert rel_err(input_factor(layer, x, memory_budget=2**40), ref) < TOL
+
+
+def test_input_factor_equals_torch_unfold():
+    layer = _layer(nn.Conv2d, dict(in_channels=3, out_channels=2, kernel_size=(3, 2), stride=(2, 1), padding=(1, 2), dilation=(2, 1)))  # fmt: skip
+    x = torch.randn(3, 3, 8, 7, dtype=torch.float64)
+    u = F.unfold(x, (3, 2), dilation=(2, 1), padding=(1, 2), stride=(2, 1))
+    assert rel_err(input_factor(layer, x), torch.einsum("nit,njt->ij", u, u) / 3) < TOL
+
+
+def test_input_factor_of_memconv_layer_and_float32():
+    layer = memconv.modules.Conv2d(3, 4, 3, padding=1)
+    x = torch.randn(2, 3, 5, 5)
+    ref = omega_reference(layer, x.double())
+    got = input_factor(layer, x)
+    assert got.dtype == torch.float32
+    assert rel_err(got.double(), ref) < 1e-5
+
+
+def test_input_factor_refusals():
+    layer = nn.Conv2d(3, 4, 3)
+    x = torch.randn(2, 3, 5, 5)
+    with pytest.raises(ValueError, match="kfac_approx"):
+        input_factor(layer, x, kfac_approx="average")
+    with pytest.raises(ValueError, match="memory_budget"):
+        input_factor(layer, x, memory_budget=0)
+    with pytest.raises(TypeError, match="module"):
+        input_factor(nn.Linear(3, 4), x)
+    with pytest.raises(ValueError, match="C_in=3"):
+        input_factor(layer, torch.randn(2, 4, 5, 5))
+
+
+# ---------------------------------------------------------------- through BackPACK
+
+
+def _model(cls, kwargs, shape, seed=0):
+    """BackPACK's ``Sequential(conv, ReLU, Flatten, Linear(out, 5))``, float64."""
+    layer = _layer(cls, kwargs, seed)
+    with torch.no_grad():
+        out = layer(torch.zeros(shape, dtype=torch.float64)).flatten(1).shape[1]
+    torch.manual_seed(seed + 1)
+    return nn.Sequential(layer, nn.ReLU(), nn.Flatten(), nn.Linear(out, 5)).double()
+
+
+def _run(model, x, y, name, *, memconv_exts, **options):
+    model = extend(model)
+    loss_fn = extend(nn.CrossEntropyLoss())
+    ext = KRONECKER[name]()
+    if memconv_exts:
+        for module in model.modules():
+            module_ext = module_extension(ext, type(module), **options)
+            if module_ext is not None:
+                ext.set_module_extension(type(module), module_ext, overwrite=True)
+    torch.manual_seed(3)  # KFAC's Monte-Carlo sample
+    with backpack.backpack(ext), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss_fn(model(x), y).backward()
+    return {n: getattr(p, ext.savefield) for n, p in model.named_parameters() if p.requires_grad}
+
+
+#: KFAC and KFRA differ from KFLR only in the output factor: a few geometries each.
+FEW = ("bp-first-3", "bp-conv-1", "bp-convT-3", "circular-1d", "depthwise-2d", "convT-outpad-2d")
+BACKPACK_CASES = [pytest.param(c, "KFLR", id=f"{c[0]}-KFLR") for c in GEOMETRIES] + [
+    pytest.param(c, name, id=f"{c[0]}-{name}")
+    for c in GEOMETRIES
+    for name in ("KFAC", "KFRA")
+    if c[0] in FEW
+]
+
+
+@pytest.mark.parametrize(("case", "name"), BACKPACK_CASES)
+def test_backpack_kronecker(case, name):
+    """Equal to BackPACK alone where it computes the factors; otherwise the
+    definition: ``A`` the (block-diagonal) exact bias GGN for KFLR, Ω by unfold."""
+    _, cls, kwargs, shape = case
+    torch.manual_seed(1)
+    x = torch.randn(shape, dtype=torch.float64)
+    y = torch.randint(0, 5, (shape[0],))
+    got = _run(_model(cls, kwargs, shape), x, y, name, memconv_exts=True)
+    conv = _model(cls, kwargs, shape)[0]
+    groups = conv.groups
+    backpack_right = groups == 1 and getattr(conv, "padding_mode", "zeros") == "zeros"
+    backpack_right = backpack_right and not isinstance(conv.padding, str)
+    # BackPACK's transposed unfold drops the positions output_padding adds
+    backpack_right = backpack_right and not any(getattr(conv, "output_padding", (0,)))
+    if backpack_right:
+        ref = _run(_model(cls, kwargs, shape), x, y, name, memconv_exts=False)
+        assert list(got) == list(ref)
+        for key in ref:
+            assert len(got[key]) == len(ref[key])
+            for a, b in zip(got[key], ref[key]):
+                assert rel_err(a, b) < TOL, key
+        return
+    a, omega = got["0.weight"]
+    assert rel_err(omega, omega_reference(conv, x)) < TOL
+    if name == "KFLR" and conv.bias is not None:
+        model = _model(cls, kwargs, shape)
+        full = bias_ggn(model, model[0], nn.CrossEntropyLoss(), x, y)
+        assert rel_err(a, _block_diag(full, groups)) < TOL
+        assert rel_err(got["0.bias"][0], full) < TOL
+    c_out = conv.weight.shape[1] if isinstance(conv, nn.modules.conv._ConvTransposeNd) else None
+    c_out = c_out * groups if c_out is not None else conv.out_channels
+    expected = (c_out, c_out) if groups == 1 else (groups, c_out // groups, c_out // groups)
+    assert a.shape == expected
+
+
+def test_kfac_reduce_through_backpack():
+    model = _model(nn.Conv2d, dict(in_channels=2, out_channels=3, kernel_size=3, padding=1, groups=1), (3, 2, 5, 5))  # fmt: skip
+    x = torch.randn(3, 2, 5, 5, dtype=torch.float64)
+    y = torch.randint(0, 5, (3,))
+    got = _run(model, x, y, "KFLR", memconv_exts=True, kfac_approx="reduce")
+    assert rel_err(got["0.weight"][1], omega_reference(model[0], x, "reduce")) < TOL
+
+
+def test_memconv_modules_and_adaptive_pool():
+    """memconv's Conv2d and an AdaptiveAvgPool2d (BackPACK's Kronecker extensions
+    refuse it) equal torch's Conv2d and the equivalent frozen averaging convolution
+    under BackPACK alone (BackPACK's AvgPool2d fails in float64)."""
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    y = torch.randint(0, 5, (4,))
+
+    def net(conv_cls, pool):
+        torch.manual_seed(0)
+        return nn.Sequential(
+            conv_cls(3, 4, 3, padding=1), nn.ReLU(), pool, nn.Flatten(), nn.Linear(4 * 4, 5)
+        ).double()
+
+    for name in KRONECKER:
+        got = _run(net(memconv.modules.Conv2d, nn.AdaptiveAvgPool2d(2)), x, y, name, memconv_exts=True)  # fmt: skip
+        average = nn.Conv2d(4, 4, 3, stride=3, groups=4, bias=False).double()
+        average.weight.data.fill_(1 / 9)
+        average.weight.requires_grad_(False)
+        ref = _run(net(nn.Conv2d, average), x, y, name, memconv_exts=False)
+        for key in ref:
+            for a, b in zip(got[key], ref[key]):
+                assert rel_err(a, b) < TOL, (name, key)
+
+
+def test_module_extension_covers_only_kronecker_layers():
+    assert module_extension(extensions.DiagGGNExact(), nn.Conv2d) is None
+    assert module_extension(extensions.KFAC(), nn.Linear) is None
+    assert module_extension(extensions.KFAC(), memconv.modules.ConvTranspose3d) is not None
+    with pytest.raises(ValueError, match="kfac_approx"):
+        module_extension(extensions.KFAC(), nn.Conv2d, kfac_approx="mean")
+
+
+def test_tied_weight_refused():
+    conv = nn.Conv2d(2, 2, 3, padding=1).double()
+    model = nn.Sequential(conv, nn.ReLU(), conv, nn.Flatten(), nn.Linear(2 * 16, 5)).double()
+    x = torch.randn(2, 2, 4, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="several calls"):
+        _run(model, x, torch.tensor([0, 1]), "KFLR", memconv_exts=True)
+
+
+# ---------------------------------------------------------------- the benchmark, tiny
+
+
+def test_benchmark_measures_and_tabulates():
+    from memconv.bench import second_order as bench
+
+    got = bench.measure("memconv", "KFAC", "allcnnc", classes=10, batch=2)
+    assert got["peak_alloc_mib"] > got["result_mib"] > 0 and got["time_s"] > 0
+    case = {"model": "allcnnc", "classes": 10, "batch": 8}
+    figures = {"peak_rss_mib": 10.0, "peak_alloc_mib": 20.0, "result_mib": 5.0, "time_s": 1.0}
+    rows = [
+        {**case, "extension": "plain", "engine": "plain", **figures},
+        {**case, "extension": "KFAC", "engine": "backpack", **figures, "time_s": 3.0},
+        {**case, "extension": "KFAC", "engine": "memconv", **figures, "peak_alloc_mib": 10.0},
+        {**case, "extension": "KFAC", "engine": "curvlinops", "error": "ImportError: x"},
+    ]
+    table = bench.table(rows)
+    assert "| allcnnc | 10 | 8 | KFAC | +10 / +20 MiB, 1.00 s |" in table
+    assert "+10 / +10 MiB, 1.00 s (1.0×, 0.5×, 1.0×) | 1.00, 0.50, 0.33, 0.33 | fails |" in table
+    assert "curvlinops: `ImportError: x`" in bench.errors(rows)
+
+
+def _param_ggn(model, param, loss_fn, x, y):
+    """The exact GGN block of one parameter by torch.func (mean loss), ``[P, P]``."""
+    params = dict(model.named_parameters())
+    name = next(k for k, p in params.items() if p is param)
+
+    def out(w, xi):
+        return torch.func.functional_call(model, {**params, name: w}, (xi[None],))[0]
+
+    total = 0
+    for xi, yi in zip(x, y):
+        jac = torch.func.jacrev(out)(param.detach(), xi).flatten(1)
+        z = out(param.detach(), xi).detach()
+        hess = torch.func.hessian(lambda z, yi=yi: loss_fn(z[None], yi[None]))(z)
+        total = total + jac.T @ hess @ jac
+    return total / len(x)
+
+
+def test_batch_norm_in_eval():
+    """KFLR through BatchNorm2d in eval mode (BackPACK's Kronecker extensions have
+    none): γ's and β's factors are their exact GGN blocks; the convolution's below it
+    see the exact backpropagated square root."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 16, 5)
+    ).double()  # fmt: skip
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+        model[1].weight.uniform_(0.5, 2)
+    model.eval()
+    x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    y = torch.tensor([0, 3, 4])
+    loss_fn = nn.CrossEntropyLoss()
+    ref = copy.deepcopy(model)  # torch.func runs on a model without BackPACK's hooks
+    params = dict(ref.named_parameters())
+    got = _run(model, x, y, "KFLR", memconv_exts=True)
+    for name in ("1.weight", "1.bias"):
+        (factor,) = got[name]
+        assert rel_err(factor, _param_ggn(ref, params[name], loss_fn, x, y)) < TOL, name
+    a, omega = got["0.weight"]
+    assert rel_err(a, _param_ggn(ref, params["0.bias"], loss_fn, x, y)) < TOL
+    assert module_extension(extensions.KFRA(), nn.BatchNorm2d) is None
+    model.train()
+    with pytest.raises(NotImplementedError, match="training mode"):
+        _run(model, x, y, "KFAC", memconv_exts=True)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_kronecker_layout_is_exact_for_one_position(groups):
+    """One sample and one output position: the weight's exact GGN block (of each group)
+    is ``A ⊗ Ω`` exactly, which pins down the factors' order and the grouped layout."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, (2, 3), groups=groups)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(6, 5)).double()
+    x = torch.randn(1, 4, 2, 3, dtype=torch.float64)
+    y = torch.tensor([2])
+    ref = copy.deepcopy(model)
+    full = _param_ggn(ref, ref[0].weight, nn.CrossEntropyLoss(), x, y)
+    a, omega = _run(model, x, y, "KFLR", memconv_exts=True)["0.weight"]
+    if groups == 1:
+        a, omega = a[None], omega[None]
+    size = full.shape[0] // groups
+    for g in range(groups):
+        block = full[g * size : (g + 1) * size, g * size : (g + 1) * size]
+        assert rel_err(torch.kron(a[g], omega[g]), block) < TOL
