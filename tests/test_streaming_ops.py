@@ -4,7 +4,8 @@ The profiler's top-level ATen operations (:func:`memconv.bench.ops.count`) of on
 of a small torchvision-style ResNet trunk streamed along one axis: every tile added
 costs the same operations whatever the tile size (the halo slabs are read and written
 in one operation per node and tile boundary, nothing per tile grows with the tiles),
-and no tile synchronises with the host.
+and no tile synchronises with the host. ``tile_size="auto"`` takes the tile predicted
+fastest within the budget.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 from memconv.bench import trunks
 from memconv.bench.ops import count
 from memconv.streaming import StreamingCNN
+from memconv.streaming.budget import predict_peak, predict_time
+from memconv.streaming.tiling import tile_plan
 
 
 def _step(trunk, x, tile=None) -> tuple[dict, int]:
@@ -44,3 +47,24 @@ def test_operations_per_tile_do_not_grow_with_the_tiles():
     # and a few times what the conventional step on that tile costs (two forward passes
     # and one backward pass, a halo read and write per window's input)
     assert added[32] <= 4 * conventional["top_level"]
+
+
+def test_auto_takes_the_fastest_predicted_tile_within_the_budget():
+    """Of the tiles whose predicted peak fits, ``"auto"`` takes the one predicted fastest
+    (of those giving as many tiles, the one of least peak), never one past the budget."""
+    trunk = trunks.resnet_trunk(18, width=8, layers=(1, 1, 1, 1))
+    shape = (1, 3, 256, 256)
+    bound = StreamingCNN(trunk, 64).bound(shape)
+    peaks, times, counts = {}, {}, {}
+    for t in (32, 48, 64, 96, 128, 192, 256):
+        plan = tile_plan(bound, (t, t))
+        peaks[t], times[t], counts[t] = predict_peak(plan, 4), predict_time(plan), plan.count
+    assert times[256] < times[32]  # fewer, larger tiles: fewer operations and halo crops
+    budget = (peaks[64] + peaks[256]) // 2
+    stream = StreamingCNN(trunk, "auto", memory_budget=budget)
+    plan = stream.plan(shape, torch.float32)
+    picked = predict_time(plan)
+    assert stream.predicted_peak(shape) <= budget
+    fitting = [t for t in peaks if peaks[t] <= budget]
+    # no tile that fits is predicted faster, but one giving as many tiles (and more peak)
+    assert fitting and all(picked <= times[t] or counts[t] == plan.count for t in fitting)

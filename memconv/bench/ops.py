@@ -21,6 +21,13 @@ on 2 CPU cores) and refills the block between ``<!-- ops:table -->`` and
 ``<!-- /ops:table -->`` of the page. The count depends on the routes memconv's cost
 models choose, which depend on the device's calibration: ``--pricing cuda`` counts the
 routes the shipped CUDA calibration picks (a GPU's), still on the CPU.
+
+``--streaming`` counts one training step of the streamed trunks instead
+(:data:`STREAM_ROWS`: conventional, then :class:`memconv.streaming.StreamingCNN` at each
+tile), per tile, and refills the block ``<!-- ops:streaming -->``::
+
+    python -m memconv.bench.ops --streaming --json docs/bench/ops-streaming.jsonl \
+        --markdown docs/benchmarks.md
 """
 
 from __future__ import annotations

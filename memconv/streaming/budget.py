@@ -188,7 +188,8 @@ def choose_tile(
 ) -> tuple[int, int]:
     """``(tile, predicted peak)``: of the tiles (input pixels, the same on every axis)
     whose predicted peak fits ``budget`` bytes, the one :func:`predict_time` predicts
-    fastest on ``device_type`` (the smaller peak where two are predicted within 1 %).
+    fastest on ``device_type`` (of those cutting the image into as many tiles, the one of
+    least peak).
 
     The prediction is not monotone in the tile: small tiles keep more halo slabs (one per
     tile boundary), large ones a larger graph. Tiles from ``smallest`` (at least 64
@@ -232,8 +233,10 @@ def choose_tile(
             else:
                 hi = mid
     times = {t: predict_time(plans[t], device_type) for t in fits}
-    best = min(times.values())
-    pick = min((t for t in fits if times[t] <= best * 1.01), key=lambda t: (fits[t], -t))
+    fastest = min(fits, key=lambda t: (times[t], -t))
+    # a tile cutting the image into as many tiles runs as fast: the one of least peak
+    same = [t for t in fits if plans[t].count == plans[fastest].count]
+    pick = min(same, key=lambda t: (fits[t], -t))
     return pick, fits[pick]
 
 
