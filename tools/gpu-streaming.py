@@ -39,9 +39,12 @@ from torch import nn  # noqa: E402
 def models(quick: bool):
     """``(name, side, trunk, head)`` rows."""
     from memconv.bench.models import streaming_net
-    from memconv.bench.trunks import classifier
+    from memconv.bench.trunks import classifier, resnet_trunk
 
     resnet = classifier("resnet18")
+    if quick:  # a narrow ResNet-18-style trunk: the dry run checks the script, not speed
+        trunk = resnet_trunk(18, width=8, layers=(1, 1, 1, 1))
+        resnet = (trunk, nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 2)))
     net = streaming_net()
     sides = (256, 512) if quick else (4096, 8192)
     rows = [("resnet18-trunk", sides[0], resnet[0], resnet[1])]
@@ -97,6 +100,8 @@ def operations(fn) -> int:
 
 
 def measure(kind, name, side, trunk, head, tile, device, ref, repeats):
+    from memconv.bench.measure import median_time
+
     trunk, head = copy.deepcopy(trunk).to(device), copy.deepcopy(head).to(device)
     torch.manual_seed(0)
     x = torch.rand(1, 3, side, side, device=device)
@@ -114,13 +119,7 @@ def measure(kind, name, side, trunk, head, tile, device, ref, repeats):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        once()
-        sync(device)
-        times.append(time.perf_counter() - t)
+    seconds = median_time(once, repeats, device, warm_up=False)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else None
     grads = [p.grad.detach().clone() for p in trunk.parameters() if p.grad is not None]
     ops = operations(once)
@@ -131,14 +130,13 @@ def measure(kind, name, side, trunk, head, tile, device, ref, repeats):
             ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
             for g, r in zip(grads, ref)
         )
-    times.sort()
     row = {
         "trunk": name,
         "side": side,
         "engine": kind,
         "tile": tile,
         "tiles": tiles,
-        "time_s": times[len(times) // 2],
+        "time_s": seconds,
         "alloc_mib": peak,
         "ops": ops,
         "ops_per_tile": ops / tiles,

@@ -313,6 +313,24 @@ def report(files: list[str], markdown: str | None) -> int:
     return 0
 
 
+def _publish(text: str, markdown: str | None, block: str = BLOCK) -> int:
+    """Print ``text`` and refill ``markdown``'s ``block`` with it (0, the exit status)."""
+    print(text)
+    if markdown:
+        _refill(markdown, text, block)
+    return 0
+
+
+def _keep(record: dict, records: list, out) -> dict:
+    """``record``, appended to ``records`` and written to ``out`` (a file, or None) as
+    it comes."""
+    records.append(record)
+    if out:
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+    return record
+
+
 def streaming(args, run: dict) -> int:
     """Measure :data:`STREAM_ROWS` (or ``args.trunks``/``args.sides``/``args.tiles``),
     print the table and refill the page's streaming block."""
@@ -329,25 +347,13 @@ def streaming(args, run: dict) -> int:
             out.write(json.dumps(run) + "\n")
         for trunk, side, tiles in rows:
             for tile in (None, *tiles):
-                record = measure_streaming(trunk, side, tile)
-                records.append(record)
-                if out:
-                    out.write(json.dumps(record) + "\n")
-                    out.flush()
-                print(
-                    f"{trunk} {side} tile {tile}: {record['top_level']} top-level "
-                    f"({record['per_tile']:.0f} per tile of {record['tiles']}), "
-                    f"{record['kernels']} kernels, {record['host_syncs']} host syncs",
-                    flush=True,
-                )
+                record = _keep(measure_streaming(trunk, side, tile), records, out)
+                got = {k: record[k] for k in ("tiles", "top_level", "kernels", "host_syncs")}
+                print(f"{trunk} {side}² tile {tile}: {got}", flush=True)
     finally:
         if out:
             out.close()
-    text = streaming_table(records) + stream_note(run)
-    print(text)
-    if args.markdown:
-        _refill(args.markdown, text, STREAM_BLOCK)
-    return 0
+    return _publish(streaming_table(records) + stream_note(run), args.markdown, STREAM_BLOCK)
 
 
 def main(argv=None) -> int:
@@ -426,11 +432,7 @@ def main(argv=None) -> int:
                     print(f"{case} {engine}: skipped, {why}", flush=True)
                     continue
                 for b in batches:
-                    record = measure(case, task, engine, b, args.pricing)
-                    records.append(record)
-                    if out:
-                        out.write(json.dumps(record) + "\n")
-                        out.flush()
+                    record = _keep(measure(case, task, engine, b, args.pricing), records, out)
                     print(
                         f"{case} {task} {engine} N={b}: {record['top_level']} top-level, "
                         f"{record['all']} in all, {record['host_syncs']} host syncs",
@@ -439,11 +441,7 @@ def main(argv=None) -> int:
     finally:
         if out:
             out.close()
-    text = table(records) + note(run)
-    print(text)
-    if args.markdown:
-        _refill(args.markdown, text)
-    return 0
+    return _publish(table(records) + note(run), args.markdown)
 
 
 if __name__ == "__main__":
