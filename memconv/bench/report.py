@@ -764,7 +764,8 @@ def _stream_rows(records: list[dict]) -> dict:
 def _stream_engine(row) -> str:
     """The engine of a streaming row; a given tile (the tile-size sweep) is its own
     (``"memconv-streaming@512"``)."""
-    tile = row["config"].get("tile")
+    case = CASES.get(row.get("case", ""))
+    tile = row["config"].get("tile") or (case.extra.get("tile") if case else None)
     return f"{row['engine']}@{tile}" if tile else row["engine"]
 
 
