@@ -856,8 +856,6 @@ def format_streaming(records: list[dict]) -> str:
                     mark + _ratio(row["time_s"], ref[2]) if ref and row.get("time_s") else "-",
                 ]
                 tile = row.get("stream") or {}
-                if engine.startswith("memconv-streaming") and "@" not in engine and tile:
-                    tile = {**tile, "tile": f"{tile['tile']} (auto)"}
                 if engine == "lightstream":
                     tile = {"tile": row.get("tile", "1024")}
                 tiles = (
