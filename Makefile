@@ -76,7 +76,8 @@ BENCH_DIR := docs/bench
 BENCH_FILES := clip.jsonl clip-more.jsonl grads.jsonl grads-more.jsonl largest-grads.jsonl \
 	largest-clip.jsonl largest-container-grads.jsonl largest-container-clip.jsonl \
 	sweep-batch.jsonl sweep-side.jsonl private.jsonl clip-layer.jsonl models.jsonl models-grads.jsonl \
-	streaming.jsonl streaming-4096.jsonl streaming-8192.jsonl streaming-16384.jsonl
+	streaming.jsonl streaming-4096.jsonl streaming-8192.jsonl streaming-16384.jsonl \
+	streaming-tiles-2048.jsonl streaming-tiles-4096.jsonl
 GRADS_ENGINES := autograd,torch.func,expanded-weights,opacus-hooks,backpack-save-memory,memconv:standard,memconv:rochette,memconv:unfold,memconv:shift,memconv:auto,memconv:budget,memconv:default,memconv-modules:auto,memconv-backpack:auto
 benchmarks: $(VENV)/.installed-bench+backpack+opacus
 	$(BENCH) --task clip --cases resnet18-gn,seed-112 --json $(BENCH_DIR)/clip.jsonl --plot $(BENCH_DIR)/clip.png
@@ -187,11 +188,19 @@ $(LIGHTSTREAM_VENV)/.installed: constraints.txt
 	$(LIGHTSTREAM_VENV)/bin/python -m pip install -q -c constraints.txt lightstream==1.0.7 lightning
 	@touch $@
 
+# the tile-size sweep (512, 768, 1024 input pixels; "auto" is the rows above) of each trunk
+comma := ,
+STREAM_SWEEP = $(subst $(eval) ,$(comma),$(foreach t,resnet18 resnet50 convnext-tiny,$(foreach s,512 768 1024,stream-$(t)-$(1)-t$(s))))
+STREAM_SWEEP_2048 := $(call STREAM_SWEEP,2048)
+STREAM_SWEEP_4096 := $(call STREAM_SWEEP,4096)
 benchmarks-streaming: $(VENV)/.installed-bench $(LIGHTSTREAM_VENV)/.installed
 	-$(STREAM_BENCH) --cases stream-resnet18-2048,stream-resnet50-2048,stream-convnext-tiny-2048,stream-resnet18-4096 --engines autograd,memconv-streaming,lightstream --lightstream-python $(LIGHTSTREAM_VENV)/bin/python --json $(BENCH_DIR)/streaming.jsonl
 	-$(STREAM_BENCH) --cases stream-resnet50-4096,stream-convnext-tiny-4096 --engines memconv-streaming,lightstream --lightstream-python $(LIGHTSTREAM_VENV)/bin/python --json $(BENCH_DIR)/streaming-4096.jsonl
 	-$(STREAM_BENCH) --cases stream-resnet50-8192,stream-resnet18-8192,stream-convnext-tiny-8192 --engines memconv-streaming --json $(BENCH_DIR)/streaming-8192.jsonl
 	-$(STREAM_BENCH) --cases stream-resnet18-16384 --engines memconv-streaming --json $(BENCH_DIR)/streaming-16384.jsonl
+	-$(STREAM_BENCH) --cases $(STREAM_SWEEP_2048) --engines memconv-streaming --json $(BENCH_DIR)/streaming-tiles-2048.jsonl
+	-$(STREAM_BENCH) --cases $(STREAM_SWEEP_4096) --engines memconv-streaming --json $(BENCH_DIR)/streaming-tiles-4096.jsonl
+	-$(BIN)/python -m memconv.bench.ops --streaming --json $(BENCH_DIR)/ops-streaming.jsonl --markdown docs/benchmarks.md
 	$(MAKE) benchmarks-report
 
 # Refill docs/benchmarks.md from the JSON Lines files there are (seconds; no measurement).

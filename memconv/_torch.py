@@ -15,6 +15,7 @@ from torch.nn.modules import module as _module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = [
+    "add_each",
     "compiled_inner",
     "functorch_active",
     "global_module_hooks",
@@ -61,6 +62,12 @@ def max_abs_each(tensors: list[Tensor]) -> list[Tensor]:
     """The largest magnitude of each tensor (a NaN where it holds one), 0-d tensors,
     by one operation for them all (``torch._foreach_norm`` with ``ord=inf``)."""
     return list(torch._foreach_norm(tensors, float("inf")))
+
+
+def add_each(targets: list[Tensor], values: list[Tensor]) -> None:
+    """``t += v`` for every pair, by one operation for them all (``torch._foreach_add_``)."""
+    if targets:
+        torch._foreach_add_(targets, values)
 
 
 def is_view(t: Tensor) -> bool:

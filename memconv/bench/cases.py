@@ -108,6 +108,10 @@ STREAM_BUDGET_MIB = {
 }
 
 
+#: Tile sizes (input pixels) of the streamed trunks' tile-size sweep (beside ``"auto"``).
+STREAM_SWEEP_TILES = (512, 768, 1024)
+
+
 def _stream_cases() -> list[Case]:
     """The cases of the table "Streaming the models people stream": one training step on
     one mosaic of scikit-image's astronaut, float32."""
@@ -132,6 +136,20 @@ def _stream_cases() -> list[Case]:
         )
         for trunk, sides in sizes.items()
         for side in sides
+    ] + [
+        Case(
+            f"stream-{trunk}-{side}-t{tile}",
+            f"stream-{trunk}",
+            1,
+            side,
+            quick=(1, 256, None),
+            extra={"warm_side": 256, "tile": tile},
+            summary=f"the {labels[trunk]} trunk's step at {side}x{side}, streamed with "
+            f"{tile}-pixel tiles (the tile-size sweep)",
+        )
+        for trunk in sizes
+        for side in (2048, 4096)
+        for tile in STREAM_SWEEP_TILES
     ]
 
 

@@ -21,6 +21,13 @@ on 2 CPU cores) and refills the block between ``<!-- ops:table -->`` and
 ``<!-- /ops:table -->`` of the page. The count depends on the routes memconv's cost
 models choose, which depend on the device's calibration: ``--pricing cuda`` counts the
 routes the shipped CUDA calibration picks (a GPU's), still on the CPU.
+
+``--streaming`` counts one training step of the streamed trunks instead
+(:data:`STREAM_ROWS`: conventional, then :class:`memconv.streaming.StreamingCNN` at each
+tile), per tile, and refills the block ``<!-- ops:streaming -->``::
+
+    python -m memconv.bench.ops --streaming --json docs/bench/ops-streaming.jsonl \
+        --markdown docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -60,13 +67,32 @@ LABELS = {
 BLOCK = "ops:table"
 
 
-def count(fn, warmup: int = 2) -> dict:
+#: Top-level ATen operations that run no kernel: views and allocations (on a GPU a
+#: dispatch on the host, no launch).
+NO_KERNEL = frozenset(
+    "aten::" + name
+    for name in (
+        "slice narrow view view_as as_strided detach t expand reshape _reshape_alias "
+        "flatten permute transpose unsqueeze squeeze select alias unbind split chunk "
+        "empty empty_like new_empty empty_strided lift_fresh"
+    ).split()
+)
+
+
+def count(fn, warmup: int = 2, *, by_name: bool = False) -> dict:
     """Operations of one call of ``fn()`` after ``warmup`` calls (:mod:`torch.profiler`
     on the CPU).
 
+    Args:
+        fn: the call.
+        warmup: calls before the one counted.
+        by_name: also return the top-level operations by name.
+
     Returns:
-        ``{"top_level": ATen operations no other ATen operation called, "all": every
-        ATen operation, "host_syncs": aten::_local_scalar_dense events}``.
+        ``{"top_level": ATen operations no other ATen operation called, "kernels": those
+        of them that run a kernel (not in :data:`NO_KERNEL`), "all": every ATen
+        operation, "host_syncs": aten::_local_scalar_dense events}`` (and ``"names":
+        {name: top-level count}``).
     """
     for _ in range(warmup):
         fn()
@@ -75,7 +101,18 @@ def count(fn, warmup: int = 2) -> dict:
     events = [e for e in prof.events() if e.name.startswith("aten::")]
     top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
     syncs = sum(e.name == "aten::_local_scalar_dense" for e in events)
-    return {"top_level": len(top), "all": len(events), "host_syncs": syncs}
+    out = {
+        "top_level": len(top),
+        "kernels": sum(e.name not in NO_KERNEL for e in top),
+        "all": len(events),
+        "host_syncs": syncs,
+    }
+    if by_name:
+        names: dict[str, int] = {}
+        for e in top:
+            names[e.name] = names.get(e.name, 0) + 1
+        out["names"] = dict(sorted(names.items(), key=lambda kv: -kv[1]))
+    return out
 
 
 def measure(case: str, task: str, engine: str, batch: int, pricing: str = "cpu") -> dict:
@@ -99,6 +136,78 @@ def measure(case: str, task: str, engine: str, batch: int, pricing: str = "cpu")
         warnings.simplefilter("ignore")  # peers' warnings, once per call
         counts = count(call)
     return {"record": "ops", "case": case, "task": task, "engine": engine, "batch": batch, **counts}
+
+
+#: ``(trunk, side, tiles)`` of the streaming table: one training step of a trunk of
+#: :data:`memconv.bench.trunks.TRUNKS` with its global-pool + Linear head on one image,
+#: conventional and streamed at each tile (input pixels per tile and axis).
+STREAM_ROWS = (
+    ("resnet18", 2048, (512, 768, 1024)),
+    ("convnext-tiny", 2048, (512, 768, 1024)),
+)
+#: The name of the page's block the streaming counts refill.
+STREAM_BLOCK = "ops:streaming"
+
+
+def measure_streaming(trunk: str, side: int, tile: int | None, warmup: int = 1) -> dict:
+    """The operation counts of one training step of ``trunk`` (a name of
+    :data:`memconv.bench.trunks.TRUNKS`, with its global-pool + Linear head) on one
+    float32 image of ``side``² random pixels: the conventional step (``tile=None``) or
+    :class:`memconv.streaming.StreamingCNN` over the trunk with ``tile`` input pixels
+    per tile and axis (after ``warmup`` steps, which make its plan).
+
+    Returns:
+        :func:`count`'s figures and the names, with ``tiles`` (1 for the conventional
+        step) and ``per_tile`` (top-level operations over the tiles).
+    """
+    from memconv.streaming import StreamingCNN
+
+    from .trunks import classifier
+
+    torch.manual_seed(0)
+    model = classifier(trunk)
+    body, head = model[0], model[1]
+    stream = body if tile is None else StreamingCNN(body, tile)
+    x, y = torch.randn(1, 3, side, side), torch.tensor([1])
+
+    def call():
+        torch.nn.functional.cross_entropy(head(stream(x)), y).backward()
+        model.zero_grad(set_to_none=True)
+
+    counts = count(call, warmup, by_name=True)
+    tiles = 1 if tile is None else stream.last_plan.count
+    return {
+        "record": "ops-streaming",
+        "trunk": trunk,
+        "side": side,
+        "tile": tile,
+        "tiles": tiles,
+        "per_tile": counts["top_level"] / tiles,
+        **counts,
+    }
+
+
+def streaming_table(records: list[dict]) -> str:
+    """The Markdown table of ``ops-streaming`` records: per trunk, side and step, the
+    tiles, the top-level operations and those running a kernel (in all and per tile),
+    the count per tile over the conventional step's, and host synchronisations."""
+    rows = [r for r in records if r.get("record") == "ops-streaming"]
+    conventional = {(r["trunk"], r["side"]): r for r in rows if r["tile"] is None}
+    lines = [
+        "| trunk | side | step | tiles | top-level | per tile | kernels | kernels per tile "
+        "| per tile / conventional | host syncs |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        base = conventional.get((r["trunk"], r["side"]))
+        step = "conventional" if r["tile"] is None else f"streamed, tile {r['tile']}"
+        ratio = f"{r['per_tile'] / base['top_level']:.2f}" if base else "—"
+        lines.append(
+            f"| {r['trunk']} | {r['side']}² | {step} | {r['tiles']} | {r['top_level']:,} | "
+            f"{r['per_tile']:,.0f} | {r['kernels']:,} | {r['kernels'] / r['tiles']:,.0f} | "
+            f"{ratio} | {r['host_syncs']} |"
+        )
+    return "\n".join(lines)
 
 
 def table(records: list[dict]) -> str:
@@ -156,27 +265,95 @@ def note(run: dict, *more: dict) -> str:
     )
 
 
-def _refill(page: str, text: str) -> None:
+def _refill(page: str, text: str, block: str = BLOCK) -> None:
     with open(page) as f:
         content = f.read()
     with open(page, "w") as f:
-        f.write(fill_block(content, BLOCK, text))
+        f.write(fill_block(content, block, text))
+
+
+def stream_note(run: dict) -> str:
+    """The line under the streaming table: how it was made."""
+    m = run.get("machine", {})
+    return (
+        f"\n\nTop-level ATen operations of one training step (torch.profiler, one step "
+        f"after one warm-up, float32, random data), `{run.get('command', '')}` on "
+        f"{m.get('cpu', 'a CPU')}, torch {m.get('torch', '?')}, memconv "
+        f"{m.get('memconv', '?')}. Kernels: the top-level operations that run a kernel "
+        "(views and allocations left out; on a GPU each is at least one launch). Per tile "
+        "/ conventional: the streamed step's operations per tile over the conventional "
+        "step's on the whole image."
+    )
 
 
 def report(files: list[str], markdown: str | None) -> int:
-    """Print (and refill ``markdown``'s block with) the table of the ``ops`` records of
-    ``files``, under the note of each file's run."""
-    records, runs = [], []
+    """Print (and refill ``markdown``'s blocks with) the tables of the ``ops`` and
+    ``ops-streaming`` records of ``files``, under the note of each file's run."""
+    records, runs, streamed, stream_runs = [], [], [], []
     for path in files:
         with open(path) as f:
             got = [json.loads(line) for line in f if line.strip()]
-        runs += [r for r in got if r.get("record") == "run"]
+        mine = [r for r in got if r.get("record") == "run"]
+        if any(r.get("record") == "ops-streaming" for r in got):
+            stream_runs += mine
+            streamed += [r for r in got if r.get("record") == "ops-streaming"]
+        else:
+            runs += mine
         records += [r for r in got if r.get("record") == "ops"]
-    text = table(records) + (note(*runs) if runs else "")
+    if records:
+        text = table(records) + (note(*runs) if runs else "")
+        print(text)
+        if markdown:
+            _refill(markdown, text)
+    if streamed:
+        text = streaming_table(streamed) + (stream_note(stream_runs[0]) if stream_runs else "")
+        print(text)
+        if markdown:
+            _refill(markdown, text, STREAM_BLOCK)
+    return 0
+
+
+def _publish(text: str, markdown: str | None, block: str = BLOCK) -> int:
+    """Print ``text`` and refill ``markdown``'s ``block`` with it (0, the exit status)."""
     print(text)
     if markdown:
-        _refill(markdown, text)
+        _refill(markdown, text, block)
     return 0
+
+
+def _keep(record: dict, records: list, out) -> dict:
+    """``record``, appended to ``records`` and written to ``out`` (a file, or None) as
+    it comes."""
+    records.append(record)
+    if out:
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+    return record
+
+
+def streaming(args, run: dict) -> int:
+    """Measure :data:`STREAM_ROWS` (or ``args.trunks``/``args.sides``/``args.tiles``),
+    print the table and refill the page's streaming block."""
+    rows = STREAM_ROWS
+    if args.trunks or args.sides or args.tiles:
+        trunks = args.trunks.split(",") if args.trunks else list(dict.fromkeys(r[0] for r in rows))
+        sides = [int(v) for v in args.sides.split(",")] if args.sides else [2048]
+        tiles = tuple(int(v) for v in args.tiles.split(",")) if args.tiles else (512, 768, 1024)
+        rows = tuple((t, s, tiles) for t in trunks for s in sides)
+    records = [run]
+    out = open(args.json, "w") if args.json else None  # noqa: SIM115 (written as it goes)
+    try:
+        if out:
+            out.write(json.dumps(run) + "\n")
+        for trunk, side, tiles in rows:
+            for tile in (None, *tiles):
+                record = _keep(measure_streaming(trunk, side, tile), records, out)
+                got = {k: record[k] for k in ("tiles", "top_level", "kernels", "host_syncs")}
+                print(f"{trunk} {side}² tile {tile}: {got}", flush=True)
+    finally:
+        if out:
+            out.close()
+    return _publish(streaming_table(records) + stream_note(run), args.markdown, STREAM_BLOCK)
 
 
 def main(argv=None) -> int:
@@ -197,6 +374,15 @@ def main(argv=None) -> int:
         help="the calibration that prices memconv's routes: this CPU's (default), or "
         "the shipped CUDA one (the routes a GPU takes; memconv's engines only)",
     )
+    parser.add_argument(
+        "--streaming",
+        action="store_true",
+        help="count one training step of the streamed trunks instead (conventional and "
+        f"streamed at each tile; the {STREAM_BLOCK} block)",
+    )
+    parser.add_argument("--trunks", help="with --streaming: comma-separated trunks")
+    parser.add_argument("--sides", help="with --streaming: comma-separated image sides")
+    parser.add_argument("--tiles", help="with --streaming: comma-separated tile sizes")
     parser.add_argument("--json", help="write the run and every count to this file (JSON Lines)")
     parser.add_argument("--markdown", help=f"refill the {BLOCK} block of this page")
     parser.add_argument(
@@ -224,12 +410,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     run = {
         "record": "run",
-        "mode": "ops",
+        "mode": "ops-streaming" if args.streaming else "ops",
         "command": "python -m memconv.bench.ops " + command_line(argv).removeprefix("memconv "),
         "machine": machine(),
         "device": device_record("cpu"),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    if args.streaming:
+        return streaming(args, run)
     records = [run]
     out = open(args.json, "w") if args.json else None  # noqa: SIM115 (written as it goes)
     try:
@@ -244,11 +432,7 @@ def main(argv=None) -> int:
                     print(f"{case} {engine}: skipped, {why}", flush=True)
                     continue
                 for b in batches:
-                    record = measure(case, task, engine, b, args.pricing)
-                    records.append(record)
-                    if out:
-                        out.write(json.dumps(record) + "\n")
-                        out.flush()
+                    record = _keep(measure(case, task, engine, b, args.pricing), records, out)
                     print(
                         f"{case} {task} {engine} N={b}: {record['top_level']} top-level, "
                         f"{record['all']} in all, {record['host_syncs']} host syncs",
@@ -257,11 +441,7 @@ def main(argv=None) -> int:
     finally:
         if out:
             out.close()
-    text = table(records) + note(run)
-    print(text)
-    if args.markdown:
-        _refill(args.markdown, text)
-    return 0
+    return _publish(table(records) + note(run), args.markdown)
 
 
 if __name__ == "__main__":

@@ -758,7 +758,28 @@ def _stream_rows(records: list[dict]) -> dict:
     that measured each)."""
     files = table_files(records, "streaming")
     rows = [r for r in records if r.get("record") == "row" and r.get("file") in files]
-    return {(r["config"]["model"], r["config"]["side"], r["engine"]): r for r in rows}
+    return {(r["config"]["model"], r["config"]["side"], _stream_engine(r)): r for r in rows}
+
+
+def _stream_engine(row) -> str:
+    """The engine of a streaming row; a given tile (the tile-size sweep) is its own
+    (``"memconv-streaming@512"``)."""
+    case = CASES.get(row.get("case", ""))
+    tile = row["config"].get("tile") or (case.extra.get("tile") if case else None)
+    return f"{row['engine']}@{tile}" if tile else row["engine"]
+
+
+def _stream_engines(by: dict, model: str, side: int) -> dict:
+    """``{engine: label}`` of the rows at ``model`` and ``side``: the table's engines, then
+    the sweep's tiles, smallest first."""
+    swept = sorted(
+        (e for m, s, e in by if m == model and s == side and "@" in e),
+        key=lambda e: int(e.partition("@")[2]),
+    )
+    names = {
+        e: f"{STREAM_ENGINES.get(e.partition('@')[0])}, tile {e.partition('@')[2]}" for e in swept
+    }
+    return {**STREAM_ENGINES, **names}
 
 
 def _measured(row) -> bool:
@@ -814,7 +835,7 @@ def format_streaming(records: list[dict]) -> str:
     for model, side in keys:
         ref = conventional_estimate(by, model, side)
         first = True
-        for engine, name in STREAM_ENGINES.items():
+        for engine, name in _stream_engines(by, model, side).items():
             row = by.get((model, side, engine))
             if row is None:
                 continue

@@ -13,7 +13,9 @@ A streamed step holds, besides the image and the parameters:
   the backward pass's own buffers.
 
 :func:`predict_peak` adds these up from the tile plan (shapes only);
-:func:`choose_tile` returns the largest tile whose prediction fits the budget. The
+:func:`predict_time` prices the step's time from the same plan with the device's
+calibration, and :func:`choose_tile` returns, of the tiles whose peak fits the budget,
+the one predicted fastest. The
 tile's graph is priced as :data:`GRAPH_FACTOR` times the bytes of its boxes (all its
 nodes' positions), a factor measured at allocator level on ResNet-18, ResNet-50 and
 ConvNeXt-tiny trunks as torchvision writes them (0.9 to 1.0 once the rest is taken
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+from ..strategies import costs
 from .graph import Bound
 from .tiling import TilePlan, tile_plan
 
@@ -123,6 +126,57 @@ def predict_peak(
     return int(2 * out + gx + halo + 2 * param_bytes + GRAPH_FACTOR * graph)
 
 
+#: Operations a tile issues per node it computes (its forward pass, its recomputation
+#: and its backward pass), per node and axis it reads a halo of (the slab written, the
+#: crop assembled, its gradient split and sent), and per tile besides (the output's
+#: crop, the parameters' gradients summed, the seeds): counted with
+#: ``python -m memconv.bench.ops --streaming`` on the ResNet and ConvNeXt trunks.
+OPS_PER_NODE, OPS_PER_HALO, OPS_PER_TILE = 3, 5, 10
+
+
+def _macs(bound: Bound, v: int) -> int:
+    """Multiply-adds per output position of node ``v`` (a convolution's weight over its
+    groups' outputs, times the batch), else 0."""
+    node = bound.nodes[v]
+    apply = getattr(node.op, "apply", None)
+    weight = getattr(apply, "weight", None)
+    if weight is None:
+        return 0
+    shape = getattr(bound.values.get(weight, weight), "shape", None)
+    return math.prod(shape) * node.shape[0] if shape is not None else 0
+
+
+def predict_time(plan: TilePlan, device_type: str = "cpu") -> float:
+    """Predicted seconds of one streamed training step, priced with the device's
+    calibration (:mod:`memconv.strategies.costs`): per tile, its convolutions'
+    multiply-adds four times over (two forward passes and the backward pass's two
+    products, ``"standard"``'s ``per_flop``), the elements of the crops it assembles
+    with their halo, in each pass (``per_element``), and its operations (``"operation"``'s
+    ``per_op``; :data:`OPS_PER_NODE` and the like). Smaller tiles cost more operations
+    and halo crops for the same arithmetic; the arithmetic itself does not depend on the
+    tile, since no position is computed twice in a pass."""
+    rates = costs.time_rates("standard", device_type)
+    per_op = costs.operations_time(1, device_type)
+    bound = plan.bound
+    macs = [_macs(bound, v) for v in range(len(bound.nodes))]
+    widths = [_width(bound, v) for v in range(len(bound.nodes))]
+    total = 0.0
+    for tile in plan.tiles():
+        ops, elements, flops = OPS_PER_TILE, 0, 0
+        for v in range(1, len(bound.nodes)):
+            if plan.needs(v, tile) is None:
+                continue
+            ops += OPS_PER_NODE
+            box = plan.own(v, tile)
+            flops += macs[v] * math.prod(hi - lo for lo, hi in box)
+            halo = [a.depth[v][k] for a, k in zip(plan.axes, tile)]
+            if any(halo):
+                ops += OPS_PER_HALO * sum(1 for d in halo if d)
+                elements += widths[v] * math.prod(hi - lo + d for (lo, hi), d in zip(box, halo))
+        total += per_op * ops + rates["per_element"] * 2 * elements + rates["per_flop"] * 4 * flops
+    return total
+
+
 def choose_tile(
     bound: Bound,
     budget: int,
@@ -130,23 +184,27 @@ def choose_tile(
     smallest: int,
     input_grad: bool = False,
     param_bytes: int = 0,
+    device_type: str = "cpu",
 ) -> tuple[int, int]:
-    """``(tile, predicted peak)``: the largest tile (input pixels, the same on every
-    axis) whose predicted peak fits ``budget`` bytes.
+    """``(tile, predicted peak)``: of the tiles (input pixels, the same on every axis)
+    whose predicted peak fits ``budget`` bytes, the one :func:`predict_time` predicts
+    fastest on ``device_type`` (of those cutting the image into as many tiles, the one of
+    least peak).
 
     The prediction is not monotone in the tile: small tiles keep more halo slabs (one per
     tile boundary), large ones a larger graph. Tiles from ``smallest`` (at least 64
     pixels) to the image's side are priced on a geometric grid (× 1.25), then the gap
-    above the largest that fits is bisected.
+    above the largest that fits is bisected; every tile that fits is a candidate.
 
     Raises:
         ValueError: if no tile is predicted within the budget (naming the least peak).
     """
     largest = max(bound.sizes(0))
+    plans: dict = {}
 
     def peak(t):
-        plan = tile_plan(bound, (t,) * bound.dims)
-        return predict_peak(plan, element_size, input_grad, param_bytes)
+        plans[t] = tile_plan(bound, (t,) * bound.dims)
+        return predict_peak(plans[t], element_size, input_grad, param_bytes)
 
     grid, t = [], min(max(smallest, 64), largest)
     while t < largest:
@@ -162,18 +220,24 @@ def choose_tile(
             f"{peaks[least] / 2**20:,.0f} MiB with {grid[least]}-pixel tiles (the output, its "
             "gradient and the parameters' gradients alone take some); raise the budget"
         )
+    fits = {grid[i]: peaks[i] for i in fitting}
     i = fitting[-1]
-    lo, found = grid[i], peaks[i]
+    lo = grid[i]
     if i + 1 < len(grid):  # bisect the gap to the next tile of the grid, which does not fit
         hi = grid[i + 1]
         while hi - lo > max(8, lo // 32):
             mid = (lo + hi) // 2
             p = peak(mid)
             if p <= budget:
-                lo, found = mid, p
+                lo, fits[mid] = mid, p
             else:
                 hi = mid
-    return lo, found
+    times = {t: predict_time(plans[t], device_type) for t in fits}
+    fastest = min(fits, key=lambda t: (times[t], -t))
+    # a tile cutting the image into as many tiles runs as fast: the one of least peak
+    same = [t for t in fits if plans[t].count == plans[fastest].count]
+    pick = min(same, key=lambda t: (fits[t], -t))
+    return pick, fits[pick]
 
 
 __all__ = [
@@ -182,5 +246,6 @@ __all__ = [
     "gradient_halo_bytes",
     "halo_bytes",
     "predict_peak",
+    "predict_time",
     "tile_bytes",
 ]

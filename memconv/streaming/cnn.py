@@ -21,6 +21,7 @@ receptive field, and holds one tile's graph plus thin halo slabs.
 from __future__ import annotations
 
 import logging
+import time
 from fractions import Fraction
 
 import torch
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 from .._checks import check_stream_tile
 from .._torch import version
 from ..conv.settings import activate, record
-from .budget import choose_tile, predict_peak
+from .budget import choose_tile, predict_peak, predict_time
 from .errors import NotStreamableError
 from .graph import Bound, analyse, infer_channels, receptive_fields
 from .halo import HaloStore
@@ -56,8 +57,9 @@ class StreamingCNN(nn.Module):
             U-Net. Its dataflow is traced with torch.fx; every operation on the image must
             be local (:mod:`memconv.streaming.catalogue`).
         tile_size: **input pixels** each tile computes anew per spatial axis (an int, one
-            int per axis, or ``"auto"``: the largest tile whose predicted peak fits
-            ``memory_budget``, chosen per input size). At least the receptive field.
+            int per axis, or ``"auto"``: of the tiles whose predicted peak fits
+            ``memory_budget``, the one predicted fastest with the device's calibration,
+            chosen per input size). At least the output stride.
         tile_shape: Lightstream's spelling: the shape of one input tile ``(N, C,
             *tile_size)`` (its channels also tell the input's). Give ``tile_size`` or
             ``tile_shape``, not both.
@@ -69,8 +71,9 @@ class StreamingCNN(nn.Module):
             as a whole before streaming (the output stays there); False keeps it where it
             is and moves each tile (``tile_device`` = the layers' device). None: tiles run
             where the image is.
-        verbose: log the receptive field, the overlap, the chosen tile and the tile
-            counts (logger ``memconv``, INFO) and show tqdm progress bars over tiles.
+        verbose: log the receptive field, the overlap, the chosen tile, the tile
+            counts, the predicted peak and time per tile, and each pass's measured time
+            per tile (logger ``memconv``, INFO); show tqdm progress bars over tiles.
 
     The :class:`memconv.save_memory` block open around the streamed forward pass applies
     to the trunk's convolution modules in the backward pass; BatchNorm's (eval mode)
@@ -197,6 +200,7 @@ class StreamingCNN(nn.Module):
                     max(self.minimum_tile),
                     input_grad,
                     self._param_bytes(),
+                    self._device_type(),
                 )
                 tiles = (tile,) * self.dims
             else:
@@ -206,7 +210,7 @@ class StreamingCNN(nn.Module):
                 peak = predict_peak(plan, element, input_grad, self._param_bytes())
                 logger.info(
                     "input %s: tile %s input pixels (%s), %s tiles, receptive field %s, overlap %s, "
-                    "predicted peak %.0f MiB",
+                    "predicted peak %.0f MiB (allocator), predicted %.0f ms per tile (%s)",
                     tuple(shape[2:]),
                     tiles,
                     "auto" if self.tile_size == "auto" else "given",
@@ -214,6 +218,8 @@ class StreamingCNN(nn.Module):
                     self.receptive_field,
                     self.overlap,
                     peak / 2**20,
+                    1e3 * predict_time(plan, self._device_type()) / plan.count,
+                    self._device_type(),
                 )
             self._plans = {key: plan}
         return self._plans[key]
@@ -297,6 +303,25 @@ class StreamingCNN(nn.Module):
             return next(self.stream_layers.parameters()).device
         return None
 
+    def _device_type(self) -> str:
+        """The device type the tiles run on, whose calibration prices them."""
+        device = self._device()
+        if device is None:
+            device = next((p.device for p in self.stream_layers.parameters()), None)
+        return device.type if device is not None and device.type != "meta" else "cpu"
+
+    def _report(self, plan: TilePlan, what: str, seconds: float) -> None:
+        """Log a pass's measured time per tile beside the prediction (``verbose``)."""
+        logger.info(
+            "%s: %d tiles in %.2f s, %.0f ms per tile measured (the step predicted %.0f ms "
+            "per tile)",
+            what,
+            plan.count,
+            seconds,
+            1e3 * seconds / plan.count,
+            1e3 * predict_time(plan, self._device_type()) / plan.count,
+        )
+
     def _progress(self, tiles, desc):
         if not self.verbose:
             return tiles
@@ -330,8 +355,12 @@ class StreamingCNN(nn.Module):
         if self.verbose:
             logger.info("forward: %d tiles for input %s", plan.count, tuple(x.shape[2:]))
         runner = TileRunner(plan, x.detach(), HaloStore(plan), self._device())
+        start = time.perf_counter()
         with torch.no_grad():
             out = forward_pass(runner, plan.bound.env(self._device() or x.device), self._progress)
+        if self.verbose:
+            _synchronise(out.device)
+            self._report(plan, "forward", time.perf_counter() - start)
         return runner, out
 
     def stream_forward(self, x: Tensor) -> Tensor:
@@ -380,9 +409,18 @@ class StreamingCNN(nn.Module):
                 f"{list(grad.shape)}"
             )
         device = self._device() or runner.x.device
-        return backward_pass(
-            runner, lambda: bound.env(device), grad, params, want_x, self._progress
-        )
+        start = time.perf_counter()
+        out = backward_pass(runner, lambda: bound.env(device), grad, params, want_x, self._progress)
+        if self.verbose:
+            _synchronise(device)
+            self._report(runner.plan, "backward", time.perf_counter() - start)
+        return out
+
+
+def _synchronise(device) -> None:
+    """Wait for a GPU's queued work (once per pass, for ``verbose``'s measured times)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _key(x: Tensor) -> tuple:

@@ -37,10 +37,13 @@ class HaloStore:
 
     Args:
         plan: the tiles.
+        gradients: a store of gradients (slabs start at zero, gradients are added), not
+            of forward values (slabs start empty, every position written once).
     """
 
-    def __init__(self, plan: TilePlan):
+    def __init__(self, plan: TilePlan, *, gradients: bool = False):
         self.plan = plan
+        self.gradients = gradients
         self.slabs: dict[tuple[int, int, int], Tensor] = {}
         self._made: dict[tuple[int, int, int], tuple] = {}  # a gradient slab's first sender
 
@@ -55,7 +58,10 @@ class HaloStore:
             node = self.plan.bound.nodes[v]
             shape = list(node.shape)
             shape[node.dim(axis)] = self.plan.axes[axis].depth[v][k]
-            slab = self.slabs[(v, axis, k)] = like.new_zeros(shape)
+            # forward values: every position is written before a tile reads it; gradients
+            # are summed into the slab
+            make = like.new_zeros if self.gradients else like.new_empty
+            slab = self.slabs[(v, axis, k)] = make(shape)
         return slab
 
     def _index(self, v: int, axis: int, k: int, box) -> tuple:
@@ -109,7 +115,8 @@ class HaloStore:
         box = self.plan.own(v, tile)
         for axis, k, part in self._overlaps(v, tile, box):
             slab = self._slab(v, axis, k, value)
-            slab[self._index(v, axis, k, part)] = value[_relative(self.plan, v, part, box)]
+            # views and one copy (indexed assignment would add an alias and a dispatch)
+            slab[self._index(v, axis, k, part)].copy_(value[_relative(self.plan, v, part, box)])
 
     def read(self, v: int, axis: int, k: int, box) -> Tensor:
         """The kept positions ``box`` of node ``v`` (tile ``k``'s halo along ``axis``)."""
@@ -122,7 +129,7 @@ class HaloStore:
         if self._made.get(key) != prefix:  # a slab of other tiles along the axes before
             self.slabs.pop(key, None)  # `axis` holds positions those tiles consumed
             self._made[key] = prefix
-        self._slab(v, axis, k, grad)[self._index(v, axis, k, box)] += grad
+        self._slab(v, axis, k, grad)[self._index(v, axis, k, box)].add_(grad)  # one add
 
     def reaches(self, v: int, tile) -> bool:
         """Whether later tiles sent gradients to node ``v``'s box at ``tile``."""
@@ -143,7 +150,7 @@ class HaloStore:
         for axis, k, part in self._overlaps(v, tile, box):
             slab = self.slabs.get((v, axis, k))
             if slab is not None:
-                grad[_relative(self.plan, v, part, box)] += slab[self._index(v, axis, k, part)]
+                grad[_relative(self.plan, v, part, box)].add_(slab[self._index(v, axis, k, part)])
 
 
 def _relative(plan: TilePlan, v: int, part, box) -> tuple:

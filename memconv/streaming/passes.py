@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._torch import add_each
 from .halo import HaloStore
 from .tiling import TilePlan
 
@@ -190,7 +191,7 @@ _TRIM = _libc_trim()
 
 
 def release_freed_memory(device) -> None:
-    """Give the memory a finished tile freed back to the system (glibc keeps freed blocks
+    """Give the memory finished tiles freed back to the system (glibc keeps freed blocks
     of the heap mapped, so the process's resident memory would grow with the tiles'
     varying sizes; ``malloc_trim`` returns them). A no-op off the CPU or off glibc."""
     if _TRIM is not None and (device is None or torch.device(device).type == "cpu"):
@@ -222,8 +223,17 @@ def forward_pass(runner: TileRunner, env, progress=None) -> Tensor:
             out = runner.x.new_empty(bound.output_shape(), dtype=y.dtype)
         crop(out, plan.output_range(tile)).copy_(y)
         del y
-        release_freed_memory(runner.device or runner.x.device)
+        if _row_done(plan, tile, reverse=False):
+            release_freed_memory(runner.device or runner.x.device)
     return out
+
+
+def _row_done(plan: TilePlan, tile, *, reverse: bool) -> bool:
+    """Whether ``tile`` is the last of its row of tiles (along the first axis) in raster
+    order, or in reverse raster order: the tiles of a row share their shapes, so the
+    freed memory is given back once a row, not after every tile (``malloc_trim`` walks
+    the whole heap)."""
+    return all(k == (0 if reverse else a.count - 1) for a, k in zip(plan.axes[1:], tile[1:]))
 
 
 def backward_pass(
@@ -239,7 +249,7 @@ def backward_pass(
         want_input: compute the input gradient.
     """
     plan, bound = runner.plan, runner.bound
-    grads_halo = HaloStore(plan)
+    grads_halo = HaloStore(plan, gradients=True)
     acc = [torch.zeros_like(p) for p in params]
     gx = torch.zeros_like(runner.x) if want_input else None
     tiles = plan.tiles()[::-1]
@@ -270,9 +280,8 @@ def backward_pass(
             wrt = list(params) + [leaf[-1] for leaf in leaves] + [t for _, t in inputs or []]
             got = torch.autograd.grad(outs, wrt, seeds, allow_unused=True) if outs and wrt else ()
         del values, outs, seeds
-        for a, g in zip(acc, got[: len(params)]):
-            if g is not None:
-                a.add_(g)
+        summed = [(a, g) for a, g in zip(acc, got[: len(params)]) if g is not None]
+        add_each([a for a, _ in summed], [g for _, g in summed])  # one operation for all
         for (u, axis, k, box, _), g in zip(leaves, got[len(params) : len(params) + len(leaves)]):
             if g is not None:
                 grads_halo.add(u, axis, k, box, g, tile)
@@ -283,7 +292,8 @@ def backward_pass(
         del got, leaves, inputs
         grads_halo.release(tile, gradients=True)
         runner.halo.release(tile, gradients=False)
-        release_freed_memory(runner.device or runner.x.device)
+        if _row_done(plan, tile, reverse=True):
+            release_freed_memory(runner.device or runner.x.device)
     return gx, acc
 
 

@@ -1,0 +1,70 @@
+"""Operation counts of a streamed training step (counts, not times).
+
+The profiler's top-level ATen operations (:func:`memconv.bench.ops.count`) of one step
+of a small torchvision-style ResNet trunk streamed along one axis: every tile added
+costs the same operations whatever the tile size (the halo slabs are read and written
+in one operation per node and tile boundary, nothing per tile grows with the tiles),
+and no tile synchronises with the host. ``tile_size="auto"`` takes the tile predicted
+fastest within the budget.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memconv.bench import trunks
+from memconv.bench.ops import count
+from memconv.streaming import StreamingCNN
+from memconv.streaming.budget import predict_peak, predict_time
+from memconv.streaming.tiling import tile_plan
+
+
+def _step(trunk, x, tile=None) -> tuple[dict, int]:
+    """Counts of one training step (the trunk's output summed) and the tiles."""
+    stream = trunk if tile is None else StreamingCNN(trunk, tile)
+
+    def call():
+        stream(x).sum().backward()
+        trunk.zero_grad(set_to_none=True)
+
+    counts = count(call, warmup=1)
+    return counts, 1 if tile is None else stream.last_plan.count
+
+
+def test_operations_per_tile_do_not_grow_with_the_tiles():
+    torch.manual_seed(0)
+    trunk = trunks.resnet_trunk(18, width=4, layers=(1, 1, 1, 1))
+    conventional, _ = _step(trunk, torch.randn(1, 3, 128, 32))
+    added = {}
+    for tile, rows in ((32, (256, 384)), (64, (512, 768))):
+        (few, n_few), (many, n_many) = (_step(trunk, torch.randn(1, 3, r, 32), tile) for r in rows)
+        assert n_many > n_few > 2
+        assert few["host_syncs"] == many["host_syncs"] == 0
+        added[tile] = (many["top_level"] - few["top_level"]) / (n_many - n_few)
+    # each tile costs the same whatever the number of tiles, and about the same whatever
+    # the tile size (a halo one position deeper or shallower at some boundary)
+    assert abs(added[32] - added[64]) <= 0.02 * added[64]
+    # and a few times what the conventional step on that tile costs (two forward passes
+    # and one backward pass, a halo read and write per window's input)
+    assert added[32] <= 4 * conventional["top_level"]
+
+
+def test_auto_takes_the_fastest_predicted_tile_within_the_budget():
+    """Of the tiles whose predicted peak fits, ``"auto"`` takes the one predicted fastest
+    (of those giving as many tiles, the one of least peak), never one past the budget."""
+    trunk = trunks.resnet_trunk(18, width=8, layers=(1, 1, 1, 1))
+    shape = (1, 3, 256, 256)
+    bound = StreamingCNN(trunk, 64).bound(shape)
+    peaks, times, counts = {}, {}, {}
+    for t in (32, 48, 64, 96, 128, 192, 256):
+        plan = tile_plan(bound, (t, t))
+        peaks[t], times[t], counts[t] = predict_peak(plan, 4), predict_time(plan), plan.count
+    assert times[256] < times[32]  # fewer, larger tiles: fewer operations and halo crops
+    budget = (peaks[64] + peaks[256]) // 2
+    stream = StreamingCNN(trunk, "auto", memory_budget=budget)
+    plan = stream.plan(shape, torch.float32)
+    picked = predict_time(plan)
+    assert stream.predicted_peak(shape) <= budget
+    fitting = [t for t in peaks if peaks[t] <= budget]
+    # no tile that fits is predicted faster, but one giving as many tiles (and more peak)
+    assert fitting and all(picked <= times[t] or counts[t] == plan.count for t in fitting)
