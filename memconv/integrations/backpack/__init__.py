@@ -93,24 +93,31 @@ def install(*exts):
     for ext in exts:
         if not isinstance(ext, BackpropExtension):
             raise TypeError(f"install expects BackPACK extension objects, got {type(ext).__name__}")
+    from .kronecker import module_extension as kronecker_module_extension
+
     for ext in exts:
-        if not isinstance(ext, extensions.COVERED):
-            warnings.warn(
-                f"memconv does not cover the BackPACK extension {type(ext).__name__}; its "
-                "convolution quantities keep BackPACK's own computation",
-                stacklevel=2,
-            )
-            continue
         if ext in _previous:
             continue
         mapping = _mapping(ext)
         new = {}
         for torch_cls, memconv_cls in CONVERSIONS.items():
+            module_ext = None
             if torch_cls in extensions.DERIVATIVES:
-                module_ext = extensions.module_extension(ext, torch_cls)
+                if isinstance(ext, extensions.COVERED):
+                    module_ext = extensions.module_extension(ext, torch_cls)
+                else:
+                    module_ext = kronecker_module_extension(ext, torch_cls)
+            if module_ext is not None:
                 new[torch_cls] = new[memconv_cls] = module_ext
             elif torch_cls in mapping:
                 new[memconv_cls] = mapping[torch_cls]
+        if not any(cls in new for cls in extensions.DERIVATIVES):
+            warnings.warn(
+                f"memconv does not cover the BackPACK extension {type(ext).__name__}; its "
+                "convolution quantities keep BackPACK's own computation (memconv's layers "
+                "get BackPACK's module extensions of the torch.nn classes they subclass)",
+                stacklevel=2,
+            )
         _previous[ext] = {cls: mapping.get(cls, _ABSENT) for cls in new}
         for cls, module_ext in new.items():
             ext.set_module_extension(cls, module_ext, overwrite=True)

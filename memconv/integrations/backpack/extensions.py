@@ -27,10 +27,12 @@ from torch import nn
 
 from ..._torch import graph_task_id
 from ...conv.norm_routes import conv_weight_sq_norms
-from . import derivatives
+from . import derivatives, secondorder
 
-#: BackPACK extensions whose convolution quantities memconv computes.
-COVERED = (BatchGrad, BatchL2Grad, SumGradSquared, Variance)
+#: BackPACK's first-order extensions whose convolution quantities memconv computes.
+FIRST_ORDER = (BatchGrad, BatchL2Grad, SumGradSquared, Variance)
+#: Every BackPACK extension whose convolution quantities memconv computes.
+COVERED = FIRST_ORDER + secondorder.COVERED
 
 DERIVATIVES = {
     nn.Conv1d: derivatives.Conv1dDerivatives,
@@ -113,10 +115,13 @@ def module_extension(ext, conv_cls):
     """memconv's module extension of a covered BackPACK extension for ``conv_cls``.
 
     Args:
-        ext: a ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` or ``Variance`` object.
+        ext: a first-order (``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared``,
+            ``Variance``) or second-order (:data:`.secondorder.COVERED`) extension object.
         conv_cls: a ``torch.nn`` convolution or transposed-convolution class.
     """
     d = DERIVATIVES[conv_cls]()
+    if isinstance(ext, secondorder.COVERED):
+        return secondorder.module_extension(ext, d, wrap=_tied)
     if isinstance(ext, BatchGrad):
         return _tied(BatchGradBase)(derivatives=d, params=PARAMS)
     if isinstance(ext, SumGradSquared):
