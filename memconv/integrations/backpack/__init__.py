@@ -30,7 +30,9 @@ raise an ``ImportError`` naming the extra to install.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
+import threading
 import warnings
 import weakref
 
@@ -153,6 +155,84 @@ def installed(*exts):
         yield result
     finally:
         uninstall(*exts)
+
+
+#: How many :func:`routed` blocks are open in this thread (or asyncio task).
+_routing: contextvars.ContextVar[int] = contextvars.ContextVar("memconv_backpack_routed", default=0)
+_patch_lock = threading.Lock()
+#: BackPACK's own ``backpack.__enter__``/``__exit__`` while any routed block is open.
+_patched: dict = {}
+
+
+@contextlib.contextmanager
+def routed():
+    """Route every BackPACK ``with backpack(...)`` block opened inside through memconv.
+
+    For third-party code that builds its own extension objects (laplace-torch's
+    ``BackPackGGN``/``BackPackEF`` create ``DiagGGNExact``, ``KFAC``, ... inside their
+    own blocks): each ``backpack(*exts)`` block entered inside ``routed()`` installs
+    its extension objects on entry (:func:`install`, those already installed left
+    alone) and gives them back their own module extensions on exit
+    (:func:`uninstall`)::
+
+        from laplace import Laplace
+        from memconv.integrations import backpack as mb
+
+        with mb.routed():
+            la = Laplace(model, "classification", hessian_structure="diag")
+            la.fit(loader)
+
+    While a ``routed()`` block is open anywhere in the process, BackPACK's
+    ``backpack`` class has memconv's entry and exit methods (which call BackPACK's
+    own); the last ``routed()`` to close gives the class back its own methods, so no
+    state is left. Which blocks are routed is decided per thread (and per asyncio
+    task, by a :mod:`contextvars` variable): blocks that other threads open are not
+    routed. An extension object shared between threads while one of them routes it
+    sees the memconv mapping in all of them until the block exits.
+
+    Yields:
+        None.
+
+    Raises:
+        ImportError: if BackPACK is not installed.
+    """
+    _require()
+    import backpack
+
+    with _patch_lock:
+        if not _patched:
+            cls = backpack.backpack
+            _patched.update(__enter__=cls.__enter__, __exit__=cls.__exit__)
+            cls.__enter__, cls.__exit__ = _routed_enter, _routed_exit
+        _patched["count"] = _patched.get("count", 0) + 1
+    token = _routing.set(_routing.get() + 1)
+    try:
+        yield
+    finally:
+        _routing.reset(token)
+        with _patch_lock:
+            _patched["count"] -= 1
+            if not _patched["count"]:
+                cls = backpack.backpack
+                cls.__enter__, cls.__exit__ = _patched["__enter__"], _patched["__exit__"]
+                _patched.clear()
+
+
+def _routed_enter(block):
+    installed_here = ()
+    if _routing.get():
+        installed_here = tuple(ext for ext in block.exts if ext not in _previous)
+        install(*installed_here)
+    block._memconv_installed = installed_here
+    return _patched["__enter__"](block)
+
+
+def _routed_exit(block, *exc):
+    try:
+        return _patched["__exit__"](block, *exc)
+    finally:
+        uninstall(*getattr(block, "_memconv_installed", ()))
+        block._memconv_installed = ()
 
 
 #: Trainable layers BackPACK's BatchGrad supports (checked before any work).

@@ -83,13 +83,17 @@ class _Tied:
             if mark is None or mark[:2] != (field, task) or task is None:
                 continue  # left by an earlier pass
             if not isinstance(extension, BatchGrad):
+                remedy = (
+                    "memconv.per_sample_grads / memconv.per_sample_norms, which sum "
+                    "per-sample gradients over the uses"
+                    if isinstance(extension, FIRST_ORDER)
+                    else "a curvature method that keeps the cross terms between the uses"
+                )
                 raise ValueError(
                     f"BackPACK's {type(extension).__name__} with memconv: the parameter "
                     f"{name!r} of {type(module).__name__} is used by several calls in one "
                     "forward pass (tied, or a layer called twice), and its quantity of the "
-                    "sum of the uses is not the sum of theirs: untie it, or use "
-                    "memconv.per_sample_grads / memconv.per_sample_norms, which sum "
-                    "per-sample gradients over the uses"
+                    f"sum of the uses is not the sum of theirs: untie it, or use {remedy}"
                 )
             earlier[name] = getattr(p, field)
         super().__call__(extension, module, g_inp, g_out)
