@@ -384,3 +384,73 @@ def test_tv_resnet_in_eval_through_the_converter(float64_default):
     conv = dict(model.named_parameters())
     name = next(n for n in conv if "conv1" in n and n.endswith("weight"))
     _close(results[1][name], _ggn_reference(model, x, y, conv[name], False))
+
+
+def _cnn(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"),
+        nn.Sigmoid(),
+        nn.Flatten(),
+        nn.Linear(36, 10),
+    ).double()
+    return model, torch.randn(4, 2, 6, 6).double(), torch.randint(0, 10, (4,))
+
+
+@pytest.mark.parametrize(
+    "ext_cls",
+    [E.DiagGGNExact, E.BatchDiagGGNExact, E.SqrtGGNExact, E.DiagGGNMC],
+    ids=lambda c: c.__name__,
+)
+def test_backward_over_chunks_of_rows_equals_one_pass(ext_cls, caplog):
+    one = _run(*_cnn(), ext_cls() if ext_cls is not E.DiagGGNMC else ext_cls(mc_samples=5))
+    ext = ext_cls() if ext_cls is not E.DiagGGNMC else ext_cls(mc_samples=5)
+    mb.install(ext, memory_budget=1)  # one row per chunk
+    with caplog.at_level("INFO", logger="memconv"):
+        chunked = _run(*_cnn(), ext, install=False)
+    v = 5 if ext_cls is E.DiagGGNMC else 10
+    assert f"the {v} rows of the factor in {v} chunk(s)" in caplog.text
+    assert chunked.keys() == one.keys()
+    for name in one:
+        _close(chunked[name], one[name])
+
+
+def test_backward_over_chunks_through_the_converter(float64_default):
+    from memconv.bench.models import TVResNet
+
+    def model_and_data():
+        torch.manual_seed(0)
+        model = TVResNet((1, 1, 1, 1), num_classes=5, width=2).double().eval()
+        return extend(model, use_converter=True), torch.randn(2, 3, 16, 16).double()
+
+    y = torch.tensor([0, 4])
+    one = _run(*model_and_data(), y, E.BatchDiagGGNExact())
+    ext = mb.install(E.BatchDiagGGNExact(), memory_budget=30_000)
+    chunked = _run(*model_and_data(), y, ext, install=False)
+    for name in one:
+        _close(chunked[name], one[name])
+
+
+def test_chunked_tied_weight_raises_before_any_work(monkeypatch):
+    calls = []
+    monkeypatch.setattr(curvature, "weight_diagonal", _counting(curvature.weight_diagonal, calls))
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 2, 3, padding=1)
+    model = extend(nn.Sequential(conv, nn.Sigmoid(), conv, nn.Flatten(), nn.Linear(32, 3)))
+    lossfn = extend(nn.CrossEntropyLoss())
+    ext = mb.install(E.DiagGGNExact(), memory_budget=10**6)
+    x = torch.randn(2, 2, 4, 4)
+    with backpack(ext), pytest.raises(ValueError, match="DiagGGNExact.*tied.*untie"):
+        lossfn(model(x), torch.tensor([0, 1])).backward()
+    assert not calls
+
+
+@pytest.mark.parametrize("budget,error", [(0, ValueError), (1.5, TypeError), ("1GiB", TypeError)])
+def test_memory_budget_checked(budget, error):
+    with pytest.raises(error, match="memory_budget"):
+        mb.install(E.DiagGGNExact(), memory_budget=budget)
+    with pytest.raises(error, match="memory_budget"), mb.routed(memory_budget=budget):
+        pass

@@ -38,7 +38,7 @@ import weakref
 
 from torch import nn
 
-from ..._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES, check_batch
+from ..._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES, check_batch, check_positive_int
 from ...conv import settings as context
 from ...conv.vjp import check_settings
 from ...engine.losses import per_sample_losses
@@ -68,7 +68,7 @@ def _mapping(ext) -> dict:
     return ext._BackpropExtension__module_extensions
 
 
-def install(*exts):
+def install(*exts, memory_budget=None):
     """Route the convolution weight Jacobians of BackPACK extension objects through memconv.
 
     For each covered extension object, every ``torch.nn`` and memconv convolution and
@@ -79,22 +79,35 @@ def install(*exts):
 
     Args:
         *exts: BackPACK extension objects (e.g. ``backpack.extensions.BatchGrad()``).
-            An extension memconv does not cover (second-order ones) is left as it is,
-            with a warning naming it.
+            An extension memconv does not cover (``KFAC``, ``KFLR``, ``KFRA``, the
+            curvature-matrix products) keeps BackPACK's convolutions, with a warning
+            naming it; memconv's layers are mapped for it all the same.
+        memory_budget: bytes (a positive int) for the factor of ``DiagGGN{Exact,MC}``,
+            ``BatchDiagGGN{Exact,MC}`` and ``SqrtGGN{Exact,MC}``: their backward pass
+            runs over chunks of the factor's ``V`` rows that fit it
+            (:mod:`memconv.integrations.backpack.chunking`; the ``"memconv"`` logger
+            says how many chunks at INFO level), so the peak does not grow with the
+            model's outputs. None: one pass, as BackPACK. Ignored by the other
+            extensions.
 
     Returns:
         The extension object (or the tuple of them, for several).
 
     Raises:
         ImportError: if BackPACK is not installed.
-        TypeError: if an argument is not a BackPACK extension object.
+        TypeError: if an argument is not a BackPACK extension object, or
+            ``memory_budget`` is not an int.
+        ValueError: if ``memory_budget`` is not positive.
     """
     extensions = _require()
+    if memory_budget is not None:
+        check_positive_int(memory_budget, "memory_budget")
     from backpack.extensions.backprop_extension import BackpropExtension
 
     for ext in exts:
         if not isinstance(ext, BackpropExtension):
             raise TypeError(f"install expects BackPACK extension objects, got {type(ext).__name__}")
+    from . import chunking
     from .kronecker import module_extension as kronecker_module_extension
 
     for ext in exts:
@@ -120,6 +133,9 @@ def install(*exts):
                 "get BackPACK's module extensions of the torch.nn classes they subclass)",
                 stacklevel=2,
             )
+        if memory_budget is not None and isinstance(ext, chunking.CHUNKED):
+            for cls in {**mapping, **new}:
+                new[cls] = chunking.Deferred(new.get(cls, mapping.get(cls)), memory_budget)
         _previous[ext] = {cls: mapping.get(cls, _ABSENT) for cls in new}
         for cls, module_ext in new.items():
             ext.set_module_extension(cls, module_ext, overwrite=True)
@@ -144,28 +160,32 @@ def uninstall(*exts) -> None:
 
 
 @contextlib.contextmanager
-def installed(*exts):
-    """:func:`install` for the duration of a ``with`` block, then :func:`uninstall`.
+def installed(*exts, memory_budget=None):
+    """:func:`install` (with its ``memory_budget``) for the duration of a ``with``
+    block, then :func:`uninstall`.
 
     Yields:
         The extension object (or the tuple of them).
     """
-    result = install(*exts)
+    result = install(*exts, memory_budget=memory_budget)
     try:
         yield result
     finally:
         uninstall(*exts)
 
 
-#: How many :func:`routed` blocks are open in this thread (or asyncio task).
-_routing: contextvars.ContextVar[int] = contextvars.ContextVar("memconv_backpack_routed", default=0)
+#: How many :func:`routed` blocks are open in this thread (or asyncio task), and the
+#: innermost one's memory budget.
+_routing: contextvars.ContextVar = contextvars.ContextVar(
+    "memconv_backpack_routed", default=(0, None)
+)
 _patch_lock = threading.Lock()
 #: BackPACK's own ``backpack.__enter__``/``__exit__`` while any routed block is open.
 _patched: dict = {}
 
 
 @contextlib.contextmanager
-def routed():
+def routed(memory_budget=None):
     """Route every BackPACK ``with backpack(...)`` block opened inside through memconv.
 
     For third-party code that builds its own extension objects (laplace-torch's
@@ -190,13 +210,19 @@ def routed():
     routed. An extension object shared between threads while one of them routes it
     sees the memconv mapping in all of them until the block exits.
 
+    Args:
+        memory_budget: as :func:`install`'s, for every block's extensions.
+
     Yields:
         None.
 
     Raises:
         ImportError: if BackPACK is not installed.
+        TypeError, ValueError: for a ``memory_budget`` :func:`install` refuses.
     """
     _require()
+    if memory_budget is not None:
+        check_positive_int(memory_budget, "memory_budget")
     import backpack
 
     with _patch_lock:
@@ -205,7 +231,7 @@ def routed():
             _patched.update(__enter__=cls.__enter__, __exit__=cls.__exit__)
             cls.__enter__, cls.__exit__ = _routed_enter, _routed_exit
         _patched["count"] = _patched.get("count", 0) + 1
-    token = _routing.set(_routing.get() + 1)
+    token = _routing.set((_routing.get()[0] + 1, memory_budget))
     try:
         yield
     finally:
@@ -220,9 +246,10 @@ def routed():
 
 def _routed_enter(block):
     installed_here = ()
-    if _routing.get():
+    depth, memory_budget = _routing.get()
+    if depth:
         installed_here = tuple(ext for ext in block.exts if ext not in _previous)
-        install(*installed_here)
+        install(*installed_here, memory_budget=memory_budget)
     block._memconv_installed = installed_here
     return _patched["__enter__"](block)
 
