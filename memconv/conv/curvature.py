@@ -20,11 +20,13 @@ are ``S`` summed over space.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from ..strategies.geometry import conv_spec
-from .grads import conv_weight_grad
+from .grads import weight_grad
 from .settings import Settings
 
 #: The bytes one chunk of rows may take when no ``memory_budget`` is set (64 MiB).
@@ -59,14 +61,35 @@ def _row_bytes(module, input: Tensor, s: Tensor, copies: int) -> int:
 
 
 def _row_vjps(module, input: Tensor, s: Tensor, settings: Settings, chunk) -> Tensor:
-    """The weight VJPs of one chunk's rows, ``[v1 - v0, n1 - n0, *weight.shape]``."""
+    """The weight VJPs of one chunk's rows, ``[n1 - n0, v1 - v0, *weight.shape]``.
+
+    The chunk's ``v1 - v0`` rows of a sample share its input: they are folded into the
+    channels of the factor's side (one convolution of ``(v1 - v0)·C`` channels, group
+    by group), so one per-sample weight VJP by the strategy gives them all, the input
+    read once.
+    """
     v0, v1, n0, n1 = chunk
-    x = input[n0:n1]
-    g = s[v0:v1, n0:n1]
-    if v1 - v0 > 1:
-        x = x.repeat(v1 - v0, *([1] * (x.dim() - 1)))
-    rows = conv_weight_grad(module, x, g.reshape(-1, *g.shape[2:]), settings, per_sample=True)
-    return rows.reshape(v1 - v0, n1 - n0, *rows.shape[1:])
+    cv, x, g = v1 - v0, input[n0:n1], s[v0:v1, n0:n1]
+    if x.dtype != g.dtype:  # autocast: the forward pass's dtype
+        x = x.to(g.dtype)
+    spec = conv_spec(module)
+    geom = spec.geometry
+    groups = geom.groups
+    # [cv, n, G·c, *T] -> [n, G·cv·c, *T]: the rows of a group side by side
+    folded = g.reshape(cv, n1 - n0, groups, -1, *g.shape[3:]).transpose(0, 1).transpose(1, 2)
+    folded = folded.reshape(n1 - n0, -1, *g.shape[3:])
+    if spec.transposed:  # the factor plays the normal form's input
+        geom = replace(geom, in_channels=cv * geom.in_channels)
+    else:
+        geom = replace(geom, out_channels=cv * geom.out_channels)
+    ops = replace(spec, geometry=geom).operands(x, folded)
+    rows = weight_grad(ops, settings, per_sample=True)  # [n, *folded weight shape]
+    k = tuple(geom.kernel_size)
+    if spec.transposed:  # [n, C_o, cv·c, *k] -> [n, cv, C_o, c, *k]
+        rows = rows.reshape(n1 - n0, geom.out_channels, cv, -1, *k).transpose(1, 2)
+    else:  # [n, G·cv·o, c, *k] -> [n, cv, G·o, c, *k]
+        rows = rows.reshape(n1 - n0, groups, cv, -1, geom.in_per_group, *k).transpose(1, 2)
+    return rows.reshape(n1 - n0, cv, *module.weight.shape)
 
 
 def weight_diagonal(
@@ -91,11 +114,11 @@ def weight_diagonal(
     out = s.new_zeros((n, *shape) if per_sample else shape)
     row_bytes = _row_bytes(module, input, s, copies=2)
     for chunk in row_chunks(v, n, row_bytes, settings.options.memory_budget):
-        squares = _row_vjps(module, input, s, settings, chunk).square().sum(0)
+        squares = _row_vjps(module, input, s, settings, chunk).square().sum(1)
         if per_sample:
-            out[chunk[2] : chunk[3]] += squares.reshape(-1, *shape)
+            out[chunk[2] : chunk[3]] += squares
         else:
-            out += squares.sum(0).reshape(shape)
+            out += squares.sum(0)
     return out
 
 
@@ -111,8 +134,7 @@ def weight_rows(module, input: Tensor, s: Tensor, settings: Settings) -> Tensor:
     row_bytes = _row_bytes(module, input, s, copies=1)
     for chunk in row_chunks(v, n, row_bytes, settings.options.memory_budget):
         v0, v1, n0, n1 = chunk
-        rows = _row_vjps(module, input, s, settings, chunk)
-        out[v0:v1, n0:n1] = rows.reshape(v1 - v0, n1 - n0, *module.weight.shape)
+        out[v0:v1, n0:n1] = _row_vjps(module, input, s, settings, chunk).transpose(0, 1)
     return out
 
 

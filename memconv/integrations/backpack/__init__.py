@@ -16,12 +16,16 @@ classes, which :func:`install` sets on extension objects with BackPACK's
         lossfunc(model(X), y).backward()      # the forward pass records the block
     mb.uninstall(ext)                         # BackPACK's own mapping, exactly
 
-or ``with mb.installed(extensions.BatchGrad()) as ext: ...``. Covered:
-``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` and ``Variance``; the strategy is the
-one the layer's forward pass recorded (the rule of :class:`memconv.save_memory`;
-``"auto"`` outside any block). memconv's layers that are not convolutions get
-BackPACK's module extension of the ``torch.nn`` class they subclass. No global hook,
-no state outside the extension objects you pass.
+or ``with mb.installed(extensions.BatchGrad()) as ext: ...``. Covered: the first-order
+``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` and ``Variance``, and the
+second-order ``{Batch}DiagGGN{Exact,MC}``, ``{Batch}DiagHessian`` and
+``SqrtGGN{Exact,MC}`` (:mod:`.secondorder`; ``memory_budget=`` runs the backward pass
+over chunks of the factor's rows, :mod:`.chunking`); the strategy is the one the
+layer's forward pass recorded (the rule of :class:`memconv.save_memory`). memconv's
+layers that are not convolutions get BackPACK's module extension of the ``torch.nn``
+class they subclass, for every extension. No global hook, no state outside the
+extension objects you pass; :func:`routed` routes the blocks that third-party code
+opens (laplace-torch's backends), for the time of a ``with`` block.
 
 This module does not import BackPACK until a function is called; without it, they
 raise an ``ImportError`` naming the extra to install.

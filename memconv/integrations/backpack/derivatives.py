@@ -42,16 +42,16 @@ def recorded_settings(module):
     return None
 
 
-def settings_for(module) -> Settings:
+def settings_for(module, default: Settings = STANDARD) -> Settings:
     """The strategy settings of a layer's weight Jacobian: what its memconv forward pass
     recorded; for a ``torch.nn`` layer, the :class:`memconv.save_memory` block open now
-    (at backward time), else ``"standard"``."""
+    (at backward time), else ``default`` (``"standard"``)."""
     recorded = recorded_settings(module)
     if recorded is not None:
         warn_if_block_missed(recorded, _describe(module))
         return recorded.strategy_settings
     if block_settings() is None:
-        return STANDARD
+        return default
     return use_block_settings(None)  # the open block (marked as used)
 
 

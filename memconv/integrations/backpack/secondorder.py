@@ -32,7 +32,20 @@ from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
 from backpack.utils.subsampling import subsample
 
 from ...conv.curvature import bias_diagonal, weight_diagonal, weight_rows
-from .derivatives import settings_for
+from ...conv.settings import Settings
+from ...strategies import NO_OPTIONS
+from .derivatives import settings_for as _layer_settings
+
+#: The strategy of a ``torch.nn`` layer's rows outside any ``save_memory`` block: the
+#: fastest by the cost model (BackPACK's own algorithm, first order's default, is a
+#: grouped convolution of ``V·N`` groups here).
+AUTO = Settings("auto", NO_OPTIONS)
+
+
+def settings_for(module) -> Settings:
+    """The layer's recorded or open block's settings, else :data:`AUTO`."""
+    return _layer_settings(module, AUTO)
+
 
 #: BackPACK's second-order extensions whose convolution quantities memconv computes.
 COVERED = (
