@@ -1,12 +1,15 @@
 """BackPACK's diagonal GGN extensions on All-CNN-C with and without memconv.
 
-Each configuration in a fresh process (``--one``), one thread, float32, CIFAR-100
-shapes (batch 8, 3×32×32): a warm-up step of plain autograd, then one step under the
-extension; the peak RSS increase is the largest RSS (sampled every 2 ms) during the step
-minus the RSS before it. Prints one JSON line per configuration, then a table with
-memconv's figures as multiples of BackPACK's::
+Each configuration in a fresh process (``--one``), float32, CIFAR-100 shapes (batch 8,
+3×32×32): a warm-up step of plain autograd, then one step under the extension. On the
+CPU (one thread) the peak increase is the largest RSS (sampled every 2 ms) during the
+step minus the RSS before it; on CUDA, the allocator's peak during the step minus what
+was allocated before it. Prints one JSON line per configuration (also appended to
+``--json``), then a table with memconv's figures as multiples of BackPACK's::
 
     python tools/bench-backpack-diag.py [--v 10 100] [--ext DiagGGNExact BatchDiagGGNExact]
+    python tools/bench-backpack-diag.py --device cuda --time-budget 120 --json out.jsonl
+    python tools/bench-backpack-diag.py --device cpu --quick       # a dry run, seconds
 """
 
 from __future__ import annotations
@@ -30,8 +33,7 @@ ENGINES = {
 BUDGET = 64 * 2**20
 
 
-def one(engine: str, ext_name: str, v: int) -> dict:
-    import psutil
+def one(engine: str, ext_name: str, v: int, device: str, batch: int) -> dict:
     import torch
     from backpack import backpack, extend
     from backpack import extensions as E
@@ -42,9 +44,10 @@ def one(engine: str, ext_name: str, v: int) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = extend(all_cnn_c(num_classes=v))
+    model = extend(all_cnn_c(num_classes=v).to(device))
     lossfn = extend(nn.CrossEntropyLoss())
-    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, v, (8,))
+    x = torch.randn(batch, 3, 32, 32, device=device)
+    y = torch.randint(0, v, (batch,), device=device)
     lossfn(model(x), y).backward()  # warm-up: plain autograd
     model.zero_grad()
     ext = getattr(E, ext_name)()
@@ -52,29 +55,43 @@ def one(engine: str, ext_name: str, v: int) -> dict:
         mb.install(ext)
     elif engine == "memconv-chunked":
         mb.install(ext, memory_budget=BUDGET)
-    proc = psutil.Process()
-    before = proc.memory_info().rss
-    peak = [before]
-    done = threading.Event()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        import psutil
 
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.002)
+        proc = psutil.Process()
+        before = proc.memory_info().rss
+        peak = [before]
+        done = threading.Event()
 
-    sampler = threading.Thread(target=sample)
-    sampler.start()
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], proc.memory_info().rss)
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
     start = time.perf_counter()
     with backpack(ext):
         lossfn(model(x), y).backward()
+    if cuda:
+        torch.cuda.synchronize()
+        peak = [torch.cuda.max_memory_allocated()]
     seconds = time.perf_counter() - start
-    done.set()
-    sampler.join()
+    if not cuda:
+        done.set()
+        sampler.join()
     checksum = sum(float(getattr(p, ext.savefield).double().sum()) for p in model.parameters())
     return {
         "engine": engine,
         "extension": ext_name,
         "V": v,
+        "N": batch,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
         "peak_rss_increase_mib": (peak[0] - before) / 2**20,
         "seconds": seconds,
         "checksum": checksum,
@@ -87,25 +104,45 @@ def main() -> None:
     parser.add_argument("--v", type=int, nargs="+", default=[10, 100])
     parser.add_argument("--ext", nargs="+", default=["DiagGGNExact", "BatchDiagGGNExact"])
     parser.add_argument("--engines", nargs="+", default=list(ENGINES))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="V=10 and batch 2 only")
+    parser.add_argument("--time-budget", type=float, default=None, help="seconds in all")
+    parser.add_argument("--json", default=None, help="append the JSON lines to this file")
     parser.add_argument("--one", nargs=3, metavar=("ENGINE", "EXT", "V"))
     args = parser.parse_args()
+    if args.quick:
+        args.v, args.batch = [10], 2
     if args.one:
         engine, ext, v = args.one
-        print(json.dumps(one(engine, ext, int(v))), flush=True)
+        print(json.dumps(one(engine, ext, int(v), args.device, args.batch)), flush=True)
         return
-    rows = []
+    start, rows = time.perf_counter(), []
     for ext in args.ext:
         for v in args.v:
             for engine in args.engines:
-                out = subprocess.run(
-                    [sys.executable, __file__, "--one", engine, ext, str(v)],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                )
+                left = None
+                if args.time_budget is not None:
+                    left = args.time_budget - (time.perf_counter() - start)
+                    if left < 5:
+                        print(f"time budget spent: {engine} {ext} V={v} not run", flush=True)
+                        continue
+                command = [sys.executable, __file__, "--one", engine, ext, str(v)]
+                command += ["--device", args.device, "--batch", str(args.batch)]
+                try:
+                    out = subprocess.run(
+                        command, capture_output=True, text=True, check=True, timeout=left
+                    )
+                except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as err:
+                    print(f"{engine} {ext} V={v}: {type(err).__name__}", flush=True)
+                    print(getattr(err, "stderr", "") or "", flush=True)
+                    continue
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(row) + "\n")
     print("\n| extension | V | engine | peak RSS increase | time | vs BackPACK (memory, time) |")
     print("|---|---|---|---|---|---|")
     for row in rows:
