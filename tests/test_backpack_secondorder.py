@@ -42,6 +42,7 @@ SECOND_ORDER = (
 GEOMETRIES = {
     "conv2d": (lambda: nn.Conv2d(2, 4, 3, stride=2, padding=1), (3, 2, 7, 7)),
     "conv2d-groups-dilation": (lambda: nn.Conv2d(4, 4, 3, dilation=2, groups=2), (2, 4, 7, 7)),
+    "conv2d-depthwise": (lambda: nn.Conv2d(3, 3, 3, padding=1, groups=3), (2, 3, 5, 5)),
     "conv1d": (lambda: nn.Conv1d(2, 3, 3, padding=2, stride=2), (3, 2, 9)),
     "conv3d": (lambda: nn.Conv3d(2, 2, 2, stride=(1, 2, 1), bias=False), (2, 2, 4, 4, 3)),
     "convT1d": (lambda: nn.ConvTranspose1d(2, 3, 3, stride=2), (3, 2, 5)),
@@ -260,6 +261,20 @@ def test_every_memconv_class_is_mapped(ext_cls):
             assert memconv_cls in mapping, memconv_cls
     mb.uninstall(ext)
     assert mb._mapping(ext) == before
+
+
+def test_kronecker_extensions_get_the_kronecker_hook(monkeypatch):
+    import memconv.integrations.backpack.kronecker as kronecker
+
+    mine = object()
+    seen = []
+    monkeypatch.setattr(kronecker, "module_extension", lambda ext, cls: seen.append(cls) or mine)
+    for ext_cls in (E.KFAC, E.KFLR, E.KFRA):
+        ext = mb.install(ext_cls())
+        assert mb._mapping(ext)[nn.Conv2d] is mine
+        assert mb._mapping(ext)[memconv.Conv2d] is mine
+        mb.uninstall(ext)
+    assert nn.ConvTranspose3d in seen
 
 
 class _no_warning:
