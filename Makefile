@@ -56,7 +56,7 @@ install: $(VENV)/.installed-$(EXTRAS_ALL)
 compare: $(VENV)/.installed-$(EXTRAS_COMPARE)
 	$(BIN)/memconv compare
 
-test: $(VENV)/.installed-$(EXTRAS_TEST) memcnn-wheel
+test: $(VENV)/.installed-$(EXTRAS_TEST) $(VENV)/.installed-laplace memcnn-wheel
 	$(BIN)/python -m pytest -q
 
 # MemCNN 1.5.2's wheel, whose own tests tests/test_memcnn_suite.py runs through
@@ -67,6 +67,16 @@ memcnn-wheel: $(VENV)/.python
 	@ls $(MEMCNN_WHEELS)/memcnn-1.5.2-*.whl >/dev/null 2>&1 || \
 		$(BIN)/python -m pip download -q --no-deps --retries 1 --timeout 15 memcnn==1.5.2 -d $(MEMCNN_WHEELS) || \
 		echo "memcnn 1.5.2 could not be fetched: tests/test_memcnn_suite.py will skip"
+
+# laplace-torch 0.3 and what its BackPACK backends import, each with --no-deps: its
+# declared dependencies include torchvision, whose registry wheel does not import beside
+# the CPU torch, and an ASDL fork that is not on the package index (tests/test_backpack_laplace.py).
+LAPLACE_PINS := laplace-torch==0.3 torchmetrics==1.9.0 lightning-utilities==0.15.3 \
+	curvlinops-for-pytorch==3.0.1 einconv==0.1.0 linear-operator==0.6.1 jaxtyping==0.3.11 \
+	wadler-lindig==0.1.8
+$(VENV)/.installed-laplace: $(VENV)/.installed-$(EXTRAS_TEST)
+	$(BIN)/python -m pip install -q --no-deps $(LAPLACE_PINS)
+	@touch $@
 
 # The measurements behind docs/benchmarks.md (about an hour on 2 CPU cores), each
 # command writing JSON Lines under docs/bench/, then the page refilled from them.
@@ -252,7 +262,7 @@ calibrate-gpu: $(GPU_READY)
 	$(MEMCONV_GPU) calibrate --device cuda --out memconv/calibration/cuda.json --json $(BENCH_DIR)/cuda/calibration.jsonl
 	-$(MEMCONV_GPU) calibrate --device cuda --check --json $(BENCH_DIR)/cuda/calibration-check.jsonl
 
-test-slow: $(VENV)/.installed-$(EXTRAS_TEST) memcnn-wheel
+test-slow: $(VENV)/.installed-$(EXTRAS_TEST) $(VENV)/.installed-laplace memcnn-wheel
 	$(BIN)/python -m pytest -q -m slow
 
 lint: $(VENV)/.installed-$(EXTRAS_LINT)

@@ -165,6 +165,13 @@ def functorch_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
+def queue_backward_callback(callback) -> None:
+    """Run ``callback()`` once the backward pass running now has finished (autograd's
+    final callbacks: still inside ``backward()``, after every hook). Only during a
+    backward pass."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def graph_task_id() -> int | None:
     """An id of the backward pass running now (None outside one, or where torch has
     no such id)."""

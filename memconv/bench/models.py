@@ -807,3 +807,28 @@ def convnext_atto(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
     """timm's ``convnext_atto`` (depths 2, 2, 6, 2; dims 40, 80, 160, 320;
     ``conv_mlp=True``; 3.4 M parameters for 10 classes)."""
     return ConvNeXt((2, 2, 6, 2), (40, 80, 160, 320), num_classes, in_channels)
+
+
+def all_cnn_c(in_channels: int = 3, num_classes: int = 100) -> nn.Sequential:
+    """DeepOBS's ``cifar100_allcnnc`` (Springenberg et al. 2015's All-CNN-C), the network
+    of BackPACK's second-order benchmarks, with its dropout layers removed: nine
+    convolutions (three 3×3 of 96 channels, the third of stride 2; three of 192, the
+    third of stride 2; a 3×3 without padding, two 1×1), ReLUs, and a 6×6 average pool
+    over 32×32 inputs (1.39 M parameters for 100 classes)."""
+
+    def conv(c_in, c_out, k, stride=1, padding=1):
+        return [nn.Conv2d(c_in, c_out, k, stride=stride, padding=padding), nn.ReLU()]
+
+    return nn.Sequential(
+        *conv(in_channels, 96, 3),
+        *conv(96, 96, 3),
+        *conv(96, 96, 3, stride=2),
+        *conv(96, 192, 3),
+        *conv(192, 192, 3),
+        *conv(192, 192, 3, stride=2),
+        *conv(192, 192, 3, padding=0),
+        *conv(192, 192, 1, padding=0),
+        *conv(192, num_classes, 1, padding=0),
+        nn.AvgPool2d(6),
+        nn.Flatten(),
+    )

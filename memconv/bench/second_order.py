@@ -162,21 +162,11 @@ def _extension(name: str):
 
 
 def _memconv_extension(ext):
-    """``ext`` installed into memconv, and memconv's Kronecker module extensions on
-    every convolution and adaptive pooling class (KFAC/KFLR/KFRA)."""
+    """``ext`` installed into memconv (its Kronecker module extensions on every
+    convolution, adaptive pooling and BatchNorm class included, for KFAC/KFLR/KFRA)."""
     from memconv.integrations import backpack as mb
-    from memconv.integrations.backpack import kronecker
-    from memconv.modules import CONVERSIONS
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # before the merge of the diagonals: "not covered"
-        mb.install(ext)
-    layers = [*CONVERSIONS, *CONVERSIONS.values(), *kronecker.OTHER_LAYERS]
-    for cls in layers:
-        module_ext = kronecker.module_extension(ext, cls)
-        if module_ext is not None:
-            ext.set_module_extension(cls, module_ext, overwrite=True)
-    return ext
+    return mb.install(ext)
 
 
 def _stepper(engine: str, extension: str, model_name: str, model: nn.Module):

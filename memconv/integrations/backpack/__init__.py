@@ -16,12 +16,18 @@ classes, which :func:`install` sets on extension objects with BackPACK's
         lossfunc(model(X), y).backward()      # the forward pass records the block
     mb.uninstall(ext)                         # BackPACK's own mapping, exactly
 
-or ``with mb.installed(extensions.BatchGrad()) as ext: ...``. Covered:
-``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` and ``Variance``; the strategy is the
-one the layer's forward pass recorded (the rule of :class:`memconv.save_memory`;
-``"auto"`` outside any block). memconv's layers that are not convolutions get
-BackPACK's module extension of the ``torch.nn`` class they subclass. No global hook,
-no state outside the extension objects you pass.
+or ``with mb.installed(extensions.BatchGrad()) as ext: ...``. Covered: the first-order
+``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` and ``Variance``, and the
+second-order ``{Batch}DiagGGN{Exact,MC}``, ``{Batch}DiagHessian`` and
+``SqrtGGN{Exact,MC}`` (:mod:`.secondorder`; ``memory_budget=`` runs the backward pass
+over chunks of the factor's rows, :mod:`.chunking`) and the Kronecker-factored ``KFAC``,
+``KFLR`` and ``KFRA`` (:mod:`.kronecker`, which also supplies adaptive pooling and
+BatchNorm in eval mode, where BackPACK has no module extension); the strategy is the one the
+layer's forward pass recorded (the rule of :class:`memconv.save_memory`). memconv's
+layers that are not convolutions get BackPACK's module extension of the ``torch.nn``
+class they subclass, for every extension. No global hook, no state outside the
+extension objects you pass; :func:`routed` routes the blocks that third-party code
+opens (laplace-torch's backends), for the time of a ``with`` block.
 
 This module does not import BackPACK until a function is called; without it, they
 raise an ``ImportError`` naming the extra to install.
@@ -30,13 +36,15 @@ raise an ``ImportError`` naming the extra to install.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
+import threading
 import warnings
 import weakref
 
 from torch import nn
 
-from ..._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES, check_batch
+from ..._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES, check_batch, check_positive_int
 from ...conv import settings as context
 from ...conv.vjp import check_settings
 from ...engine.losses import per_sample_losses
@@ -66,7 +74,7 @@ def _mapping(ext) -> dict:
     return ext._BackpropExtension__module_extensions
 
 
-def install(*exts):
+def install(*exts, memory_budget=None):
     """Route the convolution weight Jacobians of BackPACK extension objects through memconv.
 
     For each covered extension object, every ``torch.nn`` and memconv convolution and
@@ -77,40 +85,66 @@ def install(*exts):
 
     Args:
         *exts: BackPACK extension objects (e.g. ``backpack.extensions.BatchGrad()``).
-            An extension memconv does not cover (second-order ones) is left as it is,
-            with a warning naming it.
+            An extension memconv does not cover (``KFAC``, ``KFLR``, ``KFRA``, the
+            curvature-matrix products) keeps BackPACK's convolutions, with a warning
+            naming it; memconv's layers are mapped for it all the same.
+        memory_budget: bytes (a positive int) for the factor of ``DiagGGN{Exact,MC}``,
+            ``BatchDiagGGN{Exact,MC}`` and ``SqrtGGN{Exact,MC}``: their backward pass
+            runs over chunks of the factor's ``V`` rows that fit it
+            (:mod:`memconv.integrations.backpack.chunking`; the ``"memconv"`` logger
+            says how many chunks at INFO level), so the peak does not grow with the
+            model's outputs. None: one pass, as BackPACK. Ignored by the other
+            extensions.
 
     Returns:
         The extension object (or the tuple of them, for several).
 
     Raises:
         ImportError: if BackPACK is not installed.
-        TypeError: if an argument is not a BackPACK extension object.
+        TypeError: if an argument is not a BackPACK extension object, or
+            ``memory_budget`` is not an int.
+        ValueError: if ``memory_budget`` is not positive.
     """
     extensions = _require()
+    if memory_budget is not None:
+        check_positive_int(memory_budget, "memory_budget")
     from backpack.extensions.backprop_extension import BackpropExtension
 
     for ext in exts:
         if not isinstance(ext, BackpropExtension):
             raise TypeError(f"install expects BackPACK extension objects, got {type(ext).__name__}")
+    from . import chunking
+    from .kronecker import OTHER_LAYERS
+    from .kronecker import module_extension as kronecker_module_extension
+
     for ext in exts:
-        if not isinstance(ext, extensions.COVERED):
-            warnings.warn(
-                f"memconv does not cover the BackPACK extension {type(ext).__name__}; its "
-                "convolution quantities keep BackPACK's own computation",
-                stacklevel=2,
-            )
-            continue
         if ext in _previous:
             continue
         mapping = _mapping(ext)
         new = {}
         for torch_cls, memconv_cls in CONVERSIONS.items():
-            if torch_cls in extensions.DERIVATIVES:
+            if torch_cls in extensions.DERIVATIVES and isinstance(ext, extensions.COVERED):
                 module_ext = extensions.module_extension(ext, torch_cls)
+            else:  # KFAC/KFLR/KFRA: convolutions, and BatchNorm in eval mode
+                module_ext = kronecker_module_extension(ext, torch_cls)
+            if module_ext is not None:
                 new[torch_cls] = new[memconv_cls] = module_ext
             elif torch_cls in mapping:
                 new[memconv_cls] = mapping[torch_cls]
+        for cls in OTHER_LAYERS:  # classes memconv does not convert (adaptive pooling)
+            module_ext = None if cls in new else kronecker_module_extension(ext, cls)
+            if module_ext is not None:
+                new[cls] = module_ext
+        if not any(cls in new for cls in extensions.DERIVATIVES):
+            warnings.warn(
+                f"memconv does not cover the BackPACK extension {type(ext).__name__}; its "
+                "convolution quantities keep BackPACK's own computation (memconv's layers "
+                "get BackPACK's module extensions of the torch.nn classes they subclass)",
+                stacklevel=2,
+            )
+        if memory_budget is not None and isinstance(ext, chunking.CHUNKED):
+            for cls in {**mapping, **new}:
+                new[cls] = chunking.Deferred(new.get(cls, mapping.get(cls)), memory_budget)
         _previous[ext] = {cls: mapping.get(cls, _ABSENT) for cls in new}
         for cls, module_ext in new.items():
             ext.set_module_extension(cls, module_ext, overwrite=True)
@@ -135,17 +169,106 @@ def uninstall(*exts) -> None:
 
 
 @contextlib.contextmanager
-def installed(*exts):
-    """:func:`install` for the duration of a ``with`` block, then :func:`uninstall`.
+def installed(*exts, memory_budget=None):
+    """:func:`install` (with its ``memory_budget``) for the duration of a ``with``
+    block, then :func:`uninstall`.
 
     Yields:
         The extension object (or the tuple of them).
     """
-    result = install(*exts)
+    result = install(*exts, memory_budget=memory_budget)
     try:
         yield result
     finally:
         uninstall(*exts)
+
+
+#: How many :func:`routed` blocks are open in this thread (or asyncio task), and the
+#: innermost one's memory budget.
+_routing: contextvars.ContextVar = contextvars.ContextVar(
+    "memconv_backpack_routed", default=(0, None)
+)
+_patch_lock = threading.Lock()
+#: BackPACK's own ``backpack.__enter__``/``__exit__`` while any routed block is open.
+_patched: dict = {}
+
+
+@contextlib.contextmanager
+def routed(memory_budget=None):
+    """Route every BackPACK ``with backpack(...)`` block opened inside through memconv.
+
+    For third-party code that builds its own extension objects (laplace-torch's
+    ``BackPackGGN``/``BackPackEF`` create ``DiagGGNExact``, ``KFAC``, ... inside their
+    own blocks): each ``backpack(*exts)`` block entered inside ``routed()`` installs
+    its extension objects on entry (:func:`install`, those already installed left
+    alone) and gives them back their own module extensions on exit
+    (:func:`uninstall`)::
+
+        from laplace import Laplace
+        from memconv.integrations import backpack as mb
+
+        with mb.routed():
+            la = Laplace(model, "classification", hessian_structure="diag")
+            la.fit(loader)
+
+    While a ``routed()`` block is open anywhere in the process, BackPACK's
+    ``backpack`` class has memconv's entry and exit methods (which call BackPACK's
+    own); the last ``routed()`` to close gives the class back its own methods, so no
+    state is left. Which blocks are routed is decided per thread (and per asyncio
+    task, by a :mod:`contextvars` variable): blocks that other threads open are not
+    routed. An extension object shared between threads while one of them routes it
+    sees the memconv mapping in all of them until the block exits.
+
+    Args:
+        memory_budget: as :func:`install`'s, for every block's extensions.
+
+    Yields:
+        None.
+
+    Raises:
+        ImportError: if BackPACK is not installed.
+        TypeError, ValueError: for a ``memory_budget`` :func:`install` refuses.
+    """
+    _require()
+    if memory_budget is not None:
+        check_positive_int(memory_budget, "memory_budget")
+    import backpack
+
+    with _patch_lock:
+        if not _patched:
+            cls = backpack.backpack
+            _patched.update(__enter__=cls.__enter__, __exit__=cls.__exit__)
+            cls.__enter__, cls.__exit__ = _routed_enter, _routed_exit
+        _patched["count"] = _patched.get("count", 0) + 1
+    token = _routing.set((_routing.get()[0] + 1, memory_budget))
+    try:
+        yield
+    finally:
+        _routing.reset(token)
+        with _patch_lock:
+            _patched["count"] -= 1
+            if not _patched["count"]:
+                cls = backpack.backpack
+                cls.__enter__, cls.__exit__ = _patched["__enter__"], _patched["__exit__"]
+                _patched.clear()
+
+
+def _routed_enter(block):
+    installed_here = ()
+    depth, memory_budget = _routing.get()
+    if depth:
+        installed_here = tuple(ext for ext in block.exts if ext not in _previous)
+        install(*installed_here, memory_budget=memory_budget)
+    block._memconv_installed = installed_here
+    return _patched["__enter__"](block)
+
+
+def _routed_exit(block, *exc):
+    try:
+        return _patched["__exit__"](block, *exc)
+    finally:
+        uninstall(*getattr(block, "_memconv_installed", ()))
+        block._memconv_installed = ()
 
 
 #: Trainable layers BackPACK's BatchGrad supports (checked before any work).

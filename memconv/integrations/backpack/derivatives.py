@@ -23,6 +23,7 @@ from backpack.core.derivatives.conv_transpose2d import ConvTranspose2DDerivative
 from backpack.core.derivatives.conv_transpose3d import ConvTranspose3DDerivatives
 from backpack.utils.subsampling import subsample
 
+from ..._checks import CONV_TYPES
 from ...conv.grads import conv_weight_grad
 from ...conv.settings import Settings, block_settings, use_block_settings, warn_if_block_missed
 from ...modules import _ConvFunction, _describe
@@ -41,16 +42,16 @@ def recorded_settings(module):
     return None
 
 
-def settings_for(module) -> Settings:
+def settings_for(module, default: Settings = STANDARD) -> Settings:
     """The strategy settings of a layer's weight Jacobian: what its memconv forward pass
     recorded; for a ``torch.nn`` layer, the :class:`memconv.save_memory` block open now
-    (at backward time), else ``"standard"``."""
+    (at backward time), else ``default`` (``"standard"``)."""
     recorded = recorded_settings(module)
     if recorded is not None:
         warn_if_block_missed(recorded, _describe(module))
         return recorded.strategy_settings
     if block_settings() is None:
-        return STANDARD
+        return default
     return use_block_settings(None)  # the open block (marked as used)
 
 
@@ -66,15 +67,33 @@ class _MemconvWeightJacobian:
         )
 
 
-class Conv1dDerivatives(_MemconvWeightJacobian, Conv1DDerivatives):
+class _ExactInputJacobian:
+    """``_jac_t_mat_prod`` of a convolution whose padding BackPACK's transposed
+    convolution ignores (``padding_mode != "zeros"``, ``padding="same"``): the input
+    VJP of the layer's own forward function (linear, so taken at a zero input) by
+    autograd; BackPACK's own otherwise."""
+
+    def _jac_t_mat_prod(self, module, g_inp, g_out, mat, subsampling=None):
+        if module.padding_mode == "zeros" and not isinstance(module.padding, str):
+            return super()._jac_t_mat_prod(module, g_inp, g_out, mat, subsampling=subsampling)
+        base = next(cls for cls in CONV_TYPES if isinstance(module, cls))
+        rows = mat.reshape(-1, *mat.shape[2:])
+        z = rows.new_zeros((rows.shape[0], *module.input0.shape[1:]), requires_grad=True)
+        with torch.enable_grad():
+            out = base._conv_forward(module, z, module.weight.detach(), None)
+            (jac_t,) = torch.autograd.grad(out, z, rows)
+        return jac_t.reshape(*mat.shape[:2], *jac_t.shape[1:])
+
+
+class Conv1dDerivatives(_ExactInputJacobian, _MemconvWeightJacobian, Conv1DDerivatives):
     """BackPACK's ``Conv1DDerivatives`` with memconv's weight Jacobian."""
 
 
-class Conv2dDerivatives(_MemconvWeightJacobian, Conv2DDerivatives):
+class Conv2dDerivatives(_ExactInputJacobian, _MemconvWeightJacobian, Conv2DDerivatives):
     """BackPACK's ``Conv2DDerivatives`` with memconv's weight Jacobian."""
 
 
-class Conv3dDerivatives(_MemconvWeightJacobian, Conv3DDerivatives):
+class Conv3dDerivatives(_ExactInputJacobian, _MemconvWeightJacobian, Conv3DDerivatives):
     """BackPACK's ``Conv3DDerivatives`` with memconv's weight Jacobian."""
 
 

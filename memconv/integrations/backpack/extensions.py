@@ -27,10 +27,12 @@ from torch import nn
 
 from ..._torch import graph_task_id
 from ...conv.norm_routes import conv_weight_sq_norms
-from . import derivatives
+from . import derivatives, secondorder
 
-#: BackPACK extensions whose convolution quantities memconv computes.
-COVERED = (BatchGrad, BatchL2Grad, SumGradSquared, Variance)
+#: BackPACK's first-order extensions whose convolution quantities memconv computes.
+FIRST_ORDER = (BatchGrad, BatchL2Grad, SumGradSquared, Variance)
+#: Every BackPACK extension whose convolution quantities memconv computes.
+COVERED = FIRST_ORDER + secondorder.COVERED
 
 DERIVATIVES = {
     nn.Conv1d: derivatives.Conv1dDerivatives,
@@ -81,13 +83,17 @@ class _Tied:
             if mark is None or mark[:2] != (field, task) or task is None:
                 continue  # left by an earlier pass
             if not isinstance(extension, BatchGrad):
+                remedy = (
+                    "memconv.per_sample_grads / memconv.per_sample_norms, which sum "
+                    "per-sample gradients over the uses"
+                    if isinstance(extension, FIRST_ORDER)
+                    else "a curvature method that keeps the cross terms between the uses"
+                )
                 raise ValueError(
                     f"BackPACK's {type(extension).__name__} with memconv: the parameter "
                     f"{name!r} of {type(module).__name__} is used by several calls in one "
                     "forward pass (tied, or a layer called twice), and its quantity of the "
-                    "sum of the uses is not the sum of theirs: untie it, or use "
-                    "memconv.per_sample_grads / memconv.per_sample_norms, which sum "
-                    "per-sample gradients over the uses"
+                    f"sum of the uses is not the sum of theirs: untie it, or use {remedy}"
                 )
             earlier[name] = getattr(p, field)
         super().__call__(extension, module, g_inp, g_out)
@@ -113,10 +119,13 @@ def module_extension(ext, conv_cls):
     """memconv's module extension of a covered BackPACK extension for ``conv_cls``.
 
     Args:
-        ext: a ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` or ``Variance`` object.
+        ext: a first-order (``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared``,
+            ``Variance``) or second-order (:data:`.secondorder.COVERED`) extension object.
         conv_cls: a ``torch.nn`` convolution or transposed-convolution class.
     """
     d = DERIVATIVES[conv_cls]()
+    if isinstance(ext, secondorder.COVERED):
+        return secondorder.module_extension(ext, d, wrap=_tied)
     if isinstance(ext, BatchGrad):
         return _tied(BatchGradBase)(derivatives=d, params=PARAMS)
     if isinstance(ext, SumGradSquared):

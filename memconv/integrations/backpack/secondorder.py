@@ -1,0 +1,149 @@
+"""BackPACK's second-order module extensions for convolutions, with memconv's weight rules.
+
+What BackPACK propagates between layers (the symmetric factorisation ``S`` of shape
+``[V, N, C_out, *T]``, DiagHessian's list of signed factors) stays BackPACK's: these
+classes are BackPACK's own base classes (``DiagGGNBaseModule``, ``DiagHBaseModule``,
+``SqrtGGNBaseModule``) given memconv's derivatives (:mod:`.derivatives`), whose input
+Jacobian is exact for every padding. The weight quantities are memconv's
+(:mod:`memconv.conv.curvature`): the diagonals as sums of squared per-row weight VJPs
+and SqrtGGN's ``[V, N, *weight.shape]`` rows, by the layer's strategy, in chunks of
+rows under the strategy's ``memory_budget``, never forming BackPACK's unfolded input
+nor its ``V·N·|W|`` product. The bias quantities are ``S`` summed over space, as
+BackPACK's.
+
+Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
+"""
+
+from __future__ import annotations
+
+from backpack.extensions import (
+    BatchDiagGGNExact,
+    BatchDiagGGNMC,
+    BatchDiagHessian,
+    DiagGGNExact,
+    DiagGGNMC,
+    DiagHessian,
+    SqrtGGNExact,
+    SqrtGGNMC,
+)
+from backpack.extensions.secondorder.diag_ggn.diag_ggn_base import DiagGGNBaseModule
+from backpack.extensions.secondorder.diag_hessian.diag_h_base import DiagHBaseModule
+from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
+from backpack.utils.subsampling import subsample
+
+from ...conv.curvature import bias_diagonal, weight_diagonal, weight_rows
+from ...conv.settings import Settings
+from ...strategies import NO_OPTIONS
+from .derivatives import settings_for as _layer_settings
+
+#: The strategy of a ``torch.nn`` layer's rows outside any ``save_memory`` block: the
+#: fastest by the cost model (BackPACK's own algorithm, first order's default, is a
+#: grouped convolution of ``V·N`` groups here).
+AUTO = Settings("auto", NO_OPTIONS)
+
+
+def settings_for(module) -> Settings:
+    """The layer's recorded or open block's settings, else :data:`AUTO`."""
+    return _layer_settings(module, AUTO)
+
+
+#: BackPACK's second-order extensions whose convolution quantities memconv computes.
+COVERED = (
+    DiagGGNExact,
+    DiagGGNMC,
+    BatchDiagGGNExact,
+    BatchDiagGGNMC,
+    DiagHessian,
+    BatchDiagHessian,
+    SqrtGGNExact,
+    SqrtGGNMC,
+)
+#: Those whose curvature factor ``S`` is exact (``V`` = the model's outputs), not sampled.
+EXACT = (DiagGGNExact, BatchDiagGGNExact, DiagHessian, BatchDiagHessian, SqrtGGNExact)
+#: Those that keep a quantity per sample.
+PER_SAMPLE = (BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian)
+PARAMS = ["bias", "weight"]
+
+
+class DiagGGNConv(DiagGGNBaseModule):
+    """``{Batch}DiagGGN{Exact,MC}`` for a convolution: memconv's weight diagonal.
+
+    Args:
+        derivatives: memconv's derivatives of the layer class.
+        per_sample: the ``Batch`` variant (``[N, *param.shape]``).
+    """
+
+    def __init__(self, derivatives, per_sample: bool):
+        self.per_sample = per_sample
+        super().__init__(derivatives, params=PARAMS)
+
+    def bias(self, ext, module, g_inp, g_out, backproped):
+        return bias_diagonal(backproped, per_sample=self.per_sample)
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        return weight_diagonal(
+            module, module.input0, backproped, settings_for(module), per_sample=self.per_sample
+        )
+
+
+class DiagHessianConv(DiagHBaseModule):
+    """``{Batch}DiagHessian`` for a convolution: each signed factor's diagonal (the
+    residual terms of the layers after it included, as BackPACK passes them) by
+    memconv's weight diagonal, summed with its sign.
+
+    Args:
+        derivatives: memconv's derivatives of the layer class.
+        per_sample: the ``Batch`` variant.
+    """
+
+    def __init__(self, derivatives, per_sample: bool):
+        self.per_sample = per_sample
+        super().__init__(derivatives, params=PARAMS)
+
+    def _signed_sum(self, diagonal, backproped):
+        total = None
+        for s, sign in zip(backproped["matrices"], backproped["signs"]):
+            term = diagonal(s) * sign
+            total = term if total is None else total + term
+        return total
+
+    def bias(self, ext, module, g_inp, g_out, backproped):
+        return self._signed_sum(lambda s: bias_diagonal(s, per_sample=self.per_sample), backproped)
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        settings = settings_for(module)
+        return self._signed_sum(
+            lambda s: weight_diagonal(
+                module, module.input0, s, settings, per_sample=self.per_sample
+            ),
+            backproped,
+        )
+
+
+class SqrtGGNConv(SqrtGGNBaseModule):
+    """``SqrtGGN{Exact,MC}`` for a convolution: the weight rows ``[V, N, *weight.shape]``
+    by memconv's strategies (BackPACK's subsampling applied to the input); the bias
+    rows by BackPACK's derivatives.
+
+    Args:
+        derivatives: memconv's derivatives of the layer class.
+    """
+
+    def __init__(self, derivatives):
+        super().__init__(derivatives, params=PARAMS)
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        x = subsample(module.input0, subsampling=ext.get_subsampling())
+        return weight_rows(module, x, backproped, settings_for(module))
+
+
+def module_extension(ext, derivatives, wrap=lambda cls: cls):
+    """memconv's module extension of a covered second-order extension object, for a
+    convolution class whose memconv derivatives object is ``derivatives``; ``wrap``
+    makes the class used from the class defined here (a mixin added)."""
+    if isinstance(ext, (SqrtGGNExact, SqrtGGNMC)):
+        return wrap(SqrtGGNConv)(derivatives)
+    per_sample = isinstance(ext, PER_SAMPLE)
+    if isinstance(ext, (DiagHessian, BatchDiagHessian)):
+        return wrap(DiagHessianConv)(derivatives, per_sample)
+    return wrap(DiagGGNConv)(derivatives, per_sample)
