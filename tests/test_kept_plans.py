@@ -18,6 +18,7 @@ from torch import nn
 
 import memconv
 from memconv.engine.planning import (
+    COMFORTABLE_LAYER_BUDGET,
     LEAN_HALVINGS,
     MIN_LAYER_BUDGET,
     pass_layer_budget,
@@ -227,6 +228,7 @@ def test_default_plan_keeps_the_lean_target(name, side):
     peaks = [
         predict(prof, request, m=256, layer_budget=max(own >> k, MIN_LAYER_BUDGET))[0]
         for k in range(LEAN_HALVINGS + 1)
+        if k == 0 or own >> k >= COMFORTABLE_LAYER_BUDGET
     ]
     own16 = pass_layer_budget(prof, 16)
     k = next(

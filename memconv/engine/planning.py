@@ -137,6 +137,8 @@ def lean_layer_budget(prof: Profile, request: Request, m: int) -> int:
     target), the fewest whose peak is the least of them: more halvings would only split
     layers into more pieces for nothing.
 
+    A halving that would leave a layer less than :data:`COMFORTABLE_LAYER_BUDGET` on the
+    reference batch is not tried (small layers, whose memory matters little, stay whole).
     k is chosen on a pass of :data:`LEAN_REFERENCE_BATCH` samples (or ``m``, if more),
     where what grows with the batch decides: the same k at every batch size, so that the
     number of pieces a route splits a layer into, and the call's number of operations,
@@ -145,16 +147,19 @@ def lean_layer_budget(prof: Profile, request: Request, m: int) -> int:
     at = replace(request, n=ref)
     own = pass_layer_budget(prof, ref)
     target = lean_target(prof, ref)
-    peaks = []
+    peaks, chosen = [], None
     for k in range(LEAN_HALVINGS + 1):
+        if k and own >> k < COMFORTABLE_LAYER_BUDGET:  # tiny pieces run slow: no further
+            break
         peak = predict(prof, at, m=ref, layer_budget=max(own >> k, MIN_LAYER_BUDGET))[0]
         if peak <= target:
+            chosen = k
             break
         peaks.append(peak)
-    else:
+    if chosen is None:  # none within the target: the first whose peak is the least
         least = min(peaks)
-        k = next(k for k, peak in enumerate(peaks) if peak <= least * 1.01)
-    return max(pass_layer_budget(prof, m) >> k, MIN_LAYER_BUDGET)
+        chosen = next(k for k, peak in enumerate(peaks) if peak <= least * 1.01)
+    return max(pass_layer_budget(prof, m) >> chosen, MIN_LAYER_BUDGET)
 
 
 @dataclass(frozen=True)
@@ -498,18 +503,24 @@ class Plan:
         )
 
 
-def _layer_temporaries(layer: LayerProfile, request: Request, *, m: int, kind: str, budget):
+def _layer_temporaries(
+    layer: LayerProfile, request: Request, *, m: int, kind: str, budget, by_ops=frozenset()
+):
     """Bytes of a parametrised layer's temporaries for m samples within ``budget``: its
     rule's memory model (``kind``: ``"grads"`` or ``"norms"``), or the generic route's
     (per-sample gradients, their squares, and a chunk's activations re-run by
-    ``torch.func``)."""
+    ``torch.func``). A layer without a rule whose parameters all reach operations with
+    a rule (``by_ops``: :meth:`Profile.reached_by_ops`; a weight-standardised
+    convolution) takes those operations' routes, which work within ``budget``."""
     rule = find_rule(layer.module)
     shape = (m, *layer.input_shape[1:])
     if rule is None:
         per_sample = m * layer.params * layer.itemsize
-        return (
+        generic = (
             2 * per_sample + 4 * m * (layer.input_elements + layer.output_elements) * layer.itemsize
         )
+        covered = by_ops and all(id(p) in by_ops for p in own_trainable(layer.module).values())
+        return min(generic, budget) if covered and budget is not None else generic
     with using(RuleSettings(request.settings, request.norm_route, budget)):
         where = f"layer {layer.name!r}"
         return rule_memory(rule, layer.module, (shape,), layer.itemsize, kind, where=where)
@@ -538,6 +549,7 @@ def predict(prof: Profile, request: Request, *, m: int, layer_budget: int | None
     backward, kept = 0.0, 0.0
     r0, r1 = prof.recompute
     recompute = r0 + r1 * m  # a reversible block's, at any layer: an upper bound
+    by_ops = prof.reached_by_ops()
     for layer in reversed(prof.layers):
         c0, c1 = layer.saved
         alive = activations if two_pass else c0 + c1 * m  # freed as the pass goes back
@@ -549,7 +561,9 @@ def predict(prof: Profile, request: Request, *, m: int, layer_budget: int | None
             kept_grads = keeping and m * layer.params < layer.input_elements + layer.output_elements
             # book-keeping instantiates these
             kind = "grads" if kept_grads or task == "grads" else "norms"
-            temp = _layer_temporaries(layer, request, m=m, kind=kind, budget=layer_budget)
+            temp = _layer_temporaries(
+                layer, request, m=m, kind=kind, budget=layer_budget, by_ops=by_ops
+            )
             backward = max(backward, alive + layer.grad_bytes(m) + temp + kept)
             if keeping:
                 io = m * (layer.input_elements + layer.output_elements) * layer.itemsize
