@@ -15,7 +15,8 @@ these and hands them to the next call while everything they depend on is the sam
   included), ``clip_route``, ``norm_route``, and the budget (a ``"available"``
   budget is read again on every call: the plan is kept while its one pass over the
   whole batch still fits, and made again otherwise);
-- the loss function (the same object).
+- the loss function (the same object) for the per-sample loss evaluation (a new loss
+  object makes that afresh; the probe and the plan do not depend on the loss).
 
 Any change makes a new probe or plan. The values of the parameters and inputs do not
 enter any of them. The walk checks every recorded layer call of every pass against
@@ -246,7 +247,7 @@ class Prepared:
         if self._loss is None or self._loss.loss_fn is not batch.loss_fn:
             self._loss = PerSampleLoss(batch.loss_fn)
         budget = resolve_budget(request.memory_budget, device)
-        plan_key = (replace(request, caller=""), batch.loss_fn)
+        plan_key = replace(request, caller="")  # (the plan does not read the loss)
         kept_key, self._plan = self._plans.get(request.task, (None, None))
         if plan_key != kept_key or not self._still_fits(budget, request):
             self._plan = make_plan(self._profile, request, budget=budget)
