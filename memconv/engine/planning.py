@@ -95,6 +95,9 @@ LEAN_HALVINGS = 6
 #: The batch on which the lean plan chooses how many times to halve the per-layer
 #: budget (:func:`lean_layer_budget`).
 LEAN_REFERENCE_BATCH = 256
+#: Where no halving reaches the lean target, the fewest halvings whose predicted peak is
+#: within this factor of the least.
+LEAN_TOLERANCE = 1.01
 
 
 def non_private_peak(prof: Profile, m: int) -> int:
@@ -122,10 +125,12 @@ def non_private_peak(prof: Profile, m: int) -> int:
     return int(max(forward, backward) + prof.param_bytes)
 
 
-def lean_target(prof: Profile, m: int) -> int:
+def lean_target(prof: Profile, m: int, task: str = "clip") -> int:
     """The lean target of a pass of ``m`` samples (bytes): :data:`LEAN_FACTOR` times
-    :func:`non_private_peak`."""
-    return int(LEAN_FACTOR * non_private_peak(prof, m))
+    :func:`non_private_peak`, plus, for per-sample gradients (``task="grads"``), their
+    result (``m`` times the parameters' bytes), which no route choice changes."""
+    result = m * prof.param_bytes if task == "grads" else 0
+    return int(LEAN_FACTOR * non_private_peak(prof, m)) + result
 
 
 def lean_layer_budget(prof: Profile, request: Request, m: int) -> int:
@@ -134,8 +139,11 @@ def lean_layer_budget(prof: Profile, request: Request, m: int) -> int:
     :data:`LEAN_HALVINGS`) whose predicted peak is within :func:`lean_target`, so that
     each layer takes the fastest route that keeps the step's peak at the non-private
     step's. Where no k is (what the call keeps, not a route's temporaries, passes the
-    target), the fewest whose peak is the least of them: more halvings would only split
-    layers into more pieces for nothing.
+    target), the fewest whose peak is within :data:`LEAN_TOLERANCE` of the least of
+    them: more halvings would split layers into more pieces for little. Per-sample
+    gradients (``task="grads"``) keep the pass's own: their result, which no route
+    changes, dwarfs the routes' temporaries, and small budgets would split their layers
+    at small batches.
 
     A halving that would leave a layer less than :data:`COMFORTABLE_LAYER_BUDGET` on the
     reference batch is not tried (small layers, whose memory matters little, stay whole).
@@ -143,10 +151,12 @@ def lean_layer_budget(prof: Profile, request: Request, m: int) -> int:
     where what grows with the batch decides: the same k at every batch size, so that the
     number of pieces a route splits a layer into, and the call's number of operations,
     do not grow with the batch."""
+    if request.task == "grads":
+        return pass_layer_budget(prof, m)
     ref = max(m, LEAN_REFERENCE_BATCH)
     at = replace(request, n=ref)
     own = pass_layer_budget(prof, ref)
-    target = lean_target(prof, ref)
+    target = lean_target(prof, ref, request.task)
     peaks, chosen = [], None
     for k in range(LEAN_HALVINGS + 1):
         if k and own >> k < COMFORTABLE_LAYER_BUDGET:  # tiny pieces run slow: no further
@@ -158,7 +168,7 @@ def lean_layer_budget(prof: Profile, request: Request, m: int) -> int:
         peaks.append(peak)
     if chosen is None:  # none within the target: the first whose peak is the least
         least = min(peaks)
-        chosen = next(k for k, peak in enumerate(peaks) if peak <= least * 1.01)
+        chosen = next(k for k, peak in enumerate(peaks) if peak <= least * LEAN_TOLERANCE)
     return max(pass_layer_budget(prof, m) >> chosen, MIN_LAYER_BUDGET)
 
 
@@ -640,7 +650,7 @@ def _lean_plan(prof: Profile, request: Request, *, budget: int, **more) -> Plan:
     :func:`lean_layer_budget`."""
     n = request.n
     layer_budget = lean_layer_budget(prof, request, n)
-    target = lean_target(prof, n)
+    target = lean_target(prof, n, request.task)
     return _predicted_plan(
         prof, request, m=n, layer_budget=layer_budget, budget=budget, lean_target=target, **more
     )
