@@ -139,9 +139,10 @@ class Strategy(Protocol):
 
     A strategy may also set ``batched = False`` (a class attribute; True when absent):
     its number of tensor operations grows with N (a loop over samples), so that
-    ``"auto"`` and ``"streaming"`` never choose it — on a device where each operation
-    costs a kernel launch such a loop is what makes a step slow — and it runs only
-    where it is asked for by name.
+    ``"streaming"`` never runs it in its tiles (whose operations already repeat per
+    tile); ``"auto"`` weighs it as any other, its time model pricing each of those
+    operations at the device's per-operation term — on a device where each costs a
+    kernel launch that keeps the batched strategies.
     """
 
     name: ClassVar[str]
