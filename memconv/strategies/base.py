@@ -139,10 +139,9 @@ class Strategy(Protocol):
 
     A strategy may also set ``batched = False`` (a class attribute; True when absent):
     its number of tensor operations grows with N (a loop over samples), so that
-    ``"streaming"`` never runs it in its tiles (whose operations already repeat per
-    tile); ``"auto"`` weighs it as any other, its time model pricing each of those
-    operations at the device's per-operation term — on a device where each costs a
-    kernel launch that keeps the batched strategies.
+    ``"auto"`` and ``"streaming"`` never choose it — on a device where each operation
+    costs a kernel launch such a loop is what makes a step slow — and it runs only
+    where it is asked for by name.
     """
 
     name: ClassVar[str]

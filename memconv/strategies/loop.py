@@ -9,11 +9,9 @@ arXiv:1912.06015) compare against, here without a forward pass or a graph. Its
 temporaries are one sample's; on the CPU the kernel is the fastest of the registered
 strategies where positions are many and channels few (early layers, large images),
 and its cost is one kernel call per sample, which dominates for small layers, and its
-number of tensor operations grows with N: it is not ``batched``, so ``"streaming"``
-never runs it in its tiles, and ``"auto"`` runs it only where the device's calibration
-predicts it fastest, those operations priced at its per-operation term (the CPU's
-3×3 layers of a few dozen channels; on a GPU each is a kernel launch, and the batched
-strategies win).
+number of tensor operations grows with N: it is not ``batched``, so ``"auto"`` and
+``"streaming"`` never choose it (on a GPU each of those operations is a kernel launch);
+it runs where it is asked for by name.
 """
 
 from __future__ import annotations
