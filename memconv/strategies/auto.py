@@ -1,18 +1,16 @@
 """``"auto"``: per layer, the fastest registered strategy whose memory fits a budget.
 
-Every other registered strategy is a candidate, those that split the layer included
-(``"loop"``'s samples, ``"shift"``'s chunks of the batch, ``"streaming"``'s tiles):
-each predicts its extra memory (bytes) and its run time (seconds) from the layer's
-sizes on the device's calibration (:mod:`memconv.strategies.costs`), and ``"auto"``
-runs the one predicted fastest among those within ``memory_budget`` (any, without a
-budget). Each time model counts the tensor operations its computation issues, per
-sample or per piece where it splits, and prices them at the calibration's
-per-operation term: on a launch-bound device (CUDA, some 11 µs an operation) that
-keeps the batched routes, whose number of operations does not grow with N; on the
-CPU (4 µs) a per-sample loop wins where its products are faster. ``"streaming"``
-chooses its tile to fit the budget, so it is what runs when no other strategy fits;
-when not even its smallest tile fits, a warning says so and the leanest candidate
-runs. The choice is logged on the ``memconv`` logger at DEBUG level.
+Every other registered strategy whose number of tensor operations does not grow
+with N is a candidate (a strategy that loops over samples, ``"loop"``, is not:
+:func:`memconv.strategies.base.batched`): each predicts its extra memory (bytes) and
+its run time (seconds, a per-operation term included) from the layer's sizes, and
+``"auto"`` runs the one predicted fastest among those within ``memory_budget`` (any,
+without a budget) that do the layer in one piece; only when none of those fits, the
+fastest of those that split it (``"shift"``'s chunks of the batch, ``"streaming"``'s
+tiles: :func:`memconv.strategies.base.pieces`), whose operations repeat per piece. ``"streaming"`` chooses its tile to fit the budget, so it is what runs
+when no whole-layer strategy fits; when not even its smallest tile fits, a
+warning says so and the leanest candidate runs. The choice is logged on the
+``memconv`` logger at DEBUG level.
 """
 
 from __future__ import annotations
@@ -27,9 +25,11 @@ from .base import (
     NO_OPTIONS,
     Options,
     Problem,
+    batched,
     cost_model,
     fastest_that_fits,
     get_strategy,
+    pieces,
     register_strategy,
     strategy_names,
 )
@@ -56,20 +56,22 @@ def choose(problem: Problem, options: Options):
         False when no candidate fits the budget (the leanest is returned then).
     """
     budget = options.memory_budget
-    candidates = []  # (strategy, options, bytes, time)
+    candidates = []  # (strategy, options, bytes, time, pieces)
     for name in strategy_names():
         strategy = get_strategy(name)
-        if name != Auto.name:
+        if name != Auto.name and batched(strategy):
             sub = _candidate_options(strategy, options)
-            candidates.append(
-                (strategy, sub, strategy.memory(problem, sub), strategy.time(problem, sub))
-            )
-    # the device's predicted time decides, splitting routes included: each time model
-    # prices the operations it issues (per piece, per sample) at the calibration's
-    # per-operation term, which keeps a launch-bound device on the batched routes
-    (strategy, sub, memory, _), fits = fastest_that_fits(
-        candidates, budget, memory=lambda c: c[2], time=lambda c: c[3]
-    )
+            memory, time = strategy.memory(problem, sub), strategy.time(problem, sub)
+            candidates.append((strategy, sub, memory, time, pieces(strategy, problem, sub)))
+    # split only where memory demands it: the candidates that do the layer in one
+    # piece first (a piece repeats its operations, whose number then grows with N)
+    whole = [c for c in candidates if c[4] == 1]
+    for pool in (whole, candidates) if whole else (candidates,):
+        (strategy, sub, memory, *_), fits = fastest_that_fits(
+            pool, budget, memory=lambda c: c[2], time=lambda c: c[3]
+        )
+        if fits:  # (else, after the last pool, the leanest of all)
+            break
     return strategy, sub, memory, fits
 
 
