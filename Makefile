@@ -42,6 +42,7 @@ $(VENV)/.python: FORCE
 # One stamp per set of extras: `make compare` installs only what `memconv compare` needs.
 $(VENV)/.installed-%: $(VENV)/.python pyproject.toml constraints.txt
 	$(PIP) -e ".[$(subst +,$(comma),$*)]"
+	$(if $(findstring backpack,$*),$(PIP) --no-deps "backpack-for-pytorch>=1.6")
 	@touch $@
 
 comma := ,

@@ -113,22 +113,51 @@ def check_positive_int(value, argument: str, *, none: bool = True) -> None:
         raise ValueError(f"{argument} must be {accepted}, got {value}")
 
 
-def check_budget(memory_budget, argument: str = "memory_budget") -> None:
-    """Raise unless ``memory_budget`` is ``"available"``, None or a positive int (bytes).
+class BudgetError(ValueError, TypeError):
+    """A ``memory_budget`` none of whose accepted forms it is: one exception wherever a
+    budget is taken, a ``ValueError`` and a ``TypeError`` both (as numpy's ``AxisError``
+    is a ``ValueError`` and an ``IndexError``), so that code catching either keeps
+    working."""
+
+
+def check_budget(
+    memory_budget,
+    argument: str = "memory_budget",
+    *,
+    available: bool = True,
+    none: bool = True,
+    where: str = "",
+) -> None:
+    """Raise unless ``memory_budget`` is one of the forms a function accepts: a positive
+    int (bytes), ``"available"`` (with ``available``) or None (with ``none``). Every
+    function that takes a budget checks it here, so that a bad one gets the same
+    exception and a message showing the accepted forms.
+
+    Args:
+        memory_budget: the value given.
+        argument: its name, for the message.
+        available: whether ``"available"`` is accepted.
+        none: whether None is accepted.
+        where: what takes it (``"save_memory"``, ...), for the message.
 
     Raises:
-        TypeError: a non-integer other than ``"available"``.
-        ValueError: a non-positive value, or another string.
+        BudgetError: (a ``ValueError`` and a ``TypeError``) naming the argument, the
+            value and the accepted forms, e.g. ``2 * 2**30`` for 2 GiB.
     """
-    accepted = "a positive int (bytes), 'available' or None"
-    if memory_budget is None or memory_budget == AVAILABLE:
+    if memory_budget is None and none:
         return
-    if isinstance(memory_budget, str):
-        raise ValueError(f"{argument} must be {accepted}, got {memory_budget!r}")
-    if not _is_int(memory_budget):
-        raise TypeError(f"{argument} must be {accepted}, got {memory_budget!r}")
-    if memory_budget <= 0:
-        raise ValueError(f"{argument} must be {accepted}, got {memory_budget}")
+    if available and isinstance(memory_budget, str) and memory_budget == AVAILABLE:
+        return
+    if _is_int(memory_budget) and memory_budget > 0:
+        return
+    forms = ["a positive int of bytes (2 * 2**30 for 2 GiB)"]
+    if available:
+        forms.append("'available' (what the process can still use)")
+    if none:
+        forms.append("None (no limit)")
+    accepted = ", ".join(forms[:-1]) + " or " + forms[-1] if len(forms) > 1 else forms[0]
+    prefix = f"{where}: " if where else ""
+    raise BudgetError(f"{prefix}{argument} must be {accepted}; got {memory_budget!r}")
 
 
 def check_threshold(value, what: str) -> float:
@@ -293,18 +322,16 @@ def check_stream_tile(tile_size, tile_shape, memory_budget):
         ValueError: both or neither of ``tile_size`` and ``tile_shape``; ``"auto"``
             without a ``memory_budget`` (a positive int, bytes), or a budget with a
             fixed tile; a ``tile_shape`` without spatial sizes.
-        TypeError: a ``memory_budget`` that is not an int.
+        BudgetError: a ``memory_budget`` that is not a positive int
+            (:func:`check_budget`).
     """
     if tile_size == "auto":
         if memory_budget is None:
             raise ValueError(
                 "tile_size='auto' needs memory_budget (bytes a training step may use "
-                "beyond the image and the parameters)"
+                "beyond the image and the parameters: 2 * 2**30 for 2 GiB)"
             )
-        if isinstance(memory_budget, str) or not _is_int(memory_budget):
-            raise TypeError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
-        if memory_budget <= 0:
-            raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget}")
+        check_budget(memory_budget, available=False, none=False, where="StreamingCNN")
         return "auto", None
     if memory_budget is not None:
         raise ValueError(
@@ -365,6 +392,31 @@ def check_batch(inputs, targets) -> int:
             f"inputs and targets must have the same length N, got {len(inputs)} and {len(targets)}"
         )
     return len(inputs)
+
+
+def check_layer_input(shape: tuple, axes: int, *, layer: str, inputs: tuple) -> None:
+    """Raise unless a layer that takes inputs of ``axes`` axes (batch axis included) got
+    ``shape`` in the probe of one sample of the batch ``inputs`` (its shape).
+
+    Raises:
+        ValueError: naming the ``inputs`` argument, the layer and the remedy: an input
+            one axis short is the batch of samples without their channel axis (``[N, 28,
+            28]`` for a one-channel ``Conv2d``), which torch would take for a single
+            unbatched sample.
+    """
+    if len(shape) >= axes:
+        return
+    got = "[" + ", ".join(map(str, inputs)) + "]"
+    hint = (
+        " add the channel axis (inputs.unsqueeze(1) for one channel)"
+        if len(shape) == axes - 1
+        else " give it a batch of samples with the axes the layer takes"
+    )
+    raise ValueError(
+        f"inputs of shape {got} do not fit the layer {layer}, which takes inputs of {axes} "
+        f"axes with the batch axis first, but got {len(shape)} ({list(shape)} for one "
+        f"sample): the batch seems to lack its channel axis;{hint}"
+    )
 
 
 def check_conv_module(module, argument: str = "module") -> None:

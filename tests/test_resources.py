@@ -88,10 +88,50 @@ def test_a_result_that_cannot_fit_raises_naming_the_largest_batch(monkeypatch):
 
 def test_bad_budgets_name_the_accepted_values():
     model, x, y = small()
-    with pytest.raises(ValueError, match="'available' or None"):
+    with pytest.raises(ValueError, match=r"2 \* 2\*\*30 for 2 GiB\), 'available' .* or None"):
         memconv.per_sample_norms(model, nn.CrossEntropyLoss(), x, y, memory_budget="all")
-    with pytest.raises(TypeError, match="'available' or None"):
+    with pytest.raises(TypeError, match="'available' .* or None"):
         memconv.plan(model, x, memory_budget=1.5)
+
+
+@pytest.mark.parametrize("budget", ["2GB", 1.5, 0, -1, True])
+def test_one_budget_check_everywhere(budget):
+    """Every function taking a budget raises the same exception (a ValueError and a
+    TypeError both) with the accepted forms, "2GB" included."""
+    from memconv._checks import BudgetError
+    from memconv.streaming import StreamingCNN
+
+    model, x, y = small()
+    loss = nn.CrossEntropyLoss()
+    calls = [
+        lambda: memconv.clip_and_accumulate(model, loss, x, y, max_norm=1.0, memory_budget=budget),
+        lambda: memconv.per_sample_grads(model, loss, x, y, memory_budget=budget),
+        lambda: memconv.per_sample_norms(model, loss, x, y, memory_budget=budget),
+        lambda: memconv.plan(model, x, memory_budget=budget),
+        lambda: memconv.PrivateStep(model, loss, memory_budget=budget),
+        lambda: memconv.save_memory("auto", memory_budget=budget),
+        lambda: StreamingCNN(nn.Sequential(nn.Conv2d(1, 2, 3)), "auto", memory_budget=budget),
+    ]
+    for call in calls:
+        with pytest.raises(
+            BudgetError, match=r"memory_budget must be a positive int of bytes \(2 \* 2\*\*30"
+        ):
+            call()
+    assert issubclass(BudgetError, ValueError) and issubclass(BudgetError, TypeError)
+
+
+def test_a_batch_without_its_channel_axis_is_named():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 8, 3), nn.GroupNorm(2, 8), nn.Flatten(), nn.Linear(8 * 26 * 26, 3)
+    )
+    x, y = torch.randn(4, 28, 28), torch.randint(0, 3, (4,))
+    for call in (memconv.per_sample_grads, memconv.per_sample_norms):
+        with pytest.raises(
+            ValueError, match=r"inputs of shape \[4, 28, 28\].*'0' \(Conv2d\).*channel axis"
+        ):
+            call(model, nn.CrossEntropyLoss(), x, y)
+    memconv.per_sample_norms(model, nn.CrossEntropyLoss(), x.unsqueeze(1), y)
 
 
 def test_process_budget_nests_and_trims():

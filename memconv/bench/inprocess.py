@@ -52,6 +52,13 @@ ROWS += tuple(
     ("clip", case, 1024, MODELS) for case in ("convnext-atto", "nf-resnet26", "resnet18-tv-gn")
 )
 ROWS += (("grads", "seed-112", 1024, GRADS),)
+#: ``--rows lean``: the lean default's GPU check (ConvNeXt-atto and ViT-tiny at 256 against
+#: their non-private step, NF-ResNet-26's allocator), PrivateStep and the plain call side
+#: by side; about two minutes on one H100.
+LEAN = ("non-private", "memconv:step", "memconv:default")
+LEAN_ROWS = tuple(
+    ("clip", case, 256, LEAN) for case in ("convnext-atto", "vit-tiny", "nf-resnet26")
+)
 #: The rows of ``--quick``: two small cases at their quick sizes, seconds on a CPU.
 QUICK_ROWS = (
     ("clip", "resnet18-gn", 2, CLIP),
@@ -137,6 +144,13 @@ def main(argv=None) -> int:
         "--time-budget", type=float, help="seconds; rows that will not fit are skipped"
     )
     parser.add_argument("--quick", action="store_true", help="small shapes: a smoke test")
+    parser.add_argument(
+        "--rows",
+        choices=("all", "lean"),
+        default="all",
+        help="all: every target row (default); lean: ConvNeXt-atto, ViT-tiny and "
+        "NF-ResNet-26 at 256, the non-private step, PrivateStep and the plain call",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -147,7 +161,9 @@ def main(argv=None) -> int:
         parser.error("--device cuda: no CUDA device is available here")
     strict_float32(args.device)
     started = _now()
-    rows = QUICK_ROWS if args.quick else ROWS
+    rows = ROWS if args.rows == "all" else LEAN_ROWS
+    if args.quick:  # the rows' first two cases at their quick sizes
+        rows = QUICK_ROWS if args.rows == "all" else tuple((t, c, 2, e) for t, c, _, e in rows[:2])
     with open(args.json, "w") as out:
 
         def write(record):

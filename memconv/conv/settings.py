@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from .._checks import check_positive_int, check_strategy_name, check_tile_size
+from .._checks import check_budget, check_strategy_name, check_tile_size
 from ..strategies import NO_OPTIONS, Options, get_strategy, strategy_names
 
 #: The strategy per-sample computations use outside any ``save_memory`` block.
@@ -234,8 +234,7 @@ def make_settings(strategy=DEFAULT_STRATEGY, *, tile_size=None, memory_budget=No
     """
     name = resolve_strategy_name(strategy)
     check_tile_size(tile_size)
-    if memory_budget is not None:
-        check_positive_int(memory_budget, "memory_budget")
+    check_budget(memory_budget, available=False, where="save_memory")
     if inner is not None:
         inner = resolve_strategy_name(inner, "inner")
         if get_strategy(inner).composite:

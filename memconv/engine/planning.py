@@ -26,6 +26,12 @@ forward pass of one and two samples):
   forward pass; its backward pass runs them again, a half-step at a time for a
   coupling: the whole block's is an upper bound).
 
+By default (``memory_budget="available"``) a call is lean: the per-layer budget is
+the pass's own halved until the predicted peak is within the non-private step's
+predicted peak times :data:`LEAN_FACTOR` (:func:`lean_layer_budget`), so each layer
+takes the fastest route the device's calibration prices within it; a budget given in
+bytes, or None, lets each layer use what the pass itself holds (faster, more memory).
+
 A budget below the smallest feasible one (one sample, the leanest strategies)
 raises a ``ValueError`` naming it. Activation recomputation for single samples too
 large to keep (huge images) is :class:`memconv.streaming.StreamingCNN`'s job.
@@ -45,6 +51,7 @@ from .._checks import (
     AVAILABLE,
     check_budget,
     check_clip_route,
+    check_layer_input,
     check_route,
     check_task,
     check_tensor,
@@ -75,6 +82,94 @@ def pass_layer_budget(prof: Profile, m: int) -> int:
     layer into does not depend on the batch size."""
     largest = max((layer.grad_bytes(m) for layer in prof.layers if layer.params), default=0)
     return max(int(2 * largest), MIN_LAYER_BUDGET)
+
+
+#: The lean target of a call planned against ``memory_budget="available"`` (the
+#: default): its predicted peak within this factor of the non-private step's
+#: (:func:`non_private_peak`).
+LEAN_FACTOR = 1.05
+#: The per-layer budgets the lean plan tries: the pass's own halved at most this many
+#: times (a per-layer budget that shrinks with the pass's, so that the number of pieces
+#: a route splits a layer into does not grow with the batch).
+LEAN_HALVINGS = 6
+#: The batch on which the lean plan chooses how many times to halve the per-layer
+#: budget (:func:`lean_layer_budget`).
+LEAN_REFERENCE_BATCH = 256
+#: Where no halving reaches the lean target, the fewest halvings whose predicted peak is
+#: within this factor of the least.
+LEAN_TOLERANCE = 1.01
+
+
+def non_private_peak(prof: Profile, m: int) -> int:
+    """Predicted peak bytes of the non-private step on ``m`` samples: one forward and one
+    backward pass of autograd, the parameters' gradients included (the terms of
+    :func:`predict` without a route's temporaries, what is kept, or a result)."""
+    a0, a1 = prof.activations
+    activations = a0 + a1 * m
+    r0, r1 = prof.recompute
+    backward = max(
+        (
+            c0 + c1 * m + r0 + r1 * m + layer.grad_bytes(m) + layer.params * layer.itemsize
+            for layer in prof.layers
+            for c0, c1 in (layer.saved,)
+        ),
+        default=0.0,
+    )
+    forward = activations + max(
+        [m * prof.output]
+        + [
+            m * leaf.output_elements * leaf.itemsize + leaf.params * leaf.itemsize
+            for leaf in prof.layers
+        ]
+    )
+    return int(max(forward, backward) + prof.param_bytes)
+
+
+def lean_target(prof: Profile, m: int, task: str = "clip") -> int:
+    """The lean target of a pass of ``m`` samples (bytes): :data:`LEAN_FACTOR` times
+    :func:`non_private_peak`, plus, for per-sample gradients (``task="grads"``), their
+    result (``m`` times the parameters' bytes), which no route choice changes."""
+    result = m * prof.param_bytes if task == "grads" else 0
+    return int(LEAN_FACTOR * non_private_peak(prof, m)) + result
+
+
+def lean_layer_budget(prof: Profile, request: Request, m: int) -> int:
+    """The per-layer budget of the default plan's pass of ``m`` samples: the pass's own
+    (:func:`pass_layer_budget`) halved k times, k the fewest (0 to
+    :data:`LEAN_HALVINGS`) whose predicted peak is within :func:`lean_target`, so that
+    each layer takes the fastest route that keeps the step's peak at the non-private
+    step's. Where no k is (what the call keeps, not a route's temporaries, passes the
+    target), the fewest whose peak is within :data:`LEAN_TOLERANCE` of the least of
+    them: more halvings would split layers into more pieces for little. Per-sample
+    gradients (``task="grads"``) keep the pass's own: their result, which no route
+    changes, dwarfs the routes' temporaries, and small budgets would split their layers
+    at small batches.
+
+    A halving that would leave a layer less than :data:`COMFORTABLE_LAYER_BUDGET` on the
+    reference batch is not tried (small layers, whose memory matters little, stay whole).
+    k is chosen on a pass of :data:`LEAN_REFERENCE_BATCH` samples (or ``m``, if more),
+    where what grows with the batch decides: the same k at every batch size, so that the
+    number of pieces a route splits a layer into, and the call's number of operations,
+    do not grow with the batch."""
+    if request.task == "grads":
+        return pass_layer_budget(prof, m)
+    ref = max(m, LEAN_REFERENCE_BATCH)
+    at = replace(request, n=ref)
+    own = pass_layer_budget(prof, ref)
+    target = lean_target(prof, ref, request.task)
+    peaks, chosen = [], None
+    for k in range(LEAN_HALVINGS + 1):
+        if k and own >> k < COMFORTABLE_LAYER_BUDGET:  # tiny pieces run slow: no further
+            break
+        peak = predict(prof, at, m=ref, layer_budget=max(own >> k, MIN_LAYER_BUDGET))[0]
+        if peak <= target:
+            chosen = k
+            break
+        peaks.append(peak)
+    if chosen is None:  # none within the target: the first whose peak is the least
+        least = min(peaks)
+        chosen = next(k for k, peak in enumerate(peaks) if peak <= least * LEAN_TOLERANCE)
+    return max(pass_layer_budget(prof, m) >> chosen, MIN_LAYER_BUDGET)
 
 
 @dataclass(frozen=True)
@@ -166,7 +261,11 @@ def profile(model: nn.Module, example: Tensor) -> Profile:
     blocks = {m: None for m in model.modules() if isinstance(m, InvertibleModuleWrapper)}
     for m in (1, 2):
         x = example[:1].expand(m, *example.shape[1:]).clone()
-        with recording_calls(model) as calls, _block_inputs(blocks):
+        with (
+            recording_calls(model) as calls,
+            _block_inputs(blocks),
+            _checked_inputs(model, tuple(example.shape)),
+        ):
             runs.append(_probe(model, x, leaves, param_storages))
         owner_calls.append(calls)
     one, two = runs
@@ -194,6 +293,37 @@ def profile(model: nn.Module, example: Tensor) -> Profile:
         owner_calls=tuple(owner_calls),
         recompute=_recomputation(blocks, param_storages),
     )
+
+
+@contextlib.contextmanager
+def _checked_inputs(model: nn.Module, inputs: tuple):
+    """Check, before each call of a layer whose rule fixes its input's axes
+    (:meth:`memconv.layers.LayerRule.input_axes`), that its input has them: a batch
+    ``inputs`` (its shape) without its channel axis raises here, naming the argument,
+    not deep inside a later layer that takes the probe's one sample for an unbatched one.
+
+    Raises:
+        ValueError: :func:`memconv._checks.check_layer_input`.
+    """
+    handles = []
+    for name, module in model.named_modules():
+        rule = find_rule(module)
+        axes = rule.input_axes(module) if rule is not None else None
+        if axes is None:
+            continue
+
+        def pre_hook(mod, args, name=name, axes=axes):
+            first = next((a for a in args if isinstance(a, Tensor)), None)
+            if first is not None:
+                layer = f"{name or '(model)'!r} ({type(mod).__name__})"
+                check_layer_input(tuple(first.shape), axes, layer=layer, inputs=inputs)
+
+        handles.append(module.register_forward_pre_hook(pre_hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextlib.contextmanager
@@ -344,6 +474,10 @@ class Plan:
             (:mod:`memconv.layers.operations`): they take the generic route (``torch.func``;
             :mod:`memconv.layers`), or the model route for a parameter used in a
             parent's ``forward``.
+        lean_target: for a plan made against ``memory_budget="available"`` (the
+            default) in one pass, the peak its per-layer budget keeps within
+            (:func:`lean_target`: the non-private step's predicted peak times
+            :data:`LEAN_FACTOR`), bytes; None for other plans.
     """
 
     task: str
@@ -356,6 +490,7 @@ class Plan:
     clip_route: str | None = None
     smallest_budget: int | None = None
     generic_layers: tuple[str, ...] = ()
+    lean_target: int | None = None
 
     @property
     def micro_batches(self) -> int:
@@ -378,18 +513,24 @@ class Plan:
         )
 
 
-def _layer_temporaries(layer: LayerProfile, request: Request, *, m: int, kind: str, budget):
+def _layer_temporaries(
+    layer: LayerProfile, request: Request, *, m: int, kind: str, budget, by_ops=frozenset()
+):
     """Bytes of a parametrised layer's temporaries for m samples within ``budget``: its
     rule's memory model (``kind``: ``"grads"`` or ``"norms"``), or the generic route's
     (per-sample gradients, their squares, and a chunk's activations re-run by
-    ``torch.func``)."""
+    ``torch.func``). A layer without a rule whose parameters all reach operations with
+    a rule (``by_ops``: :meth:`Profile.reached_by_ops`; a weight-standardised
+    convolution) takes those operations' routes, which work within ``budget``."""
     rule = find_rule(layer.module)
     shape = (m, *layer.input_shape[1:])
     if rule is None:
         per_sample = m * layer.params * layer.itemsize
-        return (
+        generic = (
             2 * per_sample + 4 * m * (layer.input_elements + layer.output_elements) * layer.itemsize
         )
+        covered = by_ops and all(id(p) in by_ops for p in own_trainable(layer.module).values())
+        return min(generic, budget) if covered and budget is not None else generic
     with using(RuleSettings(request.settings, request.norm_route, budget)):
         where = f"layer {layer.name!r}"
         return rule_memory(rule, layer.module, (shape,), layer.itemsize, kind, where=where)
@@ -418,6 +559,7 @@ def predict(prof: Profile, request: Request, *, m: int, layer_budget: int | None
     backward, kept = 0.0, 0.0
     r0, r1 = prof.recompute
     recompute = r0 + r1 * m  # a reversible block's, at any layer: an upper bound
+    by_ops = prof.reached_by_ops()
     for layer in reversed(prof.layers):
         c0, c1 = layer.saved
         alive = activations if two_pass else c0 + c1 * m  # freed as the pass goes back
@@ -429,7 +571,9 @@ def predict(prof: Profile, request: Request, *, m: int, layer_budget: int | None
             kept_grads = keeping and m * layer.params < layer.input_elements + layer.output_elements
             # book-keeping instantiates these
             kind = "grads" if kept_grads or task == "grads" else "norms"
-            temp = _layer_temporaries(layer, request, m=m, kind=kind, budget=layer_budget)
+            temp = _layer_temporaries(
+                layer, request, m=m, kind=kind, budget=layer_budget, by_ops=by_ops
+            )
             backward = max(backward, alive + layer.grad_bytes(m) + temp + kept)
             if keeping:
                 io = m * (layer.input_elements + layer.output_elements) * layer.itemsize
@@ -484,6 +628,11 @@ def make_plan(prof: Profile, request: Request, *, budget: int | None) -> Plan:
         m = max(n, 1)
         lean = pass_layer_budget(prof, m)
         return _predicted_plan(prof, one_pass, m=m, layer_budget=lean, budget=budget, **more)
+    if request.memory_budget == AVAILABLE:  # the default: lean, if one pass fits
+        lean = _lean_plan(prof, request.routed(route), budget=budget, **more)
+        if lean.predicted_peak <= budget:
+            logger.info("memconv plan: %s", lean)
+            return lean
     best = None
     for r in candidates:
         candidate = _best_for_route(prof, r, budget=budget)
@@ -494,6 +643,17 @@ def make_plan(prof: Profile, request: Request, *, budget: int | None) -> Plan:
     best = replace(best, **more)
     logger.info("memconv plan: %s", best)
     return best
+
+
+def _lean_plan(prof: Profile, request: Request, *, budget: int, **more) -> Plan:
+    """The default plan's one pass over the whole batch, each layer within
+    :func:`lean_layer_budget`."""
+    n = request.n
+    layer_budget = lean_layer_budget(prof, request, n)
+    target = lean_target(prof, n, request.task)
+    return _predicted_plan(
+        prof, request, m=n, layer_budget=layer_budget, budget=budget, lean_target=target, **more
+    )
 
 
 def _generic_layers(prof: Profile) -> tuple[str, ...]:
@@ -620,10 +780,16 @@ def plan(
             (:func:`memconv.per_sample_norms`) or ``"clip"``
             (:func:`memconv.clip_and_accumulate`).
         memory_budget: bytes the whole call's peak memory increase may reach, result
-            included; ``"available"`` (the default): what the process can still use
+            included; ``"available"`` (the default): lean — one pass whose per-layer
+            budget keeps the predicted peak within :func:`lean_target` (the
+            non-private step's times :data:`LEAN_FACTOR`; :func:`lean_layer_budget`),
+            if that fits what the process can still use
             (:func:`memconv.engine.resources.default_budget`: free device memory, or the
-            host's available memory within its container limit, less headroom); None:
-            no limit (one pass over the whole batch).
+            host's available memory within its container limit, less headroom), else
+            micro-batches within it; None: no limit (one pass over the whole batch, each
+            layer up to the pass's own budget, :func:`pass_layer_budget`: faster, more
+            memory). A budget in bytes takes the pass's own per-layer budget where that
+            fits, and trades memory for speed so.
         strategy: as in :func:`memconv.per_sample_grads`.
         clip_route: for ``"clip"``: ``"book-keeping"``, ``"two-pass"`` or None (the
             one that fits with the largest micro-batch).
@@ -643,7 +809,7 @@ def plan(
     check_clip_route(clip_route)
     check_tensor(inputs, "inputs")
     settings = use_block_settings(strategy)
-    memory_budget = resolve_budget(memory_budget, inputs.device)
+    budget = resolve_budget(memory_budget, inputs.device)
     n = len(inputs)
     if n == 0:
         return Plan(
@@ -652,9 +818,9 @@ def plan(
             micro_batch=1,
             layer_budget=None,
             predicted_peak=0,
-            memory_budget=memory_budget,
+            memory_budget=budget,
             breakdown={},
         )
     routes = dict(norm_route=norm_route, clip_route=clip_route)
     request = Request(task, n, settings, memory_budget, caller="memconv.plan", **routes)
-    return make_plan(profile(model, inputs), request, budget=memory_budget)
+    return make_plan(profile(model, inputs), request, budget=budget)

@@ -15,17 +15,29 @@ these and hands them to the next call while everything they depend on is the sam
   included), ``clip_route``, ``norm_route``, and the budget (a ``"available"``
   budget is read again on every call: the plan is kept while its one pass over the
   whole batch still fits, and made again otherwise);
-- the loss function (the same object).
+- the loss function (the same object) for the per-sample loss evaluation (a new loss
+  object makes that afresh; the probe and the plan do not depend on the loss).
 
 Any change makes a new probe or plan. The values of the parameters and inputs do not
 enter any of them. The walk checks every recorded layer call of every pass against
 the probe (the same module, the shapes the probe predicts for the batch); a call that
 differs from a reused probe probes the model again and runs again from the start, so
 a reused probe never gives a number a fresh one would not.
+
+The plain functions (:func:`memconv.per_sample_grads`, :func:`memconv.per_sample_norms`,
+:func:`memconv.clip_and_accumulate`) keep one :class:`Prepared` per model
+(:func:`kept_for`), as :class:`memconv.PrivateStep` keeps its own: a call with the same
+model, shapes, dtype, device and options reuses the last call's checks, probe and plan.
+The entry lives with the model and goes with it (a ``weakref`` to it dies with the model;
+nothing global holds the model), is left out of copies and pickles of the model, and
+serves one call at a time: a call made while another thread's call holds it works with
+a fresh one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass, replace
 
 from torch import Tensor, nn
@@ -36,7 +48,7 @@ from ..conv.settings import Autocast
 from ..layers import RuleSettings, check_layer, find_rule
 from ..streaming import StreamingCNN
 from .losses import PerSampleLoss
-from .planning import Plan, Profile, make_plan, pass_layer_budget, profile
+from .planning import Plan, Profile, make_plan, profile
 from .probes import ProbeMismatch, owner_names
 from .request import Batch, Request
 from .resources import guards, resolve_budget
@@ -235,7 +247,7 @@ class Prepared:
         if self._loss is None or self._loss.loss_fn is not batch.loss_fn:
             self._loss = PerSampleLoss(batch.loss_fn)
         budget = resolve_budget(request.memory_budget, device)
-        plan_key = (replace(request, caller=""), batch.loss_fn)
+        plan_key = replace(request, caller="")  # (the plan does not read the loss)
         kept_key, self._plan = self._plans.get(request.task, (None, None))
         if plan_key != kept_key or not self._still_fits(budget, request):
             self._plan = make_plan(self._profile, request, budget=budget)
@@ -266,17 +278,72 @@ class Prepared:
 
     def _still_fits(self, budget, request: Request) -> bool:
         """Whether the plan a fresh one would be is the kept one (an ``"available"``
-        budget, read again: the kept plan, one pass with the pass's own per-layer
-        budget, fits)."""
+        budget, read again: the kept plan, the lean one pass
+        (:attr:`memconv.Plan.lean_target`), fits)."""
         if request.memory_budget != AVAILABLE:
             return True
         p = self._plan
         return (
             p is not None
             and p.micro_batch == p.batch
-            and p.layer_budget == pass_layer_budget(self._profile, p.batch)
+            and p.lean_target is not None
             and p.predicted_peak <= budget
             and (
                 p.task != "clip" or request.clip_route is not None or p.clip_route == "book-keeping"
             )
         )
+
+
+#: The attribute of a model under which the plain functions keep its :class:`Prepared`.
+KEPT_ATTRIBUTE = "_memconv_prepared"
+_kept_lock = threading.Lock()
+
+
+class _Kept:
+    """A model's kept :class:`Prepared` and the lock of the call using it. Left out of
+    the model's copies and pickles (a copy, or a model loaded elsewhere, makes its own;
+    loading needs no memconv)."""
+
+    def __init__(self):
+        self.prepared = Prepared()
+        self.lock = threading.Lock()
+
+    def __reduce__(self):
+        return (dict, ())
+
+    def __deepcopy__(self, memo):
+        return _Kept()
+
+    def __copy__(self):
+        return _Kept()
+
+
+@contextlib.contextmanager
+def kept_for(model):
+    """The :class:`Prepared` the plain functions keep for ``model`` (see the module
+    docstring), held for the block; a fresh one where it cannot be kept (another
+    thread's call holds it, or the object takes no attributes).
+
+    The entry is an attribute of the model itself, not a global table: a global
+    ``WeakKeyDictionary`` cannot free an entry whose value refers to its key (the probe
+    refers to the model's modules, the loss may), so it would keep every model alive;
+    on the model, the entry goes with it."""
+    kept = (
+        getattr(model, "__dict__", {}).get(KEPT_ATTRIBUTE) if isinstance(model, nn.Module) else None
+    )
+    if not isinstance(kept, _Kept) and isinstance(model, nn.Module):
+        with _kept_lock:
+            kept = model.__dict__.get(KEPT_ATTRIBUTE)
+            if not isinstance(kept, _Kept):
+                kept = _Kept()
+                try:
+                    model.__dict__[KEPT_ATTRIBUTE] = kept
+                except (AttributeError, TypeError):
+                    kept = None
+    if kept is None or not kept.lock.acquire(blocking=False):
+        yield Prepared()
+        return
+    try:
+        yield kept.prepared
+    finally:
+        kept.lock.release()

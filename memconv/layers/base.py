@@ -177,6 +177,13 @@ class LayerRule:
     def check_settings(self, module: nn.Module, settings: Settings) -> None:
         """Raise ``ValueError`` if the strategy settings cannot run on this layer."""
 
+    def input_axes(self, module: nn.Module) -> int | None:
+        """The number of axes the layer's (first) input has with its batch axis, where
+        the layer fixes it (a ``Conv2d``: 4, ``[N, C, H, W]``), else None (default).
+        The probe checks a call against it (an input one axis short is one sample
+        without its batch axis, or a batch without its channel axis)."""
+        return None
+
     def check(self, module: nn.Module, name: str) -> None:
         """Raise ``ValueError`` (naming ``name`` and the remedy) if the layer mixes the
         samples of a batch, so that per-sample gradients are undefined."""

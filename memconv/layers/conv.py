@@ -55,6 +55,9 @@ class ConvRule(LayerRule):
             out["bias"] = bias_grad(grad_output, per_sample=True)
         return out
 
+    def input_axes(self, module):
+        return len(module.kernel_size) + 2  # [N, C, *spatial]
+
     def sq_norms(self, module, inputs, grad_output):
         (x,) = inputs
         rs = rule_settings()

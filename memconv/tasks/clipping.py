@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from .._checks import AVAILABLE, check_max_norm
 from ..conv.settings import activate
 from ..engine.passes import sample_by_sample
-from ..engine.prepared import CallPlan, Prepared
+from ..engine.prepared import CallPlan, Prepared, kept_for
 from ..engine.request import Batch
 from .arguments import check_call
 from .groups import Grouping, OnePass, all_finite, clip_factors, ensure_finite, resolve_groups
@@ -102,9 +102,10 @@ def clip_and_accumulate(
     """
     given = Batch(model, loss_fn, inputs, targets)
     options = dict(strategy=strategy, memory_budget=memory_budget, norm_route=norm_route)
-    return clip_with(
-        Prepared(), given, max_norm=max_norm, clip_route=clip_route, groups=groups, **options
-    )
+    with kept_for(model) as prepared:
+        return clip_with(
+            prepared, given, max_norm=max_norm, clip_route=clip_route, groups=groups, **options
+        )
 
 
 def clip_with(prepared: Prepared, given: Batch, *, max_norm, groups="all", **options):

@@ -21,7 +21,7 @@ from .._torch import storage_ptr, tree_flatten
 from ..conv.settings import activate
 from ..engine.calls import LayerCall
 from ..engine.passes import sample_by_sample, walk_micro_batches
-from ..engine.prepared import CallPlan, Prepared
+from ..engine.prepared import CallPlan, Prepared, kept_for
 from ..engine.request import Batch
 from ..layers import RuleSettings
 from .arguments import check_call
@@ -64,8 +64,12 @@ def per_sample_grads(
         memory_budget: bytes the whole call's peak memory increase may reach, the
             result included: the batch then runs in micro-batches and each layer's
             weight VJP within a budget, as :func:`memconv.plan` plans them (the plan
-            is logged on the ``memconv`` logger). ``"available"`` (the default): what
-            the process can still use (:func:`memconv.engine.resources.default_budget`);
+            is logged on the ``memconv`` logger). ``"available"`` (the default): lean,
+            the routes chosen to keep the call's predicted peak within the non-private
+            step's (:func:`memconv.engine.planning.lean_target`), within what the
+            process can still use (:func:`memconv.engine.resources.default_budget`);
+            a budget in bytes (or None) trades memory for speed, each layer then
+            using up to what the pass itself holds;
             None: one pass over the whole batch. A model holding a
             :class:`memconv.streaming.StreamingCNN` runs one sample at a time (its
             layers are hidden from the per-layer hooks), whatever the budget.
@@ -87,7 +91,8 @@ def per_sample_grads(
             (naming it).
     """
     given = Batch(model, loss_fn, inputs, targets)
-    return grads_with(Prepared(), given, strategy=strategy, memory_budget=memory_budget)
+    with kept_for(model) as prepared:
+        return grads_with(prepared, given, strategy=strategy, memory_budget=memory_budget)
 
 
 def grads_with(prepared: Prepared, given: Batch, **options):

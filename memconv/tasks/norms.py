@@ -21,7 +21,7 @@ from ..conv.norm_routes import at_least_float32, float32_or_wider, sq_norms
 from ..conv.settings import activate
 from ..engine.calls import LayerCall, Scales
 from ..engine.passes import sample_by_sample, walk_micro_batches
-from ..engine.prepared import CallPlan, Prepared
+from ..engine.prepared import CallPlan, Prepared, kept_for
 from ..engine.request import Batch
 from ..layers import RuleSettings
 from .arguments import check_call
@@ -187,8 +187,12 @@ def per_sample_norms(
         memory_budget: bytes the whole call's peak memory increase may reach: the
             batch runs in micro-batches and each layer's norm computation within a
             budget, as :func:`memconv.plan` plans them; ``"available"`` (the default):
+            lean, the routes chosen to keep the call's predicted peak within the
+            non-private step's (:func:`memconv.engine.planning.lean_target`), within
             what the process can still use (:func:`memconv.engine.resources.default_budget`);
-            None: one pass, and 32 MiB per layer's norm temporaries.
+            None: one pass, and 32 MiB per layer's norm temporaries. A budget given
+            in bytes (or None) trades memory for speed: each layer may then use as
+            much as the pass itself holds.
         per_parameter: return ``{name: [N]}`` (each parameter's own norms) instead of
             the norm over all trainable parameters.
         norm_route: ``"ghost"`` or ``"instantiate"`` for every convolution and Linear
@@ -212,7 +216,8 @@ def per_sample_norms(
     """
     given = Batch(model, loss_fn, inputs, targets)
     options = dict(strategy=strategy, memory_budget=memory_budget, norm_route=norm_route)
-    return norms_with(Prepared(), given, per_parameter=per_parameter, groups=groups, **options)
+    with kept_for(model) as prepared:
+        return norms_with(prepared, given, per_parameter=per_parameter, groups=groups, **options)
 
 
 def norms_with(prepared: Prepared, given: Batch, *, per_parameter=False, groups="all", **options):

@@ -119,13 +119,8 @@ class RecordedBackward:
     ):
         check_module(model)
         check_choice(loss_reduction, LOSS_REDUCTIONS, "loss_reduction", none=False)
-        if memory_budget is not None:
-            check_budget(memory_budget)
-            if isinstance(memory_budget, str):
-                raise ValueError(
-                    f"{caller}: memory_budget bounds each layer's temporaries here: a "
-                    f"positive int (bytes) or None, got {memory_budget!r}"
-                )
+        # a budget bounds each layer's temporaries here: bytes or None
+        check_budget(memory_budget, available=False, where=caller)
         check_route(norm_route)
         check_clip_route(clip_route)
         use_block_settings(strategy)

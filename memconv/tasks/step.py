@@ -6,7 +6,8 @@
 public functions work out before their passes — the model's checks, the probe of
 its layer calls and the memory plan — and makes them again only when something they
 depend on changed (:mod:`memconv.engine.prepared` lists what). The numbers are those of
-the plain functions, which make all of it afresh on every call.
+the plain functions, which keep the same per model (:func:`memconv.engine.prepared.kept_for`)
+and make it afresh when anything changed.
 """
 
 from __future__ import annotations

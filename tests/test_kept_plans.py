@@ -1,0 +1,244 @@
+"""The plain functions keep their last call's checks, probe and plan per model, make
+them again when anything they depend on changes (the numbers are a fresh call's, float64
+against per-sample autograd loops), free them with the model and do not mix threads;
+the default plan keeps the step's predicted peak at the lean target."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import threading
+import weakref
+
+import pytest
+import torch
+from helpers import assert_grads_close, loop_reference, small_gn_resnet
+from torch import nn
+
+import memconv
+from memconv.engine.planning import (
+    COMFORTABLE_LAYER_BUDGET,
+    LEAN_HALVINGS,
+    LEAN_TOLERANCE,
+    MIN_LAYER_BUDGET,
+    pass_layer_budget,
+    predict,
+    profile,
+)
+from memconv.engine.prepared import KEPT_ATTRIBUTE
+from memconv.engine.request import Request
+
+TOL = 1e-9
+
+
+def cnn(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16, 3),
+    ).double()
+
+
+def data(n=5, seed=1, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float64).to(dtype)
+    return x, torch.randint(0, 3, (n,), generator=g)
+
+
+def kept(model):
+    return model.__dict__[KEPT_ATTRIBUTE].prepared
+
+
+def norms_of(ref):
+    return torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+
+
+def check_all(model, loss_fn, x, y):
+    """per_sample_grads, per_sample_norms and clip_and_accumulate against the loop."""
+    ref = loop_reference(model, loss_fn, x, y)
+    assert_grads_close(memconv.per_sample_grads(model, loss_fn, x, y), ref, TOL)
+    norms = norms_of(ref)
+    got = memconv.per_sample_norms(model, loss_fn, x, y)
+    assert torch.allclose(got.double(), norms, rtol=TOL, atol=0)
+    c = torch.clamp(0.5 / norms, max=1.0)
+    model.zero_grad(set_to_none=True)
+    memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=0.5)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            want = torch.einsum("n,n...->...", c.to(ref[name].dtype), ref[name])
+            assert torch.allclose(p.grad, want, rtol=TOL, atol=1e-12), name
+    model.zero_grad(set_to_none=True)
+
+
+def test_second_call_reuses_probe_and_plan():
+    model, loss_fn = cnn(), nn.CrossEntropyLoss()
+    x, y = data()
+    for _ in range(3):
+        check_all(model, loss_fn, x, y)
+    prepared = kept(model)
+    assert prepared.probes == 1  # three tasks, three calls each: one probe
+    assert prepared.plans == 3  # one plan per task
+
+
+def _freeze(model):
+    model[0].bias.requires_grad_(False)
+
+
+def _replace(model):
+    torch.manual_seed(5)
+    model[5] = nn.Linear(16, 3).double()
+
+
+def _hook(model):
+    model[3].register_forward_hook(lambda mod, args, out: 2.0 * out)
+
+
+def _eval(model):
+    model.eval()
+
+
+@pytest.mark.parametrize("change", [_freeze, _replace, _hook, _eval])
+def test_a_changed_model_gives_a_fresh_calls_numbers(change):
+    model, loss_fn = cnn(), nn.CrossEntropyLoss()
+    x, y = data()
+    check_all(model, loss_fn, x, y)
+    probes = kept(model).probes
+    change(model)
+    check_all(model, loss_fn, x, y)
+    assert kept(model).probes == probes + 1
+
+
+def test_another_save_memory_block_and_dtype_give_fresh_numbers():
+    model, loss_fn = cnn(), nn.CrossEntropyLoss()
+    x, y = data()
+    check_all(model, loss_fn, x, y)
+    plans = kept(model).plans
+    with memconv.save_memory("unfold"):
+        check_all(model, loss_fn, x, y)
+    assert kept(model).plans > plans  # the block's settings enter the plan
+    with memconv.save_memory("rochette"):
+        check_all(model, loss_fn, x, y)
+    # another dtype: the model and the batch in float32, against float32 loops
+    model.float()
+    x32 = x.float()
+    grads = memconv.per_sample_grads(model, loss_fn, x32, y)
+    ref = loop_reference(model, loss_fn, x32, y)
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    assert_grads_close(grads, ref, 1e-4)
+    model.double()
+    check_all(model, loss_fn, x, y)
+
+
+def test_other_shapes_and_options_give_fresh_numbers():
+    model, loss_fn = cnn(), nn.CrossEntropyLoss()
+    x, y = data()
+    check_all(model, loss_fn, x, y)
+    x2, y2 = data(n=3, seed=4)
+    check_all(model, loss_fn, x2, y2)  # another batch size
+    ref = loop_reference(model, loss_fn, x, y)
+    got = memconv.per_sample_grads(model, loss_fn, x, y, memory_budget=None)
+    assert_grads_close(got, ref, TOL)
+    got = memconv.per_sample_grads(model, nn.CrossEntropyLoss(reduction="sum"), x, y)
+    assert_grads_close(got, ref, TOL)
+
+
+def test_a_deleted_model_frees_its_entry():
+    model, loss_fn = cnn(), nn.CrossEntropyLoss()
+    x, y = data()
+    memconv.per_sample_norms(model, loss_fn, x, y)
+    entry = weakref.ref(model.__dict__[KEPT_ATTRIBUTE])
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None and entry() is None
+
+
+def test_copies_and_pickles_of_a_model_keep_no_entry():
+    model, loss_fn = cnn(), nn.CrossEntropyLoss()
+    x, y = data()
+    memconv.per_sample_norms(model, loss_fn, x, y)
+    twin = copy.deepcopy(model)
+    assert twin.__dict__[KEPT_ATTRIBUTE] is not model.__dict__[KEPT_ATTRIBUTE]
+    assert kept(twin).probes == 0
+    loaded = pickle.loads(pickle.dumps(model))
+    assert loaded.__dict__[KEPT_ATTRIBUTE] == {}  # loads without memconv
+    check_all(loaded, loss_fn, x, y)
+    check_all(twin, loss_fn, x, y)
+
+
+def test_two_threads_with_two_models_do_not_mix():
+    loss_fn = nn.CrossEntropyLoss()
+    models = [cnn(0), small_gn_resnet().double()]
+    inputs = [data(), (torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randint(0, 10, (4,)))]
+    refs = [loop_reference(m, loss_fn, x, y) for m, (x, y) in zip(models, inputs)]
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(4):
+                x, y = inputs[i]
+                got = memconv.per_sample_grads(models[i], loss_fn, x, y)
+                assert_grads_close(got, refs[i], TOL)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_a_call_inside_a_call_on_the_same_model_works_with_a_fresh_entry():
+    model = cnn()
+    x, y = data()
+    inner = []
+
+    def loss_fn(out, target):  # a loss that calls memconv on the same model
+        if not inner:
+            inner.append(memconv.per_sample_norms(model, nn.CrossEntropyLoss(), x, y))
+        return nn.functional.cross_entropy(out, target)
+
+    got = memconv.per_sample_grads(model, loss_fn, x, y)
+    assert_grads_close(got, loop_reference(model, nn.CrossEntropyLoss(), x, y), TOL)
+    assert inner
+
+
+@pytest.mark.parametrize(
+    "name,side", [("resnet18-gn", 16), ("resnet18-tv-gn", 32), ("convnext-atto", 32)]
+)
+def test_default_plan_keeps_the_lean_target(name, side):
+    """The default plan's per-layer budget: the largest of the halvings whose predicted
+    peak is within the lean target (on the reference batch), else the one whose peak is
+    the least; a given budget keeps the pass's own per-layer budget."""
+    from memconv.bench.cases import build_model
+
+    model = build_model(name)
+    x = torch.randn(16, 3, side, side)
+    p = memconv.plan(model, x, task="clip")
+    assert p.micro_batch == 16 and p.lean_target is not None
+    prof = profile(model, x)
+    request = Request("clip", 256, clip_route="book-keeping")
+    own = pass_layer_budget(prof, 256)
+    peaks = [
+        predict(prof, request, m=256, layer_budget=max(own >> k, MIN_LAYER_BUDGET))[0]
+        for k in range(LEAN_HALVINGS + 1)
+        if k == 0 or own >> k >= COMFORTABLE_LAYER_BUDGET
+    ]
+    own16 = pass_layer_budget(prof, 16)
+    k = next(
+        k for k in range(LEAN_HALVINGS + 1) if max(own16 >> k, MIN_LAYER_BUDGET) == p.layer_budget
+    )
+    target = memconv.engine.planning.lean_target(prof, 256)
+    if peaks[k] > target:
+        assert min(peaks) > target and peaks[k] <= LEAN_TOLERANCE * min(peaks)
+        assert all(peak > LEAN_TOLERANCE * min(peaks) for peak in peaks[:k])
+    assert all(peak > target for peak in peaks[:k])
+    given = memconv.plan(model, x, task="clip", memory_budget=2**40)
+    assert given.layer_budget == pass_layer_budget(prof, 16) and given.lean_target is None

@@ -1,0 +1,97 @@
+"""The DP step on the CPU against the non-private step, one engine per fresh process.
+
+Run as ``python tools/cpu-dp-step.py [--tree DIR ...] [--rounds R]``: for each model
+(CIFAR ResNet-18-GN 32², torchvision ResNet-18-GN 64², ConvNeXt-atto 64², batch 64,
+float32, one thread) and each tree (a checkout of memconv; this one by default), the
+non-private step, ``clip_and_accumulate`` with default arguments and
+``PrivateStep.clip_and_accumulate`` each run in a fresh process: two warm-up calls,
+the median of three timed calls, then the allocator-level peak of one call (the
+profiler's memory events). The engines and trees alternate within each round.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CASES = {"cifar-resnet18-gn": 32, "tv-resnet18-gn": 64, "convnext-atto": 64}
+ENGINES = ("non-private", "plain", "PrivateStep")
+
+
+def worker(tree, case, engine):
+    sys.path.insert(0, tree)
+    import torch
+    from torch import nn
+
+    import memconv
+    from memconv.bench import models
+    from memconv.bench.measure import peak_allocated
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    build = {
+        "cifar-resnet18-gn": models.resnet18_gn,
+        "tv-resnet18-gn": models.tv_resnet18_gn,
+        "convnext-atto": models.convnext_atto,
+    }[case]
+    model = build()
+    side = CASES[case]
+    x, y = torch.randn(64, 3, side, side), torch.randint(0, 10, (64,))
+    loss = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(model, loss) if engine == "PrivateStep" else None
+
+    def call():
+        model.zero_grad(set_to_none=True)
+        if engine == "non-private":
+            loss(model(x), y).backward()
+        elif engine == "plain":
+            memconv.clip_and_accumulate(model, loss, x, y, max_norm=1.0)
+        else:
+            step.clip_and_accumulate(x, y, max_norm=1.0)
+
+    for _ in range(2):
+        call()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    peak, _ = peak_allocated(call, torch.device("cpu"))
+    print(json.dumps({"time_s": statistics.median(times), "peak_MiB": peak}))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tree", action="append", help="memconv checkouts (default: this)")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(*args.worker)
+    trees = args.tree or [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    for r in range(args.rounds):
+        for case in args.cases.split(","):
+            for engine in args.engines.split(","):
+                for tree in trees:
+                    out = (
+                        subprocess.run(
+                            [sys.executable, __file__, "--worker", tree, case, engine],
+                            capture_output=True,
+                            text=True,
+                            check=True,
+                        )
+                        .stdout.strip()
+                        .splitlines()[-1]
+                    )
+                    record = {"round": r, "case": case, "engine": engine, "tree": tree}
+                    record.update(json.loads(out))
+                    print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()
