@@ -65,10 +65,10 @@ from torch import Tensor, nn
 from .._checks import (
     CONV_TRANSPOSE_TYPES,
     KFAC_APPROXIMATIONS,
+    check_budget,
     check_choice,
     check_conv_input,
     check_conv_module,
-    check_positive_int,
 )
 from ..strategies.geometry import conv_spec, span, torch_pad_argument
 
@@ -205,8 +205,7 @@ def input_factor(
             input that does not fit the layer.
     """
     check_choice(kfac_approx, KFAC_APPROXIMATIONS, "kfac_approx", none=False)
-    if memory_budget is not None:
-        check_positive_int(memory_budget, "memory_budget")
+    check_budget(memory_budget, available=False, where="input_factor")
     p = patches(module, input)
     factor = _reduce_factor(p) if kfac_approx == "reduce" else _expand_factor(p, memory_budget)
     return factor[0] if p.groups == 1 else factor

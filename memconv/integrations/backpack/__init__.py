@@ -44,7 +44,7 @@ import weakref
 
 from torch import nn
 
-from ..._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES, check_batch, check_positive_int
+from ..._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES, check_batch, check_budget
 from ...conv import settings as context
 from ...conv.vjp import check_settings
 from ...engine.losses import per_sample_losses
@@ -106,8 +106,7 @@ def install(*exts, memory_budget=None):
         ValueError: if ``memory_budget`` is not positive.
     """
     extensions = _require()
-    if memory_budget is not None:
-        check_positive_int(memory_budget, "memory_budget")
+    check_budget(memory_budget, available=False)
     from backpack.extensions.backprop_extension import BackpropExtension
 
     for ext in exts:
@@ -230,8 +229,7 @@ def routed(memory_budget=None):
         TypeError, ValueError: for a ``memory_budget`` :func:`install` refuses.
     """
     _require()
-    if memory_budget is not None:
-        check_positive_int(memory_budget, "memory_budget")
+    check_budget(memory_budget, available=False)
     import backpack
 
     with _patch_lock:

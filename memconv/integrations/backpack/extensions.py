@@ -27,20 +27,30 @@ from torch import nn
 
 from ..._torch import graph_task_id
 from ...conv.norm_routes import conv_weight_sq_norms
-from . import derivatives, secondorder
+from .derivatives import (
+    Conv1dDerivatives,
+    Conv2dDerivatives,
+    Conv3dDerivatives,
+    ConvTranspose1dDerivatives,
+    ConvTranspose2dDerivatives,
+    ConvTranspose3dDerivatives,
+    settings_for,
+)
+from .secondorder import COVERED as SECOND_ORDER
+from .secondorder import module_extension as second_order_module_extension
 
 #: BackPACK's first-order extensions whose convolution quantities memconv computes.
 FIRST_ORDER = (BatchGrad, BatchL2Grad, SumGradSquared, Variance)
 #: Every BackPACK extension whose convolution quantities memconv computes.
-COVERED = FIRST_ORDER + secondorder.COVERED
+COVERED = FIRST_ORDER + SECOND_ORDER
 
 DERIVATIVES = {
-    nn.Conv1d: derivatives.Conv1dDerivatives,
-    nn.Conv2d: derivatives.Conv2dDerivatives,
-    nn.Conv3d: derivatives.Conv3dDerivatives,
-    nn.ConvTranspose1d: derivatives.ConvTranspose1dDerivatives,
-    nn.ConvTranspose2d: derivatives.ConvTranspose2dDerivatives,
-    nn.ConvTranspose3d: derivatives.ConvTranspose3dDerivatives,
+    nn.Conv1d: Conv1dDerivatives,
+    nn.Conv2d: Conv2dDerivatives,
+    nn.Conv3d: Conv3dDerivatives,
+    nn.ConvTranspose1d: ConvTranspose1dDerivatives,
+    nn.ConvTranspose2d: ConvTranspose2dDerivatives,
+    nn.ConvTranspose3d: ConvTranspose3dDerivatives,
 }
 PARAMS = ["bias", "weight"]
 
@@ -56,7 +66,7 @@ class BatchL2(BatchL2Base):
         super().__init__(PARAMS, derivatives=derivatives)
 
     def weight(self, ext, module, g_inp, g_out, backproped):
-        settings = derivatives.settings_for(module)
+        settings = settings_for(module)
         return conv_weight_sq_norms(
             module, module.input0, g_out[0], settings, None, settings.options.memory_budget
         )
@@ -124,8 +134,8 @@ def module_extension(ext, conv_cls):
         conv_cls: a ``torch.nn`` convolution or transposed-convolution class.
     """
     d = DERIVATIVES[conv_cls]()
-    if isinstance(ext, secondorder.COVERED):
-        return secondorder.module_extension(ext, d, wrap=_tied)
+    if isinstance(ext, SECOND_ORDER):
+        return second_order_module_extension(ext, d, wrap=_tied)
     if isinstance(ext, BatchGrad):
         return _tied(BatchGradBase)(derivatives=d, params=PARAMS)
     if isinstance(ext, SumGradSquared):

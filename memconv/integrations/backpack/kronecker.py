@@ -38,21 +38,28 @@ from backpack.extensions.secondorder.hbp.hbpbase import HBPBaseModule
 from backpack.utils.errors import batch_norm_raise_error_if_train
 from torch import Tensor, nn
 
-from ..._checks import KFAC_APPROXIMATIONS, check_choice, check_positive_int
+from ..._checks import KFAC_APPROXIMATIONS, check_budget, check_choice
 from ...conv.kronecker import block_diagonal, input_factor, is_transposed, output_factor
-from . import derivatives
+from .derivatives import (
+    Conv1dDerivatives,
+    Conv2dDerivatives,
+    Conv3dDerivatives,
+    ConvTranspose1dDerivatives,
+    ConvTranspose2dDerivatives,
+    ConvTranspose3dDerivatives,
+)
 from .extensions import _tied
 
 #: BackPACK extensions whose convolution factors memconv computes.
 KRONECKER = (KFAC, KFLR, KFRA)
 
 _CONVS = {
-    nn.Conv1d: (HBPConvNd, derivatives.Conv1dDerivatives, 1),
-    nn.Conv2d: (HBPConvNd, derivatives.Conv2dDerivatives, 2),
-    nn.Conv3d: (HBPConvNd, derivatives.Conv3dDerivatives, 3),
-    nn.ConvTranspose1d: (HBPConvTransposeNd, derivatives.ConvTranspose1dDerivatives, 1),
-    nn.ConvTranspose2d: (HBPConvTransposeNd, derivatives.ConvTranspose2dDerivatives, 2),
-    nn.ConvTranspose3d: (HBPConvTransposeNd, derivatives.ConvTranspose3dDerivatives, 3),
+    nn.Conv1d: (HBPConvNd, Conv1dDerivatives, 1),
+    nn.Conv2d: (HBPConvNd, Conv2dDerivatives, 2),
+    nn.Conv3d: (HBPConvNd, Conv3dDerivatives, 3),
+    nn.ConvTranspose1d: (HBPConvTransposeNd, ConvTranspose1dDerivatives, 1),
+    nn.ConvTranspose2d: (HBPConvTransposeNd, ConvTranspose2dDerivatives, 2),
+    nn.ConvTranspose3d: (HBPConvTransposeNd, ConvTranspose3dDerivatives, 3),
 }
 _POOLS = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}
 #: The layers besides convolutions that memconv gives module extensions for.
@@ -176,8 +183,7 @@ def module_extension(ext, module_class, *, kfac_approx: str = "expand", memory_b
         TypeError: for a budget that is not an int.
     """
     check_choice(kfac_approx, KFAC_APPROXIMATIONS, "kfac_approx", none=False)
-    if memory_budget is not None:
-        check_positive_int(memory_budget, "memory_budget")
+    check_budget(memory_budget, available=False, where="module_extension")
     if not isinstance(ext, KRONECKER) or not isinstance(module_class, type):
         return None
     for pool, dims in _POOLS.items():
