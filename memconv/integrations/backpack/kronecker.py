@@ -40,26 +40,20 @@ from torch import Tensor, nn
 
 from ..._checks import KFAC_APPROXIMATIONS, check_budget, check_choice
 from ...conv.kronecker import block_diagonal, input_factor, is_transposed, output_factor
-from .derivatives import (
-    Conv1dDerivatives,
-    Conv2dDerivatives,
-    Conv3dDerivatives,
-    ConvTranspose1dDerivatives,
-    ConvTranspose2dDerivatives,
-    ConvTranspose3dDerivatives,
-)
-from .extensions import _tied
+from .extensions import DERIVATIVES, _tied
 
 #: BackPACK extensions whose convolution factors memconv computes.
 KRONECKER = (KFAC, KFLR, KFRA)
 
+#: Each convolution class: BackPACK's HBP base module and its number of spatial axes
+#: (the derivatives are memconv's, ``DERIVATIVES`` of the extensions module).
 _CONVS = {
-    nn.Conv1d: (HBPConvNd, Conv1dDerivatives, 1),
-    nn.Conv2d: (HBPConvNd, Conv2dDerivatives, 2),
-    nn.Conv3d: (HBPConvNd, Conv3dDerivatives, 3),
-    nn.ConvTranspose1d: (HBPConvTransposeNd, ConvTranspose1dDerivatives, 1),
-    nn.ConvTranspose2d: (HBPConvTransposeNd, ConvTranspose2dDerivatives, 2),
-    nn.ConvTranspose3d: (HBPConvTransposeNd, ConvTranspose3dDerivatives, 3),
+    nn.Conv1d: (HBPConvNd, 1),
+    nn.Conv2d: (HBPConvNd, 2),
+    nn.Conv3d: (HBPConvNd, 3),
+    nn.ConvTranspose1d: (HBPConvTransposeNd, 1),
+    nn.ConvTranspose2d: (HBPConvTransposeNd, 2),
+    nn.ConvTranspose3d: (HBPConvTransposeNd, 3),
 }
 _POOLS = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}
 #: The layers besides convolutions that memconv gives module extensions for.
@@ -192,8 +186,8 @@ def module_extension(ext, module_class, *, kfac_approx: str = "expand", memory_b
     if issubclass(module_class, nn.modules.batchnorm._BatchNorm):
         # KFRA backpropagates a batch average, which BatchNorm's derivatives lack
         return None if isinstance(ext, KFRA) else _tied(HBPBatchNormNd)()
-    for conv, (base, derivatives_cls, dims) in _CONVS.items():
+    for conv, (base, dims) in _CONVS.items():
         if issubclass(module_class, conv):
             cls = _tied(type(base.__name__, (_KroneckerWeight, base), {"__module__": __name__}))
-            return cls(dims, derivatives_cls, kfac_approx, memory_budget)
+            return cls(dims, DERIVATIVES[conv], kfac_approx, memory_budget)
     return None
