@@ -63,7 +63,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import (
-    CONV_TRANSPOSE_TYPES,
     KFAC_APPROXIMATIONS,
     check_budget,
     check_choice,
@@ -296,8 +295,8 @@ def block_diagonal(factor: Tensor, groups: int) -> Tensor:
 
 
 def is_transposed(module: nn.Module) -> bool:
-    """Whether ``module`` is a transposed convolution."""
-    return isinstance(module, CONV_TRANSPOSE_TYPES)
+    """Whether ``module`` is a transposed convolution (as its convolution spec says)."""
+    return conv_spec(module).transposed
 
 
 def _nbytes(x: Tensor) -> int:
