@@ -22,7 +22,9 @@ second-order ``{Batch}DiagGGN{Exact,MC}``, ``{Batch}DiagHessian`` and
 ``SqrtGGN{Exact,MC}`` (:mod:`.secondorder`; ``memory_budget=`` runs the backward pass
 over chunks of the factor's rows, :mod:`.chunking`) and the Kronecker-factored ``KFAC``,
 ``KFLR`` and ``KFRA`` (:mod:`.kronecker`, which also supplies adaptive pooling and
-BatchNorm in eval mode, where BackPACK has no module extension); the strategy is the one the
+BatchNorm in eval mode, where BackPACK has no module extension) and ConvNeXt's layers
+(:mod:`.layers`: ``LayerNorm2d``, the layer scale and ``nn.GELU``, made modules by
+:func:`extend`, BackPACK's converter for timm's ConvNeXt); the strategy is the one the
 layer's forward pass recorded (the rule of :class:`memconv.save_memory`). memconv's
 layers that are not convolutions get BackPACK's module extension of the ``torch.nn``
 class they subclass, for every extension. No global hook, no state outside the

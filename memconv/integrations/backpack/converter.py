@@ -182,6 +182,9 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = True) -
     writes ConvNeXt: its ``LayerNorm2d`` and layer scale become modules BackPACK's
     extensions see, the rest is BackPACK's converter.
 
+    For the time of the call (under a lock) BackPACK's tracer class treats the modules
+    of :mod:`.layers` as leaves; its own method is given back before the call returns.
+
     Args:
         module: the model.
         debug: BackPACK's debug messages.
