@@ -26,8 +26,8 @@ every extension memconv covers:
 - ``KFAC`` and ``KFLR``: GELU backpropagates the square root; the layer norm's
   ``weight`` and ``bias`` and the layer scale's ``gamma`` get one factor each, their
   GGN ``[C, C]`` (``Σᵥₙ (Jᵀ Sᵥₙ)(Jᵀ Sᵥₙ)ᵀ``), the convention of BatchNorm's γ and β
-  (:mod:`.kronecker`). ``KFRA`` (a batch-averaged backpropagation, which these
-  derivatives lack) raises, naming the layer;
+  (:mod:`memconv.integrations.backpack.kronecker`). ``KFRA`` (a batch-averaged
+  backpropagation, which these derivatives lack) raises, naming the layer;
 - the first-order ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` and ``Variance``
   from the same derivatives.
 
