@@ -170,3 +170,34 @@ def test_parameter_used_by_a_function_warns_naming_it():
 
     with pytest.warns(UserWarning, match="'shift'.*write those operations as modules"):
         mb.extend(Shift())
+
+
+class _InlineNorm(nn.Module):
+    """A layer norm over channels written inline (timm's channels-last path), without
+    affine parameters, and a layer scale by ``view`` with the channel count spelled out."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.gamma = nn.Parameter(torch.linspace(0.5, 2.0, 4))
+        self.fc = nn.Linear(4 * 14 * 14, 3)
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = nn.functional.layer_norm(x.permute(0, 2, 3, 1), (4,), None, None, 1e-5)
+        x = x.permute(0, 3, 1, 2)
+        x = torch.mul(x, self.gamma.view(1, 4, 1, 1))
+        return self.fc(x.flatten(1))
+
+
+def test_inline_layer_norm_without_affine_and_view_scale_against_autograd():
+    torch.manual_seed(2)
+    model = _InlineNorm().double()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    converted = mb.extend(model)
+    kinds = [type(m) for m in converted.modules()]
+    assert kinds.count(LayerNorm2d) == 1 and kinds.count(LayerScale2d) == 1
+    result = _run(converted, x, E.BatchDiagGGNExact())
+    names, params = zip(*converted.named_parameters())
+    for name, reference in zip(names, _ggn_blocks(model, x, params, True)):
+        _close(result[name], reference)
