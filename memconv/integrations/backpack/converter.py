@@ -125,7 +125,7 @@ def _free_or_own(gm, path: str) -> str:
         there = gm.get_submodule(path)
     except AttributeError:
         return path
-    if type(there) in (nn.Module, nn.LayerNorm) or isinstance(there, nn.LayerNorm):
+    if type(there) is nn.Module or isinstance(there, nn.LayerNorm):
         return path
     return _free(gm, path + "_layer_norm")
 
