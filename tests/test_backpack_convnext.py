@@ -201,3 +201,17 @@ def test_inline_layer_norm_without_affine_and_view_scale_against_autograd():
     names, params = zip(*converted.named_parameters())
     for name, reference in zip(names, _ggn_blocks(model, x, params, True)):
         _close(result[name], reference)
+
+
+def test_backward_over_chunks_of_rows_equals_one_pass():
+    """``install(..., memory_budget=...)``: the factor's rows one at a time."""
+    model, x = _convnext()
+    results = []
+    for budget in (None, 1):
+        converted, ext = mb.extend(model), E.DiagGGNExact()
+        lossfn = backpack_extend(nn.CrossEntropyLoss())
+        with mb.installed(ext, memory_budget=budget), backpack(ext):
+            lossfn(converted(x), Y).backward()
+        results.append({n: p.diag_ggn_exact for n, p in converted.named_parameters()})
+    for name in results[0]:
+        _close(results[1][name], results[0][name])
