@@ -17,7 +17,9 @@ another (:mod:`memconv.bench.measure`); the size of the curvature each step retu
   for the residual models);
 - ``memconv``: the same extension object passed through
   :func:`memconv.integrations.backpack.installed` (and memconv's Kronecker module
-  extensions, :mod:`memconv.integrations.backpack.kronecker`, for KFAC/KFLR/KFRA);
+  extensions, :mod:`memconv.integrations.backpack.kronecker`, for KFAC/KFLR/KFRA),
+  the residual models extended by :func:`memconv.integrations.backpack.extend`
+  (BackPACK's converter plus ConvNeXt's ``LayerNorm2d`` and layer scale as modules);
 - ``curvlinops``: curvlinops' ``KFACLinearOperator`` (``fisher_type="mc"`` for KFAC,
   ``"type-2"`` for KFLR, ``kfac_approx="expand"``) on the convolution and Linear
   weights; curvlinops 3.0.1 has no exact GGN diagonal (only Hutchinson estimates),
@@ -206,7 +208,12 @@ def _stepper(engine: str, extension: str, model_name: str, model: nn.Module):
         return curvlinops_kfac
     from backpack import backpack, extend
 
-    model = extend(model, use_converter=model_name in RESIDUAL)
+    if engine == "memconv":  # memconv's converter: ConvNeXt's LayerNorm2d and layer scale
+        from memconv.integrations import backpack as mb
+
+        model = mb.extend(model, use_converter=model_name in RESIDUAL)
+    else:
+        model = extend(model, use_converter=model_name in RESIDUAL)
     loss_fn = extend(loss_fn)
     ext = _extension(extension)
     if engine == "memconv":

@@ -14,19 +14,24 @@ weight gradient with ``S[v, n]`` as the output gradient); the quantities are
 
 Both run memconv's weight-VJP strategies (:mod:`memconv.strategies`) on chunks of
 rows, never forming the ``V·N·|W|`` numbers of the diagonal nor an unfolded input:
-a chunk's size follows ``memory_budget`` (:func:`row_chunks`). The bias quantities
-are ``S`` summed over space.
+a chunk's size follows ``memory_budget`` (:func:`row_chunks`). Where the output map
+is small the diagonal takes the Gram route instead (``S Sᵀ`` over position pairs
+against the patches' outer products, :func:`weight_diagonal`), chosen by
+:func:`diagonal_route`. The bias quantities are ``S`` summed over space.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from .._checks import check_choice
 from ..strategies.geometry import conv_spec
 from .grads import weight_grad
+from .kronecker import patches
 from .settings import Settings
 
 #: The bytes one chunk of rows may take when no ``memory_budget`` is set (64 MiB).
@@ -92,23 +97,143 @@ def _row_vjps(module, input: Tensor, s: Tensor, settings: Settings, chunk) -> Te
     return rows.reshape(n1 - n0, cv, *module.weight.shape)
 
 
+#: The routes of :func:`weight_diagonal`.
+DIAGONAL_ROUTES = ("rows", "gram")
+
+
+@dataclass(frozen=True)
+class DiagonalCosts:
+    """The multiply-adds of the two routes of :func:`weight_diagonal` and the bytes
+    one sample of the Gram route holds.
+
+    Attributes:
+        rows: ``V·N·T·C_out·C_in/G·K`` (one weight VJP per row).
+        gram: ``N·T²·(V·C_out + C_out·C_in/G·K + C_in·K)`` (``A``, the products with
+            the patches' outer products, and those outer products).
+        gram_sample_bytes: ``(V·C_out·T + (C_out + C_in)·T²)`` numbers: one sample's
+            rows of ``S``, its ``A`` and one offset's patch products.
+    """
+
+    rows: int
+    gram: int
+    gram_sample_bytes: int
+
+
+def diagonal_costs(module, input: Tensor, s: Tensor) -> DiagonalCosts:
+    """The costs :func:`diagonal_route` compares, from the shapes (no work).
+
+    Args:
+        module, input, s: as :func:`weight_diagonal`.
+    """
+    spec = conv_spec(module)
+    geom = spec.geometry
+    v, n, c_out = s.shape[:3]  # c_out: the channels of the layer's output
+    t = math.prod(s.shape[3:])
+    c_in = input.shape[1]
+    k = math.prod(geom.kernel_size)
+    per_weight = c_out * (c_in // geom.groups) * k
+    return DiagonalCosts(
+        rows=v * n * t * per_weight,
+        gram=n * t * t * (v * c_out + per_weight + c_in * k),
+        gram_sample_bytes=(v * c_out * t + (c_out + c_in) * t * t) * s.element_size(),
+    )
+
+
+def diagonal_route(module, input: Tensor, s: Tensor, settings: Settings) -> str:
+    """Which route :func:`weight_diagonal` takes: the one place it is chosen.
+
+    ``"gram"`` when its multiply-adds are fewer than the row VJPs' (about when the
+    output positions T are fewer than the rows per sample V: small output maps, large
+    V) and one sample of it fits the chunk budget (``settings.options.memory_budget``,
+    else :data:`DEFAULT_CHUNK_BYTES`); ``"rows"`` otherwise, and always when the
+    strategy is not ``"auto"`` (a strategy the user chose is kept).
+
+    Args:
+        module, input, s, settings: as :func:`weight_diagonal`.
+
+    Returns:
+        ``"gram"`` or ``"rows"``.
+    """
+    if settings.strategy != "auto" or s.shape[0] * s.shape[1] == 0:
+        return "rows"
+    costs = diagonal_costs(module, input, s)
+    budget = settings.options.memory_budget
+    budget = DEFAULT_CHUNK_BYTES if budget is None else budget
+    return "gram" if costs.gram < costs.rows and costs.gram_sample_bytes <= budget else "rows"
+
+
+def _gram_diagonal(module, input: Tensor, s: Tensor, memory_budget, per_sample: bool) -> Tensor:
+    """The diagonal by the Gram route (see :func:`weight_diagonal`), samples in chunks."""
+    p = patches(module, input.to(s.dtype))
+    v, n, c_out = s.shape[:3]
+    t = math.prod(s.shape[3:])
+    g = p.groups
+    c_in = p.source.shape[1]
+    o_g, i_g = c_out // g, c_in // g
+    shape = module.weight.shape
+    out = s.new_zeros((n, *shape) if per_sample else shape)
+    budget = DEFAULT_CHUNK_BYTES if memory_budget is None else memory_budget
+    step = max(1, budget // max(diagonal_costs(module, input, s).gram_sample_bytes, 1))
+    transposed = conv_spec(module).transposed
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        rows = s[:, n0:n1].reshape(v, n1 - n0, c_out, t).permute(1, 2, 0, 3)  # [n, o, v, t]
+        a = rows.transpose(-1, -2) @ rows  # [n, o, t, t]: Σ_v S Sᵀ
+        a = a.reshape(n1 - n0, g, o_g, t * t)
+        diag = s.new_empty(n1 - n0, g, o_g, i_g, len(p.offsets))
+        for k, offset in enumerate(p.offsets):
+            x = p.view(offset)[n0:n1].reshape(n1 - n0, g, i_g, t)
+            b = (x[..., :, None] * x[..., None, :]).reshape(n1 - n0, g, i_g, t * t)
+            diag[..., k] = a @ b.transpose(-1, -2)  # [n, g, o, i]
+        if transposed:  # weight [C_in, C_out/G, *k]
+            diag = diag.transpose(2, 3)
+        diag = diag.reshape(n1 - n0, *shape)
+        if per_sample:
+            out[n0:n1] = diag
+        else:
+            out += diag.sum(0)
+    return out
+
+
 def weight_diagonal(
-    module, input: Tensor, s: Tensor, settings: Settings, *, per_sample: bool
+    module, input: Tensor, s: Tensor, settings: Settings, *, per_sample: bool, route=None
 ) -> Tensor:
     """The diagonal ``Σ_v Σ_n (Jₙᵀ S[v, n])²`` of a convolution's weight curvature.
+
+    Two routes, chosen by :func:`diagonal_route` (their multiply-adds,
+    :func:`diagonal_costs`):
+
+    - ``"rows"``: one weight VJP per row of ``S`` by the layer's strategy, squared
+      and summed, rows in chunks (:func:`row_chunks`);
+    - ``"gram"``: ``diag[o, i, k] = Σₙ Σ_{t,t'} Aₙ[o, t, t'] xₙ[i, t + k] xₙ[i, t' + k]``
+      with ``Aₙ[o] = Σ_v S[v, n, o] S[v, n, o]ᵀ`` (``T × T`` per sample and output
+      channel) and the patches of kernel offset ``k`` as strided views of the padded
+      input (:func:`memconv.conv.kronecker.patches`, no unfolded input): about
+      ``N·T²·C_out·C_in·K`` multiply-adds against the rows' ``V·N·T·C_out·C_in·K``,
+      the cheaper when the output map is small (``T < V``), as ghost norms are for
+      first order. Samples in chunks under the budget.
 
     Args:
         module: ``Conv*d`` or ``ConvTranspose*d``.
         input: the layer's input ``[N, C_in, *S]``.
         s: the factorisation ``[V, N, C_out, *T]`` of the output's curvature.
         settings: the weight-VJP strategy; its ``memory_budget`` (bytes) bounds a
-            chunk of rows (:func:`row_chunks`).
+            chunk of rows (:func:`row_chunks`) or of samples (the Gram route).
         per_sample: ``[N, *weight.shape]`` (no sum over ``n``) if True, else
             ``weight.shape``.
+        route: ``"rows"`` or ``"gram"`` to force one; None: :func:`diagonal_route`.
 
     Returns:
         The diagonal, in ``s``'s dtype.
+
+    Raises:
+        ValueError: for an unknown ``route``.
     """
+    check_choice(route, DIAGONAL_ROUTES, "route")
+    if route is None:
+        route = diagonal_route(module, input, s, settings)
+    if route == "gram":
+        return _gram_diagonal(module, input, s, settings.options.memory_budget, per_sample)
     v, n = s.shape[:2]
     shape = module.weight.shape
     out = s.new_zeros((n, *shape) if per_sample else shape)

@@ -186,9 +186,10 @@ def input_factor(
             has its dtype).
         kfac_approx: ``"expand"`` (KFAC, BackPACK's KFAC/KFLR/KFRA input factor) or
             ``"reduce"`` (KFAC-reduce); see the module's docstring.
-        memory_budget: bytes the kernel-offset chunks may hold at once (two chunks
-            of ``N·C_in·m·T`` numbers); None: the size of the padded input. At least one
-            offset per chunk: a smaller budget warns and holds two offsets' patches.
+        memory_budget: bytes the two chunks of patches held at once may take (``m``
+            offsets of every sample, ``N·C_in·m·T`` numbers each, where two offsets
+            fit; else one offset of a chunk of samples); None: the size of the padded
+            input. Below two offsets' patches of one sample it warns and holds those.
 
     Returns:
         ``[C_in·K, C_in·K]`` for ``groups = 1``; ``[G, C_in/G·K, C_in/G·K]`` for
@@ -211,50 +212,60 @@ def input_factor(
 
 
 def _expand_factor(p: Patches, memory_budget: int | None) -> Tensor:
-    """Ω = (1/N) Σₙₜ ⟦x⟧ ⟦x⟧ᵀ per group, ``[G, Cg·K, Cg·K]``, by offset-chunk products."""
+    """Ω = (1/N) Σₙₜ ⟦x⟧ ⟦x⟧ᵀ per group, ``[G, Cg·K, Cg·K]``, by offset-chunk products.
+
+    Two chunks of offsets' patches are held at a time, within the budget: several
+    offsets of every sample where two offsets fit, else one offset of a chunk of
+    samples (the products summed over the sample chunks).
+    """
     n, c = p.source.shape[:2]
     g = p.groups
     cg = c // g
     offsets = p.offsets
     k = len(offsets)
     t = math.prod(p.output_size)
-    per_offset = n * c * t * p.source.element_size()
+    per_sample = c * t * p.source.element_size()  # one offset's patches of one sample
+    per_offset = n * per_sample
     budget = memory_budget if memory_budget is not None else max(per_offset, _nbytes(p.source))
-    if memory_budget is not None and memory_budget < 2 * per_offset:
+    if memory_budget is not None and memory_budget < 2 * per_sample:
         warnings.warn(
             f"input_factor: memory_budget={memory_budget:,} bytes is below two kernel "
-            f"offsets' patches ({2 * per_offset:,} bytes, the least it needs); it runs "
-            "one offset at a time and holds those; raise the budget to silence this",
+            f"offsets' patches of one sample ({2 * per_sample:,} bytes, the least it "
+            "needs); it runs one offset of one sample at a time and holds those; raise "
+            "the budget to silence this",
             stacklevel=3,
         )
     m = max(1, min(k, budget // (2 * per_offset)))
+    step = n if 2 * per_offset <= budget else max(1, budget // (2 * per_sample))
     chunks = [range(i, min(i + m, k)) for i in range(0, k, m)]
-    out = p.source.new_empty(g, cg, k, cg, k)  # every block is written below
-    for a, rows in enumerate(chunks):
-        za = _slab(p, [offsets[i] for i in rows], g)
-        for cols in chunks[a:]:
-            zb = za if cols is rows else _slab(p, [offsets[i] for i in cols], g)
-            block = torch.bmm(za, zb.transpose(1, 2)).view(g, cg, len(rows), cg, len(cols))
-            out[:, :, rows.start : rows.stop, :, cols.start : cols.stop] = block
-            if cols is not rows:
-                out[:, :, cols.start : cols.stop, :, rows.start : rows.stop] = block.permute(
-                    0, 3, 4, 1, 2
-                )
-            del zb, block
+    out = p.source.new_zeros(g, cg, k, cg, k)
+    for n0 in range(0, n, step):
+        samples = range(n0, min(n, n0 + step))
+        for a, rows in enumerate(chunks):
+            za = _slab(p, [offsets[i] for i in rows], g, samples)
+            for cols in chunks[a:]:
+                zb = za if cols is rows else _slab(p, [offsets[i] for i in cols], g, samples)
+                block = torch.bmm(za, zb.transpose(1, 2)).view(g, cg, len(rows), cg, len(cols))
+                out[:, :, rows.start : rows.stop, :, cols.start : cols.stop] += block
+                if cols is not rows:
+                    out[:, :, cols.start : cols.stop, :, rows.start : rows.stop] += block.permute(
+                        0, 3, 4, 1, 2
+                    )
+                del zb, block
     return out.view(g, cg * k, cg * k).div_(n)
 
 
-def _slab(p: Patches, offsets: list[tuple[int, ...]], groups: int) -> Tensor:
-    """The patch entries of some offsets, ``[G, Cg·m, N·T]`` (one copy)."""
-    n, c = p.source.shape[:2]
+def _slab(p: Patches, offsets: list[tuple[int, ...]], groups: int, samples: range) -> Tensor:
+    """The patch entries of some offsets for some samples, ``[G, Cg·m, n·T]`` (one copy)."""
+    c = p.source.shape[1]
     cg = c // groups
     t = math.prod(p.output_size)
     size = p.output_size
-    z = p.source.new_empty(groups, cg, len(offsets), n, *size)
+    z = p.source.new_empty(groups, cg, len(offsets), len(samples), *size)
     for j, offset in enumerate(offsets):
-        entries = p.view(offset).unflatten(1, (groups, cg))  # a view: [N, G, Cg, *T]
-        z[:, :, j].copy_(entries.movedim(0, 2))  # one copy
-    return z.view(groups, cg * len(offsets), n * t)
+        entries = p.view(offset)[samples.start : samples.stop].unflatten(1, (groups, cg))
+        z[:, :, j].copy_(entries.movedim(0, 2))  # one copy of a view [n, G, Cg, *T]
+    return z.view(groups, cg * len(offsets), len(samples) * t)
 
 
 def _reduce_factor(p: Patches) -> Tensor:

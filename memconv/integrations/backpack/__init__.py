@@ -22,7 +22,9 @@ second-order ``{Batch}DiagGGN{Exact,MC}``, ``{Batch}DiagHessian`` and
 ``SqrtGGN{Exact,MC}`` (:mod:`.secondorder`; ``memory_budget=`` runs the backward pass
 over chunks of the factor's rows, :mod:`.chunking`) and the Kronecker-factored ``KFAC``,
 ``KFLR`` and ``KFRA`` (:mod:`.kronecker`, which also supplies adaptive pooling and
-BatchNorm in eval mode, where BackPACK has no module extension); the strategy is the one the
+BatchNorm in eval mode, where BackPACK has no module extension) and ConvNeXt's layers
+(:mod:`.layers`: ``LayerNorm2d``, the layer scale and ``nn.GELU``, made modules by
+:func:`extend`, BackPACK's converter for timm's ConvNeXt); the strategy is the one the
 layer's forward pass recorded (the rule of :class:`memconv.save_memory`). memconv's
 layers that are not convolutions get BackPACK's module extension of the ``torch.nn``
 class they subclass, for every extension. No global hook, no state outside the
@@ -54,6 +56,12 @@ from ...modules import CONVERSIONS, convert
 #: Module extensions each installed extension object had before, to give back exactly.
 _previous: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ABSENT = object()
+#: The key under which :data:`_previous` records a KFLR object's added branch rule.
+_ACCUMULATION = object()
+
+
+def _sum(existing, other):
+    return existing + other
 
 
 def _require():
@@ -113,8 +121,10 @@ def install(*exts, memory_budget=None):
         if not isinstance(ext, BackpropExtension):
             raise TypeError(f"install expects BackPACK extension objects, got {type(ext).__name__}")
     from . import chunking
-    from .kronecker import OTHER_LAYERS
+    from .kronecker import KFLR, OTHER_LAYERS
     from .kronecker import module_extension as kronecker_module_extension
+    from .layers import LAYERS
+    from .layers import module_extension as layer_module_extension
 
     for ext in exts:
         if ext in _previous:
@@ -134,6 +144,10 @@ def install(*exts, memory_budget=None):
             module_ext = None if cls in new else kronecker_module_extension(ext, cls)
             if module_ext is not None:
                 new[cls] = module_ext
+        for cls in LAYERS:  # ConvNeXt's layers BackPACK lacks (GELU, LayerNorm2d, ...)
+            module_ext = None if cls in new else layer_module_extension(ext, cls)
+            if module_ext is not None:
+                new[cls] = module_ext
         if not any(cls in new for cls in extensions.DERIVATIVES):
             warnings.warn(
                 f"memconv does not cover the BackPACK extension {type(ext).__name__}; its "
@@ -145,9 +159,37 @@ def install(*exts, memory_budget=None):
             for cls in {**mapping, **new}:
                 new[cls] = chunking.Deferred(new.get(cls, mapping.get(cls)), memory_budget)
         _previous[ext] = {cls: mapping.get(cls, _ABSENT) for cls in new}
+        if isinstance(ext, KFLR) and "accumulate_backpropagated_quantities" not in vars(ext):
+            # BackPACK's KFLR has no rule for branches (residual additions): its square
+            # roots add up there, as KFAC's do
+            ext.accumulate_backpropagated_quantities = _sum
+            _previous[ext][_ACCUMULATION] = _ABSENT
         for cls, module_ext in new.items():
             ext.set_module_extension(cls, module_ext, overwrite=True)
     return exts[0] if len(exts) == 1 else exts
+
+
+def extend(module, debug: bool = False, use_converter: bool = True):
+    """``backpack.extend(module, use_converter=True)`` that also converts the layers
+    of networks written as timm writes ConvNeXt (``LayerNorm2d``, the layer scale
+    ``gamma``) into modules BackPACK's extensions see, for which :func:`install`
+    supplies module extensions (:mod:`.converter`, :mod:`.layers`).
+
+    Args:
+        module: the model.
+        debug: BackPACK's debug messages.
+        use_converter: False: ``backpack.extend(module)``, nothing rewritten.
+
+    Returns:
+        The extended model (BackPACK's converter returns a ``torch.fx.GraphModule``).
+
+    Raises:
+        ImportError: if BackPACK is not installed.
+    """
+    _require()
+    from .converter import extend as convert_and_extend
+
+    return convert_and_extend(module, debug=debug, use_converter=use_converter)
 
 
 def uninstall(*exts) -> None:
@@ -159,6 +201,8 @@ def uninstall(*exts) -> None:
         previous = _previous.pop(ext, None)
         if previous is None:
             continue
+        if previous.pop(_ACCUMULATION, None) is not None:
+            del ext.accumulate_backpropagated_quantities
         mapping = _mapping(ext)
         for cls, module_ext in previous.items():
             if module_ext is _ABSENT:

@@ -1,0 +1,332 @@
+"""BackPACK module extensions for the layers of ConvNeXt that BackPACK 1.7.1 lacks.
+
+timm's ConvNeXt (Liu et al. 2022, "A ConvNet for the 2020s") has three layers that
+no BackPACK extension can see:
+
+- ``LayerNorm2d``: a LayerNorm over the channels of ``[N, C, H, W]``, written as a
+  permute to channels-last, ``F.layer_norm`` and a permute back (a module whose
+  ``forward`` BackPACK's converter traces into, leaving a function call);
+- the layer scale ``gamma``: a parameter of the block itself, multiplied in its
+  ``forward`` (``x.mul(self.gamma.reshape(1, -1, 1, 1))``; timm's ``LayerScale2d``);
+- ``nn.GELU``, which BackPACK has no derivatives for.
+
+:func:`memconv.integrations.backpack.extend` replaces the first two by the modules
+:class:`LayerNorm2d` and :class:`LayerScale2d` here (sharing the model's
+parameters); :func:`module_extension` gives them and ``nn.GELU`` BackPACK module
+extensions built from BackPACK's own base classes with the derivatives here, for
+every extension memconv covers:
+
+- the diagonal and square-root extensions (``{Batch}DiagGGN{Exact,MC}``,
+  ``SqrtGGN{Exact,MC}``): the factor ``S`` is backpropagated by the exact input
+  Jacobian, the parameters' quantities are BackPACK's from their per-row VJPs;
+- ``{Batch}DiagHessian``: GELU (its second derivative is elementwise) and the layer
+  scale (linear in its input); the layer norm raises, naming the layer: its output's
+  Hessian with respect to its input is not diagonal, which BackPACK's residual terms
+  require;
+- ``KFAC`` and ``KFLR``: GELU backpropagates the square root; the layer norm's
+  ``weight`` and ``bias`` and the layer scale's ``gamma`` get one factor each, their
+  GGN ``[C, C]`` (``Σᵥₙ (Jᵀ Sᵥₙ)(Jᵀ Sᵥₙ)ᵀ``), the convention of BatchNorm's γ and β
+  (:mod:`memconv.integrations.backpack.kronecker`). ``KFRA`` (a batch-averaged
+  backpropagation, which these derivatives lack) raises, naming the layer;
+- the first-order ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` and ``Variance``
+  from the same derivatives.
+
+Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
+"""
+
+from __future__ import annotations
+
+import torch
+from backpack.core.derivatives.basederivatives import BaseParameterDerivatives
+from backpack.core.derivatives.elementwise import ElementwiseDerivatives
+from backpack.core.derivatives.scale_module import ScaleModuleDerivatives
+from backpack.extensions import (
+    KFAC,
+    KFLR,
+    KFRA,
+    BatchDiagGGNExact,
+    BatchDiagGGNMC,
+    BatchDiagHessian,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    DiagGGNMC,
+    DiagHessian,
+    SqrtGGNExact,
+    SqrtGGNMC,
+    SumGradSquared,
+    Variance,
+)
+from backpack.extensions.firstorder.batch_grad.batch_grad_base import BatchGradBase
+from backpack.extensions.firstorder.batch_l2_grad.batch_l2_base import BatchL2Base
+from backpack.extensions.firstorder.gradient.base import GradBaseModule
+from backpack.extensions.firstorder.sum_grad_squared.sgs_base import SGSBase
+from backpack.extensions.firstorder.variance.variance_base import VarianceBaseModule
+from backpack.extensions.module_extension import ModuleExtension
+from backpack.extensions.secondorder.diag_ggn.diag_ggn_base import DiagGGNBaseModule
+from backpack.extensions.secondorder.diag_hessian.diag_h_base import DiagHBaseModule
+from backpack.extensions.secondorder.hbp.hbpbase import HBPBaseModule
+from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
+from backpack.utils.subsampling import subsample
+from torch import Tensor, nn
+
+from .kronecker import _POOLS, AdaptiveAvgPoolDerivatives, _gram
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """timm's ``LayerNorm2d`` as a module BackPACK's extensions see: a LayerNorm over
+    the channels of ``[N, C, *S]`` (``F.layer_norm`` on the channels-last view).
+
+    Args:
+        num_channels: C.
+        eps: added to the variance.
+        affine: a ``weight`` and ``bias`` of shape ``[C]``.
+    """
+
+    def __init__(self, num_channels: int, eps: float = 1e-6, affine: bool = True):
+        super().__init__(num_channels, eps=eps, elementwise_affine=affine)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.movedim(1, -1)
+        x = nn.functional.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.movedim(-1, 1)
+
+
+class LayerScale2d(nn.Module):
+    """timm's ``LayerScale2d``: ``x · gamma`` per channel of ``[N, C, *S]``.
+
+    Args:
+        gamma: the scale ``[C]`` (the model's own parameter, shared).
+    """
+
+    def __init__(self, gamma: nn.Parameter):
+        super().__init__()
+        self.gamma = gamma
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma.reshape(1, -1, *([1] * (x.dim() - 2)))
+
+
+def _spatial_sum(t: Tensor, sum_batch: bool) -> Tensor:
+    """``[V, N, C, *S]`` summed over ``S`` (and ``N`` if ``sum_batch``)."""
+    dims = tuple(range(3, t.dim()))
+    t = t.sum(dims) if dims else t
+    return t.sum(1) if sum_batch else t
+
+
+class LayerNorm2dDerivatives(BaseParameterDerivatives):
+    """Derivatives of :class:`LayerNorm2d` (Ba et al. 2016), normalising over axis 1.
+
+    With ``x̂ = (x − μ)/σ`` over the channels at each position and ``ĝ = g · weight``,
+    the input VJP is ``(ĝ − mean_C ĝ − x̂ · mean_C(ĝ x̂)) / σ``; the weight VJP is
+    ``Σ_S g x̂`` and the bias VJP ``Σ_S g`` per sample.
+    """
+
+    def hessian_is_zero(self, module) -> bool:
+        return False
+
+    def hessian_is_diagonal(self, module) -> bool:
+        return False
+
+    @staticmethod
+    def _normalised(module, subsampling=None):
+        x = subsample(module.input0, subsampling=subsampling)
+        mean = x.mean(1, keepdim=True)
+        var = x.var(1, unbiased=False, keepdim=True)
+        sigma = (var + module.eps).sqrt()
+        return (x - mean) / sigma, sigma
+
+    def _jac_t_mat_prod(self, module, g_inp, g_out, mat, subsampling=None):
+        xhat, sigma = self._normalised(module, subsampling)
+        g = mat if module.weight is None else mat * _channels(module.weight, mat.dim() - 1)
+        inner = g.mean(2, keepdim=True) + xhat * (g * xhat).mean(2, keepdim=True)
+        return (g - inner) / sigma
+
+    def _weight_jac_t_mat_prod(self, module, g_inp, g_out, mat, sum_batch=True, subsampling=None):
+        xhat, _ = self._normalised(module, subsampling)
+        return _spatial_sum(mat * xhat, sum_batch)
+
+    def _bias_jac_t_mat_prod(self, module, g_inp, g_out, mat, sum_batch=True, subsampling=None):
+        return _spatial_sum(mat, sum_batch)
+
+
+class LayerScale2dDerivatives(BaseParameterDerivatives):
+    """Derivatives of :class:`LayerScale2d`: ``Jᵀ g = g · gamma``; ``gamma``'s VJP is
+    ``Σ_S g x`` per sample."""
+
+    def hessian_is_zero(self, module) -> bool:
+        return True
+
+    def _jac_t_mat_prod(self, module, g_inp, g_out, mat, subsampling=None):
+        return mat * _channels(module.gamma, mat.dim() - 1)
+
+    def _gamma_jac_t_mat_prod(self, module, g_inp, g_out, mat, sum_batch=True, subsampling=None):
+        x = subsample(module.input0, subsampling=subsampling)
+        return _spatial_sum(mat * x, sum_batch)
+
+
+def _channels(p: Tensor, dims: int) -> Tensor:
+    """``[C]`` shaped to broadcast over ``[V, N, C, *S]`` (``dims`` = the rank less V)."""
+    return p.reshape(p.shape[0], *([1] * (dims - 2)))
+
+
+class IdentityDerivatives(ScaleModuleDerivatives):
+    """BackPACK's derivatives of ``nn.Identity``, whose Hessian is zero."""
+
+    def hessian_is_zero(self, module) -> bool:
+        return True
+
+
+class GELUDerivatives(ElementwiseDerivatives):
+    """Derivatives of ``nn.GELU`` (Hendrycks & Gimpel 2016; ``approximate="none"`` or
+    ``"tanh"``): the first and second derivative of the layer's own function,
+    elementwise, by autograd."""
+
+    def hessian_is_zero(self, module) -> bool:
+        return False
+
+    @staticmethod
+    def _derivatives(module, x: Tensor, order: int) -> Tensor:
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            y = nn.functional.gelu(x, approximate=module.approximate)  # not module(x):
+            # that would run BackPACK's forward hooks again, replacing its stored output
+            (d,) = torch.autograd.grad(y.sum(), x, create_graph=order > 1)
+            if order > 1:
+                (d,) = torch.autograd.grad(d.sum(), x)
+        return d.detach()
+
+    def df(self, module, g_inp, g_out, subsampling=None):
+        return self._derivatives(module, subsample(module.input0, subsampling=subsampling), 1)
+
+    def d2f(self, module, g_inp, g_out):
+        return self._derivatives(module, module.input0, 2)
+
+
+#: The parameters of each layer class here.
+PARAMS = {LayerNorm2d: ["bias", "weight"], LayerScale2d: ["gamma"], nn.GELU: []}
+DERIVATIVES = {
+    LayerNorm2d: LayerNorm2dDerivatives,
+    LayerScale2d: LayerScale2dDerivatives,
+    nn.GELU: GELUDerivatives,
+}
+#: The layer classes :func:`module_extension` covers (``nn.Identity``: for
+#: ``{Batch}DiagHessian`` only, which BackPACK's lack).
+LAYERS = (*DERIVATIVES, *_POOLS, nn.Identity)
+_DIAG_GGN = (DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC)
+_PER_SAMPLE = (BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian)
+
+
+def _path(module) -> str:
+    """The layer's path in the model, as :func:`memconv.integrations.backpack.extend`
+    recorded it, else its class."""
+    return getattr(module, "_memconv_path", None) or type(module).__name__
+
+
+class _Refused(ModuleExtension):
+    """A module extension that raises, naming the layer, the extension and the remedy."""
+
+    def __init__(self, why: str, remedy: str):
+        super().__init__()
+        self.why, self.remedy = why, remedy
+
+    def __call__(self, ext, module, g_inp, g_out):
+        raise NotImplementedError(
+            f"BackPACK's {type(ext).__name__} on layer {_path(module)!r} "
+            f"({type(module).__name__}): {self.why}; {self.remedy}"
+        )
+
+
+class _DiagHessianParams(DiagHBaseModule):
+    """``{Batch}DiagHessian`` of a layer linear in its input: each parameter's
+    diagonal ``Σ sign · (Jᵀ S)²`` over BackPACK's signed factors."""
+
+    def __init__(self, derivatives, params, per_sample: bool):
+        for name in params:
+            setattr(self, name, self._param(name, per_sample))
+        super().__init__(derivatives=derivatives, params=params)
+
+    def _param(self, name, per_sample):
+        def diagonal(ext, module, g_inp, g_out, backproped):
+            total = 0
+            for s, sign in zip(backproped["matrices"], backproped["signs"]):
+                vjps = self.derivatives.param_mjp(name, module, g_inp, g_out, s, sum_batch=False)
+                total = total + sign * vjps.square().sum(0 if per_sample else (0, 1))
+            return total
+
+        return diagonal
+
+
+class _HBPParams(HBPBaseModule):
+    """KFAC and KFLR of an elementwise-affine layer: one factor per parameter, its GGN
+    ``[C, C]`` from the per-row VJPs (the convention of :class:`.kronecker.HBPBatchNormNd`)."""
+
+    def __init__(self, derivatives, params):
+        for name in params:
+            setattr(self, name, self._param(name))
+        super().__init__(derivatives=derivatives, params=params)
+
+    def _param(self, name):
+        def factor(ext, module, g_inp, g_out, backproped):
+            vjps = self.derivatives.param_mjp(
+                name, module, g_inp, g_out, backproped, sum_batch=False
+            )
+            return [_gram(vjps)]
+
+        return factor
+
+
+def module_extension(ext, module_class):
+    """memconv's module extension of a BackPACK extension object for ``nn.GELU``,
+    :class:`LayerNorm2d` or :class:`LayerScale2d` (or a subclass).
+
+    Returns:
+        The module extension, or None for another class or an extension memconv does
+        not cover.
+    """
+    cls = next((c for c in LAYERS if issubclass(module_class, c)), None)
+    if cls is None:
+        return None
+    if cls is nn.Identity:
+        hessian = isinstance(ext, (DiagHessian, BatchDiagHessian))
+        return DiagHBaseModule(derivatives=IdentityDerivatives()) if hessian else None
+    if cls in _POOLS:  # BackPACK's own pooling derivatives, in the input's dtype
+        if isinstance(ext, (KFAC, KFLR, KFRA)):
+            return None  # :mod:`.kronecker`'s
+        d, params = AdaptiveAvgPoolDerivatives(N=_POOLS[cls]), []
+    else:
+        d, params = DERIVATIVES[cls](), PARAMS[cls]
+    if isinstance(ext, _DIAG_GGN):
+        per_sample = isinstance(ext, _PER_SAMPLE)
+        return DiagGGNBaseModule(d, params=params, sum_batch=not per_sample)
+    if isinstance(ext, (SqrtGGNExact, SqrtGGNMC)):
+        return SqrtGGNBaseModule(d, params=params)
+    if isinstance(ext, (DiagHessian, BatchDiagHessian)):
+        if cls is LayerNorm2d:  # nonlinear, its Hessian not diagonal
+            return _Refused(
+                "the Hessian of a layer norm's output with respect to its input is not "
+                "diagonal, which BackPACK's Hessian backpropagation requires",
+                "use DiagGGNExact (the GGN diagonal) or an autograd Hessian",
+            )
+        return _DiagHessianParams(d, params, isinstance(ext, _PER_SAMPLE))
+    if isinstance(ext, KFRA):
+        return _Refused(
+            "KFRA backpropagates a batch-averaged Hessian, which memconv's derivatives "
+            "of this layer do not provide",
+            "use KFAC or KFLR",
+        )
+    if isinstance(ext, (KFAC, KFLR)):
+        return _HBPParams(d, params)
+    if isinstance(ext, BatchGrad):
+        return BatchGradBase(derivatives=d, params=params)
+    if isinstance(ext, BatchL2Grad):
+        return BatchL2Base(params, derivatives=d)
+    if isinstance(ext, SumGradSquared):
+        return SGSBase(derivatives=d, params=params)
+    if isinstance(ext, Variance):
+        return VarianceBaseModule(
+            params=params,
+            grad_extension=GradBaseModule(derivatives=d, params=params),
+            sgs_extension=SGSBase(derivatives=d, params=params),
+        )
+    return None
