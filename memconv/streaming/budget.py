@@ -47,7 +47,7 @@ def tile_bytes(plan: TilePlan, tile, element_size: int) -> int:
     total = 0
     for v in range(1, len(bound.nodes)):
         if plan.needs(v, tile) is not None:
-            total += _width(bound, v) * math.prod(hi - lo for lo, hi in plan.box(v, tile))
+            total += _width(bound, v) * math.prod(hi - lo for lo, hi in plan.own(v, tile))
     return total * element_size
 
 
@@ -167,7 +167,7 @@ def predict_time(plan: TilePlan, device_type: str = "cpu") -> float:
             if plan.needs(v, tile) is None:
                 continue
             ops += OPS_PER_NODE
-            box = plan.box(v, tile)
+            box = plan.own(v, tile)
             flops += macs[v] * math.prod(hi - lo for lo, hi in box)
             halo = [a.depth[v][k] for a, k in zip(plan.axes, tile)]
             if any(halo):

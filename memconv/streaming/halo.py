@@ -44,23 +44,16 @@ class HaloStore:
     def __init__(self, plan: TilePlan, *, gradients: bool = False):
         self.plan = plan
         self.gradients = gradients
-        # (node, axis, tile boundary), and for gradients the owners' tile indices along
-        # the axes before `axis` (a slab per row of tiles, see `add`)
-        self.slabs: dict[tuple, Tensor] = {}
+        self.slabs: dict[tuple[int, int, int], Tensor] = {}
+        self._made: dict[tuple[int, int, int], tuple] = {}  # a gradient slab's first sender
 
     @property
     def nbytes(self) -> int:
         """Bytes held."""
         return sum(t.numel() * t.element_size() for t in self.slabs.values())
 
-    def _key(self, v: int, axis: int, k: int, tile) -> tuple:
-        """A slab's key: a gradient slab also names the tile indices of its positions'
-        owners along the axes before ``axis`` (``tile``'s)."""
-        return (v, axis, k, tuple(tile[:axis])) if self.gradients else (v, axis, k)
-
-    def _slab(self, key: tuple, like: Tensor) -> Tensor:
-        slab = self.slabs.get(key)
-        v, axis, k = key[:3]
+    def _slab(self, v: int, axis: int, k: int, like: Tensor) -> Tensor:
+        slab = self.slabs.get((v, axis, k))
         if slab is None:
             node = self.plan.bound.nodes[v]
             shape = list(node.shape)
@@ -68,7 +61,7 @@ class HaloStore:
             # forward values: every position is written before a tile reads it; gradients
             # are summed into the slab
             make = like.new_zeros if self.gradients else like.new_empty
-            slab = self.slabs[key] = make(shape)
+            slab = self.slabs[(v, axis, k)] = make(shape)
         return slab
 
     def _index(self, v: int, axis: int, k: int, box) -> tuple:
@@ -86,30 +79,30 @@ class HaloStore:
         """Free the slabs no tile after ``tile`` (in reverse raster order) needs.
 
         Gradients: a slab along axis ``a`` whose positions belong to tiles after this one
-        along ``a`` (they ran), or to tiles after this one along the axes before ``a``.
-        Forward values: a slab along the first axis read by a later row of tiles (it
-        ran)."""
+        along ``a`` (they ran), or one made under other tile indices along the axes before
+        ``a`` (its positions belong to those tiles). Forward values: a slab along the
+        first axis read by a later row of tiles (it ran)."""
         axes = self.plan.axes
-        for key in list(self.slabs):
-            v, a, k = key[:3]
+        for v, a, k in list(self.slabs):
             if gradients:
-                prefix, here = key[3], tuple(tile[:a])
                 lo = axes[a].halo(v, k)[0]
-                if prefix > here or (prefix == here and lo >= axes[a].own(v, tile[a])[1]):
-                    del self.slabs[key]
+                done = lo >= axes[a].own(v, tile[a])[1]
+                if done or (a > 0 and self._made.get((v, a, k)) != tuple(tile[:a])):
+                    del self.slabs[(v, a, k)]
             elif a == 0 and k > tile[0]:
-                del self.slabs[key]
+                del self.slabs[(v, a, k)]
 
     def _overlaps(self, v: int, tile, box):
         """``(axis, k, box ∩ halo)`` for every later tile ``k`` along each axis whose
-        halo of ``v`` meets ``box`` (the positions ``tile`` owns; a shifted last tile's
-        halo may begin before its neighbour's)."""
+        halo of ``v`` meets ``box`` (the positions ``tile`` computes)."""
         for axis, plan in enumerate(self.plan.axes):
             if not plan.length[v]:
                 continue
             lo, hi = box[axis]
             for k in range(tile[axis] + 1, plan.count):
                 h_lo, h_hi = plan.halo(v, k)
+                if h_lo >= hi:
+                    break
                 a, b = max(h_lo, lo), min(h_hi, hi)
                 if a < b:
                     part = list(box)
@@ -118,14 +111,12 @@ class HaloStore:
 
     def write(self, v: int, tile, value: Tensor) -> None:
         """Keep the positions of ``value`` (node ``v``'s box at ``tile``) that later
-        tiles read, of those ``tile`` owns."""
-        box, computed = self.plan.own(v, tile), self.plan.box(v, tile)
-        for axis, k, part in self._overlaps(v, tile, box):  # owned positions only
-            slab = self._slab((v, axis, k), value)
+        tiles read."""
+        box = self.plan.own(v, tile)
+        for axis, k, part in self._overlaps(v, tile, box):
+            slab = self._slab(v, axis, k, value)
             # views and one copy (indexed assignment would add an alias and a dispatch)
-            slab[self._index(v, axis, k, part)].copy_(
-                value[_relative(self.plan, v, part, computed)]
-            )
+            slab[self._index(v, axis, k, part)].copy_(value[_relative(self.plan, v, part, box)])
 
     def read(self, v: int, axis: int, k: int, box) -> Tensor:
         """The kept positions ``box`` of node ``v`` (tile ``k``'s halo along ``axis``)."""
@@ -133,35 +124,17 @@ class HaloStore:
 
     def add(self, v: int, axis: int, k: int, box, grad: Tensor, tile) -> None:
         """Add a gradient, sent by ``tile``, to the positions ``box`` of tile ``k``'s halo
-        along ``axis``: into the slab of the tiles that own them along the axes before
-        ``axis`` (``tile``'s own, and for a tile shifted inward along such an axis, for
-        the positions its neighbour owns, the neighbour's)."""
-        parts = [((), box, grad)]
-        for b in range(axis):
-            lo, hi = box[b]
-            start = self.plan.axes[b].own(v, tile[b])[0]
-            split = []
-            for index, part, g in parts:
-                if lo >= start or hi <= start:  # all its own, or all its neighbour's
-                    split.append(((*index, tile[b] - (hi <= start)), part, g))
-                    continue
-                node = self.plan.bound.nodes[v]
-                before, after = list(part), list(part)
-                before[b], after[b] = (lo, start), (start, hi)
-                d = node.dim(b)
-                split.append(((*index, tile[b] - 1), tuple(before), g.narrow(d, 0, start - lo)))
-                split.append(((*index, tile[b]), tuple(after), g.narrow(d, start - lo, hi - start)))
-            parts = split
-        for index, part, g in parts:
-            slab = self._slab((v, axis, k, index), g)
-            slab[self._index(v, axis, k, part)].add_(g)  # one add per owner
+        along ``axis``."""
+        key, prefix = (v, axis, k), tuple(tile[:axis])
+        if self._made.get(key) != prefix:  # a slab of other tiles along the axes before
+            self.slabs.pop(key, None)  # `axis` holds positions those tiles consumed
+            self._made[key] = prefix
+        self._slab(v, axis, k, grad)[self._index(v, axis, k, box)].add_(grad)  # one add
 
     def reaches(self, v: int, tile) -> bool:
         """Whether later tiles sent gradients to node ``v``'s box at ``tile``."""
         box = self.plan.own(v, tile)
-        return any(
-            self._key(v, axis, k, tile) in self.slabs for axis, k, _ in self._overlaps(v, tile, box)
-        )
+        return any((v, axis, k) in self.slabs for axis, k, _ in self._overlaps(v, tile, box))
 
     def seed(self, v: int, tile, like: Tensor) -> Tensor:
         """The gradient later tiles sent to node ``v``'s box at ``tile``, as a tensor
@@ -171,16 +144,13 @@ class HaloStore:
         return out
 
     def seed_into(self, v: int, tile, grad: Tensor) -> None:
-        """Add the gradient later tiles sent to node ``v``'s owned positions at ``tile``
-        to ``grad`` (a gradient of its box), on the slabs they cover (a shifted tile's
-        positions its neighbour owns receive theirs there, once)."""
-        box, computed = self.plan.own(v, tile), self.plan.box(v, tile)
+        """Add the gradient later tiles sent to node ``v``'s box at ``tile`` to ``grad``
+        (a gradient of the box), on the slabs they cover."""
+        box = self.plan.own(v, tile)
         for axis, k, part in self._overlaps(v, tile, box):
-            slab = self.slabs.get(self._key(v, axis, k, tile))
+            slab = self.slabs.get((v, axis, k))
             if slab is not None:
-                grad[_relative(self.plan, v, part, computed)].add_(
-                    slab[self._index(v, axis, k, part)]
-                )
+                grad[_relative(self.plan, v, part, box)].add_(slab[self._index(v, axis, k, part)])
 
 
 def _relative(plan: TilePlan, v: int, part, box) -> tuple:

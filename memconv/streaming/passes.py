@@ -111,7 +111,7 @@ class TileRunner:
                 values[v] = None
             else:
                 ins = [self._assemble(u, tile, needs, values, leaves, inputs) for u in node.slots]
-                own = self.plan.box(v, tile)
+                own = self.plan.own(v, tile)
                 if v in self.plan.in_place:  # eager's in-place form, where nothing else reads
                     y = node.op.run(env, ins, needs, own, True)
                 else:
@@ -138,13 +138,13 @@ class TileRunner:
                 piece = piece.detach().requires_grad_()
                 inputs.append((box, piece))
             return piece
-        own = self.plan.box(u, tile)
+        own = self.plan.own(u, tile)
         return self._block(u, tile, list(box), own, values.get(u), 0, leaves)
 
     def reads_box(self, v: int, tile) -> bool:
         """Whether a node reading ``v`` at ``tile`` reads part of ``v``'s own box (so that
         gradient flows back into it through this tile's graph)."""
-        own = self.plan.box(v, tile)
+        own = self.plan.own(v, tile)
         for c in self.bound.nodes[v].consumers:
             needs = self.plan.needs(c, tile)
             if needs is not None and all(n.hi > lo for n, (lo, _) in zip(needs, own)):
@@ -221,18 +221,11 @@ def forward_pass(runner: TileRunner, env, progress=None) -> Tensor:
         y = runner.run(env, tile, write=True)[bound.output]
         if out is None:
             out = runner.x.new_empty(bound.output_shape(), dtype=y.dtype)
-        crop(out, plan.output_range(tile)).copy_(owned_output(plan, tile, y))
+        crop(out, plan.output_range(tile)).copy_(y)
         del y
         if _row_done(plan, tile, reverse=False):
             release_freed_memory(runner.device or runner.x.device)
     return out
-
-
-def owned_output(plan: TilePlan, tile, y: Tensor) -> Tensor:
-    """The outputs ``tile`` owns of those it computed, ``y`` (a view; ``y`` itself
-    unless the tile is shifted inward, whose outputs its neighbour owns are discarded)."""
-    box = plan.output_box(tile)
-    return crop(y, [(lo - b, hi - b) for (lo, hi), (b, _) in zip(plan.output_range(tile), box)])
 
 
 def _row_done(plan: TilePlan, tile, *, reverse: bool) -> bool:
@@ -276,7 +269,7 @@ def backward_pass(
             outs, seeds = [], []
             y = values[bound.output]
             if y is not None and y.requires_grad:
-                outs.append(owned_output(plan, tile, y))
+                outs.append(y)
                 seeds.append(runner.to_tile(crop(grad, plan.output_range(tile))))
             for v in sorted(alone):
                 value = values.get(v)

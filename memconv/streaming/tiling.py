@@ -14,19 +14,7 @@ product of the owned ranges is a box). A consumer's input range starts a little
 before its producer's owned range (a 3×3 convolution reads one row of the tile
 above): those positions, the *halo*, belong to earlier tiles, which keep them
 (:mod:`memconv.streaming.halo`). ``depth[u][k]`` is how many positions before its
-box tile ``k`` reads of ``u``.
-
-**Same-shaped tiles** (:func:`same_shape_bounds`, the default): the tiles after the first
-are cut with one output step ``Δ``, the smallest that covers the output with as many
-tiles as the plain cut, and the last tile is shifted inward to end at the image's edge
-with the same ``Δ`` outputs, as StreamingCNN and Lightstream place their last tile. So
-every tile after the first along an axis computes boxes of the same extents of every
-node. The shifted tile still *owns* only the positions no earlier tile computed: it
-computes a *box* ``[start_v(k), hi_v(k))`` that begins before its owned range (the
-positions of its neighbour's last outputs, less than one output step), reads its halo
-before the box's start, and its results in the overlap are discarded (its output
-there is not written, nothing is kept in the halo from them, and gradients later tiles
-send to those positions join only at their owner), so nothing is counted twice.
+owned range tile ``k`` reads of ``u``.
 """
 
 from __future__ import annotations
@@ -52,10 +40,6 @@ class AxisPlan:
             ``k`` reads.
         offset: ``offset[u][k]``: where tile ``k``'s halo of ``u`` starts in ``u``'s
             halo store along this axis; ``length[u]`` its total.
-        starts: ``starts[v][k]``: where the box of node ``v`` tile ``k`` computes begins
-            (its owned range's start, or before it for a tile shifted inward).
-        shifted: ``(lo, hi)``: the output positions the last tile computes when it is
-            shifted inward (it owns ``bounds[-2:]`` of them), else None.
     """
 
     bounds: list[int]
@@ -64,8 +48,6 @@ class AxisPlan:
     depth: list[list[int]]
     offset: list[list[int]]
     length: list[int]
-    starts: list[list[int]]
-    shifted: tuple[int, int] | None = None
 
     @property
     def count(self) -> int:
@@ -76,21 +58,9 @@ class AxisPlan:
         """The positions of node ``v`` tile ``k`` computes."""
         return (self.hi[v][k - 1] if k else 0), self.hi[v][k]
 
-    def box(self, v: int, k: int) -> tuple[int, int]:
-        """The positions of node ``v`` tile ``k`` computes: its owned range, and before
-        it, for a tile shifted inward, positions an earlier tile owns (discarded)."""
-        return self.starts[v][k], self.hi[v][k]
-
-    def output_box(self, k: int) -> tuple[int, int]:
-        """The output positions tile ``k`` computes (``bounds[k:k+2]``, or more for a
-        shifted last tile)."""
-        if self.shifted is not None and k == self.count - 1:
-            return self.shifted
-        return self.bounds[k], self.bounds[k + 1]
-
     def halo(self, u: int, k: int) -> tuple[int, int]:
-        """The positions of ``u`` before its box that tile ``k`` reads."""
-        start = self.starts[u][k]
+        """The positions of ``u`` before its owned range that tile ``k`` reads."""
+        start = self.own(u, k)[0]
         return start - self.depth[u][k], start
 
 
@@ -127,33 +97,8 @@ def output_bounds(bound: Bound, axis: int, tile: int) -> list[int]:
     return bounds
 
 
-def same_shape_bounds(bound: Bound, axis: int, tile: int) -> tuple[list[int], int | None]:
-    """``(bounds, shifted start)``: output tile boundaries along ``axis`` where every tile
-    after the first has the same ``Δ`` output positions, and where the last one starts
-    when it is shifted inward to end at the edge (None when it is not: the tiles divide
-    the output, or there are fewer than three, or no shorter step covers it).
-
-    The first tile keeps :func:`output_bounds`' extent (it reads the receptive field's
-    look-ahead, no halo) and the tiles as many; ``Δ`` is the smallest step that covers the
-    rest, so the last tile overlaps its neighbour by fewer outputs than there are tiles.
-    """
-    plain = output_bounds(bound, axis, tile)
-    count, total = len(plain) - 1, plain[-1]
-    if count < 3:
-        return plain, None
-    first = plain[1]
-    step = -(-(total - first) // (count - 1))
-    bounds = [0, *(first + i * step for i in range(count - 1)), total]
-    shift = total - step
-    if shift == bounds[-2] or not bounds[-3] <= shift < bounds[-2] < total:
-        return plain, None
-    return bounds, shift
-
-
-def axis_plan(bound: Bound, axis: int, bounds: list[int], shifted: int | None = None) -> AxisPlan:
-    """The owned ranges, boxes, needs and halo depths of every node along ``axis``
-    (``shifted``: where the last tile's outputs start when it is shifted inward, see
-    :func:`same_shape_bounds`).
+def axis_plan(bound: Bound, axis: int, bounds: list[int]) -> AxisPlan:
+    """The owned ranges, needs and halo depths of every node along ``axis``.
 
     Raises:
         NotStreamableError: if an op's ranges are not monotone (a modelling error,
@@ -165,18 +110,14 @@ def axis_plan(bound: Bound, axis: int, bounds: list[int], shifted: int | None = 
     for k in range(count):
         for v, h in enumerate(_ends(bound, axis, bounds[k + 1])):
             hi[v][k] = h
-    starts = [[0, *row[:-1]] for row in hi]
-    if shifted is not None:  # the last tile computes what its outputs need past `shifted`
-        for v, h in enumerate(_ends(bound, axis, shifted)):
-            starts[v][-1] = min(h, starts[v][-1])
     needs = [[None] * count for _ in nodes]
     depth = [[0] * count for _ in nodes]
     for v, node in enumerate(nodes):
         if node.op is None:
             continue
         for k in range(count):
-            lo, end = starts[v][k], hi[v][k]
-            if end < (hi[v][k - 1] if k else 0):
+            lo, end = (hi[v][k - 1] if k else 0), hi[v][k]
+            if end < lo:
                 raise NotStreamableError(
                     f"{node.label}: its ranges are not monotone along axis {axis}"
                 )
@@ -186,7 +127,7 @@ def axis_plan(bound: Bound, axis: int, bounds: list[int], shifted: int | None = 
             need = node.op.need(axis, lo, end, size)
             needs[v][k] = need
             for s in node.slots:
-                start = starts[s][k]
+                start = hi[s][k - 1] if k else 0
                 if need.hi > hi[s][k]:
                     raise NotStreamableError(
                         f"{node.label}: reads past what its input computes along axis {axis}"
@@ -197,8 +138,7 @@ def axis_plan(bound: Bound, axis: int, bounds: list[int], shifted: int | None = 
         offs = list(itertools.accumulate([0, *depth[v]]))
         offset.append(offs[:-1])
         length.append(offs[-1])
-    output = (shifted, bounds[-1]) if shifted is not None else None
-    return AxisPlan(bounds, hi, needs, depth, offset, length, starts, output)
+    return AxisPlan(bounds, hi, needs, depth, offset, length)
 
 
 @dataclass
@@ -221,14 +161,8 @@ class TilePlan:
         return list(itertools.product(*(range(a.count) for a in self.axes)))
 
     def own(self, v: int, tile: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        """The positions of node ``v`` that ``tile`` owns (no other tile computes them
-        for the step's results)."""
+        """The box of node ``v`` that ``tile`` computes."""
         return tuple(a.own(v, k) for a, k in zip(self.axes, tile))
-
-    def box(self, v: int, tile: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        """The box of node ``v`` that ``tile`` computes (its owned positions, and for a
-        tile shifted inward, positions before them an earlier tile owns)."""
-        return tuple(a.box(v, k) for a, k in zip(self.axes, tile))
 
     def needs(self, v: int, tile: tuple[int, ...]) -> tuple[Need, ...] | None:
         """Per axis, what node ``v``'s box at ``tile`` reads of its inputs (None: an
@@ -237,12 +171,8 @@ class TilePlan:
         return None if any(n is None for n in out) else out
 
     def output_range(self, tile: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        """The output positions of ``tile`` (those it owns)."""
+        """The output positions of ``tile``."""
         return tuple((a.bounds[k], a.bounds[k + 1]) for a, k in zip(self.axes, tile))
-
-    def output_box(self, tile: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        """The output positions ``tile`` computes (more than it owns when shifted)."""
-        return tuple(a.output_box(k) for a, k in zip(self.axes, tile))
 
     @property
     def count(self) -> int:
@@ -253,16 +183,10 @@ class TilePlan:
         return n
 
 
-def tile_plan(bound: Bound, tile: tuple[int, ...], *, same_shape: bool = True) -> TilePlan:
+def tile_plan(bound: Bound, tile: tuple[int, ...]) -> TilePlan:
     """The tiles of ``bound``'s input size with about ``tile`` new input positions per
-    tile and axis (at most ``tile``; with ``same_shape``, the tiles after the first of
-    the same shape, :func:`same_shape_bounds`)."""
-    axes = []
-    for a, t in enumerate(tile):
-        bounds, shifted = (
-            same_shape_bounds(bound, a, t) if same_shape else (output_bounds(bound, a, t), None)
-        )
-        axes.append(axis_plan(bound, a, bounds, shifted))
+    tile and axis."""
+    axes = [axis_plan(bound, a, output_bounds(bound, a, t)) for a, t in enumerate(tile)]
     return TilePlan(bound, axes, _in_place(bound, axes), tuple(tile))
 
 
@@ -284,11 +208,4 @@ def _in_place(bound: Bound, axes: list[AxisPlan]) -> frozenset:
     return frozenset(out)
 
 
-__all__ = [
-    "AxisPlan",
-    "TilePlan",
-    "axis_plan",
-    "output_bounds",
-    "same_shape_bounds",
-    "tile_plan",
-]
+__all__ = ["AxisPlan", "TilePlan", "axis_plan", "output_bounds", "tile_plan"]
