@@ -1,7 +1,7 @@
 """Operation counts of a streamed training step (counts, not times).
 
 The profiler's top-level ATen operations (:func:`memconv.bench.ops.count`) of one step
-of a small torchvision-style ResNet trunk streamed along one axis: every tile added
+of a small torchvision-style ResNet trunk streamed along one axis, then both: every tile added
 costs the same operations whatever the tile size (the halo slabs are read and written
 in one operation per node and tile boundary, nothing per tile grows with the tiles),
 and no tile synchronises with the host. ``tile_size="auto"`` takes the tile predicted
@@ -50,6 +50,22 @@ def test_operations_per_tile_do_not_grow_with_the_tiles():
     # and a few times what the conventional step on that tile costs (two forward passes
     # and one backward pass, a halo read and write per window's input)
     assert added[32] <= 4 * conventional["top_level"]
+
+
+def test_operations_grow_by_the_same_count_per_row_of_tiles():
+    """Tiled along both axes: each row of tiles added to the image adds the same
+    operations (the rows in the middle are alike, and no tile's work grows with the
+    number of tiles)."""
+    torch.manual_seed(0)
+    trunk = trunks.resnet_trunk(18, width=4, layers=(1, 1, 1, 1))
+    plan = StreamingCNN(trunk, 32).plan
+    rows = {}
+    for side in range(96, 320, 8):
+        rows.setdefault(plan((1, 3, side, 96), torch.float32).axes[0].count, side)
+    steps = [_step(trunk, torch.randn(1, 3, rows[n], 96), 32) for n in (4, 5, 6)]
+    assert [n for _, n in steps] == [8, 10, 12]  # two tiles per row
+    ops = [counts["top_level"] for counts, _ in steps]
+    assert ops[2] - ops[1] == ops[1] - ops[0] > 0
 
 
 def test_auto_takes_the_fastest_predicted_tile_within_the_budget():
