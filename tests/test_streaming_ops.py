@@ -1,11 +1,12 @@
-"""Operation counts of a streamed training step (counts, not times).
+"""Operation counts and tile shapes of a streamed training step (counts, not times).
 
 The profiler's top-level ATen operations (:func:`memconv.bench.ops.count`) of one step
-of a small torchvision-style ResNet trunk streamed along one axis, then both: every tile added
-costs the same operations whatever the tile size (the halo slabs are read and written
-in one operation per node and tile boundary, nothing per tile grows with the tiles),
-and no tile synchronises with the host. ``tile_size="auto"`` takes the tile predicted
-fastest within the budget.
+of a small torchvision-style ResNet trunk streamed along one axis, then both: every tile
+added costs the same operations whatever the tile size (the halo slabs are read and
+written in one operation per node and tile boundary, nothing per tile grows with the
+tiles), and no tile synchronises with the host. ``tile_size="auto"`` takes the tile
+predicted fastest within the budget. The tiles away from the image's edges compute
+results of one shape (ResNet, ConvNeXt and U-Net trunks at odd sizes, exact).
 """
 
 from __future__ import annotations
