@@ -19,8 +19,8 @@ classes, which :func:`install` sets on extension objects with BackPACK's
 or ``with mb.installed(extensions.BatchGrad()) as ext: ...``. Covered: the first-order
 ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` and ``Variance``, and the
 second-order ``{Batch}DiagGGN{Exact,MC}``, ``{Batch}DiagHessian`` and
-``SqrtGGN{Exact,MC}`` (:mod:`.secondorder`; ``memory_budget=`` runs the backward pass
-over chunks of the factor's rows, :mod:`.chunking`) and the Kronecker-factored ``KFAC``,
+``SqrtGGN{Exact,MC}`` (:mod:`.secondorder`; by default the exact GGN extensions' backward
+pass runs over chunks of the factor's rows to a lean budget, :mod:`.chunking`) and the Kronecker-factored ``KFAC``,
 ``KFLR`` and ``KFRA`` (:mod:`.kronecker`, which also supplies adaptive pooling and
 BatchNorm in eval mode, where BackPACK has no module extension); the strategy is the one the
 layer's forward pass recorded (the rule of :class:`memconv.save_memory`). memconv's
@@ -44,7 +44,7 @@ import weakref
 
 from torch import nn
 
-from ..._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES, check_batch, check_budget
+from ..._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES, LEAN, check_batch, check_budget
 from ...conv import settings as context
 from ...conv.vjp import check_settings
 from ...engine.losses import per_sample_losses
@@ -74,7 +74,11 @@ def _mapping(ext) -> dict:
     return ext._BackpropExtension__module_extensions
 
 
-def install(*exts, memory_budget=None):
+def _check_budget(memory_budget) -> None:
+    check_budget(memory_budget, available=False, lean=True)
+
+
+def install(*exts, memory_budget=LEAN):
     """Route the convolution weight Jacobians of BackPACK extension objects through memconv.
 
     For each covered extension object, every ``torch.nn`` and memconv convolution and
@@ -88,13 +92,17 @@ def install(*exts, memory_budget=None):
             An extension memconv does not cover (``KFAC``, ``KFLR``, ``KFRA``, the
             curvature-matrix products) keeps BackPACK's convolutions, with a warning
             naming it; memconv's layers are mapped for it all the same.
-        memory_budget: bytes (a positive int) for the factor of ``DiagGGN{Exact,MC}``,
-            ``BatchDiagGGN{Exact,MC}`` and ``SqrtGGN{Exact,MC}``: their backward pass
-            runs over chunks of the factor's ``V`` rows that fit it
+        memory_budget: what the factor of ``DiagGGN{Exact,MC}``,
+            ``BatchDiagGGN{Exact,MC}`` and ``SqrtGGN{Exact,MC}`` may take: their
+            backward pass runs over chunks of the factor's ``V`` rows that fit it
             (:mod:`memconv.integrations.backpack.chunking`; the ``"memconv"`` logger
             says how many chunks at INFO level), so the peak does not grow with the
-            model's outputs. None: one pass, as BackPACK. Ignored by the other
-            extensions.
+            model's outputs. ``"lean"`` (the default): the bytes of the layer inputs
+            and outputs the forward pass stored (the activations), derived per
+            backward pass; a positive int: bytes; None: one pass, the whole factor
+            kept, as BackPACK. Not used by the other extensions; a budget in bytes
+            given for ``{Batch}DiagHessian`` or ``KFLR``, whose factors have ``V``
+            rows too but are not chunked, warns that it is not honoured.
 
     Returns:
         The extension object (or the tuple of them, for several).
@@ -102,11 +110,15 @@ def install(*exts, memory_budget=None):
     Raises:
         ImportError: if BackPACK is not installed.
         TypeError: if an argument is not a BackPACK extension object, or
-            ``memory_budget`` is not an int.
+            ``memory_budget`` is not an int, ``"lean"`` or None.
         ValueError: if ``memory_budget`` is not positive.
+
+    Warns:
+        UserWarning: for an extension memconv does not cover, and for a
+            ``memory_budget`` in bytes that an extension's backward pass cannot honour.
     """
     extensions = _require()
-    check_budget(memory_budget, available=False)
+    _check_budget(memory_budget)
     from backpack.extensions.backprop_extension import BackpropExtension
 
     for ext in exts:
@@ -141,6 +153,15 @@ def install(*exts, memory_budget=None):
                 "get BackPACK's module extensions of the torch.nn classes they subclass)",
                 stacklevel=2,
             )
+        if isinstance(memory_budget, int) and isinstance(ext, chunking.UNCHUNKED):
+            warnings.warn(
+                f"memconv cannot honour memory_budget={memory_budget} for the BackPACK "
+                f"extension {type(ext).__name__}: its backward pass runs in one pass, the "
+                "factor with all its rows kept (memconv chunks DiagGGNExact, "
+                "BatchDiagGGNExact and SqrtGGNExact; for a ReLU network DiagHessian "
+                "equals DiagGGNExact); install it without memory_budget",
+                stacklevel=2,
+            )
         if memory_budget is not None and isinstance(ext, chunking.CHUNKED):
             for cls in {**mapping, **new}:
                 new[cls] = chunking.Deferred(new.get(cls, mapping.get(cls)), memory_budget)
@@ -168,7 +189,7 @@ def uninstall(*exts) -> None:
 
 
 @contextlib.contextmanager
-def installed(*exts, memory_budget=None):
+def installed(*exts, memory_budget=LEAN):
     """:func:`install` (with its ``memory_budget``) for the duration of a ``with``
     block, then :func:`uninstall`.
 
@@ -185,7 +206,7 @@ def installed(*exts, memory_budget=None):
 #: How many :func:`routed` blocks are open in this thread (or asyncio task), and the
 #: innermost one's memory budget.
 _routing: contextvars.ContextVar = contextvars.ContextVar(
-    "memconv_backpack_routed", default=(0, None)
+    "memconv_backpack_routed", default=(0, LEAN)
 )
 _patch_lock = threading.Lock()
 #: BackPACK's own ``backpack.__enter__``/``__exit__`` while any routed block is open.
@@ -193,7 +214,7 @@ _patched: dict = {}
 
 
 @contextlib.contextmanager
-def routed(memory_budget=None):
+def routed(memory_budget=LEAN):
     """Route every BackPACK ``with backpack(...)`` block opened inside through memconv.
 
     For third-party code that builds its own extension objects (laplace-torch's
@@ -229,7 +250,7 @@ def routed(memory_budget=None):
         TypeError, ValueError: for a ``memory_budget`` :func:`install` refuses.
     """
     _require()
-    check_budget(memory_budget, available=False)
+    _check_budget(memory_budget)
     import backpack
 
     with _patch_lock:

@@ -10,9 +10,19 @@ recorded calls run again in the same order once per chunk of rows, the loss's fa
 sliced; the parameters' quantities are summed over the chunks (SqrtGGN's
 concatenated). The peak is then that of a ``V`` of the chunk's size.
 
+The budget of a chunk's factors is a number of bytes, or ``"lean"`` (the default of
+:func:`memconv.integrations.backpack.install`): :data:`LEAN_FACTOR` times the bytes of
+the layer inputs and outputs the forward pass stored for the extension (the
+activations a plain backward pass keeps), so that the factors take no more than the
+activations, whatever ``V``: the peak stays near the MC variant's (one row), and grows
+with the model and batch as a plain backward pass's does.
+
 Covered: ``DiagGGN{Exact,MC}``, ``BatchDiagGGN{Exact,MC}``, ``SqrtGGN{Exact,MC}``.
-``{Batch}DiagHessian`` is not chunked (its activations add residual factors whose rows
-are the features, not ``V``).
+``{Batch}DiagHessian`` is not chunked: besides the loss's ``V`` rows, each activation
+with a non-zero second derivative adds a residual factor whose rows are its features
+(not ``V``), which a replay per chunk would add once per chunk; those residual factors,
+not ``V``, dominate its memory on a network with curved activations, and on a
+piecewise-linear one (ReLU) it equals ``DiagGGNExact``, which is chunked.
 
 Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
 """
@@ -25,10 +35,13 @@ import weakref
 import torch
 from backpack.context import CTX
 from backpack.extensions import (
+    KFLR,
     BatchDiagGGNExact,
     BatchDiagGGNMC,
+    BatchDiagHessian,
     DiagGGNExact,
     DiagGGNMC,
+    DiagHessian,
     SqrtGGNExact,
     SqrtGGNMC,
 )
@@ -36,14 +49,20 @@ from backpack.extensions.saved_quantities import SavedQuantities
 from backpack.utils.hooks import no_op
 from backpack.utils.module_classification import is_loss
 
+from ..._checks import LEAN
 from ..._torch import graph_task_id, queue_backward_callback
 
 logger = logging.getLogger("memconv")
 
 #: The extensions whose backward pass runs over chunks of rows under a budget.
 CHUNKED = (DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC)
+#: Those whose factor has ``V`` rows too but whose backward pass runs in one pass.
+UNCHUNKED = (DiagHessian, BatchDiagHessian, KFLR)
 #: Those whose quantities are the rows themselves (concatenated over chunks).
 ROWS = (SqrtGGNExact, SqrtGGNMC)
+#: The lean budget of a chunk's factors, as a multiple of the bytes of the layer inputs
+#: and outputs the forward pass stored for the extension.
+LEAN_FACTOR = 1.0
 #: Bytes one row of the factor costs per number of a layer's input and output
 #: (the factor at the output, its product at the input, one temporary).
 _COPIES = 3
@@ -82,14 +101,17 @@ class Deferred:
 
     Args:
         inner: BackPACK's (or memconv's) module extension it stands for.
-        memory_budget: bytes the chunk's factors may take.
+        memory_budget: bytes the chunk's factors may take, or ``"lean"``
+            (:data:`LEAN_FACTOR` times the stored activations).
     """
 
-    def __init__(self, inner, memory_budget: int):
+    def __init__(self, inner, memory_budget):
         self.inner, self.memory_budget = inner, memory_budget
 
     def __call__(self, extension, module, g_inp, g_out):
         if CTX.get_extension_hook() is not no_op:
+            if self.memory_budget == LEAN:  # the default: one pass, as BackPACK
+                return self.inner(extension, module, g_inp, g_out)
             raise ValueError(
                 f"BackPACK's {type(extension).__name__} with memconv's memory_budget: the "
                 "block's extension_hook would run before the quantities exist (they are "
@@ -128,6 +150,21 @@ def _row_bytes(calls) -> int:
     return _COPIES * most
 
 
+def _stored_bytes(calls) -> int:
+    """Bytes of the distinct layer inputs and outputs the recorded calls hold."""
+    seen = {}
+    for call in calls:
+        for t in call.io.values():
+            if isinstance(t, torch.Tensor):
+                seen[(t.data_ptr(), t.shape)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def lean_budget(calls) -> int:
+    """The ``"lean"`` budget of a backward pass's recorded calls (bytes)."""
+    return max(1, int(LEAN_FACTOR * _stored_bytes(calls)))
+
+
 def _replay(extension, tape) -> None:
     _tapes.pop(extension, None)
     loss, calls = tape.calls[0], tape.calls[1:]
@@ -135,16 +172,18 @@ def _replay(extension, tape) -> None:
         factor = loss.inner.backpropagate(extension, loss.module, loss.g_inp, loss.g_out, None)
         key = loss.module.input0.data_ptr()
     v = factor.shape[0]
-    step = max(1, min(v, tape.budget // max(_row_bytes(tape.calls), 1)))
+    budget = lean_budget(tape.calls) if tape.budget == LEAN else tape.budget
+    step = max(1, min(v, budget // max(_row_bytes(tape.calls), 1)))
     chunks = [(v0, min(v, v0 + step)) for v0 in range(0, v, step)]
     logger.info(
         "BackPACK %s through memconv: the %d rows of the factor in %d chunk(s) of at most "
-        "%d (memory_budget %d bytes)",
+        "%d (memory_budget %s: %d bytes)",
         type(extension).__name__,
         v,
         len(chunks),
         step,
-        tape.budget,
+        tape.budget if tape.budget == LEAN else "given",
+        budget,
     )
     rows = isinstance(extension, ROWS)
     field = extension.savefield
