@@ -78,7 +78,7 @@ def _check_budget(memory_budget) -> None:
     check_budget(memory_budget, available=False, lean=True)
 
 
-def install(*exts, memory_budget=LEAN):
+def install(*exts, memory_budget=LEAN, model=None):
     """Route the convolution weight Jacobians of BackPACK extension objects through memconv.
 
     For each covered extension object, every ``torch.nn`` and memconv convolution and
@@ -103,6 +103,11 @@ def install(*exts, memory_budget=LEAN):
             kept, as BackPACK. Not used by the other extensions; a budget in bytes
             given for ``{Batch}DiagHessian`` or ``KFLR``, whose factors have ``V``
             rows too but are not chunked, warns that it is not honoured.
+        model: the extended model (optional): its module paths name the layers in
+            memconv's refusals, and what the backward pass would refuse (a layer an
+            extension has no module extension for, a parameter shared by several
+            layers) is refused now, before any work
+            (:func:`memconv.integrations.backpack.naming.check_model`).
 
     Returns:
         The extension object (or the tuple of them, for several).
@@ -111,7 +116,10 @@ def install(*exts, memory_budget=LEAN):
         ImportError: if BackPACK is not installed.
         TypeError: if an argument is not a BackPACK extension object, or
             ``memory_budget`` is not an int, ``"lean"`` or None.
-        ValueError: if ``memory_budget`` is not positive.
+        ValueError: if ``memory_budget`` is not positive; for a ``model`` with a
+            parameter shared by several layers (``BatchGrad`` excepted), naming them.
+        NotImplementedError: for a ``model`` with a layer with trainable parameters
+            that an extension has no module extension for, naming its path.
 
     Warns:
         UserWarning: for an extension memconv does not cover, and for a
@@ -124,51 +132,69 @@ def install(*exts, memory_budget=LEAN):
     for ext in exts:
         if not isinstance(ext, BackpropExtension):
             raise TypeError(f"install expects BackPACK extension objects, got {type(ext).__name__}")
-    from . import chunking
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"install's model must be a torch.nn.Module, got {type(model).__name__}")
+    done = []
+    try:
+        for ext in exts:
+            if ext not in _previous:
+                _install_one(ext, memory_budget, model, extensions)
+                done.append(ext)
+    except BaseException:
+        uninstall(*done)  # none of this call's objects left half-installed
+        raise
+    if model is not None:
+        from .naming import remember
+
+        remember(model)
+    return exts[0] if len(exts) == 1 else exts
+
+
+def _install_one(ext, memory_budget, model, extensions) -> None:
+    from . import chunking, naming
     from .kronecker import OTHER_LAYERS
     from .kronecker import module_extension as kronecker_module_extension
 
-    for ext in exts:
-        if ext in _previous:
-            continue
-        mapping = _mapping(ext)
-        new = {}
-        for torch_cls, memconv_cls in CONVERSIONS.items():
-            if torch_cls in extensions.DERIVATIVES and isinstance(ext, extensions.COVERED):
-                module_ext = extensions.module_extension(ext, torch_cls)
-            else:  # KFAC/KFLR/KFRA: convolutions, and BatchNorm in eval mode
-                module_ext = kronecker_module_extension(ext, torch_cls)
-            if module_ext is not None:
-                new[torch_cls] = new[memconv_cls] = module_ext
-            elif torch_cls in mapping:
-                new[memconv_cls] = mapping[torch_cls]
-        for cls in OTHER_LAYERS:  # classes memconv does not convert (adaptive pooling)
-            module_ext = None if cls in new else kronecker_module_extension(ext, cls)
-            if module_ext is not None:
-                new[cls] = module_ext
-        if not any(cls in new for cls in extensions.DERIVATIVES):
-            warnings.warn(
-                f"memconv does not cover the BackPACK extension {type(ext).__name__}; its "
-                "convolution quantities keep BackPACK's own computation (memconv's layers "
-                "get BackPACK's module extensions of the torch.nn classes they subclass)",
-                stacklevel=2,
-            )
-        if isinstance(memory_budget, int) and isinstance(ext, chunking.UNCHUNKED):
-            warnings.warn(
-                f"memconv cannot honour memory_budget={memory_budget} for the BackPACK "
-                f"extension {type(ext).__name__}: its backward pass runs in one pass, the "
-                "factor with all its rows kept (memconv chunks DiagGGNExact, "
-                "BatchDiagGGNExact and SqrtGGNExact; for a ReLU network DiagHessian "
-                "equals DiagGGNExact); install it without memory_budget",
-                stacklevel=2,
-            )
-        if memory_budget is not None and isinstance(ext, chunking.CHUNKED):
-            for cls in {**mapping, **new}:
-                new[cls] = chunking.Deferred(new.get(cls, mapping.get(cls)), memory_budget)
-        _previous[ext] = {cls: mapping.get(cls, _ABSENT) for cls in new}
-        for cls, module_ext in new.items():
-            ext.set_module_extension(cls, module_ext, overwrite=True)
-    return exts[0] if len(exts) == 1 else exts
+    mapping = _mapping(ext)
+    new = {}
+    for torch_cls, memconv_cls in CONVERSIONS.items():
+        if torch_cls in extensions.DERIVATIVES and isinstance(ext, extensions.COVERED):
+            module_ext = extensions.module_extension(ext, torch_cls)
+        else:  # KFAC/KFLR/KFRA: convolutions, and BatchNorm in eval mode
+            module_ext = kronecker_module_extension(ext, torch_cls)
+        if module_ext is not None:
+            new[torch_cls] = new[memconv_cls] = module_ext
+        elif torch_cls in mapping:
+            new[memconv_cls] = mapping[torch_cls]
+    for cls in OTHER_LAYERS:  # classes memconv does not convert (adaptive pooling)
+        module_ext = None if cls in new else kronecker_module_extension(ext, cls)
+        if module_ext is not None:
+            new[cls] = module_ext
+    if not any(cls in new for cls in extensions.DERIVATIVES):
+        warnings.warn(
+            f"memconv does not cover the BackPACK extension {type(ext).__name__}; its "
+            "convolution quantities keep BackPACK's own computation (memconv's layers "
+            "get BackPACK's module extensions of the torch.nn classes they subclass)",
+            stacklevel=3,
+        )
+    if isinstance(memory_budget, int) and isinstance(ext, chunking.UNCHUNKED):
+        warnings.warn(
+            f"memconv cannot honour memory_budget={memory_budget} for the BackPACK "
+            f"extension {type(ext).__name__}: its backward pass runs in one pass, the "
+            "factor with all its rows kept (memconv chunks DiagGGNExact, "
+            "BatchDiagGGNExact and SqrtGGNExact; for a ReLU network DiagHessian "
+            "equals DiagGGNExact); install it without memory_budget",
+            stacklevel=3,
+        )
+    if model is not None:
+        covered = any(cls in new for cls in extensions.DERIVATIVES)
+        naming.check_model(model, ext, {**mapping, **new}, tied=covered)
+    if memory_budget is not None and isinstance(ext, chunking.CHUNKED):
+        for cls in {**mapping, **new}:
+            new[cls] = chunking.Deferred(new.get(cls, mapping.get(cls)), memory_budget)
+    _previous[ext] = {cls: mapping.get(cls, _ABSENT) for cls in new}
+    for cls, module_ext in new.items():
+        ext.set_module_extension(cls, module_ext, overwrite=True)
 
 
 def uninstall(*exts) -> None:
@@ -189,14 +215,14 @@ def uninstall(*exts) -> None:
 
 
 @contextlib.contextmanager
-def installed(*exts, memory_budget=LEAN):
-    """:func:`install` (with its ``memory_budget``) for the duration of a ``with``
-    block, then :func:`uninstall`.
+def installed(*exts, memory_budget=LEAN, model=None):
+    """:func:`install` (with its ``memory_budget`` and ``model``) for the duration of a
+    ``with`` block, then :func:`uninstall`.
 
     Yields:
         The extension object (or the tuple of them).
     """
-    result = install(*exts, memory_budget=memory_budget)
+    result = install(*exts, memory_budget=memory_budget, model=model)
     try:
         yield result
     finally:
@@ -204,9 +230,9 @@ def installed(*exts, memory_budget=LEAN):
 
 
 #: How many :func:`routed` blocks are open in this thread (or asyncio task), and the
-#: innermost one's memory budget.
+#: innermost one's arguments of :func:`install`.
 _routing: contextvars.ContextVar = contextvars.ContextVar(
-    "memconv_backpack_routed", default=(0, LEAN)
+    "memconv_backpack_routed", default=(0, {})
 )
 _patch_lock = threading.Lock()
 #: BackPACK's own ``backpack.__enter__``/``__exit__`` while any routed block is open.
@@ -214,7 +240,7 @@ _patched: dict = {}
 
 
 @contextlib.contextmanager
-def routed(memory_budget=LEAN):
+def routed(memory_budget=LEAN, model=None):
     """Route every BackPACK ``with backpack(...)`` block opened inside through memconv.
 
     For third-party code that builds its own extension objects (laplace-torch's
@@ -241,6 +267,9 @@ def routed(memory_budget=LEAN):
 
     Args:
         memory_budget: as :func:`install`'s, for every block's extensions.
+        model: as :func:`install`'s: the model the blocks run (its module paths in
+            refusals, and each block's extensions checked on it when the block opens,
+            before the forward pass).
 
     Yields:
         None.
@@ -251,6 +280,8 @@ def routed(memory_budget=LEAN):
     """
     _require()
     _check_budget(memory_budget)
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"routed's model must be a torch.nn.Module, got {type(model).__name__}")
     import backpack
 
     with _patch_lock:
@@ -259,7 +290,7 @@ def routed(memory_budget=LEAN):
             _patched.update(__enter__=cls.__enter__, __exit__=cls.__exit__)
             cls.__enter__, cls.__exit__ = _routed_enter, _routed_exit
         _patched["count"] = _patched.get("count", 0) + 1
-    token = _routing.set((_routing.get()[0] + 1, memory_budget))
+    token = _routing.set((_routing.get()[0] + 1, dict(memory_budget=memory_budget, model=model)))
     try:
         yield
     finally:
@@ -274,10 +305,10 @@ def routed(memory_budget=LEAN):
 
 def _routed_enter(block):
     installed_here = ()
-    depth, memory_budget = _routing.get()
+    depth, arguments = _routing.get()
     if depth:
         installed_here = tuple(ext for ext in block.exts if ext not in _previous)
-        install(*installed_here, memory_budget=memory_budget)
+        install(*installed_here, **arguments)
     block._memconv_installed = installed_here
     return _patched["__enter__"](block)
 

@@ -51,6 +51,7 @@ from backpack.utils.module_classification import is_loss
 
 from ..._checks import LEAN
 from ..._torch import graph_task_id, queue_backward_callback
+from .naming import describe
 
 logger = logging.getLogger("memconv")
 
@@ -113,8 +114,8 @@ class Deferred:
             if self.memory_budget == LEAN:  # the default: one pass, as BackPACK
                 return self.inner(extension, module, g_inp, g_out)
             raise ValueError(
-                f"BackPACK's {type(extension).__name__} with memconv's memory_budget: the "
-                "block's extension_hook would run before the quantities exist (they are "
+                f"BackPACK's {type(extension).__name__} with memconv's memory_budget (at "
+                f"{describe(module)}): the block's extension_hook would run before the quantities exist (they are "
                 "computed over chunks of rows after the backward pass); install the "
                 "extension without memory_budget to use an extension_hook"
             )
@@ -126,14 +127,14 @@ class Deferred:
         if not tape.calls and not is_loss(module):
             raise ValueError(
                 f"BackPACK's {type(extension).__name__} with memconv's memory_budget: the "
-                f"backward pass reached {type(module).__name__} before an extended loss "
+                f"backward pass reached {describe(module)} before an extended loss "
                 "module; extend the loss function (backpack.extend(lossfunc))"
             )
         for name, p in module.named_parameters(recurse=False):
             if id(p) in tape.params:
                 raise ValueError(
                     f"BackPACK's {type(extension).__name__} with memconv: the parameter "
-                    f"{name!r} of {type(module).__name__} is used by several calls in one "
+                    f"{name!r} of {describe(module)} is used by several calls in one "
                     "forward pass (tied, or a layer called twice), and its curvature of "
                     "the sum of the uses is not the sum of theirs: untie it"
                 )
