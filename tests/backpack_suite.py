@@ -15,8 +15,9 @@ BackPACK's ``pytest.ini`` and its licence, and adds three small files, named her
   memory helper the second-order tests do not call; the stand-in raises if called;
 - ``torchvision/models/resnet.py``: ``test/converter/resnet_cases.py`` (the ResNet
   settings of the DiagGGN and SqrtGGN tests) builds its blocks from torchvision's
-  ``BasicBlock`` and ``conv1x1``, reproduced here as torchvision 0.8 writes them
-  (memconv never imports torchvision).
+  ``BasicBlock`` and ``conv1x1``: memconv's reproduction of the block
+  (:class:`memconv.bench.models.TVBasicBlock`) under torchvision's signature (memconv
+  never imports torchvision).
 
 The suite runs as BackPACK's CI runs it, without the ``montecarlo`` tests (its
 ``optional_tests`` setting leaves them out unless asked).
@@ -30,7 +31,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from memcnn_suite import outcomes
+from memcnn_suite import outcomes, pip_download
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = "1.7.1"
@@ -81,15 +82,12 @@ class MemReporter:
         raise NotImplementedError("pytorch_memlab is not installed")
 '''
 
-# torchvision 0.8's torchvision/models/resnet.py: conv3x3, conv1x1 and BasicBlock.
-RESNET = '''"""torchvision 0.8's ResNet ``conv3x3``, ``conv1x1`` and ``BasicBlock``, as written there."""
+# torchvision's ResNet ``conv1x1`` and ``BasicBlock`` (the signature of torchvision 0.8,
+# which resnet_cases.py calls positionally), on memconv's reproduction of the block.
+RESNET = '''"""torchvision's ResNet ``conv1x1`` and ``BasicBlock`` (memconv.bench.models)."""
 import torch.nn as nn
 
-
-def conv3x3(in_planes, out_planes, stride=1, groups=1, dilation=1):
-    """3x3 convolution with padding"""
-    return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride,
-                     padding=dilation, groups=groups, bias=False, dilation=dilation)
+from memconv.bench.models import TVBasicBlock
 
 
 def conv1x1(in_planes, out_planes, stride=1):
@@ -97,43 +95,14 @@ def conv1x1(in_planes, out_planes, stride=1):
     return nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, bias=False)
 
 
-class BasicBlock(nn.Module):
-    expansion = 1
-
+class BasicBlock(TVBasicBlock):
     def __init__(self, inplanes, planes, stride=1, downsample=None, groups=1,
                  base_width=64, dilation=1, norm_layer=None):
-        super(BasicBlock, self).__init__()
-        if norm_layer is None:
-            norm_layer = nn.BatchNorm2d
         if groups != 1 or base_width != 64:
-            raise ValueError('BasicBlock only supports groups=1 and base_width=64')
+            raise ValueError("BasicBlock only supports groups=1 and base_width=64")
         if dilation > 1:
             raise NotImplementedError("Dilation > 1 not supported in BasicBlock")
-        self.conv1 = conv3x3(inplanes, planes, stride)
-        self.bn1 = norm_layer(planes)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = conv3x3(planes, planes)
-        self.bn2 = norm_layer(planes)
-        self.downsample = downsample
-        self.stride = stride
-
-    def forward(self, x):
-        identity = x
-
-        out = self.conv1(x)
-        out = self.bn1(out)
-        out = self.relu(out)
-
-        out = self.conv2(out)
-        out = self.bn2(out)
-
-        if self.downsample is not None:
-            identity = self.downsample(x)
-
-        out += identity
-        out = self.relu(out)
-
-        return out
+        super().__init__(inplanes, planes, stride, downsample, norm_layer or nn.BatchNorm2d)
 '''
 
 ADDED = {
@@ -156,22 +125,12 @@ def find_sdist() -> Path | None:
 def fetch_sdist(timeout: float = 120) -> tuple[Path | None, str]:
     """The source distribution, fetched into the first of :data:`SDIST_DIRS` by
     ``pip download`` unless it is there; ``(None, why)`` when it cannot be fetched."""
-    found = find_sdist()
-    if found is not None:
-        return found, ""
-    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary"]
-    command += [":all:", "--retries", "1", "--timeout", "15"]
-    command += [f"backpack-for-pytorch=={VERSION}", "-d", str(SDIST_DIRS[0])]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"pip download backpack-for-pytorch=={VERSION} (sdist) failed: {e}"
-    found = find_sdist()
-    if found is None:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        why = f"pip download backpack-for-pytorch=={VERSION} (sdist) failed: {tail[0]}"
-        return None, why
-    return found, ""
+    if find_sdist() is None:
+        requirement = f"backpack-for-pytorch=={VERSION}"
+        why = pip_download(requirement, SDIST_DIRS[0], "--no-binary", ":all:", timeout=timeout)
+        if find_sdist() is None:
+            return None, f"{why} (source distribution)"
+    return find_sdist(), ""
 
 
 def build(sdist: Path, dest: Path) -> Path:
