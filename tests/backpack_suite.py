@@ -9,8 +9,9 @@ BackPACK's ``pytest.ini`` and its licence, and adds three small files, named her
 - ``conftest.py``: where the environment variable ``MEMCONV_BACKPACK_ROUTED`` is set,
   every test runs inside :func:`memconv.integrations.backpack.routed` (every
   ``with backpack(...)`` block BackPACK's test opens installs its extension objects into
-  memconv with :func:`~memconv.integrations.backpack.install`'s default arguments), and
-  the number of blocks routed is written to that variable's file;
+  memconv with :func:`~memconv.integrations.backpack.install`'s default arguments, or
+  the ``memory_budget`` in bytes that ``MEMCONV_BACKPACK_BUDGET`` gives), and the
+  number of extension objects routed is written to that variable's file;
 - ``pytorch_memlab.py``: ``test/__init__.py`` imports its ``MemReporter`` for a
   memory helper the second-order tests do not call; the stand-in raises if called;
 - ``torchvision/models/resnet.py``: ``test/converter/resnet_cases.py`` (the ResNet
@@ -44,6 +45,7 @@ SDIST_DIRS = (
 #: BackPACK's test folder this suite runs.
 SUITE = "test/extensions/secondorder"
 ROUTED = "MEMCONV_BACKPACK_ROUTED"
+BUDGET = "MEMCONV_BACKPACK_BUDGET"
 
 CONFTEST = f'''"""Routes every BackPACK block through memconv where {ROUTED} names a file."""
 import os
@@ -51,6 +53,7 @@ import os
 import pytest
 
 ROUTED = os.environ.get("{ROUTED}")
+BUDGET = os.environ.get("{BUDGET}")
 blocks = []
 
 if ROUTED:
@@ -66,7 +69,7 @@ if ROUTED:
 
     @pytest.fixture(autouse=True)
     def _routed_through_memconv():
-        with mb.routed():
+        with mb.routed(**({{"memory_budget": int(BUDGET)}} if BUDGET else {{}})):
             yield
 
     def pytest_sessionfinish(session):
@@ -153,18 +156,22 @@ def build(sdist: Path, dest: Path) -> Path:
     return dest
 
 
-def run(folder: Path, routed: bool, *args: str, timeout: float = 1800):
+def run(folder: Path, routed: bool, *args: str, memory_budget=None, timeout: float = 1800):
     """BackPACK's second-order tests in a fresh pytest process (memconv from this source
-    tree), routed through memconv or not. Returns each test's outcome (``passed``,
-    ``failed``, ``error``, ``skipped``) by its id, and the number of extension objects
-    routed (None when not routed)."""
+    tree), routed through memconv or not (``memory_budget``: bytes for ``routed``, None
+    for its default). Returns each test's outcome (``passed``, ``failed``, ``error``,
+    ``skipped``) by its id, and the number of extension objects routed (None when not
+    routed)."""
     report = folder / ("routed.xml" if routed else "alone.xml")
     count = folder / "routed-count.txt"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), str(ROOT)]))
     env["OMP_NUM_THREADS"] = "1"  # tiny tensors: one thread
     env.pop(ROUTED, None)
+    env.pop(BUDGET, None)
     if routed:
         env[ROUTED] = str(count)
+    if memory_budget is not None:
+        env[BUDGET] = str(memory_budget)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
     command += ["--rootdir", str(folder), "-m", "not montecarlo", f"--junitxml={report}"]
     command += [*args, SUITE]

@@ -152,7 +152,12 @@ def test_a_byte_budget_an_extension_cannot_honour_warns(ext_cls):
         mb.uninstall(mb.install(ext_cls(), memory_budget=1000))
 
 
-def test_lean_default_chunks_the_rows_and_equals_one_pass(caplog):
+def test_lean_default_chunks_the_rows_and_equals_one_pass(caplog, monkeypatch):
+    """The lean budget is the stored activations' bytes (its 16 MiB floor lowered here,
+    so that this small model is chunked)."""
+    from memconv.integrations.backpack import chunking
+
+    monkeypatch.setattr(chunking, "LEAN_MIN_BYTES", 1)
     torch.manual_seed(0)
     model = extend(
         nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Sigmoid(), nn.Flatten(), nn.Linear(48, 40))
@@ -174,3 +179,20 @@ def test_lean_default_chunks_the_rows_and_equals_one_pass(caplog):
     for name, p in model.named_parameters():
         scale = one[name].abs().max()
         assert (p.diag_ggn_exact - one[name]).abs().max() <= 1e-10 * scale
+
+
+def test_lean_default_runs_a_small_model_in_one_chunk(caplog):
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(12, 40)))
+    with (
+        caplog.at_level(logging.INFO, logger="memconv"),
+        mb.installed(E.SqrtGGNExact()) as ext,
+        backpack(ext),
+    ):
+        extend(nn.CrossEntropyLoss())(
+            model(torch.randn(2, 2, 4, 4)), torch.tensor([1, 2])
+        ).backward()
+    assert (
+        "the 40 rows of the factor in 1 chunk(s) of at most 40 (memory_budget lean" in caplog.text
+    )
+    assert model[0].weight.sqrt_ggn_exact.shape == (40, 2, 3, 2, 3, 3)

@@ -11,8 +11,8 @@ that passes with BackPACK alone must pass through memconv, except those of
 :data:`BACKPACK_REFUSES`, which assert BackPACK's own refusal of a case memconv
 computes.
 
-Both runs take about 95 s each on 2 cores (with ``OMP_NUM_THREADS=1``), so the tests
-are ``slow`` (``make test-slow``).
+Each run takes about 95 s of one core (``OMP_NUM_THREADS=1``; minutes on a loaded
+machine), so the tests are ``slow`` (``make test-slow``).
 """
 
 from __future__ import annotations
@@ -45,15 +45,20 @@ def sdist():
     return found
 
 
-def _through_memconv(sdist, folder):
-    outcomes, routed = backpack_suite.run(backpack_suite.build(sdist, folder), routed=True)
+def _through_memconv(sdist, folder, memory_budget=None):
+    outcomes, routed = backpack_suite.run(
+        backpack_suite.build(sdist, folder), routed=True, memory_budget=memory_budget
+    )
     assert routed > 1000, f"only {routed} extension objects went through memconv"
     return outcomes
 
 
 @pytest.mark.slow
-def test_backpack_secondorder_suite_through_memconv(sdist, tmp_path):
-    outcomes = _through_memconv(sdist, tmp_path)
+@pytest.mark.parametrize("memory_budget", [None, 1], ids=["default", "one-row-chunks"])
+def test_backpack_secondorder_suite_through_memconv(sdist, tmp_path, memory_budget):
+    """With ``install()``'s defaults, and with the exact GGN extensions' backward pass
+    over chunks of one row each (``memory_budget=1``)."""
+    outcomes = _through_memconv(sdist, tmp_path, memory_budget)
     refused = sorted(k for k in outcomes if BACKPACK_REFUSES.search(k))
     assert len(refused) == 18, refused
     assert all(outcomes[k] == "failed" for k in refused), "memconv refused a grouped KFAC"

@@ -13,9 +13,10 @@ concatenated). The peak is then that of a ``V`` of the chunk's size.
 The budget of a chunk's factors is a number of bytes, or ``"lean"`` (the default of
 :func:`memconv.integrations.backpack.install`): :data:`LEAN_FACTOR` times the bytes of
 the layer inputs and outputs the forward pass stored for the extension (the
-activations a plain backward pass keeps), so that the factors take no more than the
-activations, whatever ``V``: the peak stays near the MC variant's (one row), and grows
-with the model and batch as a plain backward pass's does.
+activations a plain backward pass keeps), at least :data:`LEAN_MIN_BYTES`, so that the
+factors take no more than the activations, whatever ``V``: the peak stays near the MC
+variant's (one row), and grows with the model and batch as a plain backward pass's
+does.
 
 Covered: ``DiagGGN{Exact,MC}``, ``BatchDiagGGN{Exact,MC}``, ``SqrtGGN{Exact,MC}``.
 ``{Batch}DiagHessian`` is not chunked: besides the loss's ``V`` rows, each activation
@@ -64,6 +65,9 @@ ROWS = (SqrtGGNExact, SqrtGGNMC)
 #: The lean budget of a chunk's factors, as a multiple of the bytes of the layer inputs
 #: and outputs the forward pass stored for the extension.
 LEAN_FACTOR = 1.0
+#: The least lean budget (bytes): below it, chunks would save less than the
+#: interpreter's own footprint and cost one replay of every module extension each.
+LEAN_MIN_BYTES = 16 * 2**20
 #: Bytes one row of the factor costs per number of a layer's input and output
 #: (the factor at the output, its product at the input, one temporary).
 _COPIES = 3
@@ -163,7 +167,7 @@ def _stored_bytes(calls) -> int:
 
 def lean_budget(calls) -> int:
     """The ``"lean"`` budget of a backward pass's recorded calls (bytes)."""
-    return max(1, int(LEAN_FACTOR * _stored_bytes(calls)))
+    return max(LEAN_MIN_BYTES, int(LEAN_FACTOR * _stored_bytes(calls)))
 
 
 def _replay(extension, tape) -> None:
