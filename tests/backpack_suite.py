@@ -77,7 +77,7 @@ if ROUTED:
             f.write(str(sum(blocks)))
 '''
 
-MEMLAB = '''"""Stand-in for pytorch_memlab (test/__init__.py imports it; the second-order tests do not use it)."""
+MEMLAB = '''"""Stand-in for pytorch_memlab (test/__init__.py imports it, the tests run do not)."""
 
 
 class MemReporter:

@@ -56,7 +56,7 @@ def test_layer_without_module_extension_refused_at_install():
     exts = (E.BatchGrad(), E.KFAC())
     with pytest.raises(
         NotImplementedError,
-        match=r"KFAC has no module extension for the layer '1' \(Scale\).*set_module_extension\(Scale",
+        match=r"KFAC has no module extension for the layer '1' \(Scale\).*extension\(Scale",
     ):
         mb.install(*exts, model=model)
     assert not any(ext in mb._previous for ext in exts)  # the first one given back too
@@ -196,3 +196,25 @@ def test_lean_default_runs_a_small_model_in_one_chunk(caplog):
         "the 40 rows of the factor in 1 chunk(s) of at most 40 (memory_budget lean" in caplog.text
     )
     assert model[0].weight.sqrt_ggn_exact.shape == (40, 2, 3, 2, 3, 3)
+
+
+@pytest.mark.parametrize("ext_cls", [E.DiagGGNMC, E.DiagGGNExact])
+def test_lean_default_runs_one_row_in_one_pass(ext_cls, monkeypatch):
+    """One row per sample (MC with one sample, a model with one output): nothing is
+    recorded for a replay, and the result is the one pass's."""
+    from memconv.integrations.backpack import chunking
+
+    replays = []
+    monkeypatch.setattr(chunking, "_replay", lambda *a: replays.append(a))
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(12, 1))).double()
+    lossfn = extend(nn.MSELoss())
+    x, y = torch.randn(3, 2, 4, 4).double(), torch.randn(3, 1).double()
+    results = []
+    for budget in ("lean", None):
+        torch.manual_seed(7)
+        with mb.installed(ext_cls(), memory_budget=budget) as ext, backpack(ext):
+            lossfn(model(x), y).backward()
+        results.append(getattr(model[0].weight, ext.savefield).clone())
+    assert not replays
+    torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=0)

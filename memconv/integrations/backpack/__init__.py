@@ -19,14 +19,15 @@ classes, which :func:`install` sets on extension objects with BackPACK's
 or ``with mb.installed(extensions.BatchGrad()) as ext: ...``. Covered: the first-order
 ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` and ``Variance``, and the
 second-order ``{Batch}DiagGGN{Exact,MC}``, ``{Batch}DiagHessian`` and
-``SqrtGGN{Exact,MC}`` (:mod:`.secondorder`; by default the exact GGN extensions' backward
-pass runs over chunks of the factor's rows to a lean budget, :mod:`.chunking`) and the Kronecker-factored ``KFAC``,
-``KFLR`` and ``KFRA`` (:mod:`.kronecker`, which also supplies adaptive pooling and
-BatchNorm in eval mode, where BackPACK has no module extension); the strategy is the one the
-layer's forward pass recorded (the rule of :class:`memconv.save_memory`). memconv's
+``SqrtGGN{Exact,MC}`` (:mod:`.secondorder`; by default the GGN extensions' backward pass
+runs over chunks of the factor's rows to a lean budget, :mod:`.chunking`) and the
+Kronecker-factored ``KFAC``, ``KFLR`` and ``KFRA`` (:mod:`.kronecker`, which also
+supplies adaptive pooling and BatchNorm in eval mode, where BackPACK has no module
+extension); the strategy is the one the layer's forward pass recorded (the rule of :class:`memconv.save_memory`). memconv's
 layers that are not convolutions get BackPACK's module extension of the ``torch.nn``
-class they subclass, for every extension. No global hook, no state outside the
-extension objects you pass; :func:`routed` routes the blocks that third-party code
+class they subclass, for every extension. ``model=`` names module paths in the
+refusals and refuses what it can before the forward pass (:mod:`.naming`). No global
+hook, no state outside the extension objects you pass; :func:`routed` routes the blocks that third-party code
 opens (laplace-torch's backends), for the time of a ``with`` block.
 
 This module does not import BackPACK until a function is called; without it, they

@@ -16,7 +16,9 @@ the layer inputs and outputs the forward pass stored for the extension (the
 activations a plain backward pass keeps), at least :data:`LEAN_MIN_BYTES`, so that the
 factors take no more than the activations, whatever ``V``: the peak stays near the MC
 variant's (one row), and grows with the model and batch as a plain backward pass's
-does.
+does. A factor of one row per sample (the MC extensions' default ``mc_samples=1``, a
+model with one output) has nothing to chunk: under ``"lean"`` its backward pass runs
+in one pass, as BackPACK's, without keeping the layers' inputs and outputs for a replay.
 
 Covered: ``DiagGGN{Exact,MC}``, ``BatchDiagGGN{Exact,MC}``, ``SqrtGGN{Exact,MC}``.
 ``{Batch}DiagHessian`` is not chunked: besides the loss's ``V`` rows, each activation
@@ -98,6 +100,16 @@ def _inputs(module) -> int:
 class _Tape:
     def __init__(self, task, budget):
         self.task, self.budget, self.calls, self.params = task, budget, [], {}
+        self.inline = False  # one pass, as BackPACK: nothing recorded
+
+
+def _rows(extension, loss) -> int:
+    """The rows per sample of the factor the loss module starts (without computing
+    it: an MC factor's samples would take random numbers): the MC samples, else the
+    loss input's numbers per sample (the model's outputs)."""
+    if hasattr(extension, "get_num_mc_samples"):
+        return extension.get_num_mc_samples()
+    return loss.input0[0].numel()
 
 
 class Deferred:
@@ -119,15 +131,21 @@ class Deferred:
                 return self.inner(extension, module, g_inp, g_out)
             raise ValueError(
                 f"BackPACK's {type(extension).__name__} with memconv's memory_budget (at "
-                f"{describe(module)}): the block's extension_hook would run before the quantities exist (they are "
-                "computed over chunks of rows after the backward pass); install the "
-                "extension without memory_budget to use an extension_hook"
+                f"{describe(module)}): the block's extension_hook would run before the "
+                "quantities exist (they are computed over chunks of rows after the "
+                "backward pass); install the extension without memory_budget to use an "
+                "extension_hook"
             )
         task = graph_task_id()
         tape = _tapes.get(extension)
         if tape is None or tape.task != task:
             tape = _tapes[extension] = _Tape(task, self.memory_budget)
-            queue_backward_callback(lambda: _replay(extension, tape))
+            if self.memory_budget == LEAN and is_loss(module) and _rows(extension, module) == 1:
+                tape.inline = True  # one row per sample: nothing to chunk
+            else:
+                queue_backward_callback(lambda: _replay(extension, tape))
+        if tape.inline:
+            return self.inner(extension, module, g_inp, g_out)
         if not tape.calls and not is_loss(module):
             raise ValueError(
                 f"BackPACK's {type(extension).__name__} with memconv's memory_budget: the "
