@@ -11,8 +11,10 @@ that passes with BackPACK alone must pass through memconv, except those of
 :data:`BACKPACK_REFUSES`, which assert BackPACK's own refusal of a case memconv
 computes.
 
-Each run takes about 95 s of one core (``OMP_NUM_THREADS=1``; minutes on a loaded
-machine), so the tests are ``slow`` (``make test-slow``).
+A run takes 93 s alone and 106 s routed on a quiet 2-core machine
+(``OMP_NUM_THREADS=1``), 7 minutes routed at load average 7; one-row chunks take
+longer (a replay of every module extension per row), so the tests are ``slow``
+(``make test-slow``).
 """
 
 from __future__ import annotations
