@@ -17,7 +17,7 @@ MIN_PYTHON := 3.10
 # the interpreter PYTHON resolves to, and its version ("" if there is none)
 PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>/dev/null)
 
-.PHONY: install compare test memcnn-wheel test-slow lint format docs docs-clean clean benchmarks benchmarks-report \
+.PHONY: install compare test memcnn-wheel backpack-sdist test-slow lint format docs docs-clean clean benchmarks benchmarks-report \
 	benchmarks-steps benchmarks-ops benchmarks-private benchmarks-models benchmarks-reversible \
 	benchmarks-second-order benchmarks-streaming benchmarks-gpu calibrate-gpu calibrate FORCE
 
@@ -68,6 +68,16 @@ memcnn-wheel: $(VENV)/.python
 	@ls $(MEMCNN_WHEELS)/memcnn-1.5.2-*.whl >/dev/null 2>&1 || \
 		$(BIN)/python -m pip download -q --no-deps --retries 1 --timeout 15 memcnn==1.5.2 -d $(MEMCNN_WHEELS) || \
 		echo "memcnn 1.5.2 could not be fetched: tests/test_memcnn_suite.py will skip"
+
+# BackPACK 1.7.1's source distribution, whose second-order tests (not in its wheel)
+# tests/test_backpack_suite.py runs routed through memconv (slow; skips where it
+# cannot be fetched).
+BACKPACK_SDIST := .cache/backpack
+backpack-sdist: $(VENV)/.python
+	@ls $(BACKPACK_SDIST)/backpack_for_pytorch-1.7.1.tar.gz >/dev/null 2>&1 || \
+		$(BIN)/python -m pip download -q --no-deps --no-binary :all: --retries 1 --timeout 15 \
+			backpack-for-pytorch==1.7.1 -d $(BACKPACK_SDIST) || \
+		echo "backpack-for-pytorch 1.7.1's sdist could not be fetched: tests/test_backpack_suite.py will skip"
 
 # laplace-torch 0.3 and what its BackPACK backends import, each with --no-deps: its
 # declared dependencies include torchvision, whose registry wheel does not import beside
@@ -263,7 +273,7 @@ calibrate-gpu: $(GPU_READY)
 	$(MEMCONV_GPU) calibrate --device cuda --out memconv/calibration/cuda.json --json $(BENCH_DIR)/cuda/calibration.jsonl
 	-$(MEMCONV_GPU) calibrate --device cuda --check --json $(BENCH_DIR)/cuda/calibration-check.jsonl
 
-test-slow: $(VENV)/.installed-$(EXTRAS_TEST) $(VENV)/.installed-laplace memcnn-wheel
+test-slow: $(VENV)/.installed-$(EXTRAS_TEST) $(VENV)/.installed-laplace memcnn-wheel backpack-sdist
 	$(BIN)/python -m pytest -q -m slow
 
 lint: $(VENV)/.installed-$(EXTRAS_LINT)

@@ -34,6 +34,9 @@ KfacApprox = Literal["expand", "reduce"]
 KFAC_APPROXIMATIONS: tuple[str, ...] = get_args(KfacApprox)
 #: ``memory_budget="available"``: what the process can still use.
 AVAILABLE = "available"
+#: The ``memory_budget`` of a budget derived from the model and batch (BackPACK's
+#: second-order extensions through memconv: :mod:`memconv.integrations.backpack`).
+LEAN = "lean"
 #: The padding modes of torch's convolutions.
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 #: The convolutions and transposed convolutions memconv's strategies run on.
@@ -126,10 +129,12 @@ def check_budget(
     *,
     available: bool = True,
     none: bool = True,
+    lean: bool = False,
     where: str = "",
 ) -> None:
     """Raise unless ``memory_budget`` is one of the forms a function accepts: a positive
-    int (bytes), ``"available"`` (with ``available``) or None (with ``none``). Every
+    int (bytes), ``"available"`` (with ``available``), ``"lean"`` (with ``lean``) or
+    None (with ``none``). Every
     function that takes a budget checks it here, so that a bad one gets the same
     exception and a message showing the accepted forms.
 
@@ -138,6 +143,7 @@ def check_budget(
         argument: its name, for the message.
         available: whether ``"available"`` is accepted.
         none: whether None is accepted.
+        lean: whether ``"lean"`` is accepted.
         where: what takes it (``"save_memory"``, ...), for the message.
 
     Raises:
@@ -148,11 +154,15 @@ def check_budget(
         return
     if available and isinstance(memory_budget, str) and memory_budget == AVAILABLE:
         return
+    if lean and isinstance(memory_budget, str) and memory_budget == LEAN:
+        return
     if _is_int(memory_budget) and memory_budget > 0:
         return
     forms = ["a positive int of bytes (2 * 2**30 for 2 GiB)"]
     if available:
         forms.append("'available' (what the process can still use)")
+    if lean:
+        forms.append("'lean' (a budget derived from the model and batch)")
     if none:
         forms.append("None (no limit)")
     accepted = ", ".join(forms[:-1]) + " or " + forms[-1] if len(forms) > 1 else forms[0]

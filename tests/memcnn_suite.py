@@ -72,25 +72,27 @@ def find_wheel() -> Path | None:
     return None
 
 
-def fetch_wheel(timeout: float = 120) -> tuple[Path | None, str]:
-    """The wheel, fetched into the first of :data:`WHEEL_DIRS` by ``pip download``
-    unless it is there; ``(None, why)`` when the registry cannot be reached."""
-    wheel = find_wheel()
-    if wheel is not None:
-        return wheel, ""
-    folder = WHEEL_DIRS[0]
+def pip_download(requirement: str, folder: Path, *options: str, timeout: float = 120) -> str:
+    """``pip download --no-deps`` of one requirement into ``folder``; why it failed
+    (its last line of output), or "" (whether the file came is the caller's check)."""
     command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--retries", "1"]
-    command += ["--timeout", "15"]
-    command += [f"memcnn=={VERSION}", "-d", str(folder)]
+    command += ["--timeout", "15", *options, requirement, "-d", str(folder)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"pip download memcnn=={VERSION} failed: {e}"
-    wheel = find_wheel()
-    if wheel is None:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        return None, f"pip download memcnn=={VERSION} failed (registry unreachable?): {tail[0]}"
-    return wheel, ""
+        return f"pip download {requirement} failed: {e}"
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    return f"pip download {requirement} failed (registry unreachable?): {tail[0]}"
+
+
+def fetch_wheel(timeout: float = 120) -> tuple[Path | None, str]:
+    """The wheel, fetched into the first of :data:`WHEEL_DIRS` by ``pip download``
+    unless it is there; ``(None, why)`` when the registry cannot be reached."""
+    if find_wheel() is None:
+        why = pip_download(f"memcnn=={VERSION}", WHEEL_DIRS[0], timeout=timeout)
+        if find_wheel() is None:
+            return None, why
+    return find_wheel(), ""
 
 
 def build(wheel: Path, dest: Path, through_memconv: bool = True) -> Path:

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 ENGINES = {
     "backpack": "BackPACK 1.7.1 alone",
-    "memconv": "memconv install()",
+    "memconv": "memconv install() (lean default)",
+    "memconv-one-pass": "memconv install(memory_budget=None)",
     "memconv-chunked": "memconv install(memory_budget=64 MiB)",
 }
 BUDGET = 64 * 2**20
@@ -53,6 +54,8 @@ def one(engine: str, ext_name: str, v: int, device: str, batch: int) -> dict:
     ext = getattr(E, ext_name)()
     if engine == "memconv":
         mb.install(ext)
+    elif engine == "memconv-one-pass":
+        mb.install(ext, memory_budget=None)
     elif engine == "memconv-chunked":
         mb.install(ext, memory_budget=BUDGET)
     cuda = device.startswith("cuda")

@@ -19,16 +19,18 @@ classes, which :func:`install` sets on extension objects with BackPACK's
 or ``with mb.installed(extensions.BatchGrad()) as ext: ...``. Covered: the first-order
 ``BatchGrad``, ``BatchL2Grad``, ``SumGradSquared`` and ``Variance``, and the
 second-order ``{Batch}DiagGGN{Exact,MC}``, ``{Batch}DiagHessian`` and
-``SqrtGGN{Exact,MC}`` (:mod:`.secondorder`; ``memory_budget=`` runs the backward pass
-over chunks of the factor's rows, :mod:`.chunking`) and the Kronecker-factored ``KFAC``,
-``KFLR`` and ``KFRA`` (:mod:`.kronecker`, which also supplies adaptive pooling and
-BatchNorm in eval mode, where BackPACK has no module extension) and ConvNeXt's layers
-(:mod:`.layers`: ``LayerNorm2d``, the layer scale and ``nn.GELU``, made modules by
-:func:`extend`, BackPACK's converter for timm's ConvNeXt); the strategy is the one the
-layer's forward pass recorded (the rule of :class:`memconv.save_memory`). memconv's
+``SqrtGGN{Exact,MC}`` (:mod:`.secondorder`; by default the GGN extensions' backward pass
+runs over chunks of the factor's rows to a lean budget, :mod:`.chunking`) and the
+Kronecker-factored ``KFAC``, ``KFLR`` and ``KFRA`` (:mod:`.kronecker`, which also
+supplies adaptive pooling and BatchNorm in eval mode, where BackPACK has no module
+extension) and ConvNeXt's layers (:mod:`.layers`: ``LayerNorm2d``, the layer scale and
+``nn.GELU``, made modules by :func:`extend`, BackPACK's converter for timm's ConvNeXt);
+the strategy is the one the layer's forward pass recorded (the rule of
+:class:`memconv.save_memory`). memconv's
 layers that are not convolutions get BackPACK's module extension of the ``torch.nn``
-class they subclass, for every extension. No global hook, no state outside the
-extension objects you pass; :func:`routed` routes the blocks that third-party code
+class they subclass, for every extension. ``model=`` names module paths in the
+refusals and refuses what it can before the forward pass (:mod:`.naming`). No global
+hook, no state outside the extension objects you pass; :func:`routed` routes the blocks that third-party code
 opens (laplace-torch's backends), for the time of a ``with`` block.
 
 This module does not import BackPACK until a function is called; without it, they
@@ -46,7 +48,7 @@ import weakref
 
 from torch import nn
 
-from ..._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES, check_batch, check_budget
+from ..._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES, LEAN, check_batch, check_budget
 from ...conv import settings as context
 from ...conv.vjp import check_settings
 from ...engine.losses import per_sample_losses
@@ -82,7 +84,11 @@ def _mapping(ext) -> dict:
     return ext._BackpropExtension__module_extensions
 
 
-def install(*exts, memory_budget=None):
+def _check_budget(memory_budget) -> None:
+    check_budget(memory_budget, available=False, lean=True)
+
+
+def install(*exts, memory_budget=LEAN, model=None):
     """Route the convolution weight Jacobians of BackPACK extension objects through memconv.
 
     For each covered extension object, every ``torch.nn`` and memconv convolution and
@@ -93,16 +99,25 @@ def install(*exts, memory_budget=None):
 
     Args:
         *exts: BackPACK extension objects (e.g. ``backpack.extensions.BatchGrad()``).
-            An extension memconv does not cover (``KFAC``, ``KFLR``, ``KFRA``, the
-            curvature-matrix products) keeps BackPACK's convolutions, with a warning
-            naming it; memconv's layers are mapped for it all the same.
-        memory_budget: bytes (a positive int) for the factor of ``DiagGGN{Exact,MC}``,
-            ``BatchDiagGGN{Exact,MC}`` and ``SqrtGGN{Exact,MC}``: their backward pass
-            runs over chunks of the factor's ``V`` rows that fit it
+            An extension memconv does not cover (the curvature-matrix products)
+            keeps BackPACK's convolutions, with a warning naming it; memconv's layers
+            are mapped for it all the same.
+        memory_budget: what the factor of ``DiagGGN{Exact,MC}``,
+            ``BatchDiagGGN{Exact,MC}`` and ``SqrtGGN{Exact,MC}`` may take: their
+            backward pass runs over chunks of the factor's ``V`` rows that fit it
             (:mod:`memconv.integrations.backpack.chunking`; the ``"memconv"`` logger
             says how many chunks at INFO level), so the peak does not grow with the
-            model's outputs. None: one pass, as BackPACK. Ignored by the other
-            extensions.
+            model's outputs. ``"lean"`` (the default): the bytes of the layer inputs
+            and outputs the forward pass stored (the activations), at least 16 MiB,
+            derived per backward pass; a positive int: bytes; None: one pass, the whole factor
+            kept, as BackPACK. Not used by the other extensions; a budget in bytes
+            given for ``{Batch}DiagHessian`` or ``KFLR``, whose factors have ``V``
+            rows too but are not chunked, warns that it is not honoured.
+        model: the extended model (optional): its module paths name the layers in
+            memconv's refusals, and what the backward pass would refuse (a layer an
+            extension has no module extension for, a parameter shared by several
+            layers) is refused now, before any work
+            (:func:`memconv.integrations.backpack.naming.check_model`).
 
     Returns:
         The extension object (or the tuple of them, for several).
@@ -110,63 +125,97 @@ def install(*exts, memory_budget=None):
     Raises:
         ImportError: if BackPACK is not installed.
         TypeError: if an argument is not a BackPACK extension object, or
-            ``memory_budget`` is not an int.
-        ValueError: if ``memory_budget`` is not positive.
+            ``memory_budget`` is not an int, ``"lean"`` or None.
+        ValueError: if ``memory_budget`` is not positive; for a ``model`` with a
+            parameter shared by several layers (``BatchGrad`` excepted), naming them.
+        NotImplementedError: for a ``model`` with a layer with trainable parameters
+            that an extension has no module extension for, naming its path.
+
+    Warns:
+        UserWarning: for an extension memconv does not cover, and for a
+            ``memory_budget`` in bytes that an extension's backward pass cannot honour.
     """
     extensions = _require()
-    check_budget(memory_budget, available=False)
+    _check_budget(memory_budget)
     from backpack.extensions.backprop_extension import BackpropExtension
 
     for ext in exts:
         if not isinstance(ext, BackpropExtension):
             raise TypeError(f"install expects BackPACK extension objects, got {type(ext).__name__}")
-    from . import chunking
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"install's model must be a torch.nn.Module, got {type(model).__name__}")
+    done = []
+    try:
+        for ext in exts:
+            if ext not in _previous:
+                _install_one(ext, memory_budget, model, extensions)
+                done.append(ext)
+    except BaseException:
+        uninstall(*done)  # none of this call's objects left half-installed
+        raise
+    if model is not None:
+        from .naming import remember
+
+        remember(model)
+    return exts[0] if len(exts) == 1 else exts
+
+
+def _install_one(ext, memory_budget, model, extensions) -> None:
+    from . import chunking, naming
     from .kronecker import KFLR, OTHER_LAYERS
     from .kronecker import module_extension as kronecker_module_extension
     from .layers import LAYERS
     from .layers import module_extension as layer_module_extension
 
-    for ext in exts:
-        if ext in _previous:
-            continue
-        mapping = _mapping(ext)
-        new = {}
-        for torch_cls, memconv_cls in CONVERSIONS.items():
-            if torch_cls in extensions.DERIVATIVES and isinstance(ext, extensions.COVERED):
-                module_ext = extensions.module_extension(ext, torch_cls)
-            else:  # KFAC/KFLR/KFRA: convolutions, and BatchNorm in eval mode
-                module_ext = kronecker_module_extension(ext, torch_cls)
-            if module_ext is not None:
-                new[torch_cls] = new[memconv_cls] = module_ext
-            elif torch_cls in mapping:
-                new[memconv_cls] = mapping[torch_cls]
-        for cls in OTHER_LAYERS:  # classes memconv does not convert (adaptive pooling)
-            module_ext = None if cls in new else kronecker_module_extension(ext, cls)
-            if module_ext is not None:
-                new[cls] = module_ext
-        for cls in LAYERS:  # ConvNeXt's layers BackPACK lacks (GELU, LayerNorm2d, ...)
-            module_ext = None if cls in new else layer_module_extension(ext, cls)
-            if module_ext is not None:
-                new[cls] = module_ext
-        if not any(cls in new for cls in extensions.DERIVATIVES):
-            warnings.warn(
-                f"memconv does not cover the BackPACK extension {type(ext).__name__}; its "
-                "convolution quantities keep BackPACK's own computation (memconv's layers "
-                "get BackPACK's module extensions of the torch.nn classes they subclass)",
-                stacklevel=2,
-            )
-        if memory_budget is not None and isinstance(ext, chunking.CHUNKED):
-            for cls in {**mapping, **new}:
-                new[cls] = chunking.Deferred(new.get(cls, mapping.get(cls)), memory_budget)
-        _previous[ext] = {cls: mapping.get(cls, _ABSENT) for cls in new}
-        if isinstance(ext, KFLR) and "accumulate_backpropagated_quantities" not in vars(ext):
-            # BackPACK's KFLR has no rule for branches (residual additions): its square
-            # roots add up there, as KFAC's do
-            ext.accumulate_backpropagated_quantities = _sum
-            _previous[ext][_ACCUMULATION] = _ABSENT
-        for cls, module_ext in new.items():
-            ext.set_module_extension(cls, module_ext, overwrite=True)
-    return exts[0] if len(exts) == 1 else exts
+    mapping = _mapping(ext)
+    new = {}
+    for torch_cls, memconv_cls in CONVERSIONS.items():
+        if torch_cls in extensions.DERIVATIVES and isinstance(ext, extensions.COVERED):
+            module_ext = extensions.module_extension(ext, torch_cls)
+        else:  # KFAC/KFLR/KFRA: convolutions, and BatchNorm in eval mode
+            module_ext = kronecker_module_extension(ext, torch_cls)
+        if module_ext is not None:
+            new[torch_cls] = new[memconv_cls] = module_ext
+        elif torch_cls in mapping:
+            new[memconv_cls] = mapping[torch_cls]
+    for cls in OTHER_LAYERS:  # classes memconv does not convert (adaptive pooling)
+        module_ext = None if cls in new else kronecker_module_extension(ext, cls)
+        if module_ext is not None:
+            new[cls] = module_ext
+    for cls in LAYERS:  # ConvNeXt's layers BackPACK lacks (GELU, LayerNorm2d, ...)
+        module_ext = None if cls in new else layer_module_extension(ext, cls)
+        if module_ext is not None:
+            new[cls] = module_ext
+    if not any(cls in new for cls in extensions.DERIVATIVES):
+        warnings.warn(
+            f"memconv does not cover the BackPACK extension {type(ext).__name__}; its "
+            "convolution quantities keep BackPACK's own computation (memconv's layers "
+            "get BackPACK's module extensions of the torch.nn classes they subclass)",
+            stacklevel=3,
+        )
+    if isinstance(memory_budget, int) and isinstance(ext, chunking.UNCHUNKED):
+        warnings.warn(
+            f"memconv cannot honour memory_budget={memory_budget} for the BackPACK "
+            f"extension {type(ext).__name__}: its backward pass runs in one pass, the "
+            "factor with all its rows kept (memconv chunks DiagGGNExact, "
+            "BatchDiagGGNExact and SqrtGGNExact; for a ReLU network DiagHessian "
+            "equals DiagGGNExact); install it without memory_budget",
+            stacklevel=3,
+        )
+    if model is not None:
+        covered = any(cls in new for cls in extensions.DERIVATIVES)
+        naming.check_model(model, ext, {**mapping, **new}, tied=covered)
+    if memory_budget is not None and isinstance(ext, chunking.CHUNKED):
+        for cls in {**mapping, **new}:
+            new[cls] = chunking.Deferred(new.get(cls, mapping.get(cls)), memory_budget)
+    _previous[ext] = {cls: mapping.get(cls, _ABSENT) for cls in new}
+    if isinstance(ext, KFLR) and "accumulate_backpropagated_quantities" not in vars(ext):
+        # BackPACK's KFLR has no rule for branches (residual additions): its square
+        # roots add up there, as KFAC's do
+        ext.accumulate_backpropagated_quantities = _sum
+        _previous[ext][_ACCUMULATION] = _ABSENT
+    for cls, module_ext in new.items():
+        ext.set_module_extension(cls, module_ext, overwrite=True)
 
 
 def extend(module, debug: bool = False, use_converter: bool = True):
@@ -212,14 +261,14 @@ def uninstall(*exts) -> None:
 
 
 @contextlib.contextmanager
-def installed(*exts, memory_budget=None):
-    """:func:`install` (with its ``memory_budget``) for the duration of a ``with``
-    block, then :func:`uninstall`.
+def installed(*exts, memory_budget=LEAN, model=None):
+    """:func:`install` (with its ``memory_budget`` and ``model``) for the duration of a
+    ``with`` block, then :func:`uninstall`.
 
     Yields:
         The extension object (or the tuple of them).
     """
-    result = install(*exts, memory_budget=memory_budget)
+    result = install(*exts, memory_budget=memory_budget, model=model)
     try:
         yield result
     finally:
@@ -227,9 +276,9 @@ def installed(*exts, memory_budget=None):
 
 
 #: How many :func:`routed` blocks are open in this thread (or asyncio task), and the
-#: innermost one's memory budget.
+#: innermost one's arguments of :func:`install`.
 _routing: contextvars.ContextVar = contextvars.ContextVar(
-    "memconv_backpack_routed", default=(0, None)
+    "memconv_backpack_routed", default=(0, {})
 )
 _patch_lock = threading.Lock()
 #: BackPACK's own ``backpack.__enter__``/``__exit__`` while any routed block is open.
@@ -237,7 +286,7 @@ _patched: dict = {}
 
 
 @contextlib.contextmanager
-def routed(memory_budget=None):
+def routed(memory_budget=LEAN, model=None):
     """Route every BackPACK ``with backpack(...)`` block opened inside through memconv.
 
     For third-party code that builds its own extension objects (laplace-torch's
@@ -264,6 +313,9 @@ def routed(memory_budget=None):
 
     Args:
         memory_budget: as :func:`install`'s, for every block's extensions.
+        model: as :func:`install`'s: the model the blocks run (its module paths in
+            refusals, and each block's extensions checked on it when the block opens,
+            before the forward pass).
 
     Yields:
         None.
@@ -273,7 +325,9 @@ def routed(memory_budget=None):
         TypeError, ValueError: for a ``memory_budget`` :func:`install` refuses.
     """
     _require()
-    check_budget(memory_budget, available=False)
+    _check_budget(memory_budget)
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"routed's model must be a torch.nn.Module, got {type(model).__name__}")
     import backpack
 
     with _patch_lock:
@@ -282,7 +336,7 @@ def routed(memory_budget=None):
             _patched.update(__enter__=cls.__enter__, __exit__=cls.__exit__)
             cls.__enter__, cls.__exit__ = _routed_enter, _routed_exit
         _patched["count"] = _patched.get("count", 0) + 1
-    token = _routing.set((_routing.get()[0] + 1, memory_budget))
+    token = _routing.set((_routing.get()[0] + 1, dict(memory_budget=memory_budget, model=model)))
     try:
         yield
     finally:
@@ -297,10 +351,10 @@ def routed(memory_budget=None):
 
 def _routed_enter(block):
     installed_here = ()
-    depth, memory_budget = _routing.get()
+    depth, arguments = _routing.get()
     if depth:
         installed_here = tuple(ext for ext in block.exts if ext not in _previous)
-        install(*installed_here, memory_budget=memory_budget)
+        install(*installed_here, **arguments)
     block._memconv_installed = installed_here
     return _patched["__enter__"](block)
 

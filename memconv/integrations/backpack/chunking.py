@@ -10,9 +10,22 @@ recorded calls run again in the same order once per chunk of rows, the loss's fa
 sliced; the parameters' quantities are summed over the chunks (SqrtGGN's
 concatenated). The peak is then that of a ``V`` of the chunk's size.
 
+The budget of a chunk's factors is a number of bytes, or ``"lean"`` (the default of
+:func:`memconv.integrations.backpack.install`): :data:`LEAN_FACTOR` times the bytes of
+the layer inputs and outputs the forward pass stored for the extension (the
+activations a plain backward pass keeps), at least :data:`LEAN_MIN_BYTES`, so that the
+factors take no more than the activations, whatever ``V``: the peak stays near the MC
+variant's (one row), and grows with the model and batch as a plain backward pass's
+does. A factor of one row per sample (the MC extensions' default ``mc_samples=1``, a
+model with one output) has nothing to chunk: under ``"lean"`` its backward pass runs
+in one pass, as BackPACK's, without keeping the layers' inputs and outputs for a replay.
+
 Covered: ``DiagGGN{Exact,MC}``, ``BatchDiagGGN{Exact,MC}``, ``SqrtGGN{Exact,MC}``.
-``{Batch}DiagHessian`` is not chunked (its activations add residual factors whose rows
-are the features, not ``V``).
+``{Batch}DiagHessian`` is not chunked: besides the loss's ``V`` rows, each activation
+with a non-zero second derivative adds a residual factor whose rows are its features
+(not ``V``), which a replay per chunk would add once per chunk; those residual factors,
+not ``V``, dominate its memory on a network with curved activations, and on a
+piecewise-linear one (ReLU) it equals ``DiagGGNExact``, which is chunked.
 
 Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
 """
@@ -25,10 +38,13 @@ import weakref
 import torch
 from backpack.context import CTX
 from backpack.extensions import (
+    KFLR,
     BatchDiagGGNExact,
     BatchDiagGGNMC,
+    BatchDiagHessian,
     DiagGGNExact,
     DiagGGNMC,
+    DiagHessian,
     SqrtGGNExact,
     SqrtGGNMC,
 )
@@ -36,14 +52,24 @@ from backpack.extensions.saved_quantities import SavedQuantities
 from backpack.utils.hooks import no_op
 from backpack.utils.module_classification import is_loss
 
+from ..._checks import LEAN
 from ..._torch import graph_task_id, queue_backward_callback
+from .naming import describe
 
 logger = logging.getLogger("memconv")
 
 #: The extensions whose backward pass runs over chunks of rows under a budget.
 CHUNKED = (DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC, SqrtGGNExact, SqrtGGNMC)
+#: Those whose factor has ``V`` rows too but whose backward pass runs in one pass.
+UNCHUNKED = (DiagHessian, BatchDiagHessian, KFLR)
 #: Those whose quantities are the rows themselves (concatenated over chunks).
 ROWS = (SqrtGGNExact, SqrtGGNMC)
+#: The lean budget of a chunk's factors, as a multiple of the bytes of the layer inputs
+#: and outputs the forward pass stored for the extension.
+LEAN_FACTOR = 1.0
+#: The least lean budget (bytes): below it, chunks would save less than the
+#: interpreter's own footprint and cost one replay of every module extension each.
+LEAN_MIN_BYTES = 16 * 2**20
 #: Bytes one row of the factor costs per number of a layer's input and output
 #: (the factor at the output, its product at the input, one temporary).
 _COPIES = 3
@@ -74,6 +100,16 @@ def _inputs(module) -> int:
 class _Tape:
     def __init__(self, task, budget):
         self.task, self.budget, self.calls, self.params = task, budget, [], {}
+        self.inline = False  # one pass, as BackPACK: nothing recorded
+
+
+def _rows(extension, loss) -> int:
+    """The rows per sample of the factor the loss module starts (without computing
+    it: an MC factor's samples would take random numbers): the MC samples, else the
+    loss input's numbers per sample (the model's outputs)."""
+    if hasattr(extension, "get_num_mc_samples"):
+        return extension.get_num_mc_samples()
+    return loss.input0[0].numel()
 
 
 class Deferred:
@@ -82,36 +118,45 @@ class Deferred:
 
     Args:
         inner: BackPACK's (or memconv's) module extension it stands for.
-        memory_budget: bytes the chunk's factors may take.
+        memory_budget: bytes the chunk's factors may take, or ``"lean"``
+            (:data:`LEAN_FACTOR` times the stored activations).
     """
 
-    def __init__(self, inner, memory_budget: int):
+    def __init__(self, inner, memory_budget):
         self.inner, self.memory_budget = inner, memory_budget
 
     def __call__(self, extension, module, g_inp, g_out):
         if CTX.get_extension_hook() is not no_op:
+            if self.memory_budget == LEAN:  # the default: one pass, as BackPACK
+                return self.inner(extension, module, g_inp, g_out)
             raise ValueError(
-                f"BackPACK's {type(extension).__name__} with memconv's memory_budget: the "
-                "block's extension_hook would run before the quantities exist (they are "
-                "computed over chunks of rows after the backward pass); install the "
-                "extension without memory_budget to use an extension_hook"
+                f"BackPACK's {type(extension).__name__} with memconv's memory_budget (at "
+                f"{describe(module)}): the block's extension_hook would run before the "
+                "quantities exist (they are computed over chunks of rows after the "
+                "backward pass); install the extension without memory_budget to use an "
+                "extension_hook"
             )
         task = graph_task_id()
         tape = _tapes.get(extension)
         if tape is None or tape.task != task:
             tape = _tapes[extension] = _Tape(task, self.memory_budget)
-            queue_backward_callback(lambda: _replay(extension, tape))
+            if self.memory_budget == LEAN and is_loss(module) and _rows(extension, module) == 1:
+                tape.inline = True  # one row per sample: nothing to chunk
+            else:
+                queue_backward_callback(lambda: _replay(extension, tape))
+        if tape.inline:
+            return self.inner(extension, module, g_inp, g_out)
         if not tape.calls and not is_loss(module):
             raise ValueError(
                 f"BackPACK's {type(extension).__name__} with memconv's memory_budget: the "
-                f"backward pass reached {type(module).__name__} before an extended loss "
+                f"backward pass reached {describe(module)} before an extended loss "
                 "module; extend the loss function (backpack.extend(lossfunc))"
             )
         for name, p in module.named_parameters(recurse=False):
             if id(p) in tape.params:
                 raise ValueError(
                     f"BackPACK's {type(extension).__name__} with memconv: the parameter "
-                    f"{name!r} of {type(module).__name__} is used by several calls in one "
+                    f"{name!r} of {describe(module)} is used by several calls in one "
                     "forward pass (tied, or a layer called twice), and its curvature of "
                     "the sum of the uses is not the sum of theirs: untie it"
                 )
@@ -128,6 +173,21 @@ def _row_bytes(calls) -> int:
     return _COPIES * most
 
 
+def _stored_bytes(calls) -> int:
+    """Bytes of the distinct layer inputs and outputs the recorded calls hold."""
+    seen = {}
+    for call in calls:
+        for t in call.io.values():
+            if isinstance(t, torch.Tensor):
+                seen[(t.data_ptr(), t.shape)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def lean_budget(calls) -> int:
+    """The ``"lean"`` budget of a backward pass's recorded calls (bytes)."""
+    return max(LEAN_MIN_BYTES, int(LEAN_FACTOR * _stored_bytes(calls)))
+
+
 def _replay(extension, tape) -> None:
     _tapes.pop(extension, None)
     loss, calls = tape.calls[0], tape.calls[1:]
@@ -135,16 +195,18 @@ def _replay(extension, tape) -> None:
         factor = loss.inner.backpropagate(extension, loss.module, loss.g_inp, loss.g_out, None)
         key = loss.module.input0.data_ptr()
     v = factor.shape[0]
-    step = max(1, min(v, tape.budget // max(_row_bytes(tape.calls), 1)))
+    budget = lean_budget(tape.calls) if tape.budget == LEAN else tape.budget
+    step = max(1, min(v, budget // max(_row_bytes(tape.calls), 1)))
     chunks = [(v0, min(v, v0 + step)) for v0 in range(0, v, step)]
     logger.info(
         "BackPACK %s through memconv: the %d rows of the factor in %d chunk(s) of at most "
-        "%d (memory_budget %d bytes)",
+        "%d (memory_budget %s: %d bytes)",
         type(extension).__name__,
         v,
         len(chunks),
         step,
-        tape.budget,
+        tape.budget if tape.budget == LEAN else "given",
+        budget,
     )
     rows = isinstance(extension, ROWS)
     field = extension.savefield

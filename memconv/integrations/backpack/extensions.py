@@ -36,6 +36,7 @@ from .derivatives import (
     ConvTranspose3dDerivatives,
     settings_for,
 )
+from .naming import describe
 from .secondorder import COVERED as SECOND_ORDER
 from .secondorder import module_extension as second_order_module_extension
 
@@ -101,7 +102,7 @@ class _Tied:
                 )
                 raise ValueError(
                     f"BackPACK's {type(extension).__name__} with memconv: the parameter "
-                    f"{name!r} of {type(module).__name__} is used by several calls in one "
+                    f"{name!r} of {describe(module)} is used by several calls in one "
                     "forward pass (tied, or a layer called twice), and its quantity of the "
                     f"sum of the uses is not the sum of theirs: untie it, or use {remedy}"
                 )

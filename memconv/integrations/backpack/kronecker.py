@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from ..._checks import KFAC_APPROXIMATIONS, check_budget, check_choice
 from ...conv.kronecker import block_diagonal, input_factor, is_transposed, output_factor
 from .extensions import DERIVATIVES, _tied
+from .naming import describe
 
 #: BackPACK extensions whose convolution factors memconv computes.
 KRONECKER = (KFAC, KFLR, KFRA)
@@ -74,9 +75,10 @@ class _KroneckerWeight:
         :func:`memconv.conv.kronecker.input_factor`."""
         if ExpectationApproximation.should_average_param_jac(ext.get_ea_strategy()):
             raise NotImplementedError(
-                f"{type(ext).__name__} on {type(module).__name__}: an expectation "
+                f"{type(ext).__name__} on {describe(module)}: an expectation "
                 "approximation that averages the parameter Jacobian is undefined for "
-                "convolutions (as in BackPACK)"
+                "convolutions (as in BackPACK); use the default ea_strategy "
+                "(ExpectationApproximation.BOTEV_MARTENS)"
             )
         if BackpropStrategy.is_batch_average(ext.get_backprop_strategy()):  # KFRA
             a = block_diagonal(self._factor_from_batch_average(module, backproped), module.groups)
