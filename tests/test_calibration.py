@@ -339,9 +339,40 @@ def test_calibrate_command_fits_and_checks_on_the_cpu(tmp_path, monkeypatch, cap
     assert "within 25%" in capsys.readouterr().out
 
 
+def test_calibrate_models_fits_those_alone(tmp_path, monkeypatch):
+    """``--models ghost-positions`` measures the positions method both ways of summing
+    its windows and fits its coefficients alone: every other coefficient (the shared
+    per-operation one included) and every memory scale stay the calibration's; a
+    ``--refit`` of the measurements with ``--models`` fits the same."""
+    from memconv.bench import calibrate
+    from memconv.bench.cli import main
+
+    monkeypatch.setattr(calibrate, "QUICK_GRID", calibrate.QUICK_GRID[:1])
+    out, measured = tmp_path / "cpu.json", tmp_path / "m.jsonl"
+    args = ["-q", "calibrate", "--device", "cpu", "--quick", "--repeats", "1"]
+    models = ["--models", "ghost-positions"]
+    assert main([*args, *models, "--out", str(out), "--json", str(measured)]) == 0
+    records = [json.loads(line) for line in measured.read_text().splitlines()[1:]]
+    assert [(r["model"], r["variant"]) for r in records] == [
+        ("ghost-positions", "windows=reduction"),
+        ("ghost-positions", "windows=accumulated"),
+    ]
+    base, data = costs.calibration("cpu"), costs.check(json.loads(out.read_text()), str(out))
+    assert data["memory"] == base["memory"]
+    assert {m: c for m, c in data["time"].items() if m != "ghost-positions"} == {
+        m: c for m, c in base["time"].items() if m != "ghost-positions"
+    }
+    assert data["fitted"]["refitted"]["models"] == ["ghost-positions"]
+    again = tmp_path / "again.json"
+    refit = ["-q", "calibrate", "--refit", str(measured), *models, "--out", str(again)]
+    assert main(refit) == 0
+    assert json.loads(again.read_text())["time"] == data["time"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["--device", "cpu", "--models", "nonsense", "--out", "x.json"], "--models"),
         (["--device", "cpu"], "--out"),
         (["--device", "cpu", "--check", "--out", "x.json"], "--out applies only"),
         (["--device", "cpu", "--check", "--calibration", "missing.json"], "--calibration"),

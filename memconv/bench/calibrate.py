@@ -132,6 +132,9 @@ class Job:
         result_bytes: bytes of the result, not part of the temporaries.
         reads: the other time models its prediction reads (``"streaming"``: its inner
             strategy's).
+        variant: which way of the model's computation runs, where it has several
+            (``"windows=reduction"`` or ``"windows=accumulated"`` for
+            ``"ghost-positions"``), else ``""``.
     """
 
     model: str
@@ -141,6 +144,7 @@ class Job:
     predict_memory: object
     result_bytes: int
     reads: tuple = ()
+    variant: str = ""
 
 
 class _Operands:
@@ -194,10 +198,13 @@ def jobs(layer: Layer, device, models=None, *, run: bool = True) -> list[Job]:
                 per_sample,
             )
         )
-    for method in ("positions", "offsets"):
+    # the positions method with each way of summing its windows, so that the fit sees
+    # what the strided reduction costs beyond the accumulated windows
+    ways = [("positions", w) for w in ghost.WINDOWS] + [("offsets", None)]
+    for method, windows in ways:
 
-        def plan(method=method):
-            return ghost.method_tilings(problem, GHOST_BUDGET)[method]
+        def plan(method=method, windows=windows):
+            return ghost.method_tilings(problem, GHOST_BUDGET, windows)[method]
 
         def gram(plan=plan):
             x, g, _ = operands.get()
@@ -211,6 +218,7 @@ def jobs(layer: Layer, device, models=None, *, run: bool = True) -> list[Job]:
                 lambda plan=plan: plan().time,
                 lambda plan=plan: plan().memory,
                 layer.n * 4,
+                variant="" if windows is None else f"windows={windows}",
             )
         )
     out.append(
@@ -259,6 +267,8 @@ def measure(job: Job, device: torch.device, repeats: int) -> dict:
         "predicted_seconds": job.predict_time(),
         "measured_bytes": max(int(peak * MiB) - job.result_bytes, 0),
     }
+    if job.variant:
+        record["variant"] = job.variant
     if job.predict_memory is not None:
         record["predicted_bytes"] = int(job.predict_memory())
     return record
@@ -269,11 +279,12 @@ def _copy(data: dict) -> dict:
     return json.loads(json.dumps(data))
 
 
-def _coefficients(job: Job) -> list[tuple[str, str]]:
+def _coefficients(job: Job, fitted=None) -> list[tuple[str, str]]:
     """``[(model, coefficient)]`` a job's time model reads: its own model's, the shared
-    per-operation one, and those of the models it reads (:attr:`Job.reads`)."""
+    per-operation one, and those of the models it reads (:attr:`Job.reads`); of the
+    models ``fitted`` only, where given."""
     models = dict.fromkeys((job.model, "operation", *job.reads))
-    return [(m, c) for m in models for c in costs.TIME_MODELS[m]]
+    return [(m, c) for m in models if fitted is None or m in fitted for c in costs.TIME_MODELS[m]]
 
 
 def _with_values(data: dict, values: dict) -> dict:
@@ -284,11 +295,12 @@ def _with_values(data: dict, values: dict) -> dict:
     return out
 
 
-def features(job: Job, device_type: str, base: dict) -> tuple[float, dict]:
+def features(job: Job, device_type: str, base: dict, fitted=None) -> tuple[float, dict]:
     """``(offset, {(model, coefficient): f_j})`` of a job's time model: its prediction
-    with the coefficients it reads at zero, and what each one multiplies (read off the
-    model by setting them to the unit vectors; every other model's from ``base``)."""
-    names = _coefficients(job)
+    with the coefficients it reads (of the models ``fitted``, where given) at zero, and
+    what each one multiplies (read off the model by setting them to the unit vectors;
+    every other coefficient's from ``base``, part of the offset)."""
+    names = _coefficients(job, fitted)
     zero = {k: 0.0 for k in names}
     with costs.using(device_type, _with_values(base, zero)):
         offset = job.predict_time()
@@ -349,10 +361,14 @@ def _summary(errors) -> dict:
     }
 
 
-def fit(records: list[dict], job_list: list[Job], device_type: str, base: dict) -> dict:
+def fit(
+    records: list[dict], job_list: list[Job], device_type: str, base: dict, fitted=None
+) -> dict:
     """A new calibration from the measurements (``records[i]`` of ``job_list[i]``): every
     time model's coefficients fitted at once (they share the per-operation one), then
-    each memory model's scale."""
+    each memory model's scale. ``fitted``: the time models whose coefficients are
+    fitted (the others, the per-operation one included, held at ``base``'s); None:
+    all."""
     data = _copy(base)
     data["device"] = device_type
     report = {}
@@ -361,8 +377,13 @@ def fit(records: list[dict], job_list: list[Job], device_type: str, base: dict) 
         unscaled["memory"][model]["scale"] = 1.0
     rows = [(r, j) for r, j in zip(records, job_list) if r.get("seconds")]
     if rows:
-        columns = [(m, c) for m, names in costs.TIME_MODELS.items() for c in names]
-        got = [features(j, device_type, data) for _, j in rows]
+        columns = [
+            (m, c)
+            for m, names in costs.TIME_MODELS.items()
+            if fitted is None or m in fitted
+            for c in names
+        ]
+        got = [features(j, device_type, data, fitted) for _, j in rows]
         feats = [[f.get(k, 0.0) for k in columns] for _, f in got]
         current = [data["time"][m][c] for m, c in columns]
         coefficients, errors = fit_linear(
@@ -427,6 +448,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="three small layers instead of the full grid"
     )
     parser.add_argument(
+        "--models",
+        metavar="M,M",
+        help="measure and fit only these time models (comma-separated, e.g. "
+        "ghost-positions); every other coefficient, the per-operation one included, "
+        "and the memory scales keep the calibration's current values (default: all)",
+    )
+    parser.add_argument(
         "--repeats",
         type=non_negative_int,
         default=5,
@@ -450,8 +478,17 @@ def check_arguments(args) -> None:
 
     Raises:
         ValueError: a missing ``--out``, an option that does not apply, an unknown or
-            unavailable device, an unreadable ``--calibration``.
+            unavailable device, an unreadable ``--calibration``, an unknown model in
+            ``--models``.
     """
+    models = getattr(args, "models", None)
+    if models:
+        unknown = [m for m in models.split(",") if m not in costs.TIME_MODELS]
+        if unknown or args.check:
+            raise ValueError(
+                f"--models: a fit's comma-separated time models, of {sorted(costs.TIME_MODELS)}"
+                f" (not with --check); got {models!r}"
+            )
     if getattr(args, "refit", None):
         if args.check:
             raise ValueError("--refit and --check exclude each other")
@@ -519,16 +556,20 @@ def main(args) -> int:
             data = costs.check(json.loads(Path(args.calibration).read_text()), args.calibration)
         return _check(grid, device, data, args.tolerance, out)
     base = costs.calibration(device.type)
+    fitted = _fitted_models(args)
     records, job_list = [], []
     layers = list(grid)
     for i, layer in enumerate(layers):
         logger.info("[%d/%d] %s", i + 1, len(layers), layer.name)
-        for job in jobs(layer, device):
+        for job in jobs(layer, device, models=fitted):
             record = measure(job, device, args.repeats)
             out.write(record)
             records.append(record)
             job_list.append(job)
-    data = fit(records, job_list, device.type, base)
+    data = fit(records, job_list, device.type, base, fitted)
+    if fitted is not None:
+        grid = f"{len(layers)} layers"
+        return _write_partial(args.out, data, base, fitted, header, machine(), grid)
     data["fitted"].update(
         machine=machine(),
         device=_device_name(device),
@@ -563,18 +604,32 @@ def _refit(args) -> int:
     measurements, written to ``--out``."""
     run, records = read_measurements(args.refit)
     device_type = torch.device(run.get("device", args.device)).type
+    fitted = _fitted_models(args)
     layers = {layer.name: layer for layer in (*GRID, *QUICK_GRID)}
     known, job_list = [], []
     for record in records:
         layer = layers.get(record["layer"])
         if layer is None or record["model"] not in costs.TIME_MODELS:
             continue
-        (job,) = jobs(layer, device_type, models=(record["model"],), run=False)
+        if fitted is not None and record["model"] not in fitted:
+            continue
+        candidates = jobs(layer, device_type, models=(record["model"],), run=False)
+        # a record without a variant: the model's first way (its only one, or the
+        # positions method's one strided reduction)
+        variant = record.get("variant", candidates[0].variant)
+        job = next((j for j in candidates if j.variant == variant), None)
+        if job is None:
+            continue
         known.append(record)
         job_list.append(job)
     base = costs.calibration(device_type)
-    data = fit(known, job_list, device_type, base)
+    data = fit(known, job_list, device_type, base, fitted)
     machine_of_run = run.get("machine", {})
+    if fitted is not None:
+        grid = f"{len(job_list)} measurements of {len({j.layer.name for j in job_list})} layers"
+        refit = {**run, "command": command_line(getattr(args, "argv", None))}
+        refit["command"] = f"{refit['command']} (measured by: {run.get('command')})"
+        return _write_partial(args.out, data, base, fitted, refit, machine_of_run, grid)
     data["fitted"].update(
         machine=machine_of_run,
         device=machine_of_run.get("gpu") or machine_of_run.get("cpu") or device_type,
@@ -592,6 +647,35 @@ def _refit(args) -> int:
     Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
     _log_residuals(data)
     logger.info("wrote %s", args.out)
+    return 0
+
+
+def _fitted_models(args) -> list[str] | None:
+    """The time models ``--models`` names, or None (all)."""
+    return args.models.split(",") if getattr(args, "models", None) else None
+
+
+def _write_partial(out, data: dict, base: dict, fitted, run: dict, machine_of_run, grid) -> int:
+    """Write a fit of the time models ``fitted`` only: the memory scales, the other
+    models' residuals and their provenance kept as ``base`` has them, this fit's
+    under ``fitted["refitted"]``."""
+    data["memory"] = base["memory"]
+    data["fitted"] = {
+        **{k: v for k, v in base.get("fitted", {}).items() if k != "refitted"},
+        "refitted": {
+            "models": fitted,
+            "residuals": data["fitted"]["residuals"],
+            "command": run.get("command"),
+            "date": run.get("started"),
+            "machine": machine_of_run,
+            "grid": grid,
+        },
+    }
+    data = costs.check(data, "the fit")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(data, indent=2) + "\n")
+    _log_residuals({"fitted": data["fitted"]["refitted"]})
+    logger.info("wrote %s", out)
     return 0
 
 
