@@ -94,10 +94,13 @@ ROUTES = {
         "instantiate/positions",
         "instantiate/positions",
     ),
+    # at 16 MiB its Gram matrices run in chunks of samples: with the strided reduction
+    # of their windows priced ("ghost-positions": per_window, measured on the CPU), the
+    # instantiating route is the faster there
     "seed-28-conv2": (
         "ghost/positions",
         "instantiate/positions",
-        "ghost/positions",
+        "instantiate/positions",
         "ghost/positions",
     ),
     "rn-stem": (
@@ -232,6 +235,26 @@ def test_planner_as_before(model):
         plan = memconv.plan(net, x, task=task, memory_budget=budget)
         got = (plan.micro_batch, plan.layer_budget, plan.clip_route, plan.predicted_peak)
         assert got == (micro, layer, route_b, peak)
+
+
+def test_cpu_prices_accumulate_the_windows_cuda_prices_keep_one_reduction():
+    """torchvision ResNet-18's layer1 convolution (64 -> 64, 3x3, 16x16 maps of 64x64
+    images) at batch 64 within the 16 MiB per-layer budget the default (lean) plan gives
+    it: the CPU's calibration, which prices the strided reduction of the Gram matrix's
+    windows as measured there (``per_window``), sums them one kernel offset after
+    another; the CUDA calibration keeps one reduction (no operation per kernel offset)
+    and the route it chose before."""
+    problem = Problem(_geom(2, 64, 64, 3, p=1), 64, (16, 16), 4, True)
+    budget = 16 * MiB
+    choices = {}
+    for device in ("cpu", "cuda"):
+        at = replace(problem, device=device)
+        tiling = ghost.choose_tiling(at, budget)
+        choices[device] = (norms.choose_route(at, budget).route, tiling.method, tiling.windows)
+    assert choices == {
+        "cpu": ("ghost", "positions", "accumulated"),
+        "cuda": ("instantiate", "positions", "reduction"),
+    }
 
 
 def _scaled(data, model, coefficient, factor):

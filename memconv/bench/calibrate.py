@@ -279,12 +279,26 @@ def _copy(data: dict) -> dict:
     return json.loads(json.dumps(data))
 
 
+def fitted_coefficients(fitted=None) -> list[tuple[str, str]]:
+    """``[(model, coefficient)]`` that ``fitted`` names (``"model"``: all of its
+    coefficients; ``"model.coefficient"``: that one), in :data:`TIME_MODELS` order;
+    every coefficient for None."""
+    names = None if fitted is None else set(fitted)
+    return [
+        (m, c)
+        for m, coefficients in costs.TIME_MODELS.items()
+        for c in coefficients
+        if names is None or m in names or f"{m}.{c}" in names
+    ]
+
+
 def _coefficients(job: Job, fitted=None) -> list[tuple[str, str]]:
     """``[(model, coefficient)]`` a job's time model reads: its own model's, the shared
-    per-operation one, and those of the models it reads (:attr:`Job.reads`); of the
-    models ``fitted`` only, where given."""
+    per-operation one, and those of the models it reads (:attr:`Job.reads`); of those
+    ``fitted`` names only, where given (:func:`fitted_coefficients`)."""
     models = dict.fromkeys((job.model, "operation", *job.reads))
-    return [(m, c) for m in models if fitted is None or m in fitted for c in costs.TIME_MODELS[m]]
+    chosen = set(fitted_coefficients(fitted))
+    return [(m, c) for m in models for c in costs.TIME_MODELS[m] if (m, c) in chosen]
 
 
 def _with_values(data: dict, values: dict) -> dict:
@@ -366,9 +380,16 @@ def fit(
 ) -> dict:
     """A new calibration from the measurements (``records[i]`` of ``job_list[i]``): every
     time model's coefficients fitted at once (they share the per-operation one), then
-    each memory model's scale. ``fitted``: the time models whose coefficients are
-    fitted (the others, the per-operation one included, held at ``base``'s); None:
-    all."""
+    each memory model's scale. ``fitted``: the time models (``"model"``) or single
+    coefficients (``"model.coefficient"``) fitted, the others, the per-operation one
+    included, held at ``base``'s; None: all.
+
+    Where ``fitted`` leaves a layer some rows that read none of the fitted
+    coefficients (the positions method's accumulated windows, for
+    ``"ghost-positions.per_window"``), those rows, priced by the held coefficients,
+    measure this run's conditions (threads, load) against the calibration's: the
+    layer's other rows are divided by their median measured/predicted ratio before
+    the fit, so that the fitted coefficients are in the held ones' units."""
     data = _copy(base)
     data["device"] = device_type
     report = {}
@@ -377,18 +398,14 @@ def fit(
         unscaled["memory"][model]["scale"] = 1.0
     rows = [(r, j) for r, j in zip(records, job_list) if r.get("seconds")]
     if rows:
-        columns = [
-            (m, c)
-            for m, names in costs.TIME_MODELS.items()
-            if fitted is None or m in fitted
-            for c in names
-        ]
+        columns = fitted_coefficients(fitted)
         got = [features(j, device_type, data, fitted) for _, j in rows]
         feats = [[f.get(k, 0.0) for k in columns] for _, f in got]
         current = [data["time"][m][c] for m, c in columns]
-        coefficients, errors = fit_linear(
-            [o for o, _ in got], feats, [r["seconds"] for r, _ in rows], current
-        )
+        times = [r["seconds"] for r, _ in rows]
+        if fitted is not None:
+            times = _in_held_units(rows, feats, times, device_type, data)
+        coefficients, errors = fit_linear([o for o, _ in got], feats, times, current)
         data = _with_values(data, dict(zip(columns, coefficients)))
         for model in costs.TIME_MODELS:
             mine = [e for e, (_, j) in zip(errors, rows) if j.model == model]
@@ -411,6 +428,22 @@ def fit(
             report[f"memory/{model}"] = _summary(errors)
     data["fitted"] = {"residuals": report}
     return costs.check(data, "the fit")
+
+
+def _in_held_units(rows, feats, times, device_type: str, data: dict) -> list[float]:
+    """``times`` of the rows reading fitted coefficients divided by the median
+    measured/predicted ratio of their layer's rows reading none (:func:`fit`)."""
+    ratios: dict[str, list[float]] = {}
+    for (_, job), row, t in zip(rows, feats, times):
+        if not any(row):
+            with costs.using(device_type, data):
+                ratios.setdefault(job.layer.name, []).append(t / job.predict_time())
+    return [
+        t / statistics.median(ratios[job.layer.name])
+        if any(row) and ratios.get(job.layer.name)
+        else t
+        for (_, job), row, t in zip(rows, feats, times)
+    ]
 
 
 # ----------------------------------------------------------------- the command
@@ -450,9 +483,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models",
         metavar="M,M",
-        help="measure and fit only these time models (comma-separated, e.g. "
-        "ghost-positions); every other coefficient, the per-operation one included, "
-        "and the memory scales keep the calibration's current values (default: all)",
+        help="measure and fit only these time models or coefficients (comma-separated, "
+        "e.g. ghost-positions or ghost-positions.per_window); every other coefficient, "
+        "the per-operation one included, and the memory scales keep the calibration's "
+        "current values, and a layer's rows that read none of the fitted coefficients "
+        "scale its other rows to the held ones' units (default: all)",
+    )
+    parser.add_argument(
+        "--reference",
+        metavar="M,M",
+        help="with --models: measure these time models too, held, as the reference "
+        "for the run's conditions on each layer (e.g. shift,unfold)",
+    )
+    parser.add_argument(
+        "--layers",
+        metavar="TEXT,TEXT",
+        help="only the grid's layers whose name contains one of these (e.g. N=16)",
     )
     parser.add_argument(
         "--repeats",
@@ -482,12 +528,19 @@ def check_arguments(args) -> None:
             ``--models``.
     """
     models = getattr(args, "models", None)
+    reference = getattr(args, "reference", None)
+    if reference and (not models or any(m not in costs.TIME_MODELS for m in reference.split(","))):
+        raise ValueError(
+            f"--reference: time models of {sorted(costs.TIME_MODELS)}, with --models; "
+            f"got {reference!r}"
+        )
     if models:
-        unknown = [m for m in models.split(",") if m not in costs.TIME_MODELS]
+        known = {*costs.TIME_MODELS, *(f"{m}.{c}" for m, c in fitted_coefficients())}
+        unknown = [m for m in models.split(",") if m not in known]
         if unknown or args.check:
             raise ValueError(
-                f"--models: a fit's comma-separated time models, of {sorted(costs.TIME_MODELS)}"
-                f" (not with --check); got {models!r}"
+                "--models: a fit's comma-separated time models or model.coefficient, of "
+                f"{sorted(costs.TIME_MODELS)} (not with --check); got {models!r}"
             )
     if getattr(args, "refit", None):
         if args.check:
@@ -558,10 +611,11 @@ def main(args) -> int:
     base = costs.calibration(device.type)
     fitted = _fitted_models(args)
     records, job_list = [], []
-    layers = list(grid)
+    wanted = args.layers.split(",") if getattr(args, "layers", None) else None
+    layers = [layer for layer in grid if wanted is None or any(w in layer.name for w in wanted)]
     for i, layer in enumerate(layers):
         logger.info("[%d/%d] %s", i + 1, len(layers), layer.name)
-        for job in jobs(layer, device, models=fitted):
+        for job in jobs(layer, device, models=_measured_models(fitted, args)):
             record = measure(job, device, args.repeats)
             out.write(record)
             records.append(record)
@@ -611,7 +665,7 @@ def _refit(args) -> int:
         layer = layers.get(record["layer"])
         if layer is None or record["model"] not in costs.TIME_MODELS:
             continue
-        if fitted is not None and record["model"] not in fitted:
+        if fitted is not None and record["model"] not in _measured_models(fitted, args):
             continue
         candidates = jobs(layer, device_type, models=(record["model"],), run=False)
         # a record without a variant: the model's first way (its only one, or the
@@ -651,8 +705,17 @@ def _refit(args) -> int:
 
 
 def _fitted_models(args) -> list[str] | None:
-    """The time models ``--models`` names, or None (all)."""
+    """The time models and coefficients ``--models`` names, or None (all)."""
     return args.models.split(",") if getattr(args, "models", None) else None
+
+
+def _measured_models(fitted, args) -> set[str] | None:
+    """The time models whose jobs a fit of ``fitted`` measures, ``--reference``'s
+    included (None: all)."""
+    if fitted is None:
+        return None
+    reference = args.reference.split(",") if getattr(args, "reference", None) else []
+    return {name.split(".")[0] for name in fitted} | set(reference)
 
 
 def _write_partial(out, data: dict, base: dict, fitted, run: dict, machine_of_run, grid) -> int:
