@@ -103,6 +103,8 @@ _SHAPES = (
     ("wrn-3x3-256", _geom(2, 256, 256, 3, p=1), (8, 8)),
     ("depthwise", _geom(2, 64, 64, 3, p=1, g=64), (28, 28)),
     ("depthwise-7x7", _geom(2, 40, 40, 7, p=3, g=40), (16, 16)),
+    # ConvNeXt-atto's third stage at 64x64 images: many small products per sample
+    ("depthwise-7x7-4x4", _geom(2, 160, 160, 7, p=3, g=160), (4, 4)),
     ("dilated-grouped", _geom(2, 32, 64, 3, p=2, d=2, g=4), (24, 24)),
     ("conv1d", _geom(1, 32, 64, 5, p=2), (512,)),
     ("conv1d-strided", _geom(1, 32, 64, 5, s=2, p=2), (512,)),
@@ -721,23 +723,27 @@ def _measured_models(fitted, args) -> set[str] | None:
 def _write_partial(out, data: dict, base: dict, fitted, run: dict, machine_of_run, grid) -> int:
     """Write a fit of the time models ``fitted`` only: the memory scales, the other
     models' residuals and their provenance kept as ``base`` has them, this fit's
-    under ``fitted["refitted"]``."""
+    appended to ``fitted["refitted"]`` (the partial fits since the whole one)."""
     data["memory"] = base["memory"]
+    earlier = base.get("fitted", {}).get("refitted", [])
     data["fitted"] = {
         **{k: v for k, v in base.get("fitted", {}).items() if k != "refitted"},
-        "refitted": {
-            "models": fitted,
-            "residuals": data["fitted"]["residuals"],
-            "command": run.get("command"),
-            "date": run.get("started"),
-            "machine": machine_of_run,
-            "grid": grid,
-        },
+        "refitted": [
+            *earlier,
+            {
+                "models": fitted,
+                "residuals": data["fitted"]["residuals"],
+                "command": run.get("command"),
+                "date": run.get("started"),
+                "machine": machine_of_run,
+                "grid": grid,
+            },
+        ],
     }
     data = costs.check(data, "the fit")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(data, indent=2) + "\n")
-    _log_residuals({"fitted": data["fitted"]["refitted"]})
+    _log_residuals({"fitted": data["fitted"]["refitted"][-1]})
     logger.info("wrote %s", out)
     return 0
 

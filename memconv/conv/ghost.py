@@ -246,14 +246,17 @@ def _offsets_tiling(problem: Problem, budget: int | None) -> GhostTiling:
     flops = n * geom.groups * pairs * block * block * geom.in_per_group * geom.kernel_numel
     flops += n * geom.groups * pairs * block * block * geom.out_per_group
     traffic = 3 * n * cols + n * geom.groups * pairs * 3 * block * block
+    # the matrix products of the batched products (A_iᵀA_j and B_iᵀB_j per sample,
+    # group and pair of blocks): what a CPU pays per small product of a grouped layer
+    products = 2 * n * geom.groups * pairs
     chunks = math.ceil(n / chunk)
     ops = chunks * _offsets_ops(blocks, any(geom.padding))
     if chunks > 1:  # each chunk's slices, and the join
         ops += 2 * chunks + 1
     memory = chunk * per_sample(block) * itemsize
-    coefficients = time_coefficients("ghost-offsets", problem.device)
-    time = linear_time((*coefficients, 0.0), flops, traffic, 0)
-    time += operations_time(ops, problem.device)
+    per_flop, per_element, per_product = time_coefficients("ghost-offsets", problem.device)
+    time = linear_time((per_flop, per_element, 0.0), flops, traffic, 0)
+    time += per_product * products + operations_time(ops, problem.device)
     memory = scale_memory("ghost-offsets", problem.device, memory)
     return GhostTiling(method="offsets", chunk=chunk, block=block, memory=memory, time=time)
 
