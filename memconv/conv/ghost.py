@@ -35,7 +35,7 @@ faster that fits (:func:`memconv.strategies.base.fastest_that_fits`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +130,10 @@ def _padded_input(x: Tensor, axes: list[_Axis]) -> Tensor:
 
 #: The ways the positions method sums the K windows of the input's Gram matrix.
 WINDOWS = ("reduction", "accumulated")
+#: The batch on which the positions method chooses how to sum its windows (its
+#: per-layer budget scaled with it, as the plan's grows with the batch): the same way at
+#: every batch size, so that the number of operations does not change with the batch.
+WINDOWS_REFERENCE_BATCH = 256
 
 
 def _positions_ops(bands: int, cut: int, padded: bool, extra: int = 0) -> int:
@@ -155,10 +159,14 @@ def _positions_tiling(
     problem: Problem, budget: int | None, windows: str | None = None
 ) -> GhostTiling:
     """The positions method's chunk, bands and cost within ``budget``, its windows
-    summed the ``windows`` way (None: the one priced faster; the reduction on a tie)."""
+    summed the ``windows`` way (None: the one priced faster on a batch of
+    :data:`WINDOWS_REFERENCE_BATCH` samples, or ``n`` if more, with the budget scaled
+    alike; the reduction on a tie)."""
     if windows is None:
-        tilings = [_positions_tiling(problem, budget, w) for w in WINDOWS]
-        return min(tilings, key=lambda t: t.time)
+        ref = max(problem.n, WINDOWS_REFERENCE_BATCH)
+        at = replace(problem, n=ref)
+        scaled = None if budget is None else budget * ref // max(problem.n, 1)
+        windows = min(WINDOWS, key=lambda w: _positions_tiling(at, scaled, w).time)
     geom, n, itemsize = problem.geom, problem.n, problem.itemsize
     axes = _axes(geom, problem.size)
     t0 = axes[0].out
