@@ -20,7 +20,10 @@
 - ``"offsets"``: the unfolded input (im2col, :func:`memconv.strategies.unfold.unfold_input`)
   and ``A_γᵀA_γ`` as one product, C_in/G·K·T² multiply-adds and N·C_in·K·T elements
   of im2col: the cheaper one when strides are as long as the kernel (a patch
-  embedding, whose im2col is a permutation of its input).
+  embedding, whose im2col is a permutation of its input). Its products are batched
+  per sample, group and pair of blocks: a grouped layer on small maps (a depthwise
+  one) runs many small ones, which a CPU pays for one by one (``"ghost-offsets"``:
+  ``per_product``).
 
 Either runs a chunk of samples in a number of tensor operations that does not depend
 on the chunk's size (nor on K, but for ``"accumulated"`` windows). Both are tiled (bands of output rows for ``"positions"``,
