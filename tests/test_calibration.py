@@ -94,10 +94,13 @@ ROUTES = {
         "instantiate/positions",
         "instantiate/positions",
     ),
+    # at 16 MiB its Gram matrices run in chunks of samples: with the strided reduction
+    # of their windows priced ("ghost-positions": per_window, measured on the CPU), the
+    # instantiating route is the faster there
     "seed-28-conv2": (
         "ghost/positions",
         "instantiate/positions",
-        "ghost/positions",
+        "instantiate/positions",
         "ghost/positions",
     ),
     "rn-stem": (
@@ -113,7 +116,10 @@ ROUTES = {
         "instantiate/positions",
     ),
     "rn-3x3-s2": ("ghost/offsets", "ghost/offsets", "ghost/offsets", "ghost/offsets"),
-    "rn-1x1-s2": ("ghost/offsets", "ghost/offsets", "ghost/offsets", "ghost/offsets"),
+    # the offsets method's products priced per product too ("ghost-offsets":
+    # per_product, measured on the CPU): the positions method, about as cheap
+    # otherwise, wins
+    "rn-1x1-s2": ("ghost/positions", "ghost/positions", "ghost/positions", "ghost/positions"),
     "rn-3x3-512": ("ghost/positions", "ghost/positions", "ghost/positions", "ghost/positions"),
     "wrn-3x3-256": ("ghost/positions", "ghost/positions", "ghost/positions", "ghost/positions"),
     "depthwise": (
@@ -234,6 +240,26 @@ def test_planner_as_before(model):
         assert got == (micro, layer, route_b, peak)
 
 
+def test_cpu_prices_accumulate_the_windows_cuda_prices_keep_one_reduction():
+    """torchvision ResNet-18's layer1 convolution (64 -> 64, 3x3, 16x16 maps of 64x64
+    images) at batch 64 within the 16 MiB per-layer budget the default (lean) plan gives
+    it: the CPU's calibration, which prices the strided reduction of the Gram matrix's
+    windows as measured there (``per_window``), sums them one kernel offset after
+    another; the CUDA calibration keeps one reduction (no operation per kernel offset)
+    and the route it chose before."""
+    problem = Problem(_geom(2, 64, 64, 3, p=1), 64, (16, 16), 4, True)
+    budget = 16 * MiB
+    choices = {}
+    for device in ("cpu", "cuda"):
+        at = replace(problem, device=device)
+        tiling = ghost.choose_tiling(at, budget)
+        choices[device] = (norms.choose_route(at, budget).route, tiling.method, tiling.windows)
+    assert choices == {
+        "cpu": ("ghost", "positions", "accumulated"),
+        "cuda": ("instantiate", "positions", "reduction"),
+    }
+
+
 def _scaled(data, model, coefficient, factor):
     out = json.loads(json.dumps(data))
     out["time"][model][coefficient] *= factor
@@ -339,9 +365,40 @@ def test_calibrate_command_fits_and_checks_on_the_cpu(tmp_path, monkeypatch, cap
     assert "within 25%" in capsys.readouterr().out
 
 
+def test_calibrate_models_fits_those_alone(tmp_path, monkeypatch):
+    """``--models ghost-positions`` measures the positions method both ways of summing
+    its windows and fits its coefficients alone: every other coefficient (the shared
+    per-operation one included) and every memory scale stay the calibration's; a
+    ``--refit`` of the measurements with ``--models`` fits the same."""
+    from memconv.bench import calibrate
+    from memconv.bench.cli import main
+
+    monkeypatch.setattr(calibrate, "QUICK_GRID", calibrate.QUICK_GRID[:1])
+    out, measured = tmp_path / "cpu.json", tmp_path / "m.jsonl"
+    args = ["-q", "calibrate", "--device", "cpu", "--quick", "--repeats", "1"]
+    models = ["--models", "ghost-positions"]
+    assert main([*args, *models, "--out", str(out), "--json", str(measured)]) == 0
+    records = [json.loads(line) for line in measured.read_text().splitlines()[1:]]
+    assert [(r["model"], r["variant"]) for r in records] == [
+        ("ghost-positions", "windows=reduction"),
+        ("ghost-positions", "windows=accumulated"),
+    ]
+    base, data = costs.calibration("cpu"), costs.check(json.loads(out.read_text()), str(out))
+    assert data["memory"] == base["memory"]
+    assert {m: c for m, c in data["time"].items() if m != "ghost-positions"} == {
+        m: c for m, c in base["time"].items() if m != "ghost-positions"
+    }
+    assert data["fitted"]["refitted"][-1]["models"] == ["ghost-positions"]
+    again = tmp_path / "again.json"
+    refit = ["-q", "calibrate", "--refit", str(measured), *models, "--out", str(again)]
+    assert main(refit) == 0
+    assert json.loads(again.read_text())["time"] == data["time"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["--device", "cpu", "--models", "nonsense", "--out", "x.json"], "--models"),
         (["--device", "cpu"], "--out"),
         (["--device", "cpu", "--check", "--out", "x.json"], "--out applies only"),
         (["--device", "cpu", "--check", "--calibration", "missing.json"], "--calibration"),

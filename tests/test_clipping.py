@@ -6,6 +6,7 @@ grid (dims 1–3, groups incl. depthwise, padding modes, stride, dilation,
 GroupNorm/LayerNorm, ghost blocks that do not divide T, and hypothesis cases.
 """
 
+import functools
 import math
 
 import pytest
@@ -151,11 +152,12 @@ GHOST_LAYERS = LAYERS + [
 
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["whole", "tiled"])
-@pytest.mark.parametrize("method", ["positions", "offsets"])
+@pytest.mark.parametrize("method", ["positions", "positions-accumulated", "offsets"])
 @pytest.mark.parametrize("case", GHOST_LAYERS, ids=lambda c: str(c[:5]))
 def test_both_ghost_methods_against_autograd(case, method, tiled):
     """Each way of forming the Gram matrices (memconv.conv.ghost), whole and in bands or
-    blocks, against per-sample weight gradients from autograd."""
+    blocks, against per-sample weight gradients from autograd (the positions method
+    with its windows summed by one reduction and accumulated one by one)."""
     from memconv.conv import ghost
     from memconv.strategies import Problem
 
@@ -171,11 +173,16 @@ def test_both_ghost_methods_against_autograd(case, method, tiled):
     )
     ops = conv_spec(conv).operands(x, g)
     problem = Problem(ops.geometry, 3, tuple(ops.x.shape[2:]), 8, True)
-    make = {"positions": ghost._positions_tiling, "offsets": ghost._offsets_tiling}[method]
+    make = {
+        "positions": functools.partial(ghost._positions_tiling, windows="reduction"),
+        "positions-accumulated": functools.partial(ghost._positions_tiling, windows="accumulated"),
+        "offsets": ghost._offsets_tiling,
+    }[method]
     chosen = make(problem, 2**30)
     if tiled:  # a third of what one sample's whole Gram matrices need: bands or blocks
         chosen = make(problem, chosen.memory // chosen.chunk // 3)
-        whole = problem.output_size[0] if method == "positions" else ghost._offsets_length(problem)
+        positions = method.startswith("positions")
+        whole = problem.output_size[0] if positions else ghost._offsets_length(problem)
         assert chosen.chunk == 1 and chosen.block < whole
     got = ghost.sq_norms(ops, chosen)
     assert rel_err(got, ref.flatten(1).pow(2).sum(1)) < TOL

@@ -5,8 +5,9 @@ Run as ``python tools/cpu-dp-step.py [--tree DIR ...] [--rounds R]``: for each m
 float32, one thread) and each tree (a checkout of memconv; this one by default), the
 non-private step, ``clip_and_accumulate`` with default arguments and
 ``PrivateStep.clip_and_accumulate`` each run in a fresh process: two warm-up calls,
-the median of three timed calls, then the allocator-level peak of one call (the
-profiler's memory events). The engines and trees alternate within each round.
+the median of three timed calls (wall time, and the process's CPU time, which other
+jobs on a shared machine disturb far less), then the allocator-level peak of one call
+(the profiler's memory events). The engines and trees alternate within each round.
 """
 
 import argparse
@@ -54,13 +55,15 @@ def worker(tree, case, engine):
 
     for _ in range(2):
         call()
-    times = []
+    times, cpu = [], []
     for _ in range(3):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         call()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     peak, _ = peak_allocated(call, torch.device("cpu"))
-    print(json.dumps({"time_s": statistics.median(times), "peak_MiB": peak}))
+    record = {"time_s": statistics.median(times), "cpu_s": statistics.median(cpu)}
+    print(json.dumps({**record, "peak_MiB": peak}))
 
 
 def main():

@@ -103,6 +103,8 @@ _SHAPES = (
     ("wrn-3x3-256", _geom(2, 256, 256, 3, p=1), (8, 8)),
     ("depthwise", _geom(2, 64, 64, 3, p=1, g=64), (28, 28)),
     ("depthwise-7x7", _geom(2, 40, 40, 7, p=3, g=40), (16, 16)),
+    # ConvNeXt-atto's third stage at 64x64 images: many small products per sample
+    ("depthwise-7x7-4x4", _geom(2, 160, 160, 7, p=3, g=160), (4, 4)),
     ("dilated-grouped", _geom(2, 32, 64, 3, p=2, d=2, g=4), (24, 24)),
     ("conv1d", _geom(1, 32, 64, 5, p=2), (512,)),
     ("conv1d-strided", _geom(1, 32, 64, 5, s=2, p=2), (512,)),
@@ -132,6 +134,9 @@ class Job:
         result_bytes: bytes of the result, not part of the temporaries.
         reads: the other time models its prediction reads (``"streaming"``: its inner
             strategy's).
+        variant: which way of the model's computation runs, where it has several
+            (``"windows=reduction"`` or ``"windows=accumulated"`` for
+            ``"ghost-positions"``), else ``""``.
     """
 
     model: str
@@ -141,6 +146,7 @@ class Job:
     predict_memory: object
     result_bytes: int
     reads: tuple = ()
+    variant: str = ""
 
 
 class _Operands:
@@ -194,10 +200,13 @@ def jobs(layer: Layer, device, models=None, *, run: bool = True) -> list[Job]:
                 per_sample,
             )
         )
-    for method in ("positions", "offsets"):
+    # the positions method with each way of summing its windows, so that the fit sees
+    # what the strided reduction costs beyond the accumulated windows
+    ways = [("positions", w) for w in ghost.WINDOWS] + [("offsets", None)]
+    for method, windows in ways:
 
-        def plan(method=method):
-            return ghost.method_tilings(problem, GHOST_BUDGET)[method]
+        def plan(method=method, windows=windows):
+            return ghost.method_tilings(problem, GHOST_BUDGET, windows)[method]
 
         def gram(plan=plan):
             x, g, _ = operands.get()
@@ -211,6 +220,7 @@ def jobs(layer: Layer, device, models=None, *, run: bool = True) -> list[Job]:
                 lambda plan=plan: plan().time,
                 lambda plan=plan: plan().memory,
                 layer.n * 4,
+                variant="" if windows is None else f"windows={windows}",
             )
         )
     out.append(
@@ -259,6 +269,8 @@ def measure(job: Job, device: torch.device, repeats: int) -> dict:
         "predicted_seconds": job.predict_time(),
         "measured_bytes": max(int(peak * MiB) - job.result_bytes, 0),
     }
+    if job.variant:
+        record["variant"] = job.variant
     if job.predict_memory is not None:
         record["predicted_bytes"] = int(job.predict_memory())
     return record
@@ -269,11 +281,26 @@ def _copy(data: dict) -> dict:
     return json.loads(json.dumps(data))
 
 
-def _coefficients(job: Job) -> list[tuple[str, str]]:
+def fitted_coefficients(fitted=None) -> list[tuple[str, str]]:
+    """``[(model, coefficient)]`` that ``fitted`` names (``"model"``: all of its
+    coefficients; ``"model.coefficient"``: that one), in :data:`TIME_MODELS` order;
+    every coefficient for None."""
+    names = None if fitted is None else set(fitted)
+    return [
+        (m, c)
+        for m, coefficients in costs.TIME_MODELS.items()
+        for c in coefficients
+        if names is None or m in names or f"{m}.{c}" in names
+    ]
+
+
+def _coefficients(job: Job, fitted=None) -> list[tuple[str, str]]:
     """``[(model, coefficient)]`` a job's time model reads: its own model's, the shared
-    per-operation one, and those of the models it reads (:attr:`Job.reads`)."""
+    per-operation one, and those of the models it reads (:attr:`Job.reads`); of those
+    ``fitted`` names only, where given (:func:`fitted_coefficients`)."""
     models = dict.fromkeys((job.model, "operation", *job.reads))
-    return [(m, c) for m in models for c in costs.TIME_MODELS[m]]
+    chosen = set(fitted_coefficients(fitted))
+    return [(m, c) for m in models for c in costs.TIME_MODELS[m] if (m, c) in chosen]
 
 
 def _with_values(data: dict, values: dict) -> dict:
@@ -284,11 +311,12 @@ def _with_values(data: dict, values: dict) -> dict:
     return out
 
 
-def features(job: Job, device_type: str, base: dict) -> tuple[float, dict]:
+def features(job: Job, device_type: str, base: dict, fitted=None) -> tuple[float, dict]:
     """``(offset, {(model, coefficient): f_j})`` of a job's time model: its prediction
-    with the coefficients it reads at zero, and what each one multiplies (read off the
-    model by setting them to the unit vectors; every other model's from ``base``)."""
-    names = _coefficients(job)
+    with the coefficients it reads (of the models ``fitted``, where given) at zero, and
+    what each one multiplies (read off the model by setting them to the unit vectors;
+    every other coefficient's from ``base``, part of the offset)."""
+    names = _coefficients(job, fitted)
     zero = {k: 0.0 for k in names}
     with costs.using(device_type, _with_values(base, zero)):
         offset = job.predict_time()
@@ -349,10 +377,21 @@ def _summary(errors) -> dict:
     }
 
 
-def fit(records: list[dict], job_list: list[Job], device_type: str, base: dict) -> dict:
+def fit(
+    records: list[dict], job_list: list[Job], device_type: str, base: dict, fitted=None
+) -> dict:
     """A new calibration from the measurements (``records[i]`` of ``job_list[i]``): every
     time model's coefficients fitted at once (they share the per-operation one), then
-    each memory model's scale."""
+    each memory model's scale. ``fitted``: the time models (``"model"``) or single
+    coefficients (``"model.coefficient"``) fitted, the others, the per-operation one
+    included, held at ``base``'s; None: all.
+
+    Where ``fitted`` leaves a layer some rows that read none of the fitted
+    coefficients (the positions method's accumulated windows, for
+    ``"ghost-positions.per_window"``), those rows, priced by the held coefficients,
+    measure this run's conditions (threads, load) against the calibration's: the
+    layer's other rows are divided by their median measured/predicted ratio before
+    the fit, so that the fitted coefficients are in the held ones' units."""
     data = _copy(base)
     data["device"] = device_type
     report = {}
@@ -361,13 +400,14 @@ def fit(records: list[dict], job_list: list[Job], device_type: str, base: dict) 
         unscaled["memory"][model]["scale"] = 1.0
     rows = [(r, j) for r, j in zip(records, job_list) if r.get("seconds")]
     if rows:
-        columns = [(m, c) for m, names in costs.TIME_MODELS.items() for c in names]
-        got = [features(j, device_type, data) for _, j in rows]
+        columns = fitted_coefficients(fitted)
+        got = [features(j, device_type, data, fitted) for _, j in rows]
         feats = [[f.get(k, 0.0) for k in columns] for _, f in got]
         current = [data["time"][m][c] for m, c in columns]
-        coefficients, errors = fit_linear(
-            [o for o, _ in got], feats, [r["seconds"] for r, _ in rows], current
-        )
+        times = [r["seconds"] for r, _ in rows]
+        if fitted is not None:
+            times = _in_held_units(rows, feats, times, device_type, data)
+        coefficients, errors = fit_linear([o for o, _ in got], feats, times, current)
         data = _with_values(data, dict(zip(columns, coefficients)))
         for model in costs.TIME_MODELS:
             mine = [e for e, (_, j) in zip(errors, rows) if j.model == model]
@@ -390,6 +430,22 @@ def fit(records: list[dict], job_list: list[Job], device_type: str, base: dict) 
             report[f"memory/{model}"] = _summary(errors)
     data["fitted"] = {"residuals": report}
     return costs.check(data, "the fit")
+
+
+def _in_held_units(rows, feats, times, device_type: str, data: dict) -> list[float]:
+    """``times`` of the rows reading fitted coefficients divided by the median
+    measured/predicted ratio of their layer's rows reading none (:func:`fit`)."""
+    ratios: dict[str, list[float]] = {}
+    for (_, job), row, t in zip(rows, feats, times):
+        if not any(row):
+            with costs.using(device_type, data):
+                ratios.setdefault(job.layer.name, []).append(t / job.predict_time())
+    return [
+        t / statistics.median(ratios[job.layer.name])
+        if any(row) and ratios.get(job.layer.name)
+        else t
+        for (_, job), row, t in zip(rows, feats, times)
+    ]
 
 
 # ----------------------------------------------------------------- the command
@@ -427,6 +483,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="three small layers instead of the full grid"
     )
     parser.add_argument(
+        "--models",
+        metavar="M,M",
+        help="measure and fit only these time models or coefficients (comma-separated, "
+        "e.g. ghost-positions or ghost-positions.per_window); every other coefficient, "
+        "the per-operation one included, and the memory scales keep the calibration's "
+        "current values, and a layer's rows that read none of the fitted coefficients "
+        "scale its other rows to the held ones' units (default: all)",
+    )
+    parser.add_argument(
+        "--reference",
+        metavar="M,M",
+        help="with --models: measure these time models too, held, as the reference "
+        "for the run's conditions on each layer (e.g. shift,unfold)",
+    )
+    parser.add_argument(
+        "--layers",
+        metavar="TEXT,TEXT",
+        help="only the grid's layers whose name contains one of these (e.g. N=16)",
+    )
+    parser.add_argument(
         "--repeats",
         type=non_negative_int,
         default=5,
@@ -450,8 +526,24 @@ def check_arguments(args) -> None:
 
     Raises:
         ValueError: a missing ``--out``, an option that does not apply, an unknown or
-            unavailable device, an unreadable ``--calibration``.
+            unavailable device, an unreadable ``--calibration``, an unknown model in
+            ``--models``.
     """
+    models = getattr(args, "models", None)
+    reference = getattr(args, "reference", None)
+    if reference and (not models or any(m not in costs.TIME_MODELS for m in reference.split(","))):
+        raise ValueError(
+            f"--reference: time models of {sorted(costs.TIME_MODELS)}, with --models; "
+            f"got {reference!r}"
+        )
+    if models:
+        known = {*costs.TIME_MODELS, *(f"{m}.{c}" for m, c in fitted_coefficients())}
+        unknown = [m for m in models.split(",") if m not in known]
+        if unknown or args.check:
+            raise ValueError(
+                "--models: a fit's comma-separated time models or model.coefficient, of "
+                f"{sorted(costs.TIME_MODELS)} (not with --check); got {models!r}"
+            )
     if getattr(args, "refit", None):
         if args.check:
             raise ValueError("--refit and --check exclude each other")
@@ -519,16 +611,21 @@ def main(args) -> int:
             data = costs.check(json.loads(Path(args.calibration).read_text()), args.calibration)
         return _check(grid, device, data, args.tolerance, out)
     base = costs.calibration(device.type)
+    fitted = _fitted_models(args)
     records, job_list = [], []
-    layers = list(grid)
+    wanted = args.layers.split(",") if getattr(args, "layers", None) else None
+    layers = [layer for layer in grid if wanted is None or any(w in layer.name for w in wanted)]
     for i, layer in enumerate(layers):
         logger.info("[%d/%d] %s", i + 1, len(layers), layer.name)
-        for job in jobs(layer, device):
+        for job in jobs(layer, device, models=_measured_models(fitted, args)):
             record = measure(job, device, args.repeats)
             out.write(record)
             records.append(record)
             job_list.append(job)
-    data = fit(records, job_list, device.type, base)
+    data = fit(records, job_list, device.type, base, fitted)
+    if fitted is not None:
+        grid = f"{len(layers)} layers"
+        return _write_partial(args.out, data, base, fitted, header, machine(), grid)
     data["fitted"].update(
         machine=machine(),
         device=_device_name(device),
@@ -563,18 +660,32 @@ def _refit(args) -> int:
     measurements, written to ``--out``."""
     run, records = read_measurements(args.refit)
     device_type = torch.device(run.get("device", args.device)).type
+    fitted = _fitted_models(args)
     layers = {layer.name: layer for layer in (*GRID, *QUICK_GRID)}
     known, job_list = [], []
     for record in records:
         layer = layers.get(record["layer"])
         if layer is None or record["model"] not in costs.TIME_MODELS:
             continue
-        (job,) = jobs(layer, device_type, models=(record["model"],), run=False)
+        if fitted is not None and record["model"] not in _measured_models(fitted, args):
+            continue
+        candidates = jobs(layer, device_type, models=(record["model"],), run=False)
+        # a record without a variant: the model's first way (its only one, or the
+        # positions method's one strided reduction)
+        variant = record.get("variant", candidates[0].variant)
+        job = next((j for j in candidates if j.variant == variant), None)
+        if job is None:
+            continue
         known.append(record)
         job_list.append(job)
     base = costs.calibration(device_type)
-    data = fit(known, job_list, device_type, base)
+    data = fit(known, job_list, device_type, base, fitted)
     machine_of_run = run.get("machine", {})
+    if fitted is not None:
+        grid = f"{len(job_list)} measurements of {len({j.layer.name for j in job_list})} layers"
+        refit = {**run, "command": command_line(getattr(args, "argv", None))}
+        refit["command"] = f"{refit['command']} (measured by: {run.get('command')})"
+        return _write_partial(args.out, data, base, fitted, refit, machine_of_run, grid)
     data["fitted"].update(
         machine=machine_of_run,
         device=machine_of_run.get("gpu") or machine_of_run.get("cpu") or device_type,
@@ -592,6 +703,48 @@ def _refit(args) -> int:
     Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
     _log_residuals(data)
     logger.info("wrote %s", args.out)
+    return 0
+
+
+def _fitted_models(args) -> list[str] | None:
+    """The time models and coefficients ``--models`` names, or None (all)."""
+    return args.models.split(",") if getattr(args, "models", None) else None
+
+
+def _measured_models(fitted, args) -> set[str] | None:
+    """The time models whose jobs a fit of ``fitted`` measures, ``--reference``'s
+    included (None: all)."""
+    if fitted is None:
+        return None
+    reference = args.reference.split(",") if getattr(args, "reference", None) else []
+    return {name.split(".")[0] for name in fitted} | set(reference)
+
+
+def _write_partial(out, data: dict, base: dict, fitted, run: dict, machine_of_run, grid) -> int:
+    """Write a fit of the time models ``fitted`` only: the memory scales, the other
+    models' residuals and their provenance kept as ``base`` has them, this fit's
+    appended to ``fitted["refitted"]`` (the partial fits since the whole one)."""
+    data["memory"] = base["memory"]
+    earlier = base.get("fitted", {}).get("refitted", [])
+    data["fitted"] = {
+        **{k: v for k, v in base.get("fitted", {}).items() if k != "refitted"},
+        "refitted": [
+            *earlier,
+            {
+                "models": fitted,
+                "residuals": data["fitted"]["residuals"],
+                "command": run.get("command"),
+                "date": run.get("started"),
+                "machine": machine_of_run,
+                "grid": grid,
+            },
+        ],
+    }
+    data = costs.check(data, "the fit")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(data, indent=2) + "\n")
+    _log_residuals({"fitted": data["fitted"]["refitted"][-1]})
+    logger.info("wrote %s", out)
     return 0
 
 

@@ -11,27 +11,34 @@
   ``u(t, κ) = t·stride + κ·dilation`` in the padded input's positions (positions in
   the padding are zeros and contribute nothing). The K windows are one strided view
   of M whose kernel offsets are axes of their own (``u`` is linear in ``t``, ``t'``
-  and ``κ``), summed over them by one reduction. Its products cost C_in/G·S²
-  multiply-adds instead of C_in/G·K·T²: K times fewer at stride 1, K/stride^d fewer
-  otherwise.
+  and ``κ``), summed over them by one reduction (``windows="reduction"``), or the K
+  windows, each a strided view of M, added one after another (``"accumulated"``: 2K − 3
+  operations more; a CPU's reduction kernel reads a view whose reduced axes are short
+  and strided many times slower than it adds contiguous results, a GPU pays for every
+  operation). Its products cost C_in/G·S² multiply-adds instead of C_in/G·K·T²: K
+  times fewer at stride 1, K/stride^d fewer otherwise.
 - ``"offsets"``: the unfolded input (im2col, :func:`memconv.strategies.unfold.unfold_input`)
   and ``A_γᵀA_γ`` as one product, C_in/G·K·T² multiply-adds and N·C_in·K·T elements
   of im2col: the cheaper one when strides are as long as the kernel (a patch
-  embedding, whose im2col is a permutation of its input).
+  embedding, whose im2col is a permutation of its input). Its products are batched
+  per sample, group and pair of blocks: a grouped layer on small maps (a depthwise
+  one) runs many small ones, which a CPU pays for one by one (``"ghost-offsets"``:
+  ``per_product``).
 
 Either runs a chunk of samples in a number of tensor operations that does not depend
-on the chunk's size or on K. Both are tiled (bands of output rows for ``"positions"``,
+on the chunk's size (nor on K, but for ``"accumulated"`` windows). Both are tiled (bands of output rows for ``"positions"``,
 blocks of positions for ``"offsets"``) and split into chunks of samples only when
 their temporaries would not fit the budget; without a budget they run the whole batch
 in one piece. Only the blocks on and above the diagonal are formed (the matrices are
-symmetric). :func:`choose_tiling` prices both and runs the faster that fits
-(:func:`memconv.strategies.base.fastest_that_fits`).
+symmetric). :func:`choose_tiling` prices both (the positions method with the cheaper
+way of summing its windows, as the device's calibration prices them) and runs the
+faster that fits (:func:`memconv.strategies.base.fastest_that_fits`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +62,9 @@ class GhostTiling:
             (``"offsets"``).
         memory: predicted extra bytes.
         time: predicted seconds.
+        windows: how ``"positions"`` sums the K windows of the input's Gram matrix:
+            ``"reduction"`` (one strided reduction) or ``"accumulated"`` (the windows
+            added one after another); ``"reduction"`` for ``"offsets"``, which has none.
     """
 
     method: str
@@ -62,6 +72,7 @@ class GhostTiling:
     block: int
     memory: int
     time: float
+    windows: str = "reduction"
 
 
 @dataclass(frozen=True)
@@ -120,19 +131,45 @@ def _padded_input(x: Tensor, axes: list[_Axis]) -> Tensor:
     return x
 
 
-def _positions_ops(bands: int, cut: int, padded: bool) -> int:
+#: The ways the positions method sums the K windows of the input's Gram matrix.
+WINDOWS = ("reduction", "accumulated")
+#: The batch on which the positions method chooses how to sum its windows (its
+#: per-layer budget scaled with it, as the plan's grows with the batch): the same way at
+#: every batch size, so that the number of operations does not change with the batch.
+WINDOWS_REFERENCE_BATCH = 256
+
+
+def _positions_ops(bands: int, cut: int, padded: bool, extra: int = 0) -> int:
     """Tensor operations of the positions method on one chunk of samples: its input
     cut (``cut`` axes with a kernel of one and a stride) and padded, then per band of
     output rows its slices, per pair of bands on and above the diagonal the other
-    band's slices, the Gram matrix, its windows summed, the contraction and the sum."""
+    band's slices, the Gram matrix, its windows summed (``extra`` operations more per
+    pair when they are accumulated), the contraction and the sum."""
     per_chunk = cut + (1 if padded else 0) + 1
     if bands == 1:
-        return per_chunk + 9
+        return per_chunk + 9 + extra
     pairs = bands * (bands + 1) // 2
-    return per_chunk + 4 * bands + 8 * pairs + 4 * (pairs - bands) - 1
+    return per_chunk + 4 * bands + (8 + extra) * pairs + 4 * (pairs - bands) - 1
 
 
-def _positions_tiling(problem: Problem, budget: int | None) -> GhostTiling:
+def _accumulated_extra(kernel: int) -> int:
+    """Operations the accumulated windows issue beyond the one strided reduction's two
+    (a view and its sum): K views and K − 1 additions (one view and a copy for K = 1)."""
+    return 0 if kernel == 1 else 2 * kernel - 3
+
+
+def _positions_tiling(
+    problem: Problem, budget: int | None, windows: str | None = None
+) -> GhostTiling:
+    """The positions method's chunk, bands and cost within ``budget``, its windows
+    summed the ``windows`` way (None: the one priced faster on a batch of
+    :data:`WINDOWS_REFERENCE_BATCH` samples, or ``n`` if more, with the budget scaled
+    alike; the reduction on a tie)."""
+    if windows is None:
+        ref = max(problem.n, WINDOWS_REFERENCE_BATCH)
+        at = replace(problem, n=ref)
+        scaled = None if budget is None else budget * ref // max(problem.n, 1)
+        windows = min(WINDOWS, key=lambda w: _positions_tiling(at, scaled, w).time)
     geom, n, itemsize = problem.geom, problem.n, problem.itemsize
     axes = _axes(geom, problem.size)
     t0 = axes[0].out
@@ -159,19 +196,26 @@ def _positions_tiling(problem: Problem, budget: int | None) -> GhostTiling:
     flops = n * geom.groups * pairs * (geom.in_per_group * si * si + geom.out_per_group * bi * bi)
     gram = n * geom.groups * pairs * si * si  # M, written and read by strided windows
     traffic = n * geom.groups * pairs * (geom.kernel_numel + 3) * bi * bi + n * operands
+    # the windows' elements, read by the one strided reduction
+    read = n * geom.groups * pairs * geom.kernel_numel * bi * bi if windows == "reduction" else 0
     chunks = math.ceil(n / chunk)
     cut = sum(a.step > 1 for a in axes)
-    ops = chunks * _positions_ops(bands, cut, any(a.lo or a.hi for a in axes))
+    extra = _accumulated_extra(geom.kernel_numel) if windows == "accumulated" else 0
+    ops = chunks * _positions_ops(bands, cut, any(a.lo or a.hi for a in axes), extra)
     if chunks > 1:  # each chunk's slices, and the join
         ops += 2 * chunks + 1
     memory = chunk * (operands + per_sample(rows)) * itemsize
     # seconds per multiply-add, per element moved, per element of the input Gram
-    # matrix (written, then read through strided windows), and per tensor operation
-    per_flop, per_element, per_gram = time_coefficients("ghost-positions", problem.device)
+    # matrix (written, then read through strided windows), per element the strided
+    # reduction reads beyond that, and per tensor operation
+    rates = time_coefficients("ghost-positions", problem.device)
+    per_flop, per_element, per_gram, per_window = rates
     time = linear_time((per_flop, per_element, 0.0), flops, traffic, 0) + per_gram * gram
-    time += operations_time(ops, problem.device)
+    time += per_window * read + operations_time(ops, problem.device)
     memory = scale_memory("ghost-positions", problem.device, memory)
-    return GhostTiling(method="positions", chunk=chunk, block=rows, memory=memory, time=time)
+    return GhostTiling(
+        method="positions", chunk=chunk, block=rows, memory=memory, time=time, windows=windows
+    )
 
 
 def _offsets_length(problem: Problem) -> int:
@@ -213,23 +257,30 @@ def _offsets_tiling(problem: Problem, budget: int | None) -> GhostTiling:
     flops = n * geom.groups * pairs * block * block * geom.in_per_group * geom.kernel_numel
     flops += n * geom.groups * pairs * block * block * geom.out_per_group
     traffic = 3 * n * cols + n * geom.groups * pairs * 3 * block * block
+    # the matrix products of the batched products (A_iᵀA_j and B_iᵀB_j per sample,
+    # group and pair of blocks): what a CPU pays per small product of a grouped layer
+    products = 2 * n * geom.groups * pairs
     chunks = math.ceil(n / chunk)
     ops = chunks * _offsets_ops(blocks, any(geom.padding))
     if chunks > 1:  # each chunk's slices, and the join
         ops += 2 * chunks + 1
     memory = chunk * per_sample(block) * itemsize
-    coefficients = time_coefficients("ghost-offsets", problem.device)
-    time = linear_time((*coefficients, 0.0), flops, traffic, 0)
-    time += operations_time(ops, problem.device)
+    per_flop, per_element, per_product = time_coefficients("ghost-offsets", problem.device)
+    time = linear_time((per_flop, per_element, 0.0), flops, traffic, 0)
+    time += per_product * products + operations_time(ops, problem.device)
     memory = scale_memory("ghost-offsets", problem.device, memory)
     return GhostTiling(method="offsets", chunk=chunk, block=block, memory=memory, time=time)
 
 
-def method_tilings(problem: Problem, budget: int | None) -> dict[str, GhostTiling]:
+def method_tilings(
+    problem: Problem, budget: int | None, windows: str | None = None
+) -> dict[str, GhostTiling]:
     """Each method's chunk, tiling and predicted cost within ``budget`` bytes (None:
-    the whole batch in one piece), ``{"positions": ..., "offsets": ...}``."""
+    the whole batch in one piece), ``{"positions": ..., "offsets": ...}``; the
+    positions method's windows summed the ``windows`` way (:data:`WINDOWS`; None: the
+    one priced faster)."""
     return {
-        "positions": _positions_tiling(problem, budget),
+        "positions": _positions_tiling(problem, budget, windows),
         "offsets": _offsets_tiling(problem, budget),
     }
 
@@ -251,12 +302,21 @@ def sq_norms(ops: Operands, chosen: GhostTiling, channels: bool = False) -> Tens
             of ``B_γ A_γᵀA_γ B_γᵀ``; the same Gram blocks, one product more per block).
     """
     x, g, geom = ops.x, ops.g, ops.geometry
-    gram = _positions_gram if chosen.method == "positions" else _offsets_gram
     n = x.shape[0]
+    if chosen.method == "positions":
+        accumulate = chosen.windows == "accumulated"
+
+        def gram(xs, gs):
+            return _positions_gram(xs, gs, geom, chosen.block, channels, accumulate)
+    else:
+
+        def gram(xs, gs):
+            return _offsets_gram(xs, gs, geom, chosen.block, channels)
+
     if chosen.chunk >= n:
-        return gram(x, g, geom, chosen.block, channels)
+        return gram(x, g)
     parts = [
-        gram(x[n0 : n0 + chosen.chunk], g[n0 : n0 + chosen.chunk], geom, chosen.block, channels)
+        gram(x[n0 : n0 + chosen.chunk], g[n0 : n0 + chosen.chunk])
         for n0 in range(0, n, chosen.chunk)
     ]
     return torch.cat(parts)
@@ -279,10 +339,16 @@ def _add_block(out: Tensor | None, part: Tensor, diagonal: bool) -> Tensor:
 
 
 def _positions_gram(
-    x: Tensor, g: Tensor, geom: ConvGeometry, rows: int, channels: bool = False
+    x: Tensor,
+    g: Tensor,
+    geom: ConvGeometry,
+    rows: int,
+    channels: bool = False,
+    accumulate: bool = False,
 ) -> Tensor:
     """Σ_γ ⟨A_γᵀA_γ, B_γᵀB_γ⟩ per sample by strided windows of the input's Gram
-    matrix over positions, in bands of ``rows`` output rows."""
+    matrix over positions, in bands of ``rows`` output rows (the windows added one
+    after another with ``accumulate``, else summed by one reduction)."""
     axes = _axes(geom, tuple(x.shape[2:]))
     xp = _padded_input(x, axes)  # [n, C_in, *S'] with S' the positions read
     n, grp = x.shape[0], geom.groups
@@ -299,7 +365,7 @@ def _positions_gram(
             c1 = min(t0, c0 + rows)
             xj, gj = (xi, gi) if c0 == r0 else _band(xp, gg, first, c0, c1, grp, cg, t0)
             m = torch.einsum("ngcs,ngcu->ngsu", xi, xj)  # [n, G, Si, Sj]
-            ga = _windows_summed(m, axes, (r1 - r0, c1 - c0), inner)
+            ga = _windows_summed(m, axes, (r1 - r0, c1 - c0), inner, accumulate)
             ga = ga.reshape(n, grp, gi.shape[-1], gj.shape[-1])
             del m
             out = _add_block(out, _contract(ga, gi, gj, channels), r0 == c0)
@@ -318,10 +384,13 @@ def _band(xp: Tensor, gg: Tensor, axis: _Axis, r0: int, r1: int, grp: int, cg: i
     return xp.reshape(n, grp, cg, -1), gg.flatten(3)
 
 
-def _windows_summed(m: Tensor, axes: list[_Axis], rows: tuple[int, int], inner: list) -> Tensor:
+def _windows_summed(
+    m: Tensor, axes: list[_Axis], rows: tuple[int, int], inner: list, accumulate: bool = False
+) -> Tensor:
     """``(AᵀA)[t, t'] = Σ_κ M[u(t, κ), u(t', κ)]`` for two bands of ``rows`` output rows
     (the other axes whole): one strided view of ``m`` ``[n, G, Si, Sj]`` with the kernel
-    offsets as axes of their own, summed over them. Returns ``[n, G, *Ti, *Tj]``."""
+    offsets as axes of their own, summed over them; with ``accumulate``, one strided
+    view per kernel offset, added one after another. Returns ``[n, G, *Ti, *Tj]``."""
     first, d = axes[0], len(axes)
     outer = [a.out for a in axes[1:]]
     views = []  # (output sizes, element strides of the positions) of each band
@@ -336,6 +405,18 @@ def _windows_summed(m: Tensor, axes: list[_Axis], rows: tuple[int, int], inner: 
         *(a.stride * s for a, s in zip(axes, right)),
         *(a.dilation * (s + r) for a, s, r in zip(axes, left, right)),
     )
+    if accumulate:
+        offsets = [0]  # each kernel offset's first element in m
+        for a, s, r in zip(axes, left, right):
+            offsets = [o + k * a.dilation * (s + r) for o in offsets for k in range(a.kernel)]
+        shape, strides = shape[: 2 + 2 * d], strides[: 2 + 2 * d]
+        windows = [m.as_strided(shape, strides, m.storage_offset() + o) for o in offsets]
+        if len(windows) == 1:
+            return windows[0].clone()
+        out = windows[0] + windows[1]
+        for window in windows[2:]:
+            out.add_(window)
+        return out
     view = m.as_strided(shape, strides, m.storage_offset())
     return view.sum(tuple(range(2 + 2 * d, 2 + 3 * d)))
 

@@ -52,8 +52,8 @@ TIME_MODELS: dict[str, tuple[str, ...]] = {
         "per_flop_depthwise",
         "per_call_depthwise",
     ),
-    "ghost-positions": ("per_flop", "per_element", "per_gram"),
-    "ghost-offsets": ("per_flop", "per_element"),
+    "ghost-positions": ("per_flop", "per_element", "per_gram", "per_window"),
+    "ghost-offsets": ("per_flop", "per_element", "per_product"),
     "instantiate": ("per_square",),
     "streaming": ("per_tile", "per_copy"),
 }
