@@ -26,11 +26,11 @@
   ``per_product``).
 
 Either runs a chunk of samples in a number of tensor operations that does not depend
-on the chunk's size (nor on K, but for ``"accumulated"`` windows). Both are tiled (bands of output rows for ``"positions"``,
-blocks of positions for ``"offsets"``) and split into chunks of samples only when
-their temporaries would not fit the budget; without a budget they run the whole batch
-in one piece. Only the blocks on and above the diagonal are formed (the matrices are
-symmetric). :func:`choose_tiling` prices both (the positions method with the cheaper
+on the chunk's size (nor on K, but for ``"accumulated"`` windows). Both are tiled
+(bands of output rows for ``"positions"``, blocks of positions for ``"offsets"``) and
+split into chunks of samples only when their temporaries would not fit the budget;
+without a budget they run the whole batch in one piece. Only the blocks on and above
+the diagonal are formed (the matrices are symmetric). :func:`choose_tiling` prices both (the positions method with the cheaper
 way of summing its windows, as the device's calibration prices them) and runs the
 faster that fits (:func:`memconv.strategies.base.fastest_that_fits`).
 """

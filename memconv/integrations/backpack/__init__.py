@@ -30,8 +30,10 @@ the strategy is the one the layer's forward pass recorded (the rule of
 layers that are not convolutions get BackPACK's module extension of the ``torch.nn``
 class they subclass, for every extension. ``model=`` names module paths in the
 refusals and refuses what it can before the forward pass (:mod:`.naming`). No global
-hook, no state outside the extension objects you pass; :func:`routed` routes the blocks that third-party code
-opens (laplace-torch's backends), for the time of a ``with`` block.
+hook, and no state outside the extension objects you pass but the module paths of the
+models given to ``model=`` or :func:`extend` (held weakly, for the refusals' messages);
+:func:`routed` routes the blocks that third-party code opens (laplace-torch's
+backends), for the time of a ``with`` block.
 
 This module does not import BackPACK until a function is called; without it, they
 raise an ``ImportError`` naming the extra to install.
@@ -237,8 +239,11 @@ def extend(module, debug: bool = False, use_converter: bool = True):
     """
     _require()
     from .converter import extend as convert_and_extend
+    from .naming import remember
 
-    return convert_and_extend(module, debug=debug, use_converter=use_converter)
+    extended = convert_and_extend(module, debug=debug, use_converter=use_converter)
+    remember(extended)  # the refusals name its layers' paths
+    return extended
 
 
 def uninstall(*exts) -> None:

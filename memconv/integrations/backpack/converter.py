@@ -76,7 +76,6 @@ def _free(gm: nn.Module, name: str) -> str:
 
 def _replace(gm: fx.GraphModule, first: fx.Node, last: fx.Node, path: str, module, inp):
     """``first … last`` (a chain) by a call of ``module`` at ``path`` on ``inp``."""
-    module._memconv_path = path
     gm.add_submodule(path, module)
     with gm.graph.inserting_before(first):
         call = gm.graph.call_module(path, (inp,))

@@ -71,6 +71,7 @@ from backpack.utils.subsampling import subsample
 from torch import Tensor, nn
 
 from .kronecker import _POOLS, AdaptiveAvgPoolDerivatives, _gram
+from .naming import describe
 
 
 class LayerNorm2d(nn.LayerNorm):
@@ -217,12 +218,6 @@ _DIAG_GGN = (DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC)
 _PER_SAMPLE = (BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian)
 
 
-def _path(module) -> str:
-    """The layer's path in the model, as :func:`memconv.integrations.backpack.extend`
-    recorded it, else its class."""
-    return getattr(module, "_memconv_path", None) or type(module).__name__
-
-
 class _Refused(ModuleExtension):
     """A module extension that raises, naming the layer, the extension and the remedy."""
 
@@ -232,8 +227,8 @@ class _Refused(ModuleExtension):
 
     def __call__(self, ext, module, g_inp, g_out):
         raise NotImplementedError(
-            f"BackPACK's {type(ext).__name__} on layer {_path(module)!r} "
-            f"({type(module).__name__}): {self.why}; {self.remedy}"
+            f"BackPACK's {type(ext).__name__} on layer {describe(module)}: "
+            f"{self.why}; {self.remedy}"
         )
 
 
