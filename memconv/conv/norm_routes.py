@@ -21,7 +21,10 @@ for convolutions). Two routes, chosen per layer by their cost models or forced:
   images).
 
 Which layer uses which route is its rule's business (:mod:`memconv.layers`; the
-convolution rule calls :func:`conv_weight_sq_norms`).
+convolution rule calls :func:`conv_weight_sq_norms`). Given a reference batch (the
+default plan's), the route, tiling and number of chunks are chosen on it and kept at
+the layer's batch (:func:`decide_route`), so that a layer issues as many operations
+at every batch size.
 """
 
 from __future__ import annotations

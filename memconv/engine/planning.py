@@ -29,8 +29,11 @@ forward pass of one and two samples):
 By default (``memory_budget="available"``) a call is lean: the per-layer budget is
 the pass's own halved until the predicted peak is within the non-private step's
 predicted peak times :data:`LEAN_FACTOR` (:func:`lean_layer_budget`), so each layer
-takes the fastest route the device's calibration prices within it; a budget given in
-bytes, or None, lets each layer use what the pass itself holds (faster, more memory).
+takes the fastest route the device's calibration prices within it — priced on a batch
+of :data:`LEAN_REFERENCE_BATCH` samples, the budget scaled with it, and kept, with its
+pieces, at smaller batches (:attr:`Plan.reference_batch`), so that the call's number of
+operations does not change with the batch; a budget given in bytes, or None, lets each
+layer use what the pass itself holds (faster, more memory), choosing on its own batch.
 
 A budget below the smallest feasible one (one sample, the leanest strategies)
 raises a ``ValueError`` naming it. Activation recomputation for single samples too
