@@ -83,6 +83,7 @@ def test_dp_step_operations_do_not_grow_with_the_batch(name):
     assert tiny <= large, (tiny, large)
 
 
+@pytest.mark.slow  # (some 25 s of CPU: three calls of an 11 M-parameter step at N = 64)
 def test_benchmark_resnet_dp_step_operations_do_not_grow_with_the_batch():
     """The benchmark's ResNet-18-GN (CIFAR, 32², ``python -m memconv.bench.ops --pricing
     cuda``'s row): PrivateStep.clip_and_accumulate at N = 64 issues at most GROWTH more
