@@ -20,6 +20,7 @@ import memconv
 from memconv.engine.planning import (
     COMFORTABLE_LAYER_BUDGET,
     LEAN_HALVINGS,
+    LEAN_REFERENCE_BATCH,
     LEAN_TOLERANCE,
     MIN_LAYER_BUDGET,
     pass_layer_budget,
@@ -242,3 +243,35 @@ def test_default_plan_keeps_the_lean_target(name, side):
     assert all(peak > target for peak in peaks[:k])
     given = memconv.plan(model, x, task="clip", memory_budget=2**40)
     assert given.layer_budget == pass_layer_budget(prof, 16) and given.lean_target is None
+
+
+@pytest.mark.parametrize("pricing", ["cpu", "cuda"])
+def test_default_plan_keeps_the_reference_routes_within_the_lean_target(pricing):
+    """The benchmark's ResNet-18-GN (CIFAR, 32²) at N = 4, 64 and 256, routes priced by
+    either calibration: below the reference batch, the default plan has each layer
+    choose its route and pieces on it, with the reference's per-layer budget scaled to
+    N; and the predicted peak stays within the lean target, or, where what the call
+    keeps passes it (book-keeping at N = 64 and 256, whatever the routes), within
+    LEAN_TOLERANCE of the leanest routes' (the smallest per-layer budget's)."""
+    from memconv.bench.cases import build_model
+    from memconv.strategies import costs
+
+    model = build_model("resnet18-gn")
+    calibration = costs.calibration(pricing)
+    with costs.using("cpu", calibration):
+        plans = {
+            n: memconv.plan(model, torch.randn(n, 3, 32, 32), task="clip") for n in (4, 64, 256)
+        }
+        prof = profile(model, torch.randn(2, 3, 32, 32))
+        for n, p in plans.items():
+            assert p.micro_batch == n and p.lean_target is not None
+            if n < LEAN_REFERENCE_BATCH:
+                assert p.reference_batch == LEAN_REFERENCE_BATCH
+                scaled = p.layer_budget * LEAN_REFERENCE_BATCH // n
+                assert 0 <= scaled - plans[256].layer_budget < LEAN_REFERENCE_BATCH // n
+            else:
+                assert p.reference_batch is None
+            request = Request("clip", n, clip_route="book-keeping")
+            leanest = predict(prof, request, m=n, layer_budget=MIN_LAYER_BUDGET)[0]
+            assert p.predicted_peak <= max(p.lean_target, LEAN_TOLERANCE * leanest), n
+        assert plans[4].predicted_peak <= plans[4].lean_target

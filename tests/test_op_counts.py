@@ -15,6 +15,7 @@ from torch import nn
 
 import memconv
 from memconv.bench import calibrate, models
+from memconv.bench.cases import CASES, build_case
 from memconv.bench.ops import count
 from memconv.strategies import costs
 
@@ -80,6 +81,30 @@ def test_dp_step_operations_do_not_grow_with_the_batch(name):
     tiny, small, large = (counts[n][1]["top_level"] for n in (2, 8, 64))
     assert large <= (1 + GROWTH) * small, (small, large)
     assert tiny <= large, (tiny, large)
+
+
+@pytest.mark.slow  # (some 25 s of CPU: three calls of an 11 M-parameter step at N = 64)
+def test_benchmark_resnet_dp_step_operations_do_not_grow_with_the_batch():
+    """The benchmark's ResNet-18-GN (CIFAR, 32², ``python -m memconv.bench.ops --pricing
+    cuda``'s row): PrivateStep.clip_and_accumulate at N = 64 issues at most GROWTH more
+    top-level operations than at N = 4, its routes priced as on the GPU. Each layer
+    chooses its route and pieces on the lean plan's reference batch
+    (:data:`memconv.engine.planning.LEAN_REFERENCE_BATCH`) and keeps them; choosing at
+    each batch, N = 64 issued 26 % more (661 → 836) than N = 4."""
+    got = {}
+    with costs.using("cpu", costs.calibration("cuda")):
+        for n in (4, 64):
+            model, x, y = build_case(CASES["resnet18-gn"].config(batch=n), torch.device("cpu"))
+            step = memconv.PrivateStep(model, nn.CrossEntropyLoss())
+
+            def private(model=model, step=step, x=x, y=y):
+                model.zero_grad(set_to_none=True)
+                step.clip_and_accumulate(x, y, max_norm=1.0)
+
+            got[n] = count(private)
+            assert got[n]["host_syncs"] <= 1, (n, got[n])
+    small, large = got[4]["top_level"], got[64]["top_level"]
+    assert small <= large <= (1 + GROWTH) * small, (small, large)
 
 
 @pytest.mark.parametrize("strategy", ["standard", "rochette", "unfold", "shift"])

@@ -194,7 +194,9 @@ def test_norm_samplers_match_the_loop(case, route, bridge, sq_norm_calls, monkey
         monkeypatch.setattr(
             conv_rules,
             "conv_weight_sq_norms",
-            lambda m, x, g, settings, _, budget: spy(m, x, g, settings, route, budget),
+            lambda m, x, g, settings, _, budget, reference=None: spy(
+                m, x, g, settings, route, budget, reference
+            ),
         )
     model, x, y = layer_model(case)
     loss_fn = nn.CrossEntropyLoss(reduction="sum")

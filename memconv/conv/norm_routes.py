@@ -21,7 +21,10 @@ for convolutions). Two routes, chosen per layer by their cost models or forced:
   images).
 
 Which layer uses which route is its rule's business (:mod:`memconv.layers`; the
-convolution rule calls :func:`conv_weight_sq_norms`).
+convolution rule calls :func:`conv_weight_sq_norms`). Given a reference batch (the
+default plan's), the route, tiling and number of chunks are chosen on it and kept at
+the layer's batch (:func:`decide_route`), so that a layer issues as many operations
+at every batch size.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..strategies import Problem, get_strategy
+from ..strategies.auto import AUTO, choose
 from ..strategies.base import cost_model, fastest_that_fits, numel
 from ..strategies.costs import operations_time, time_coefficients
 from ..strategies.geometry import Operands, conv_spec
@@ -184,9 +188,14 @@ def instantiate_sq_norms(ops: Operands, settings: Settings, budget: int | None) 
         budget: bytes for a chunk's gradients and the strategy's temporaries.
     """
     per = numel(ops.geometry.weight_shape) * ops.x.element_size()
+    chunk = instantiate_chunk(ops.x.shape[0], per, budget)
+    return _instantiated(ops, _instantiate_settings(settings, chunk * per, budget), chunk)
+
+
+def _instantiated(ops: Operands, settings: Settings, chunk: int) -> Tensor:
+    """Squared per-sample norms ``[N]`` from the per-sample gradients of ``chunk``
+    samples at a time, by the strategy of ``settings``."""
     n = ops.x.shape[0]
-    chunk = instantiate_chunk(n, per, budget)
-    settings = _instantiate_settings(settings, chunk * per, budget)
     if chunk >= n:
         return sq_norms(weight_grad(ops, settings, per_sample=True))
     out = []
@@ -224,6 +233,94 @@ def choose_route(
     return fastest_that_fits(costs, budget)[0]
 
 
+def at_reference(problem: Problem, budget: int | None, reference: int | None):
+    """``(problem, budget)`` on which a layer's route, method and pieces are chosen: with
+    a ``reference`` batch larger than the problem's N, that batch and the budget scaled
+    with it (``budget·reference/N``); else the problem and budget themselves.
+
+    A plan whose per-layer budget grows in proportion to its batch (the default lean
+    plan, :func:`memconv.engine.planning.lean_layer_budget`) chooses so on its reference
+    batch and keeps the choice at every smaller batch (:func:`kept_chunk`): a route's
+    memory grows with its chunk of samples, so what fits the reference's budget fits
+    the batch's, and the layer runs in the same route and number of pieces (the same
+    number of tensor operations) at every batch size, where choosing at N would let the
+    per-operation prices of a small batch, and the rounding of its chunks to whole
+    samples, pick other routes."""
+    n = problem.n
+    if reference is None or n >= reference or n < 1:
+        return problem, budget
+    scaled = None if budget is None else budget * reference // n
+    return replace(problem, n=reference), scaled
+
+
+def kept_chunk(chunk: int, reference: int, n: int) -> int:
+    """Samples per chunk that split ``n`` samples into as many pieces as chunks of
+    ``chunk`` split ``reference`` samples (at most ``n`` pieces: one sample each)."""
+    pieces = -(-reference // max(chunk, 1))
+    return max(1, -(-n // pieces))
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """How a convolution's per-sample norms run (:func:`decide_route`).
+
+    Attributes:
+        route: ``"ghost"`` or ``"instantiate"``.
+        memory: predicted extra bytes at the layer's batch.
+        tiling: for ``"ghost"``, the Gram matrices' method, chunk and tiling.
+        chunk: for ``"instantiate"``, samples per chunk.
+        settings: for ``"instantiate"``, the strategy run on each chunk.
+    """
+
+    route: str
+    memory: int
+    tiling: ghost.GhostTiling | None = None
+    chunk: int = 0
+    settings: Settings = DEFAULT_SETTINGS
+
+
+def decide_route(
+    problem: Problem,
+    budget: int | None,
+    settings: Settings = DEFAULT_SETTINGS,
+    route: str | None = None,
+    reference: int | None = None,
+) -> RouteDecision:
+    """The route, and its pieces, that run a convolution's norms: :func:`choose_route`'s
+    on ``problem`` within ``budget`` bytes (None: no limit), or, with a ``reference``
+    batch larger than N, on that batch and the budget scaled with it
+    (:func:`at_reference`), kept at N: as many chunks (at most N), the same Gram tiling,
+    and, for ``"instantiate"`` with ``"auto"``, the strategy ``"auto"`` picks for the
+    reference's chunk (its budget scaled to N's chunk)."""
+    at, room = at_reference(problem, budget, reference)
+    n, ref = problem.n, at.n
+    chosen = choose_route(at, room, settings, route)
+    if chosen.route == "ghost":
+        tiling = ghost.choose_tiling(at, room)
+        if at is not problem:  # the reference's tiling, its chunk kept (memory ∝ chunk)
+            chunk = kept_chunk(tiling.chunk, ref, n)
+            memory = -(-tiling.memory * chunk // tiling.chunk)
+            tiling = replace(tiling, chunk=chunk, memory=memory)
+        return RouteDecision(route="ghost", memory=tiling.memory, tiling=tiling)
+    per = numel(problem.geom.weight_shape) * problem.itemsize
+    chunk = instantiate_chunk(ref, per, room)
+    run = _instantiate_settings(settings, chunk * per, room)
+    if at is problem:
+        return RouteDecision(route=chosen.route, memory=chosen.memory, chunk=chunk, settings=run)
+    kept = kept_chunk(chunk, ref, n)
+    if run.strategy == AUTO.name:  # "auto"'s pick for the reference's chunk
+        strategy, sub, _, _ = choose(replace(at, n=chunk, per_sample=True, into=False), run.options)
+        run = Settings(strategy.name, sub)
+    derived = settings.options.memory_budget is None  # (a budget given stays as it is)
+    if derived and run.options.memory_budget is not None:  # scaled to N's chunk
+        scaled = -(-run.options.memory_budget * kept // chunk)
+        run = Settings(run.strategy, replace(run.options, memory_budget=scaled))
+    sub = replace(problem, n=kept, per_sample=True, into=False)
+    vjp = get_strategy(run.strategy).memory(sub, run.options)
+    memory = kept * per + max(vjp, kept * per)
+    return RouteDecision(route=chosen.route, memory=memory, chunk=kept, settings=run)
+
+
 def conv_route_problem(module, x: Tensor, g: Tensor, itemsize: int) -> tuple[Problem, int]:
     """``(the routes' problem, bytes of the copy that brings the input to normal
     form)`` for a convolution's input and output gradient (meta tensors will do)."""
@@ -234,7 +331,13 @@ def conv_route_problem(module, x: Tensor, g: Tensor, itemsize: int) -> tuple[Pro
 
 # ----------------------------------------------------------------- per layer
 def conv_weight_sq_norms(
-    module, x: Tensor, g: Tensor, settings: Settings, route: str | None, budget: int | None
+    module,
+    x: Tensor,
+    g: Tensor,
+    settings: Settings,
+    route: str | None,
+    budget: int | None,
+    reference: int | None = None,
 ) -> Tensor:
     """Squared per-sample norms ``[N]`` of a convolution's weight gradient.
 
@@ -247,6 +350,8 @@ def conv_weight_sq_norms(
         budget: bytes for the route's temporaries, the copy that brings the input to
             normal form (reflect padding, a transposed convolution) included (None: no
             limit, the whole batch in one piece).
+        reference: the batch on which the route and its pieces are chosen, the budget
+            scaled with it (:func:`decide_route`); None: on N.
     """
     if x.dtype != g.dtype:
         x = x.to(g.dtype)
@@ -262,10 +367,15 @@ def conv_weight_sq_norms(
     # a budget covers the copy that brought the input to normal form; the route gets
     # what is left of it
     room = None if budget is None else max(budget - ops.copied * x.element_size(), 1)
-    chosen = choose_route(problem, room, settings, route).route
-    if chosen == "ghost":
-        return ghost_sq_norms(ops, room)
-    return instantiate_sq_norms(ops, settings, room)
+    if reference is None:
+        chosen = choose_route(problem, room, settings, route).route
+        if chosen == "ghost":
+            return ghost_sq_norms(ops, room)
+        return instantiate_sq_norms(ops, settings, room)
+    decision = decide_route(problem, room, settings, route, reference)
+    if decision.route == "ghost":
+        return ghost.sq_norms(ops, decision.tiling)
+    return _instantiated(ops, decision.settings, decision.chunk)
 
 
 # ----------------------------------------------------------------- per channel
@@ -291,6 +401,7 @@ def conv_channel_stats(
     settings: Settings,
     route: str | None,
     budget: int | None,
+    reference: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`grad_channel_stats` of a convolution's per-sample weight gradients
     ``G_n``, per output channel ``c``, by the route :func:`choose_route` picks for
@@ -308,7 +419,7 @@ def conv_channel_stats(
         x: its input ``[N, C_in, *S]``.
         g: its output gradient ``[N, C_out, *T]``.
         w_hat: ``[C_out, C_in/G·k]``.
-        settings, route, budget: as :func:`conv_weight_sq_norms`.
+        settings, route, budget, reference: as :func:`conv_weight_sq_norms`.
     """
     if x.dtype != g.dtype:
         x = x.to(g.dtype)
@@ -323,16 +434,15 @@ def conv_channel_stats(
     )
     room = None if budget is None else max(budget - ops.copied * x.element_size(), 1)
     n = x.shape[0]
-    if choose_route(problem, room, settings, route).route != "ghost":
-        per = numel(ops.geometry.weight_shape) * x.element_size()
-        chunk = instantiate_chunk(n, per, room)
-        run = _instantiate_settings(settings, chunk * per, room)
+    decision = decide_route(problem, room, settings, route, reference)
+    if decision.route != "ghost":
+        chunk, run = decision.chunk, decision.settings
         parts = []
         for rows in chunked(n, chunk):
             part = Operands(rows_of(ops.x, rows, n), rows_of(ops.g, rows, n), ops.geometry)
             parts.append(grad_channel_stats(weight_grad(part, run, per_sample=True), w_hat))
         return _joined(parts)
-    sq = ghost.sq_norms(ops, ghost.choose_tiling(problem, room), channels=True)
+    sq = ghost.sq_norms(ops, decision.tiling, channels=True)
     conv = _CONV_FUNCTIONS[x.dim() - 2]
     geom = ops.geometry
     kernel = w_hat.reshape(module.weight.shape)
@@ -341,7 +451,9 @@ def conv_channel_stats(
     box = x.new_ones(geom.groups, 1, *module.weight.shape[2:])
     geometry = {"stride": module.stride, "padding": module.padding, "dilation": module.dilation}
     per = 2 * math.prod(g.shape[1:]) * g.element_size()  # the convolution's output and a product
-    chunk = n if room is None else max(1, min(n, room // max(per, 1)))
+    at, scaled = at_reference(problem, room, reference)
+    chunk = at.n if scaled is None else max(1, min(at.n, scaled // max(per, 1)))
+    chunk = chunk if at is problem else kept_chunk(chunk, at.n, n)
     parts = []
     for rows in chunked(n, chunk):
         xs, gs = rows_of(x, rows, n), rows_of(g, rows, n)

@@ -29,8 +29,11 @@ forward pass of one and two samples):
 By default (``memory_budget="available"``) a call is lean: the per-layer budget is
 the pass's own halved until the predicted peak is within the non-private step's
 predicted peak times :data:`LEAN_FACTOR` (:func:`lean_layer_budget`), so each layer
-takes the fastest route the device's calibration prices within it; a budget given in
-bytes, or None, lets each layer use what the pass itself holds (faster, more memory).
+takes the fastest route the device's calibration prices within it — priced on a batch
+of :data:`LEAN_REFERENCE_BATCH` samples, the budget scaled with it, and kept, with its
+pieces, at smaller batches (:attr:`Plan.reference_batch`), so that the call's number of
+operations does not change with the batch; a budget given in bytes, or None, lets each
+layer use what the pass itself holds (faster, more memory), choosing on its own batch.
 
 A budget below the smallest feasible one (one sample, the leanest strategies)
 raises a ``ValueError`` naming it. Activation recomputation for single samples too
@@ -93,7 +96,8 @@ LEAN_FACTOR = 1.05
 #: a route splits a layer into does not grow with the batch).
 LEAN_HALVINGS = 6
 #: The batch on which the lean plan chooses how many times to halve the per-layer
-#: budget (:func:`lean_layer_budget`).
+#: budget (:func:`lean_layer_budget`), and each layer its route and pieces, kept at
+#: smaller batches (:attr:`Plan.reference_batch`).
 LEAN_REFERENCE_BATCH = 256
 #: Where no halving reaches the lean target, the fewest halvings whose predicted peak is
 #: within this factor of the least.
@@ -148,9 +152,12 @@ def lean_layer_budget(prof: Profile, request: Request, m: int) -> int:
     A halving that would leave a layer less than :data:`COMFORTABLE_LAYER_BUDGET` on the
     reference batch is not tried (small layers, whose memory matters little, stay whole).
     k is chosen on a pass of :data:`LEAN_REFERENCE_BATCH` samples (or ``m``, if more),
-    where what grows with the batch decides: the same k at every batch size, so that the
-    number of pieces a route splits a layer into, and the call's number of operations,
-    do not grow with the batch."""
+    where what grows with the batch decides: the same k at every batch size. On a
+    smaller batch the budget is the reference's scaled to ``m`` samples (``budget·m /
+    reference``, the floor :data:`MIN_LAYER_BUDGET` applied on the reference only), so
+    that each layer, choosing its route and pieces on the reference batch
+    (:attr:`Plan.reference_batch`), takes the same at every batch size: the call's
+    number of operations does not grow with the batch."""
     if request.task == "grads":
         return pass_layer_budget(prof, m)
     ref = max(m, LEAN_REFERENCE_BATCH)
@@ -169,7 +176,8 @@ def lean_layer_budget(prof: Profile, request: Request, m: int) -> int:
     if chosen is None:  # none within the target: the first whose peak is the least
         least = min(peaks)
         chosen = next(k for k, peak in enumerate(peaks) if peak <= least * LEAN_TOLERANCE)
-    return max(pass_layer_budget(prof, m) >> chosen, MIN_LAYER_BUDGET)
+    budget = max(own >> chosen, MIN_LAYER_BUDGET)
+    return budget if m >= ref else max(-(-budget * m // ref), 1)
 
 
 @dataclass(frozen=True)
@@ -478,6 +486,12 @@ class Plan:
             default) in one pass, the peak its per-layer budget keeps within
             (:func:`lean_target`: the non-private step's predicted peak times
             :data:`LEAN_FACTOR`), bytes; None for other plans.
+        reference_batch: the batch on which each layer chooses its route and pieces
+            (the per-layer budget scaled with it) and keeps them on this plan's
+            smaller passes: :data:`LEAN_REFERENCE_BATCH` for the default plan of
+            norms or clipping on fewer samples (:func:`lean_layer_budget`), so that its
+            layers run in as many operations at every batch size; None: each layer
+            chooses on its own pass.
     """
 
     task: str
@@ -491,6 +505,7 @@ class Plan:
     smallest_budget: int | None = None
     generic_layers: tuple[str, ...] = ()
     lean_target: int | None = None
+    reference_batch: int | None = None
 
     @property
     def micro_batches(self) -> int:
@@ -514,7 +529,14 @@ class Plan:
 
 
 def _layer_temporaries(
-    layer: LayerProfile, request: Request, *, m: int, kind: str, budget, by_ops=frozenset()
+    layer: LayerProfile,
+    request: Request,
+    *,
+    m: int,
+    kind: str,
+    budget,
+    by_ops=frozenset(),
+    reference: int | None = None,
 ):
     """Bytes of a parametrised layer's temporaries for m samples within ``budget``: its
     rule's memory model (``kind``: ``"grads"`` or ``"norms"``), or the generic route's
@@ -531,14 +553,23 @@ def _layer_temporaries(
         )
         covered = by_ops and all(id(p) in by_ops for p in own_trainable(layer.module).values())
         return min(generic, budget) if covered and budget is not None else generic
-    with using(RuleSettings(request.settings, request.norm_route, budget)):
+    settings = RuleSettings(request.settings, request.norm_route, budget, reference=reference)
+    with using(settings):
         where = f"layer {layer.name!r}"
         return rule_memory(rule, layer.module, (shape,), layer.itemsize, kind, where=where)
 
 
-def predict(prof: Profile, request: Request, *, m: int, layer_budget: int | None):
+def predict(
+    prof: Profile,
+    request: Request,
+    *,
+    m: int,
+    layer_budget: int | None,
+    reference: int | None = None,
+):
     """Predicted peak bytes of ``request`` on its N samples in micro-batches of m, each
-    layer's temporaries within ``layer_budget``.
+    layer's temporaries within ``layer_budget`` (its route and pieces chosen on a
+    ``reference`` batch, :attr:`Plan.reference_batch`, if given).
 
     Returns:
         ``(peak, breakdown)``, see :class:`Plan`.
@@ -572,7 +603,13 @@ def predict(prof: Profile, request: Request, *, m: int, layer_budget: int | None
             # book-keeping instantiates these
             kind = "grads" if kept_grads or task == "grads" else "norms"
             temp = _layer_temporaries(
-                layer, request, m=m, kind=kind, budget=layer_budget, by_ops=by_ops
+                layer,
+                request,
+                m=m,
+                kind=kind,
+                budget=layer_budget,
+                by_ops=by_ops,
+                reference=reference,
             )
             backward = max(backward, alive + layer.grad_bytes(m) + temp + kept)
             if keeping:
@@ -647,13 +684,22 @@ def make_plan(prof: Profile, request: Request, *, budget: int | None) -> Plan:
 
 def _lean_plan(prof: Profile, request: Request, *, budget: int, **more) -> Plan:
     """The default plan's one pass over the whole batch, each layer within
-    :func:`lean_layer_budget`."""
+    :func:`lean_layer_budget`; for norms or clipping on fewer than
+    :data:`LEAN_REFERENCE_BATCH` samples, each layer's route and pieces chosen on that
+    batch (:attr:`Plan.reference_batch`) — unless a whole sample's pieces, where the
+    reference's are fractions of the batch, take the peak past the lean target where
+    choosing on the batch itself does not: then the latter."""
     n = request.n
     layer_budget = lean_layer_budget(prof, request, n)
     target = lean_target(prof, n, request.task)
-    return _predicted_plan(
-        prof, request, m=n, layer_budget=layer_budget, budget=budget, lean_target=target, **more
-    )
+    fields = dict(m=n, layer_budget=layer_budget, budget=budget, lean_target=target, **more)
+    if request.task == "grads" or n >= LEAN_REFERENCE_BATCH:
+        return _predicted_plan(prof, request, **fields)
+    kept = _predicted_plan(prof, request, reference=LEAN_REFERENCE_BATCH, **fields)
+    if kept.predicted_peak <= target:
+        return kept
+    own = _predicted_plan(prof, request, **fields)
+    return own if own.predicted_peak < kept.predicted_peak else kept
 
 
 def _generic_layers(prof: Profile) -> tuple[str, ...]:
@@ -742,11 +788,19 @@ def _best_for_route(prof: Profile, request: Request, *, budget: int) -> Plan | N
 
 
 def _predicted_plan(
-    prof: Profile, request: Request, *, m: int, layer_budget: int | None, budget, **more
+    prof: Profile,
+    request: Request,
+    *,
+    m: int,
+    layer_budget: int | None,
+    budget,
+    reference: int | None = None,
+    **more,
 ) -> Plan:
-    """The plan of micro-batches of ``m`` samples with ``layer_budget``, its peak and
-    breakdown predicted (:func:`predict`); ``more``: the plan's other fields."""
-    peak, parts = predict(prof, request, m=m, layer_budget=layer_budget)
+    """The plan of micro-batches of ``m`` samples with ``layer_budget`` (each layer's
+    route chosen on ``reference`` samples, if given), its peak and breakdown predicted
+    (:func:`predict`); ``more``: the plan's other fields."""
+    peak, parts = predict(prof, request, m=m, layer_budget=layer_budget, reference=reference)
     return Plan(
         task=request.task,
         batch=request.n,
@@ -756,6 +810,7 @@ def _predicted_plan(
         memory_budget=budget,
         breakdown=parts,
         clip_route=request.clip_route if request.task == "clip" else None,
+        reference_batch=reference,
         **more,
     )
 

@@ -149,9 +149,12 @@ class CallPlan:
     @property
     def rule_settings(self) -> RuleSettings:
         """What the call's rules read (:func:`memconv.layers.rule_settings`): the
-        strategy, the norm route and the plan's per-layer budget."""
+        strategy, the norm route, the plan's per-layer budget and its reference batch."""
         r = self.request
-        return RuleSettings(r.settings, r.norm_route, self.plan.layer_budget)
+        plan = self.plan
+        return RuleSettings(
+            r.settings, r.norm_route, plan.layer_budget, reference=plan.reference_batch
+        )
 
 
 class Prepared:

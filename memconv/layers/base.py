@@ -42,6 +42,10 @@ class RuleSettings:
             (returned to the user, or stored as ``grad_sample``/``grad_batch``), in
             the parameter's layout: a rule that can make them in another layout
             counts the copy (the convolutions' ``"auto"``).
+        reference: the batch on which a rule chooses its route and pieces when the
+            layer's batch is smaller, ``budget`` scaled with it, and keeps them (the
+            default plan's: :attr:`memconv.engine.planning.Plan.reference_batch`;
+            :func:`memconv.conv.norm_routes.at_reference`); None: on the layer's batch.
     """
 
     settings: Settings = DEFAULT_SETTINGS
@@ -49,6 +53,7 @@ class RuleSettings:
     budget: int | None = None
     autocast: Autocast | None = None
     contiguous: bool = False
+    reference: int | None = None
 
     @contextlib.contextmanager
     def autocast_context(self):

@@ -15,10 +15,10 @@ from torch import Tensor, nn
 from ..conv.grads import bias_grad, conv_weight_grad, summed_weight_grad
 from ..conv.memory import predict_memory
 from ..conv.norm_routes import (
-    choose_route,
     conv_channel_stats,
     conv_route_problem,
     conv_weight_sq_norms,
+    decide_route,
 )
 from ..conv.norm_routes import sq_norms as _sq
 from ..conv.settings import budgeted
@@ -64,7 +64,7 @@ class ConvRule(LayerRule):
         out = {}
         if trainable(module, "weight"):
             out["weight"] = conv_weight_sq_norms(
-                module, x, grad_output, rs.settings, rs.norm_route, rs.budget
+                module, x, grad_output, rs.settings, rs.norm_route, rs.budget, rs.reference
             )
         if trainable(module, "bias"):
             out["bias"] = _sq(bias_grad(grad_output, per_sample=True))
@@ -76,7 +76,14 @@ class ConvRule(LayerRule):
             return super().channel_stats(module, inputs, grad_output, name, w_hat)
         rs = rule_settings()
         return conv_channel_stats(
-            module, inputs[0], grad_output, w_hat, rs.settings, rs.norm_route, rs.budget
+            module,
+            inputs[0],
+            grad_output,
+            w_hat,
+            rs.settings,
+            rs.norm_route,
+            rs.budget,
+            rs.reference,
         )
 
     def summed_grad(self, module, inputs, grad_output):
@@ -121,8 +128,8 @@ class ConvRule(LayerRule):
             itemsize,
         )
         room = None if rs.budget is None else max(rs.budget - copied, 1)
-        cost = choose_route(problem, room, rs.settings, rs.norm_route)
-        return copied + cost.memory
+        decision = decide_route(problem, room, rs.settings, rs.norm_route, rs.reference)
+        return copied + decision.memory
 
     def check_settings(self, module, settings):
         check_settings(settings, conv_spec(module).geometry)

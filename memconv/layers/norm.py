@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import LayerRule, register, rule_settings, trainable
+from ..conv.norm_routes import kept_chunk
+from .base import LayerRule, RuleSettings, register, rule_settings, trainable
 from .operations import BoundOp, bind_args, new_layer, register_op, with_params
 
 
@@ -38,7 +39,7 @@ class AffineNormRule(LayerRule):
         out = {}
         if trainable(module, "weight"):
             n = len(x)
-            step = _chunk(x, rule_settings().budget)
+            step = _chunk(x, rule_settings())
             parts = []
             with rule_settings().autocast_context():
                 for i in range(0, n, step):
@@ -56,7 +57,7 @@ class AffineNormRule(LayerRule):
     def memory(self, module, input_shapes, itemsize, task):
         shape = input_shapes[0]
         n, one = shape[0], math.prod(shape[1:])
-        chunk = min(n, _samples_per_chunk(one * itemsize, rule_settings().budget)) * one
+        chunk = min(n, _samples_per_chunk(one * itemsize, n, rule_settings())) * one
         params = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
         return (chunk + 2 * n * params) * itemsize  # x̂ of a chunk; the gradients
 
@@ -70,15 +71,21 @@ def _product_sum(g: Tensor, xhat: Tensor, axes: tuple[int, ...]) -> Tensor:
     return torch.einsum(f"{letters},{letters}->{kept}", g, xhat)
 
 
-def _samples_per_chunk(sample_bytes: int, budget: int | None) -> int:
-    """Samples whose x̂ fits ``budget`` bytes (every sample without one)."""
+def _samples_per_chunk(sample_bytes: int, n: int, rs: RuleSettings) -> int:
+    """Samples of ``n`` whose x̂ fits the budget of ``rs`` (every sample without one);
+    with a reference batch larger than ``n``, as many chunks as that batch's, at most
+    ``n`` (:func:`memconv.conv.norm_routes.at_reference`)."""
+    budget, reference = rs.budget, rs.reference
     if budget is None:
         return 2**62
-    return max(1, budget // max(sample_bytes, 1))
+    if reference is None or n >= reference:
+        return max(1, budget // max(sample_bytes, 1))
+    chunk = max(1, budget * reference // n // max(sample_bytes, 1))
+    return kept_chunk(chunk, reference, n)
 
 
-def _chunk(x, budget: int | None) -> int:
-    return _samples_per_chunk(math.prod(x.shape[1:]) * x.element_size(), budget)
+def _chunk(x, rs: RuleSettings) -> int:
+    return _samples_per_chunk(math.prod(x.shape[1:]) * x.element_size(), len(x), rs)
 
 
 @register(nn.GroupNorm)
