@@ -14,12 +14,14 @@ DEBUG level.
 
 A strategy whose number of operations grows with N (``"loop"``, one sample at a
 time: :func:`memconv.strategies.base.batched` is False) is a candidate too, priced
-with the device's per-operation cost times that number: on a CPU (some 5 µs an
-operation) it is taken where its arithmetic is cheaper by more than that — large
-maps and few channels, where torch's own kernel beats every batched route — and on a
-GPU, whose calibration prices an operation at a kernel launch (11 µs on an H200) and
-the arithmetic far lower, the batched routes win, which keeps a GPU step's number of
-operations flat in the batch. The device is priced, not named.
+with the device's per-operation cost times that number and ranked against the others
+by :func:`memconv.strategies.base.ranked_time` (a near tie goes to the batched
+route): on a CPU (some 5 µs an operation) it is taken where its arithmetic is cheaper
+by more than that — large maps and few channels, where torch's own kernel beats
+every batched route — and on a GPU, whose calibration prices an operation at a kernel
+launch (11 µs on an H200) and the arithmetic far lower, the batched routes win, which
+keeps a GPU step's number of operations flat in the batch. The device is priced, not
+named.
 """
 
 from __future__ import annotations
