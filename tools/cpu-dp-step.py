@@ -4,7 +4,8 @@ Run as ``python tools/cpu-dp-step.py [--tree DIR ...] [--rounds R]``: for each m
 (CIFAR ResNet-18-GN 32², torchvision ResNet-18-GN 64², ConvNeXt-atto 64², batch 64,
 float32, one thread) and each tree (a checkout of memconv; this one by default), the
 non-private step, ``clip_and_accumulate`` with default arguments and
-``PrivateStep.clip_and_accumulate`` each run in a fresh process: two warm-up calls,
+``PrivateStep.clip_and_accumulate`` each run in a fresh process (``--engines per-layer``:
+per-layer clipping, ``clip_and_accumulate(..., groups="parameter")``): two warm-up calls,
 the median of three timed calls (wall time, and the process's CPU time, which other
 jobs on a shared machine disturb far less), then the allocator-level peak of one call
 (the profiler's memory events). The engines and trees alternate within each round.
@@ -20,6 +21,8 @@ import time
 
 CASES = {"cifar-resnet18-gn": 32, "tv-resnet18-gn": 64, "convnext-atto": 64}
 ENGINES = ("non-private", "plain", "PrivateStep")
+#: Engines run only where asked for (``--engines``).
+OPTIONAL_ENGINES = ("per-layer",)
 
 
 def worker(tree, case, engine):
@@ -50,6 +53,8 @@ def worker(tree, case, engine):
             loss(model(x), y).backward()
         elif engine == "plain":
             memconv.clip_and_accumulate(model, loss, x, y, max_norm=1.0)
+        elif engine == "per-layer":
+            memconv.clip_and_accumulate(model, loss, x, y, max_norm=1.0, groups="parameter")
         else:
             step.clip_and_accumulate(x, y, max_norm=1.0)
 
@@ -76,6 +81,9 @@ def main():
     args = parser.parse_args()
     if args.worker:
         return worker(*args.worker)
+    unknown = set(args.engines.split(",")) - set(ENGINES + OPTIONAL_ENGINES)
+    if unknown:
+        parser.error(f"unknown engines {sorted(unknown)}; accepted: {ENGINES + OPTIONAL_ENGINES}")
     trees = args.tree or [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     for r in range(args.rounds):
         for case in args.cases.split(","):

@@ -153,13 +153,33 @@ def instantiate_chunk(n: int, per: int, budget: int | None) -> int:
     return max(1, min(n, budget // 2 // max(per, 1)))
 
 
-def instantiate_cost(problem: Problem, budget: int | None, settings: Settings = DEFAULT_SETTINGS):
-    """Cost of instantiating a chunk of per-sample gradients at a time, by the strategy
-    of ``settings`` (the one :func:`instantiate_sq_norms` runs)."""
+def _instantiate_run(problem: Problem, budget: int | None, settings: Settings):
+    """``(a chunk's problem, bytes of its per-sample gradients, the settings its VJP
+    runs)`` of the instantiating route."""
     per = numel(problem.geom.weight_shape) * problem.itemsize
     chunk = instantiate_chunk(problem.n, per, budget)
     sub = replace(problem, n=chunk, per_sample=True, into=False)
-    run = _instantiate_settings(settings, chunk * per, budget)
+    return sub, per, _instantiate_settings(settings, chunk * per, budget)
+
+
+def instantiate_strategy(
+    problem: Problem, budget: int | None, settings: Settings = DEFAULT_SETTINGS
+) -> str:
+    """The name of the elementary strategy the instantiating route runs on a chunk of
+    the batch within ``budget`` (``"auto"``'s choice, where ``settings`` ask for it:
+    ``"loop"`` where the device's prices favour it)."""
+    sub, _, run = _instantiate_run(problem, budget, settings)
+    strategy = get_strategy(run.strategy)
+    if strategy.name == AUTO.name:
+        return choose(sub, run.options)[0].name
+    return strategy.name
+
+
+def instantiate_cost(problem: Problem, budget: int | None, settings: Settings = DEFAULT_SETTINGS):
+    """Cost of instantiating a chunk of per-sample gradients at a time, by the strategy
+    of ``settings`` (the one :func:`instantiate_sq_norms` runs)."""
+    sub, per, run = _instantiate_run(problem, budget, settings)
+    chunk = sub.n
     strategy = get_strategy(run.strategy)
     memory = chunk * per + max(strategy.memory(sub, run.options), chunk * per)  # + squares
     chunks = -(-problem.n // chunk)

@@ -1,16 +1,27 @@
 """``"auto"``: per layer, the fastest registered strategy whose memory fits a budget.
 
-Every other registered strategy whose number of tensor operations does not grow
-with N is a candidate (a strategy that loops over samples, ``"loop"``, is not:
-:func:`memconv.strategies.base.batched`): each predicts its extra memory (bytes) and
-its run time (seconds, a per-operation term included) from the layer's sizes, and
-``"auto"`` runs the one predicted fastest among those within ``memory_budget`` (any,
-without a budget) that do the layer in one piece; only when none of those fits, the
-fastest of those that split it (``"shift"``'s chunks of the batch, ``"streaming"``'s
-tiles: :func:`memconv.strategies.base.pieces`), whose operations repeat per piece. ``"streaming"`` chooses its tile to fit the budget, so it is what runs
-when no whole-layer strategy fits; when not even its smallest tile fits, a
-warning says so and the leanest candidate runs. The choice is logged on the
-``memconv`` logger at DEBUG level.
+Every other registered strategy is a candidate: each predicts its extra memory
+(bytes) and its run time (seconds) from the layer's sizes and the device's
+calibration (:mod:`memconv.strategies.costs`), and ``"auto"`` runs the one predicted
+fastest among those within ``memory_budget`` (any, without a budget) that do the
+layer in one piece; only when none of those fits, the fastest of those that split it
+(``"shift"``'s chunks of the batch, ``"streaming"``'s tiles:
+:func:`memconv.strategies.base.pieces`), whose operations repeat per piece.
+``"streaming"`` chooses its tile to fit the budget, so it is what runs when no
+whole-layer strategy fits; when not even its smallest tile fits, a warning says so
+and the leanest candidate runs. The choice is logged on the ``memconv`` logger at
+DEBUG level.
+
+A strategy whose number of operations grows with N (``"loop"``, one sample at a
+time: :func:`memconv.strategies.base.batched` is False) is a candidate too, priced
+with the device's per-operation cost times that number and ranked against the others
+by :func:`memconv.strategies.base.ranked_time` (a near tie goes to the batched
+route): on a CPU (some 5 µs an operation) it is taken where its arithmetic is cheaper
+by more than that — large maps and few channels, where torch's own kernel beats
+every batched route — and on a GPU, whose calibration prices an operation at a kernel
+launch (11 µs on an H200) and the arithmetic far lower, the batched routes win, which
+keeps a GPU step's number of operations flat in the batch. The device is priced, not
+named.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from .base import (
     fastest_that_fits,
     get_strategy,
     pieces,
+    ranked_time,
     register_strategy,
     strategy_names,
 )
@@ -57,21 +69,24 @@ def choose(problem: Problem, options: Options):
     """
     budget = options.memory_budget
     candidates = []  # (strategy, options, bytes, time, pieces)
-    for name in strategy_names():
-        strategy = get_strategy(name)
-        if name != Auto.name and batched(strategy):
+    for name in strategy_names():  # every other one, "loop" included: it is priced
+        if name != Auto.name:
+            strategy = get_strategy(name)
             sub = _candidate_options(strategy, options)
             memory, time = strategy.memory(problem, sub), strategy.time(problem, sub)
             candidates.append((strategy, sub, memory, time, pieces(strategy, problem, sub)))
-    # split only where memory demands it: the candidates that do the layer in one
-    # piece first (a piece repeats its operations, whose number then grows with N)
-    whole = [c for c in candidates if c[4] == 1]
-    for pool in (whole, candidates) if whole else (candidates,):
-        (strategy, sub, memory, *_), fits = fastest_that_fits(
-            pool, budget, memory=lambda c: c[2], time=lambda c: c[3]
-        )
-        if fits:  # (else, after the last pool, the leanest of all)
-            break
+    # split only where memory demands it: where a batched candidate does the layer in
+    # one piece within the budget, the split ones are not considered (a piece repeats
+    # its operations, so their number would grow with N); a candidate that loops over
+    # the samples competes by its price (ranked_time) with either pool
+    whole = [c for c in candidates if c[4] == 1 and batched(c[0])]
+    if any(budget is None or c[2] <= budget for c in whole):
+        pool = whole + [c for c in candidates if not batched(c[0])]
+    else:
+        pool = candidates
+    (strategy, sub, memory, *_), fits = fastest_that_fits(
+        pool, budget, memory=lambda c: c[2], time=lambda c: ranked_time(c[0], c[3])
+    )
     return strategy, sub, memory, fits
 
 

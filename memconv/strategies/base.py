@@ -138,10 +138,14 @@ class Strategy(Protocol):
             (``"auto"``, ``"streaming"``); those are not candidates of each other.
 
     A strategy may also set ``batched = False`` (a class attribute; True when absent):
-    its number of tensor operations grows with N (a loop over samples), so that
-    ``"auto"`` and ``"streaming"`` never choose it — on a device where each operation
-    costs a kernel launch such a loop is what makes a step slow — and it runs only
-    where it is asked for by name.
+    its number of tensor operations grows with N (a loop over samples). ``"auto"``
+    still chooses it by price: its time model includes the device's per-operation cost
+    times that N-proportional number of operations
+    (:func:`memconv.strategies.costs.operations_time`), so it wins where its
+    arithmetic is that much cheaper (on a CPU, some 5 µs an operation) and loses where
+    each operation is a kernel launch and the arithmetic is fast (a GPU; see
+    :func:`ranked_time`). ``"streaming"`` does not run it on its tiles
+    (:func:`candidates`).
     """
 
     name: ClassVar[str]
@@ -262,6 +266,21 @@ def batched(strategy: Strategy) -> bool:
     return getattr(strategy, "batched", True)
 
 
+#: A strategy that is not :func:`batched` is ranked by its predicted time times this
+#: factor: it is taken only where it is priced faster than the fastest batched choice
+#: by more than the time models' typical error, both erring in opposite directions
+#: (``(1 + e) / (1 - e)`` with ``e`` = 0.21, the median relative error of the CUDA
+#: fit's loop model), so a near tie goes to the route whose number of operations does
+#: not grow with N.
+UNBATCHED_MARGIN = 1.5
+
+
+def ranked_time(strategy: Strategy, seconds: float) -> float:
+    """The time a choice among strategies ranks ``strategy`` by: its predicted
+    ``seconds``, times :data:`UNBATCHED_MARGIN` when it is not :func:`batched`."""
+    return seconds if batched(strategy) else seconds * UNBATCHED_MARGIN
+
+
 def pieces(strategy: Strategy, problem: Problem, options: Options) -> int:
     """Pieces ``strategy`` splits this VJP into to fit ``options.memory_budget`` (chunks
     of the batch, tiles of the positions; its ``pieces`` method, 1 when it has none):
@@ -272,8 +291,10 @@ def pieces(strategy: Strategy, problem: Problem, options: Options) -> int:
 
 
 def candidates() -> tuple[Strategy, ...]:
-    """The elementary strategies the composite ones choose from: the batched ones
-    (:func:`batched`)."""
+    """The elementary strategies ``"streaming"`` runs on its tiles: the batched ones
+    (:func:`batched`), so that ``"streaming"`` is batched itself (its operations grow
+    with its tiles, not with N). ``"auto"`` prices every registered strategy, those
+    that loop over the samples included (:func:`ranked_time`)."""
     return tuple(s for s in elementary() if batched(s))
 
 

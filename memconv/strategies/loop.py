@@ -9,9 +9,12 @@ arXiv:1912.06015) compare against, here without a forward pass or a graph. Its
 temporaries are one sample's; on the CPU the kernel is the fastest of the registered
 strategies where positions are many and channels few (early layers, large images),
 and its cost is one kernel call per sample, which dominates for small layers, and its
-number of tensor operations grows with N: it is not ``batched``, so ``"auto"`` and
-``"streaming"`` never choose it (on a GPU each of those operations is a kernel launch);
-it runs where it is asked for by name.
+number of tensor operations grows with N: it is not ``batched``. ``"auto"`` takes it
+where the device's calibration prices it, the per-operation cost of its 2 + 5N
+operations included, below the best batched strategy by more than
+:data:`memconv.strategies.base.UNBATCHED_MARGIN` (on a CPU: large maps, few channels;
+on a GPU each of those operations is a kernel launch, and the batched strategies
+win); ``"streaming"`` does not run it on its tiles.
 """
 
 from __future__ import annotations
