@@ -271,14 +271,19 @@ def test_a_model_of_layers_records_without_the_operation_recorder(monkeypatch):
     check_all(model, loss_fn, x, y)
     walks = kept(model)._walks
     assert walks.layers_only  # learned by the first walk
-    made = []
+    made, assigned = [], []
     real = memconv.engine.walk.OpRecorder
     monkeypatch.setattr(memconv.engine.walk, "OpRecorder", lambda *a: made.append(1) or real(*a))
+    real_assign = memconv.engine.coverage.assign
+    monkeypatch.setattr(
+        memconv.engine.coverage, "assign", lambda *a: assigned.append(1) or real_assign(*a)
+    )
     check_all(model, loss_fn, x, y)
     assert not made and kept(model).probes == 1
+    assert not assigned  # the same calls and uses: the kept coverage
     model.twice = True
     check_all(model, loss_fn, x, y)  # against the loop on the model as it now runs
-    assert not made
+    assert not made and assigned  # another use of a weight: the coverage made again
     model.body[0].bias.requires_grad_(False)  # a new probe: recorded, learned again
     check_all(model, loss_fn, x, y)
     assert made and kept(model).probes == 2 and not kept(model)._walks.layers_only
@@ -338,3 +343,25 @@ def test_a_budget_reading_serves_the_next_calls_briefly(monkeypatch):
     free[0] = resources.MIN_HEADROOM + peak // 2  # below the plan's peak: a new plan
     assert_grads_close(memconv.per_sample_grads(model, loss_fn, x, y), ref, TOL)
     assert len(readings) == 5 and kept(model).plans == plans + 1
+
+
+def test_kept_coverage_of_shared_parameters_gives_the_fresh_numbers():
+    """A weight two layers share (its uses summed over two calls): the kept coverage gives
+    the fresh call's numbers."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(4)
+            self.a = nn.Linear(4, 4).double()
+            self.b = nn.Linear(4, 4).double()
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    model, loss_fn = Tied(), nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 4, (5,))
+    for _ in range(3):
+        check_all(model, loss_fn, x, y)
+    assert kept(model)._walks.assigned is not None

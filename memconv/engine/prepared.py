@@ -27,7 +27,10 @@ the probe (the same module, the shapes the probe predicts for the batch); a call
 differs from a reused probe probes the model again and runs again from the start, so
 a reused probe never gives a number a fresh one would not.
 
-What the walks on a kept probe learn is kept with it (:class:`KeptWalk`): where every
+What the walks on a kept probe learn is kept with it (:class:`KeptWalk`): the coverage of
+the parameters (:mod:`memconv.engine.coverage`), reused by a walk whose layer calls and
+parameter uses are the last one's (the same modules and rules, the same sequence of
+autograd nodes: :func:`memconv.engine.coverage.assignment_key`); and, where every
 call of an operation on parameters lay in a layer whose rule serves it (a model of
 standard layers), the next walks record the layers' calls without the operation
 recorder (:class:`memconv.engine.recorder.OpRecorder`), which would find nothing for
@@ -54,7 +57,7 @@ from dataclasses import dataclass, field, replace
 from torch import Tensor, nn
 
 from .._checks import AVAILABLE, check_grad_mode
-from .._torch import compiled_inner, global_module_hooks, module_hooks
+from .._torch import compiled_inner, global_module_hooks, module_hooks, own_parameters
 from ..conv.settings import Autocast
 from ..layers import RuleSettings, check_layer, find_rule
 from ..streaming import StreamingCNN
@@ -112,15 +115,29 @@ class _ModelState:
     the same attributes."""
 
     def __init__(self, model: nn.Module):
-        self.modules = tuple(
-            (name, m, m.training, module_hooks(m)) for name, m in model.named_modules()
-        )
-        named = list(model.named_parameters())
-        self.params = tuple(p for _, p in named)
-        self.attributes = tuple(
-            (name, p.requires_grad, p.shape, p.dtype, p.device) for name, p in named
-        )
+        # one pass over the modules, their parameters in ``named_parameters`` order
+        # (each once, where first met): a parameter's attributes name its module's place
+        modules, params, attributes, seen = [], [], [], set()
+        for i, (name, m) in enumerate(model.named_modules()):
+            modules.append((name, m, m.training, module_hooks(m)))
+            for k, p in own_parameters(m):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+                    attributes.append((i, k, p.requires_grad, p.shape, p.dtype, p.device))
+        self.modules, self.params = tuple(modules), tuple(params)
+        self.attributes = tuple(attributes)
         self.hooks = global_module_hooks()
+
+    def trainable(self) -> dict:
+        """``{name: parameter}`` of the trainable parameters, in ``named_parameters``
+        order."""
+        out = {}
+        for (i, k, grad, *_), p in zip(self.attributes, self.params):
+            if grad:
+                name = self.modules[i][0]
+                out[f"{name}.{k}" if name else k] = p
+        return out
 
     def __eq__(self, other) -> bool:
         return (
@@ -152,10 +169,15 @@ class KeptWalk:
             block: the next walks record without the operation recorder.
         layer_axes: the probe's :class:`memconv.engine.probes.CallAxes` of the layer
             calls alone (those of the operation calls left out), in forward order.
+        assigned: ``(key, [each call's params], model route's parameters, calls per
+            parameter)`` of the last walk's coverage
+            (:func:`memconv.engine.coverage.assignment_key`, :func:`memconv.engine.coverage.assign`),
+            reused by a walk whose key is equal; None before.
     """
 
     layers_only: bool = False
     layer_axes: list = field(default_factory=list)
+    assigned: tuple | None = None
 
     @classmethod
     def of(cls, axes: list[CallAxes]) -> KeptWalk:
@@ -261,9 +283,7 @@ class Prepared:
         if self._checked != (state, settings):
             check_per_sample_model(model, settings=settings)
             self._checked = (state, settings)
-            self._trainable = {
-                name: p for (name, grad, *_), p in zip(state.attributes, state.params) if grad
-            }
+            self._trainable = state.trainable()
             self._streams = model_streams(model)
         self._model_key = state
         return model

@@ -422,12 +422,28 @@ class BackwardWalk:
         the calls with nothing to compute are released. Returns the graph's nodes and
         the parameters' uses."""
         reachable, uses = coverage.use_graph(*roots)
-        claims = coverage.claims(
-            [c for c in self.calls if isinstance(c, OpCall)], reachable, self.names
-        )
-        walk.model_params, walk.calls_per_param = coverage.assign(
-            self.calls, uses, self.names, claims
-        )
+        key = None if self.kept is None else coverage.assignment_key(self.calls, uses, self.names)
+        kept = self.kept.assigned if key is not None else None
+        if kept is not None and kept[0] == key:  # the last walk's assignment, as it was
+            _, params, model_params, calls_per_param = kept
+            for call, own in zip(self.calls, params):
+                call.params = dict(own)
+            coverage.share(self.calls, calls_per_param)
+            walk.model_params, walk.calls_per_param = list(model_params), dict(calls_per_param)
+        else:
+            claims = coverage.claims(
+                [c for c in self.calls if isinstance(c, OpCall)], reachable, self.names
+            )
+            walk.model_params, walk.calls_per_param = coverage.assign(
+                self.calls, uses, self.names, claims
+            )
+            if key is not None:
+                self.kept.assigned = (
+                    key,
+                    [dict(c.params) for c in self.calls],
+                    list(walk.model_params),
+                    dict(walk.calls_per_param),
+                )
         self.counts = walk.calls_per_param
         for call in self.calls:
             if isinstance(call, BlockCall):  # its backward pass must run: it visits

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 from torch import Tensor, nn
 
+from .._torch import own_parameters
+
 #: The per-sample methods of a rule, and the shape each promises for a parameter ``p``
 #: and N samples.
 SHAPES = {
@@ -26,7 +28,7 @@ SHAPES = {
 
 def own_trainable(module: nn.Module) -> dict[str, Tensor]:
     """``{local name: parameter}`` of the module's own parameters that require grad."""
-    return {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
+    return {k: p for k, p in own_parameters(module) if p.requires_grad}
 
 
 #: The layer or operation whose rule is being called (set by the dispatch), for the
