@@ -137,6 +137,8 @@ class LayerCall:
         return 0
 
     def settings(self, rs: RuleSettings) -> RuleSettings:
+        if rs.autocast == self.autocast:  # (the same state: no new record)
+            return rs
         return replace(rs, autocast=self.autocast)
 
     def grad_sample(self, rs: RuleSettings) -> dict[str, Tensor]:

@@ -38,10 +38,15 @@ def hooked(module: nn.Module, ours) -> bool:
     return bool(others or global_module_hooks())
 
 
-def rule_for(module, args, kwargs, in_axes, output, out_axes, ours) -> LayerRule | None:
-    """The rule of a call if the call is one the rule describes exactly, else None."""
+def rule_for(
+    module, args, kwargs, in_axes, output, out_axes, ours, others: bool | None = None
+) -> LayerRule | None:
+    """The rule of a call if the call is one the rule describes exactly, else None
+    (``others``: :func:`hooked` of the module, if the caller has it)."""
     rule = find_rule(module)
-    if rule is None or kwargs or hooked(module, ours):
+    if others is None:
+        others = hooked(module, ours)
+    if rule is None or kwargs or others:
         return None
     if not args or not all(isinstance(a, Tensor) for a in args) or not isinstance(output, Tensor):
         return None

@@ -313,14 +313,16 @@ class Prepared:
             self._probe_key = probe_key
         if self._loss is None or self._loss.loss_fn is not batch.loss_fn:
             self._loss = PerSampleLoss(batch.loss_fn)
-        plan_key = replace(request, caller="")  # (the plan does not read the loss)
+        plan_key = request.key()  # (the plan does not read the caller's name)
         kept_key, self._plan = self._plans.get(request.task, (None, None))
         budget = self._budget(request, device, kept=plan_key == kept_key)
         if plan_key != kept_key or not self._still_fits(budget, request):
             self._plan = make_plan(self._profile, request, budget=budget)
             self._plans[request.task] = (plan_key, self._plan)
             self.plans += 1
-        plan = self._plan if budget is None else replace(self._plan, memory_budget=budget)
+        plan = self._plan
+        if budget is not None and plan.memory_budget != budget:
+            plan = replace(plan, memory_budget=budget)
         return CallPlan(
             request=request,
             plan=plan,

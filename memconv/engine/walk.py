@@ -367,7 +367,8 @@ class BackwardWalk:
     def record_call(self, module, args, kwargs, output):
         start, given_args, given_kwargs = self.starts[module].pop()
         self.open_modules.pop()
-        if coverage.hooked(module, self.ours):  # a pre-hook may have replaced the arguments
+        others = coverage.hooked(module, self.ours)
+        if others:  # a pre-hook may have replaced the arguments
             args, kwargs = given_args, given_kwargs
         index = self.index
         self.index += 1
@@ -386,7 +387,7 @@ class BackwardWalk:
             call_axes, module, leaf_shapes(in_leaves), leaf_shapes(out_leaves), self.m, name
         )
         rule = coverage.rule_for(
-            module, args, kwargs, call_axes.inputs, output, call_axes.outputs, self.ours
+            module, args, kwargs, call_axes.inputs, output, call_axes.outputs, self.ours, others
         )
         # the arguments as they are, without an operation per input: a rule runs under
         # no_grad and reads their values only, the generic route detaches them first

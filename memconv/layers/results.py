@@ -61,10 +61,13 @@ def check_result(
     *,
     expected: Iterable[str] | None = None,
     where: str | None = None,
+    own: dict | None = None,
 ) -> None:
     """Raise ``ValueError`` unless ``out`` is what ``rule.method`` promises for ``n``
-    samples (see :func:`run_rule`)."""
-    own = own_trainable(module)
+    samples (see :func:`run_rule`; ``own``: :func:`own_trainable` of ``module``, if
+    the caller has it)."""
+    if own is None:
+        own = own_trainable(module)
     name = f"{type(rule).__name__}.{method}"
     at = _where(module, where)
     if not isinstance(out, dict):
