@@ -29,13 +29,15 @@ a reused probe never gives a number a fresh one would not.
 
 What the walks on a kept probe learn is kept with it (:class:`KeptWalk`): the coverage of
 the parameters (:mod:`memconv.engine.coverage`), reused by a walk whose layer calls and
-parameter uses are the last one's (the same modules and rules, the same sequence of
-autograd nodes: :func:`memconv.engine.coverage.assignment_key`); and, where every
+parameter uses are the last one's (the same modules and rules, the calls' windows and
+the parameters' uses at the same autograd sequence numbers counted from the first call:
+:func:`memconv.engine.coverage.assignment_key`); and, where every
 call of an operation on parameters lay in a layer whose rule serves it (a model of
 standard layers), the next walks record the layers' calls without the operation
 recorder (:class:`memconv.engine.recorder.OpRecorder`), which would find nothing for
 the routes; an operation call outside such a layer in a later pass (data-dependent
-control flow) then goes to the generic or the model route, exact as well.
+control flow) then goes to the generic or the model route, exact as well, and a
+reversible block such a walk meets probes the model again.
 
 The plain functions (:func:`memconv.per_sample_grads`, :func:`memconv.per_sample_norms`,
 :func:`memconv.clip_and_accumulate`) keep one :class:`Prepared` per model
