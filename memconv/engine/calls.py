@@ -11,7 +11,7 @@ on parameters or on functions of parameters alone, whatever module makes it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -139,7 +139,8 @@ class LayerCall:
     def settings(self, rs: RuleSettings) -> RuleSettings:
         if rs.autocast == self.autocast:  # (the same state: no new record)
             return rs
-        return replace(rs, autocast=self.autocast)
+        # (the record's own constructor: ``dataclasses.replace`` costs five times more)
+        return type(rs)(**{**rs.__dict__, "autocast": self.autocast})
 
     def grad_sample(self, rs: RuleSettings) -> dict[str, Tensor]:
         """Per-sample gradients ``{name in module: [N, ...]}`` of :attr:`params`."""
