@@ -126,6 +126,18 @@ def saved_self(out: Tensor) -> Tensor | None:
     return saved
 
 
+def own_parameters(module: nn.Module) -> list:
+    """``list(module.named_parameters(recurse=False))`` (each parameter once, under its
+    first name), read from the module's parameter table: the engine asks for it on every
+    layer call, where ``named_parameters``' generators cost more than the reading."""
+    table = module._parameters
+    out = [(k, p) for k, p in table.items() if p is not None]
+    if len(out) > 1 and len({id(p) for _, p in out}) < len(out):
+        seen: set = set()
+        out = [(k, p) for k, p in out if not (id(p) in seen or seen.add(id(p)))]
+    return out
+
+
 def module_hooks(module: nn.Module, backward: bool = False) -> tuple:
     """The ids of ``module``'s forward hooks and forward pre-hooks (and, with
     ``backward``, its backward hooks), in registration order."""

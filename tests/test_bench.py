@@ -292,6 +292,10 @@ def test_steps_table_runs_at_tiny_repeats(tmp_path):
     text = page.read_text()
     assert "old" not in text and "PrivateStep.clip_and_accumulate" in text
     assert text.startswith("before") and text.endswith("after\n")
+    assert "wall clock" in text
+    args = ["--repeats", "1", "--warmup", "0", "--rows", "1", "--clock", "cpu"]
+    assert steps.main([*args, "--markdown", str(page)]) == 0
+    assert "thread CPU time" in page.read_text()
     with pytest.raises(ValueError, match="steps:table"):
         steps.fill("no block", "x")
 

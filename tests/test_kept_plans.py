@@ -275,3 +275,126 @@ def test_default_plan_keeps_the_reference_routes_within_the_lean_target(pricing)
             leanest = predict(prof, request, m=n, layer_budget=MIN_LAYER_BUDGET)[0]
             assert p.predicted_peak <= max(p.lean_target, LEAN_TOLERANCE * leanest), n
         assert plans[4].predicted_peak <= plans[4].lean_target
+
+
+class _Sometimes(nn.Module):
+    """A layer whose parent uses its weight a second time, outside it, when ``twice``
+    is set: control flow the model's state does not show (as data-dependent flow)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = cnn()
+        self.twice = False
+
+    def forward(self, x):
+        out = self.body(x)
+        if self.twice:
+            out = out + nn.functional.linear(out, self.body[5].weight[:, :3])
+        return out
+
+
+def test_a_model_of_layers_records_without_the_operation_recorder(monkeypatch):
+    """Once a walk on the kept probe found every operation call inside a layer whose rule
+    serves it, the next walks record without the recorder, with the fresh numbers; a
+    later pass that uses a parameter outside its layer (flow the state does not show)
+    takes the model route, exact as well; a changed model learns again."""
+    model, loss_fn = _Sometimes(), nn.CrossEntropyLoss()
+    x, y = data()
+    check_all(model, loss_fn, x, y)
+    walks = kept(model)._walks
+    assert walks.layers_only  # learned by the first walk
+    made, assigned = [], []
+    real = memconv.engine.walk.OpRecorder
+    monkeypatch.setattr(memconv.engine.walk, "OpRecorder", lambda *a: made.append(1) or real(*a))
+    real_assign = memconv.engine.coverage.assign
+    monkeypatch.setattr(
+        memconv.engine.coverage, "assign", lambda *a: assigned.append(1) or real_assign(*a)
+    )
+    check_all(model, loss_fn, x, y)
+    assert not made and kept(model).probes == 1
+    assert not assigned  # the same calls and uses: the kept coverage
+    model.twice = True
+    check_all(model, loss_fn, x, y)  # against the loop on the model as it now runs
+    assert not made and assigned  # another use of a weight: the coverage made again
+    model.body[0].bias.requires_grad_(False)  # a new probe: recorded, learned again
+    check_all(model, loss_fn, x, y)
+    assert made and kept(model).probes == 2 and not kept(model)._walks.layers_only
+
+
+def test_operation_calls_outside_layers_keep_the_recorder():
+    """A parameter used by an operation in its parent's forward (an operation call the
+    rules serve outside any layer): the walks keep recording operations."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = cnn()
+            self.weight = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+
+        def forward(self, x):
+            return nn.functional.linear(self.body(x), self.weight)
+
+    model, loss_fn = Scaled(), nn.CrossEntropyLoss()
+    x, y = data()
+    for _ in range(2):
+        check_all(model, loss_fn, x, y)
+    assert not kept(model)._walks.layers_only
+
+
+def test_a_budget_reading_serves_the_next_calls_briefly(monkeypatch):
+    """``"available"`` is read again after ``REREAD_SECONDS``, or on every call where the
+    kept plan's peak is not far within the last reading; a reading below the plan's peak
+    makes a new plan. The numbers are the fresh call's throughout."""
+    from memconv.engine import prepared as prepared_module
+    from memconv.engine import resources
+
+    readings, now, free = [], [100.0], [2**34]
+
+    def available(device=None):
+        readings.append(free[0])
+        return free[0]
+
+    monkeypatch.setattr(resources, "available_memory", available)
+    monkeypatch.setattr(prepared_module, "_clock", lambda: now[0])
+    model, loss_fn = cnn(), nn.CrossEntropyLoss()
+    x, y = data()
+    ref = loop_reference(model, loss_fn, x, y)
+    for _ in range(3):
+        assert_grads_close(memconv.per_sample_grads(model, loss_fn, x, y), ref, TOL)
+    assert len(readings) == 1  # the plan's peak is far within 16 GiB
+    now[0] += 2 * prepared_module.REREAD_SECONDS
+    assert_grads_close(memconv.per_sample_grads(model, loss_fn, x, y), ref, TOL)
+    assert len(readings) == 2
+    peak = kept(model).plan.predicted_peak
+    free[0] = resources.MIN_HEADROOM + 2 * peak  # the budget: 2 × peak, not far within
+    now[0] += 2 * prepared_module.REREAD_SECONDS
+    plans = kept(model).plans
+    for _ in range(2):
+        assert_grads_close(memconv.per_sample_grads(model, loss_fn, x, y), ref, TOL)
+    assert len(readings) == 4 and kept(model).plans == plans  # read each time, still fits
+    free[0] = resources.MIN_HEADROOM + peak // 2  # below the plan's peak: a new plan
+    assert_grads_close(memconv.per_sample_grads(model, loss_fn, x, y), ref, TOL)
+    assert len(readings) == 5 and kept(model).plans == plans + 1
+
+
+def test_kept_coverage_of_shared_parameters_gives_the_fresh_numbers():
+    """A weight two layers share (its uses summed over two calls): the kept coverage gives
+    the fresh call's numbers."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(4)
+            self.a = nn.Linear(4, 4).double()
+            self.b = nn.Linear(4, 4).double()
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    model, loss_fn = Tied(), nn.CrossEntropyLoss()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 4, (5,))
+    for _ in range(3):
+        check_all(model, loss_fn, x, y)
+    assert kept(model)._walks.assigned is not None

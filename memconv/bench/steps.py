@@ -236,9 +236,19 @@ ROWS = [
 ]
 
 
-def measure(build, n: int, repeats: int, warmup: int, engines=None) -> dict[str, float | str]:
-    """Median milliseconds per step of each engine on one model and batch size; an
-    engine whose step raises gets ``"fails: <error>"`` and is not run again."""
+#: The clocks a step can be timed by: the wall clock, or the CPU time of the thread that
+#: runs it (with one torch thread, the step's own work: steadier where other processes
+#: share the machine, as they slow a step's wall clock without adding to its CPU time).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def measure(
+    build, n: int, repeats: int, warmup: int, engines=None, clock: str = "wall"
+) -> dict[str, float | str]:
+    """Median milliseconds per step of each engine on one model and batch size (by
+    ``clock``, a key of :data:`CLOCKS`); an engine whose step raises gets ``"fails:
+    <error>"`` and is not run again."""
+    now = CLOCKS[clock]
     torch.manual_seed(0)
     model, shape = build()
     x = torch.randn(n, *shape)
@@ -256,14 +266,14 @@ def measure(build, n: int, repeats: int, warmup: int, engines=None) -> dict[str,
             for column, step in steps.items():
                 if column in failed:
                     continue
-                start = time.perf_counter()
+                start = now()
                 try:
                     step(x, y)
                 except Exception as err:  # reported in the table, not hidden
                     failed[column] = f"fails: {type(err).__name__}: {str(err).splitlines()[0][:90]}"
                     continue
                 if i >= warmup:
-                    times[column].append(time.perf_counter() - start)
+                    times[column].append(now() - start)
     finally:
         for step in steps.values():
             getattr(step, "close", lambda: None)()
@@ -293,6 +303,12 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--rows", help="comma-separated row numbers (1-based; default all)")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="time each step by the wall clock (default) or the thread's CPU time",
+    )
     parser.add_argument("--json", help="write the medians to this file")
     parser.add_argument("--markdown", help="refill the steps:table block of this page")
     args = parser.parse_args(argv)
@@ -304,13 +320,14 @@ def main(argv=None) -> int:
         rows = [ROWS[int(i) - 1] for i in args.rows.split(",")]
     results = []
     for label, build, n in rows:
-        ms = measure(build, n, args.repeats, args.warmup)
+        ms = measure(build, n, args.repeats, args.warmup, clock=args.clock)
         results.append((label, ms))
         shown = (f"{c} {v}" if isinstance(v, str) else f"{c} {v:.2f} ms" for c, v in ms.items())
         print(f"{label}: " + ", ".join(shown), flush=True)
     text = table(results)
     note = (
-        f"\n\nMedian ms per step of {args.repeats} rounds after {args.warmup}, float32, "
+        f"\n\nMedian ms per step ({'thread CPU time' if args.clock == 'cpu' else 'wall clock'}) "
+        f"of {args.repeats} rounds after {args.warmup}, float32, "
         f"{args.threads} threads, {platform.processor() or platform.machine()}; "
         f"torch {torch.__version__}, memconv {memconv.__version__}."
     )

@@ -38,10 +38,15 @@ def hooked(module: nn.Module, ours) -> bool:
     return bool(others or global_module_hooks())
 
 
-def rule_for(module, args, kwargs, in_axes, output, out_axes, ours) -> LayerRule | None:
-    """The rule of a call if the call is one the rule describes exactly, else None."""
+def rule_for(
+    module, args, kwargs, in_axes, output, out_axes, ours, others: bool | None = None
+) -> LayerRule | None:
+    """The rule of a call if the call is one the rule describes exactly, else None
+    (``others``: :func:`hooked` of the module, if the caller has it)."""
     rule = find_rule(module)
-    if rule is None or kwargs or hooked(module, ours):
+    if others is None:
+        others = hooked(module, ours)
+    if rule is None or kwargs or others:
         return None
     if not args or not all(isinstance(a, Tensor) for a in args) or not isinstance(output, Tensor):
         return None
@@ -113,6 +118,8 @@ def claims(ops: list, reachable: set, names: dict) -> dict:
     parameters only, and into which every edge from the rest of the graph must come
     from the call itself (else some gradient would bypass the calls). A slot that
     fails is dropped from its call (its parameters' uses go to other routes)."""
+    if not ops:
+        return {}
     graphs: dict = {}  # (call, slot) -> (nodes, {pid: parameter}, {pid: seqs})
     for call in ops:
         for slot, root in call.roots.items():
@@ -170,6 +177,27 @@ def claims(ops: list, reachable: set, names: dict) -> dict:
             for pid, ss in seqs.items():
                 mine.setdefault(pid, set()).update(ss)
     return out
+
+
+def assignment_key(calls: list, uses: dict, names: dict) -> tuple | None:
+    """All that :func:`assign` reads of layer calls (no operation call, no reversible
+    block: their claims read the graph itself): each call's module, rule and window, and
+    each parameter's uses, the sequence numbers counted from the first call's start. Two
+    walks with equal keys get the same assignment; None where there is no key."""
+    if not calls or any(type(c) is not LayerCall for c in calls):
+        return None
+    base = calls[0].window[0]
+    return (
+        tuple((c.module, c.rule, c.window[0] - base, c.window[1] - base) for c in calls),
+        tuple((pid, tuple(s - base for s in uses.get(pid, ()))) for pid in names),
+    )
+
+
+def share(calls: list, calls_per_param: dict) -> None:
+    """Fill each call's :attr:`~memconv.engine.calls.LayerCall.shared`: its parameters
+    that other calls' routes compute too."""
+    for call in calls:
+        call.shared = {k for k, full in call.params.items() if calls_per_param.get(full, 0) > 1}
 
 
 def assign(calls: list[LayerCall], uses: dict, names: dict, claims: dict) -> tuple[list, dict]:
@@ -258,6 +286,5 @@ def assign(calls: list[LayerCall], uses: dict, names: dict, claims: dict) -> tup
         for call in outer:
             call.params[routable[call][pid]] = model_name
         calls_per_param[model_name] = len(outer)
-    for call in calls:
-        call.shared = {k for k, full in call.params.items() if calls_per_param.get(full, 0) > 1}
+    share(calls, calls_per_param)
     return model_params, calls_per_param

@@ -82,6 +82,7 @@ def _walk(part: Batch, cp: CallPlan, *, rows: slice, visitor, keep: bool) -> Mic
             keep_graph=keep,
             prepare=visitor.prepare,
             owners=cp.owners,
+            kept=cp.kept,
         )
     for name, grads in model_route(part, walk, cp.rule_settings).items():
         visitor.from_model_route(name, grads)

@@ -13,8 +13,11 @@ these and hands them to the next call while everything they depend on is the sam
 - the inputs' shape, dtype and device, and the autocast state;
 - the task, the strategy's settings (the open :class:`memconv.save_memory` block's
   included), ``clip_route``, ``norm_route``, and the budget (a ``"available"``
-  budget is read again on every call: the plan is kept while its one pass over the
-  whole batch still fits, and made again otherwise);
+  budget is read again: the plan is kept while its one pass over the whole batch
+  still fits, and made again otherwise; the last reading serves the calls of the
+  next :data:`REREAD_SECONDS` while the kept plan's predicted peak is within
+  :data:`FAR_WITHIN` of it, so that a step of a millisecond does not read the
+  kernel's files each time);
 - the loss function (the same object) for the per-sample loss evaluation (a new loss
   object makes that afresh; the probe and the plan do not depend on the loss).
 
@@ -23,6 +26,18 @@ enter any of them. The walk checks every recorded layer call of every pass again
 the probe (the same module, the shapes the probe predicts for the batch); a call that
 differs from a reused probe probes the model again and runs again from the start, so
 a reused probe never gives a number a fresh one would not.
+
+What the walks on a kept probe learn is kept with it (:class:`KeptWalk`): the coverage of
+the parameters (:mod:`memconv.engine.coverage`), reused by a walk whose layer calls and
+parameter uses are the last one's (the same modules and rules, the calls' windows and
+the parameters' uses at the same autograd sequence numbers counted from the first call:
+:func:`memconv.engine.coverage.assignment_key`); and, where every
+call of an operation on parameters lay in a layer whose rule serves it (a model of
+standard layers), the next walks record the layers' calls without the operation
+recorder (:class:`memconv.engine.recorder.OpRecorder`), which would find nothing for
+the routes; an operation call outside such a layer in a later pass (data-dependent
+control flow) then goes to the generic or the model route, exact as well, and a
+reversible block such a walk meets probes the model again.
 
 The plain functions (:func:`memconv.per_sample_grads`, :func:`memconv.per_sample_norms`,
 :func:`memconv.clip_and_accumulate`) keep one :class:`Prepared` per model
@@ -38,18 +53,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 
 from torch import Tensor, nn
 
 from .._checks import AVAILABLE, check_grad_mode
-from .._torch import compiled_inner, global_module_hooks, module_hooks
+from .._torch import compiled_inner, global_module_hooks, module_hooks, own_parameters
 from ..conv.settings import Autocast
 from ..layers import RuleSettings, check_layer, find_rule
 from ..streaming import StreamingCNN
 from .losses import PerSampleLoss
 from .planning import Plan, Profile, make_plan, profile
-from .probes import ProbeMismatch, owner_names
+from .probes import CallAxes, ProbeMismatch, owner_names
 from .request import Batch, Request
 from .resources import guards, resolve_budget
 
@@ -101,15 +117,29 @@ class _ModelState:
     the same attributes."""
 
     def __init__(self, model: nn.Module):
-        self.modules = tuple(
-            (name, m, m.training, module_hooks(m)) for name, m in model.named_modules()
-        )
-        named = list(model.named_parameters())
-        self.params = tuple(p for _, p in named)
-        self.attributes = tuple(
-            (name, p.requires_grad, p.shape, p.dtype, p.device) for name, p in named
-        )
+        # one pass over the modules, their parameters in ``named_parameters`` order
+        # (each once, where first met): a parameter's attributes name its module's place
+        modules, params, attributes, seen = [], [], [], set()
+        for i, (name, m) in enumerate(model.named_modules()):
+            modules.append((name, m, m.training, module_hooks(m)))
+            for k, p in own_parameters(m):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+                    attributes.append((i, k, p.requires_grad, p.shape, p.dtype, p.device))
+        self.modules, self.params = tuple(modules), tuple(params)
+        self.attributes = tuple(attributes)
         self.hooks = global_module_hooks()
+
+    def trainable(self) -> dict:
+        """``{name: parameter}`` of the trainable parameters, in ``named_parameters``
+        order."""
+        out = {}
+        for (i, k, grad, *_), p in zip(self.attributes, self.params):
+            if grad:
+                name = self.modules[i][0]
+                out[f"{name}.{k}" if name else k] = p
+        return out
 
     def __eq__(self, other) -> bool:
         return (
@@ -120,6 +150,41 @@ class _ModelState:
             and len(self.params) == len(other.params)
             and all(a is b for a, b in zip(self.params, other.params))
         )
+
+
+#: Seconds a reading of an ``"available"`` budget serves the calls that follow (see
+#: the module docstring).
+REREAD_SECONDS = 0.1
+#: The fraction of the last reading a kept plan's predicted peak must be within for
+#: that reading to serve the next calls.
+FAR_WITHIN = 0.25
+_clock = time.monotonic
+
+
+@dataclass(eq=False)
+class KeptWalk:
+    """What the walks on one probe learned, for the next walks on it.
+
+    Attributes:
+        layers_only: whether a whole walk on the probe saw every call of an operation
+            on parameters inside a layer whose rule serves it, and no reversible
+            block: the next walks record without the operation recorder.
+        layer_axes: the probe's :class:`memconv.engine.probes.CallAxes` of the layer
+            calls alone (those of the operation calls left out), in forward order.
+        assigned: ``(key, [each call's params], model route's parameters, calls per
+            parameter)`` of the last walk's coverage
+            (:func:`memconv.engine.coverage.assignment_key`, :func:`memconv.engine.coverage.assign`),
+            reused by a walk whose key is equal; None before.
+    """
+
+    layers_only: bool = False
+    layer_axes: list = field(default_factory=list)
+    assigned: tuple | None = None
+
+    @classmethod
+    def of(cls, axes: list[CallAxes]) -> KeptWalk:
+        """A record for the probe whose calls' axes are ``axes``."""
+        return cls(layer_axes=[a for a in axes if isinstance(a.module, nn.Module)])
 
 
 @dataclass(frozen=True)
@@ -135,6 +200,8 @@ class CallPlan:
         loss: the per-sample loss evaluation.
         owners: :func:`memconv.engine.probes.owner_names` of the model.
         params: ``{name: parameter}`` of the trainable parameters.
+        kept: what the walks on the probe learned (:class:`KeptWalk`; None: nothing
+            is kept).
     """
 
     request: Request
@@ -145,6 +212,7 @@ class CallPlan:
     loss: PerSampleLoss
     owners: dict
     params: dict
+    kept: KeptWalk | None = None
 
     @property
     def rule_settings(self) -> RuleSettings:
@@ -184,11 +252,14 @@ class Prepared:
         self._loss: PerSampleLoss | None = None
         self._trainable: dict = {}
         self._streams = False
+        self._walks: KeptWalk | None = None
+        self._reading = None  # (time, device, bytes) of the last "available" budget
 
     def forget(self) -> None:
         """Drop the probe and plan: the next call makes new ones."""
         self._checked = self._probe_key = self._profile = self._axes = self._plan = None
         self._plans = {}
+        self._walks = None
 
     def run(self, call):
         """``call()``, run again from the start with a new probe if a reused probe no
@@ -217,9 +288,7 @@ class Prepared:
         if self._checked != (state, settings):
             check_per_sample_model(model, settings=settings)
             self._checked = (state, settings)
-            self._trainable = {
-                name: p for (name, grad, *_), p in zip(state.attributes, state.params) if grad
-            }
+            self._trainable = state.trainable()
             self._streams = model_streams(model)
         self._model_key = state
         return model
@@ -249,14 +318,16 @@ class Prepared:
             self._probe_key = probe_key
         if self._loss is None or self._loss.loss_fn is not batch.loss_fn:
             self._loss = PerSampleLoss(batch.loss_fn)
-        budget = resolve_budget(request.memory_budget, device)
-        plan_key = replace(request, caller="")  # (the plan does not read the loss)
+        plan_key = request.key()  # (the plan does not read the caller's name)
         kept_key, self._plan = self._plans.get(request.task, (None, None))
+        budget = self._budget(request, device, kept=plan_key == kept_key)
         if plan_key != kept_key or not self._still_fits(budget, request):
             self._plan = make_plan(self._profile, request, budget=budget)
             self._plans[request.task] = (plan_key, self._plan)
             self.plans += 1
-        plan = self._plan if budget is None else replace(self._plan, memory_budget=budget)
+        plan = self._plan
+        if budget is not None and plan.memory_budget != budget:
+            plan = replace(plan, memory_budget=budget)
         return CallPlan(
             request=request,
             plan=plan,
@@ -266,7 +337,30 @@ class Prepared:
             loss=self._loss,
             owners=self._owners,
             params=self._params,
+            kept=self._walks,
         )
+
+    def _budget(self, request: Request, device, kept: bool):
+        """The call's budget in bytes (None: none): an ``"available"`` budget read again
+        (:func:`memconv.engine.resources.resolve_budget`), or the last reading where it
+        is younger than :data:`REREAD_SECONDS` and the kept plan (``kept``: the
+        request's) predicts a peak within :data:`FAR_WITHIN` of it."""
+        if request.memory_budget != AVAILABLE:
+            return request.memory_budget
+        now = _clock()
+        last, p = self._reading, self._plan
+        if (
+            kept
+            and last is not None
+            and p is not None
+            and last[1] == device
+            and now - last[0] < REREAD_SECONDS
+            and p.predicted_peak <= FAR_WITHIN * last[2]
+        ):
+            return last[2]
+        budget = resolve_budget(request.memory_budget, device)
+        self._reading = (now, device, budget)
+        return budget
 
     def _probe(self, model: nn.Module, inputs: Tensor) -> None:
         """Probe ``model`` on ``inputs`` (:func:`memconv.engine.planning.profile`), and
@@ -278,6 +372,7 @@ class Prepared:
         self._owners = owner_names(model)
         self.probes += 1
         self._plans = {}
+        self._walks = KeptWalk.of(self._axes)
 
     def _still_fits(self, budget, request: Request) -> bool:
         """Whether the plan a fresh one would be is the kept one (an ``"available"``

@@ -42,6 +42,11 @@ class Request:
     clip_route: ClipRoute | None = None
     caller: str = "memconv"
 
+    def key(self) -> tuple:
+        """The fields a plan depends on (all but :attr:`caller`), as a tuple."""
+        r = self
+        return (r.task, r.n, r.settings, r.memory_budget, r.norm_route, r.clip_route)
+
     def routed(self, clip_route: ClipRoute | None) -> Request:
         """The same request with ``clip_route``."""
         return replace(self, clip_route=clip_route)
@@ -70,5 +75,7 @@ class Batch:
         return len(self.inputs)
 
     def rows(self, rows: slice) -> Batch:
-        """The micro-batch of ``rows``."""
+        """The micro-batch of ``rows`` (the batch itself where they are all of it)."""
+        if rows == slice(0, len(self.inputs)):
+            return self
         return replace(self, inputs=self.inputs[rows], targets=self.targets[rows])

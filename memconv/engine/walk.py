@@ -98,6 +98,7 @@ def backward_walk(
     keep_graph: bool = False,
     prepare: Callable[[list[LayerCall]], None] | None = None,
     owners: dict | None = None,
+    kept=None,
 ) -> Walk:
     """One forward and one backward pass in which every layer call's output gradient
     reaches ``visit`` (once per call, then dropped); autograd computes no parameter
@@ -121,6 +122,8 @@ def backward_walk(
         prepare: called with the calls ``visit`` will get, in forward order, before
             the backward pass.
         owners: :func:`memconv.engine.probes.owner_names` of the model, if known.
+        kept: what the walks on the same probe learned
+            (:class:`memconv.engine.prepared.KeptWalk`), or None.
 
     Returns:
         The :class:`Walk`.
@@ -133,7 +136,9 @@ def backward_walk(
     per_sample = loss_fn if isinstance(loss_fn, PerSampleLoss) else PerSampleLoss(loss_fn)
     if owners is None:
         owners = owner_names(model)
-    walk = BackwardWalk(model, names, axes, visit, caller=caller, owners=owners, m=len(inputs))
+    walk = BackwardWalk(
+        model, names, axes, visit, caller=caller, owners=owners, m=len(inputs), kept=kept
+    )
     return walk.run(per_sample, inputs, targets, keep_graph=keep_graph, prepare=prepare)
 
 
@@ -163,9 +168,23 @@ class BackwardWalk:
             saved would otherwise keep that part of the graph, the visitor and
             its results alive in a cycle through autograd that Python's collector
             cannot see).
+        kept: what the walks on the same probe learned
+            (:class:`memconv.engine.prepared.KeptWalk`), or None. Where they learned
+            that the model's operation calls on parameters all lie in layers whose
+            rules serve them, this walk records the layer calls alone, against the
+            probe's axes of those (no operation recorder); otherwise it records
+            with the recorder and, if it finds the same, says so in ``kept`` once
+            it has ended without error.
+        layers_only: whether every operation call so far lay in a layer whose rule
+            serves it (and no reversible block was called).
     """
 
-    def __init__(self, model, names, axes, visit, *, caller: str, owners: dict, m: int):
+    def __init__(self, model, names, axes, visit, *, caller: str, owners: dict, m: int, kept=None):
+        self.kept = kept
+        self.recording_ops = kept is None or not kept.layers_only
+        if not self.recording_ops:
+            axes = kept.layer_axes
+        self.layers_only = True
         self.model, self.names, self.axes = model, names, axes
         self.caller, self.owners, self.m = caller, owners, m
         self.calls: list[LayerCall] = []
@@ -225,6 +244,8 @@ class BackwardWalk:
                 prepare(self.to_visit())
             self.backward([losses.sum()], [None], reachable, keep_graph)
             self.check(uses)
+            if self.kept is not None and self.recording_ops and self.layers_only:
+                self.kept.layers_only = True
             return walk
         finally:
             self.close()
@@ -264,8 +285,9 @@ class BackwardWalk:
             post = o.register_forward_hook(self.forward_hook, with_kwargs=True)
             self.handles += [pre, post]
             self.ours.update((pre.id, post.id))
-        self.recorder = OpRecorder(self.model, self.on_op)
-        self.recorder.__enter__()
+        if self.recording_ops:
+            self.recorder = OpRecorder(self.model, self.on_op)
+            self.recorder.__enter__()
         self.observe = observing(self)  # reversible blocks report their calls here
         self.observe.__enter__()
 
@@ -276,8 +298,9 @@ class BackwardWalk:
         self.handles = []
         if self.observe is not None:
             self.observe.__exit__(None, None, None)
-            self.recorder.__exit__(None, None, None)
-            self.recorder.pure = {}  # the forward pass's tensors, no longer needed
+            if self.recorder is not None:
+                self.recorder.__exit__(None, None, None)
+                self.recorder.pure = {}  # the forward pass's tensors, no longer needed
             self.observe = None
 
     @contextlib.contextmanager
@@ -304,6 +327,8 @@ class BackwardWalk:
         covered = inside is not None and coverage.covered_by_module(
             inside, bound, self.ours, self.covering
         )
+        if not covered:
+            self.layers_only = False
         start = None if covered else self.seq.now()
         out = run()
         if not (isinstance(out, Tensor) and out.requires_grad):
@@ -342,7 +367,8 @@ class BackwardWalk:
     def record_call(self, module, args, kwargs, output):
         start, given_args, given_kwargs = self.starts[module].pop()
         self.open_modules.pop()
-        if coverage.hooked(module, self.ours):  # a pre-hook may have replaced the arguments
+        others = coverage.hooked(module, self.ours)
+        if others:  # a pre-hook may have replaced the arguments
             args, kwargs = given_args, given_kwargs
         index = self.index
         self.index += 1
@@ -361,7 +387,7 @@ class BackwardWalk:
             call_axes, module, leaf_shapes(in_leaves), leaf_shapes(out_leaves), self.m, name
         )
         rule = coverage.rule_for(
-            module, args, kwargs, call_axes.inputs, output, call_axes.outputs, self.ours
+            module, args, kwargs, call_axes.inputs, output, call_axes.outputs, self.ours, others
         )
         # the arguments as they are, without an operation per input: a rule runs under
         # no_grad and reads their values only, the generic route detaches them first
@@ -384,7 +410,8 @@ class BackwardWalk:
                 continue
             if is_view(t):  # an in-place op on a view would rebuild its graph
                 t = t.clone()
-                self.recorder.alias(t, out_leaves[j])
+                if self.recorder is not None:
+                    self.recorder.alias(t, out_leaves[j])
                 new_leaves[j] = t
             self.grad_hooks.append(t.register_hook(self.visits.hook(call, j)))
             call.state.edges.append((j, get_gradient_edge(t)))
@@ -396,12 +423,28 @@ class BackwardWalk:
         the calls with nothing to compute are released. Returns the graph's nodes and
         the parameters' uses."""
         reachable, uses = coverage.use_graph(*roots)
-        claims = coverage.claims(
-            [c for c in self.calls if isinstance(c, OpCall)], reachable, self.names
-        )
-        walk.model_params, walk.calls_per_param = coverage.assign(
-            self.calls, uses, self.names, claims
-        )
+        key = None if self.kept is None else coverage.assignment_key(self.calls, uses, self.names)
+        kept = self.kept.assigned if key is not None else None
+        if kept is not None and kept[0] == key:  # the last walk's assignment, as it was
+            _, params, model_params, calls_per_param = kept
+            for call, own in zip(self.calls, params):
+                call.params = dict(own)
+            coverage.share(self.calls, calls_per_param)
+            walk.model_params, walk.calls_per_param = list(model_params), dict(calls_per_param)
+        else:
+            claims = coverage.claims(
+                [c for c in self.calls if isinstance(c, OpCall)], reachable, self.names
+            )
+            walk.model_params, walk.calls_per_param = coverage.assign(
+                self.calls, uses, self.names, claims
+            )
+            if key is not None:
+                self.kept.assigned = (
+                    key,
+                    [dict(c.params) for c in self.calls],
+                    list(walk.model_params),
+                    dict(walk.calls_per_param),
+                )
         self.counts = walk.calls_per_param
         for call in self.calls:
             if isinstance(call, BlockCall):  # its backward pass must run: it visits
@@ -445,6 +488,11 @@ class BackwardWalk:
 
     def enter(self, block: nn.Module, fn: nn.Module) -> _Block:
         """A reversible block's forward pass starts (before its autograd Function)."""
+        self.layers_only = False
+        if not self.recording_ops:  # the walks it learned from called no block
+            raise ProbeMismatch(
+                f"{self.caller}: the model calls a reversible block not in its probe"
+            )
         with paused():
             token = _Block(self, block, fn, self.seq.now(), self.index)
         self.open_blocks.append(token)

@@ -67,7 +67,7 @@ def run_rule(
         return {k: p.new_zeros(shape(p, 0)) for k, p in own.items()}
     with torch.no_grad(), calling(where):
         out = getattr(rule, method)(module, inputs, grad_output)
-    check_result(rule, method, module, out, n, expected=expected, where=where)
+    check_result(rule, method, module, out, n, expected=expected, where=where, own=own)
     return out
 
 

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 from torch import Tensor, nn
 
+from .._torch import own_parameters
+
 #: The per-sample methods of a rule, and the shape each promises for a parameter ``p``
 #: and N samples.
 SHAPES = {
@@ -26,7 +28,7 @@ SHAPES = {
 
 def own_trainable(module: nn.Module) -> dict[str, Tensor]:
     """``{local name: parameter}`` of the module's own parameters that require grad."""
-    return {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
+    return {k: p for k, p in own_parameters(module) if p.requires_grad}
 
 
 #: The layer or operation whose rule is being called (set by the dispatch), for the
@@ -59,10 +61,13 @@ def check_result(
     *,
     expected: Iterable[str] | None = None,
     where: str | None = None,
+    own: dict | None = None,
 ) -> None:
     """Raise ``ValueError`` unless ``out`` is what ``rule.method`` promises for ``n``
-    samples (see :func:`run_rule`)."""
-    own = own_trainable(module)
+    samples (see :func:`run_rule`; ``own``: :func:`own_trainable` of ``module``, if
+    the caller has it)."""
+    if own is None:
+        own = own_trainable(module)
     name = f"{type(rule).__name__}.{method}"
     at = _where(module, where)
     if not isinstance(out, dict):

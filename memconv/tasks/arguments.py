@@ -88,4 +88,5 @@ def check_call(
     check_route(norm_route)
     routes = dict(norm_route=norm_route, clip_route=clip_route, caller=caller)
     request = Request(task=task, n=n, settings=settings, memory_budget=memory_budget, **routes)
-    return Checked(request, replace(given, model=model), ddp)
+    batch = given if model is given.model else replace(given, model=model)
+    return Checked(request, batch, ddp)
