@@ -291,13 +291,13 @@ def backward_pass(
         del values, outs, seeds
         summed = [(a, g) for a, g in zip(acc, got[: len(params)]) if g is not None]
         add_each([a for a, _ in summed], [g for _, g in summed])  # one operation for all
-        sent = zip(leaves, got[len(params) : len(params) + len(leaves)])
-        grads_halo.add([(*leaf[:3], g) for leaf, g in sent if g is not None], tile)
+        sent = [(*leaf[:3], g) for leaf, g in zip(leaves, got[len(params) :]) if g is not None]
+        grads_halo.add(sent, tile)
         if want_input:
             for (box, _), g in zip(inputs, got[len(params) + len(leaves) :]):
                 if g is not None:
                     crop(gx, box).add_(g.to(gx.device))
-        del got, leaves, inputs
+        del got, leaves, inputs, sent  # the tile's gradients, before the next tile
         grads_halo.release(tile)
         runner.halo.release(tile)
         if _row_done(plan, tile, reverse=True):
