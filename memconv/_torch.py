@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 __all__ = [
     "add_each",
     "compiled_inner",
+    "copy_each",
     "functorch_active",
     "global_module_hooks",
     "graph_task_id",
@@ -68,6 +69,15 @@ def add_each(targets: list[Tensor], values: list[Tensor]) -> None:
     """``t += v`` for every pair, by one operation for them all (``torch._foreach_add_``)."""
     if targets:
         torch._foreach_add_(targets, values)
+
+
+def copy_each(targets: list[Tensor], values: list[Tensor]) -> None:
+    """``t.copy_(v)`` for every pair, by one operation for them all
+    (``torch._foreach_copy_``); the targets must not overlap one another."""
+    if len(targets) == 1:
+        targets[0].copy_(values[0])
+    elif targets:
+        torch._foreach_copy_(targets, values)
 
 
 def is_view(t: Tensor) -> bool:

@@ -16,10 +16,11 @@ adds it to the output gradient of the positions it computes. Every contribution 
 position's gradient comes from its own tile or a later one, so each position's
 gradient is complete when its tile runs.
 
-Each slab (node, axis, tile boundary) is a tensor of its own, so that the backward pass
-frees what no tile will read again (:meth:`HaloStore.release`): a gradient slab once
-the tiles owning its positions ran, a forward slab once the tiles reading it ran. The
-gradients alive at once are then about one row of tiles' worth.
+Each slab (node, axis, tile boundary, and the row of tiles along the axes before) is a
+tensor of its own, so that the backward pass frees what no tile will read again
+(:meth:`HaloStore.release`): a gradient slab once the tiles owning its positions ran, a
+forward slab once the tiles reading it ran. The gradients alive at once are then about
+one row of tiles' worth.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._torch import add_each, copy_each
 from .tiling import TilePlan
 
 
@@ -34,6 +36,12 @@ class HaloStore:
     """Halo slabs of every node and axis: forward values, or gradients (see the module
     docstring). Slabs are allocated on first use, with the dtype and device of what is
     written.
+
+    A slab along axis ``a`` spans, along the axes before ``a``, the positions the tiles
+    of one index along them own (one row of tiles, in two dimensions), and along the
+    axes after ``a`` the whole extent: exactly what the tiles of that row read of it, so
+    that reading, writing and adding along the axes before ``a`` takes the whole slab,
+    without a slice.
 
     Args:
         plan: the tiles.
@@ -44,56 +52,71 @@ class HaloStore:
     def __init__(self, plan: TilePlan, *, gradients: bool = False):
         self.plan = plan
         self.gradients = gradients
-        self.slabs: dict[tuple[int, int, int], Tensor] = {}
-        self._made: dict[tuple[int, int, int], tuple] = {}  # a gradient slab's first sender
+        #: ``{(node, axis, k, tile indices along the axes before): slab}``
+        self.slabs: dict[tuple[int, int, int, tuple], Tensor] = {}
 
     @property
     def nbytes(self) -> int:
         """Bytes held."""
         return sum(t.numel() * t.element_size() for t in self.slabs.values())
 
-    def _slab(self, v: int, axis: int, k: int, like: Tensor) -> Tensor:
-        slab = self.slabs.get((v, axis, k))
+    def _slab(self, key: tuple, like: Tensor) -> Tensor:
+        slab = self.slabs.get(key)
         if slab is None:
+            v, axis, k, prefix = key
             node = self.plan.bound.nodes[v]
             shape = list(node.shape)
             shape[node.dim(axis)] = self.plan.axes[axis].depth[v][k]
+            for a, i in enumerate(prefix):
+                lo, hi = self.plan.axes[a].own(v, i)
+                shape[node.dim(a)] = hi - lo
             # forward values: every position is written before a tile reads it; gradients
             # are summed into the slab
             make = like.new_zeros if self.gradients else like.new_empty
-            slab = self.slabs[(v, axis, k)] = make(shape)
+            slab = self.slabs[key] = make(shape)
         return slab
 
-    def _index(self, v: int, axis: int, k: int, box) -> tuple:
-        """Index of the positions ``box`` (absolute; along ``axis`` within tile ``k``'s
-        halo) in the slab of node ``v``, ``axis`` and tile ``k``."""
+    def _at(self, key: tuple, box, like: Tensor | None = None) -> Tensor:
+        """The positions ``box`` of the slab ``key`` (made like ``like`` if it is not yet):
+        the slab itself when they are all of it, else a view."""
+        slab = self.slabs[key] if like is None else self._slab(key, like)
+        index = self._index(key, box)
+        return slab if _whole(slab, index) else slab[index]
+
+    def _index(self, key: tuple, box) -> tuple:
+        """Index of the positions ``box`` (absolute; along the key's axis within tile
+        ``k``'s halo, along the axes before within the prefix's tiles' own positions) in
+        the slab ``key``."""
+        v, axis, k, prefix = key
         node = self.plan.bound.nodes[v]
-        start = self.plan.axes[axis].halo(v, k)[0]
         index = [slice(None)] * len(node.layout)
         for a, (lo, hi) in enumerate(box):
-            off = start if a == axis else 0
+            if a < axis:
+                off = self.plan.axes[a].own(v, prefix[a])[0]
+            else:
+                off = self.plan.axes[axis].halo(v, k)[0] if a == axis else 0
             index[node.dim(a)] = slice(lo - off, hi - off)
         return tuple(index)
 
-    def release(self, tile, *, gradients: bool) -> None:
+    def release(self, tile) -> None:
         """Free the slabs no tile after ``tile`` (in reverse raster order) needs.
 
         Gradients: a slab along axis ``a`` whose positions belong to tiles after this one
-        along ``a`` (they ran), or one made under other tile indices along the axes before
-        ``a`` (its positions belong to those tiles). Forward values: a slab along the
-        first axis read by a later row of tiles (it ran)."""
+        along ``a`` (they ran), or one of other tile indices along the axes before ``a``
+        (their tiles ran). Forward values: a slab read by tiles after this one (they
+        ran)."""
         axes = self.plan.axes
-        for v, a, k in list(self.slabs):
-            if gradients:
-                lo = axes[a].halo(v, k)[0]
-                done = lo >= axes[a].own(v, tile[a])[1]
-                if done or (a > 0 and self._made.get((v, a, k)) != tuple(tile[:a])):
-                    del self.slabs[(v, a, k)]
-            elif a == 0 and k > tile[0]:
-                del self.slabs[(v, a, k)]
+        for key in list(self.slabs):
+            v, a, k, prefix = key
+            if self.gradients:
+                done = axes[a].halo(v, k)[0] >= axes[a].own(v, tile[a])[1]
+                if done or prefix != tuple(tile[:a]):
+                    del self.slabs[key]
+            elif tuple(tile[: a + 1]) < (*prefix, k):
+                del self.slabs[key]
 
     def _overlaps(self, v: int, tile, box):
-        """``(axis, k, box ∩ halo)`` for every later tile ``k`` along each axis whose
+        """``(slab key, box ∩ halo)`` for every later tile ``k`` along each axis whose
         halo of ``v`` meets ``box`` (the positions ``tile`` computes)."""
         for axis, plan in enumerate(self.plan.axes):
             if not plan.length[v]:
@@ -107,34 +130,48 @@ class HaloStore:
                 if a < b:
                     part = list(box)
                     part[axis] = (a, b)
-                    yield axis, k, tuple(part)
+                    yield (v, axis, k, tuple(tile[:axis])), tuple(part)
 
     def write(self, v: int, tile, value: Tensor) -> None:
         """Keep the positions of ``value`` (node ``v``'s box at ``tile``) that later
         tiles read."""
         box = self.plan.own(v, tile)
-        for axis, k, part in self._overlaps(v, tile, box):
-            slab = self._slab(v, axis, k, value)
-            # views and one copy (indexed assignment would add an alias and a dispatch)
-            slab[self._index(v, axis, k, part)].copy_(value[_relative(self.plan, v, part, box)])
+        targets, values = [], []
+        for key, part in self._overlaps(v, tile, box):
+            # views (indexed assignment would add an alias and a dispatch per piece)
+            targets.append(self._at(key, part, value))
+            values.append(value[_relative(self.plan, v, part, box)])
+        copy_each(targets, values)  # one copy for all the slabs (distinct tensors)
 
-    def read(self, v: int, axis: int, k: int, box) -> Tensor:
-        """The kept positions ``box`` of node ``v`` (tile ``k``'s halo along ``axis``)."""
-        return self.slabs[(v, axis, k)][self._index(v, axis, k, box)]
+    def read(self, v: int, axis: int, tile, box, *, view: bool = False) -> Tensor:
+        """The kept positions ``box`` of node ``v`` that ``tile`` reads before its own
+        along ``axis`` (its halo there); with ``view``, always a view of the slab (a
+        tensor of its own, to take a gradient as a leaf)."""
+        key = (v, axis, tile[axis], tuple(tile[:axis]))
+        return self.slabs[key][self._index(key, box)] if view else self._at(key, box)
 
-    def add(self, v: int, axis: int, k: int, box, grad: Tensor, tile) -> None:
-        """Add a gradient, sent by ``tile``, to the positions ``box`` of tile ``k``'s halo
-        along ``axis``."""
-        key, prefix = (v, axis, k), tuple(tile[:axis])
-        if self._made.get(key) != prefix:  # a slab of other tiles along the axes before
-            self.slabs.pop(key, None)  # `axis` holds positions those tiles consumed
-            self._made[key] = prefix
-        self._slab(v, axis, k, grad)[self._index(v, axis, k, box)].add_(grad)  # one add
+    def add(self, sent: list, tile) -> None:
+        """Add the gradients ``tile`` sent to the halo of earlier tiles, ``sent``:
+        ``(node, axis, box, gradient)``, each to the positions ``box`` of the tile's halo
+        of the node along ``axis``, by one operation for all the slabs (one more for each
+        further gradient sent to one slab, as two may overlap)."""
+        rounds: list[tuple[dict, list]] = []  # per round: {slab key: target}, gradients
+        for v, axis, box, grad in sent:
+            key = (v, axis, tile[axis], tuple(tile[:axis]))
+            target = self._at(key, box, grad)
+            free = next((r for r in rounds if key not in r[0]), None)
+            if free is None:
+                free = ({}, [])
+                rounds.append(free)
+            free[0][key] = target
+            free[1].append(grad)
+        for targets, grads in rounds:
+            add_each(list(targets.values()), grads)
 
     def reaches(self, v: int, tile) -> bool:
         """Whether later tiles sent gradients to node ``v``'s box at ``tile``."""
         box = self.plan.own(v, tile)
-        return any((v, axis, k) in self.slabs for axis, k, _ in self._overlaps(v, tile, box))
+        return any(key in self.slabs for key, _ in self._overlaps(v, tile, box))
 
     def seed(self, v: int, tile, like: Tensor) -> Tensor:
         """The gradient later tiles sent to node ``v``'s box at ``tile``, as a tensor
@@ -147,10 +184,16 @@ class HaloStore:
         """Add the gradient later tiles sent to node ``v``'s box at ``tile`` to ``grad``
         (a gradient of the box), on the slabs they cover."""
         box = self.plan.own(v, tile)
-        for axis, k, part in self._overlaps(v, tile, box):
-            slab = self.slabs.get((v, axis, k))
-            if slab is not None:
-                grad[_relative(self.plan, v, part, box)].add_(slab[self._index(v, axis, k, part)])
+        for key, part in self._overlaps(v, tile, box):
+            if key in self.slabs:
+                grad[_relative(self.plan, v, part, box)].add_(self._at(key, part))
+
+
+def _whole(t: Tensor, index: tuple) -> bool:
+    """Whether the slices ``index`` take all of ``t``."""
+    return all(
+        (i.start or 0) == 0 and (i.stop is None or i.stop >= n) for i, n in zip(index, t.shape)
+    )
 
 
 def _relative(plan: TilePlan, v: int, part, box) -> tuple:

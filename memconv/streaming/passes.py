@@ -8,7 +8,7 @@ keeps what later tiles will read, writes its part of the output and frees the re
 Backward (:func:`backward_pass`): tiles in reverse raster order; each recomputes its
 boxes with autograd (its halo read from the forward pass's store as leaves) and runs
 one ``torch.autograd.grad`` from its part of the output gradient; the gradients later
-tiles sent to its boxes join on the way (:class:`Seed`, on the thin slabs they cover).
+tiles sent to its boxes join on the way (:func:`seed`, on the thin slabs they cover).
 The gradients of its halo leaves go to the gradient store, those of the parameters and
 of the input are summed. Every position of every node is computed twice in all (once
 per pass), as with checkpointing, and never recomputed as another tile's halo.
@@ -37,20 +37,22 @@ def crop(x: Tensor, box, dims: list[int] | None = None) -> Tensor:
     return x[tuple(index)]
 
 
-class Seed(torch.autograd.Function):
-    """The identity, whose backward pass adds the gradients later tiles sent to a box
-    (``grads.seed_into``): on the thin slabs of the box they cover, not a box of zeros."""
+def seed(y: Tensor, grads: HaloStore, v: int, tile, ins: list) -> Tensor:
+    """``y`` (node ``v``'s box at ``tile``), whose gradient receives the gradients later
+    tiles sent to the box (``grads.seed_into``, on the thin slabs they cover, not a box
+    of zeros) through a hook: no operation in the forward pass. An op that returned one
+    of its inputs ``ins`` unchanged gets a view of it first, so that the hook adds to
+    this node's gradient only."""
+    if any(y is t for t in ins):
+        y = y.view_as(y)
 
-    @staticmethod
-    def forward(ctx, y, grads, v, tile):
-        ctx.grads, ctx.v, ctx.tile = grads, v, tile
-        return y.view_as(y)
+    def hook(g: Tensor) -> Tensor:
+        g = g.clone()  # autograd may pass the same gradient to other nodes
+        grads.seed_into(v, tile, g)
+        return g
 
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        ctx.grads.seed_into(ctx.v, ctx.tile, g)
-        return g, None, None, None
+    y.register_hook(hook)
+    return y
 
 
 class TileRunner:
@@ -94,12 +96,12 @@ class TileRunner:
             tile: the tile's index per axis.
             write: keep the halo positions in the store (the forward pass).
             leaves: where the backward pass collects the halo leaves it reads,
-                ``(node, axis, k, box, tensor)``; None in the forward pass.
+                ``(node, axis, box, tensor)``; None in the forward pass.
             inputs: where the backward pass collects the input crops it reads (as
                 leaves), ``(box, tensor)``; None when no input gradient is wanted.
             hold: nodes whose boxes are returned.
             seeds: ``{node: gradient store}``: nodes whose boxes receive the gradients
-                later tiles sent them, through :class:`Seed` (the backward pass).
+                later tiles sent them, through :func:`seed` (the backward pass).
         """
         nodes = self.bound.nodes
         values: dict[int, Tensor | None] = {}
@@ -118,7 +120,8 @@ class TileRunner:
                     y = node.op.run(env, ins, needs, own)
                 _check(node, y, own)
                 if seeds is not None and v in seeds and y.requires_grad:
-                    y = Seed.apply(y, seeds[v], v, tile)
+                    # an in-place op's result is its input's tensor, which nothing else reads
+                    y = seed(y, seeds[v], v, tile, [] if v in self.plan.in_place else ins)
                 values[v] = y
                 if write:
                     self.halo.write(v, tile, y)
@@ -171,10 +174,10 @@ class TileRunner:
         if lo < start:  # the halo along this axis, kept by earlier tiles
             part = list(box)
             part[axis] = (lo, min(hi, start))
-            piece = self.halo.read(u, axis, tile[axis], part)
-            if leaves is not None:
-                piece = piece.detach().requires_grad_()
-                leaves.append((u, axis, tile[axis], tuple(part), piece))
+            piece = self.halo.read(u, axis, tile, part, view=leaves is not None)
+            if leaves is not None:  # a view of a slab that takes no gradient: a leaf
+                piece.requires_grad_()
+                leaves.append((u, axis, tuple(part), piece))
             parts.append(piece)
         if hi > start:
             rest = list(box)
@@ -288,16 +291,15 @@ def backward_pass(
         del values, outs, seeds
         summed = [(a, g) for a, g in zip(acc, got[: len(params)]) if g is not None]
         add_each([a for a, _ in summed], [g for _, g in summed])  # one operation for all
-        for (u, axis, k, box, _), g in zip(leaves, got[len(params) : len(params) + len(leaves)]):
-            if g is not None:
-                grads_halo.add(u, axis, k, box, g, tile)
+        sent = [(*leaf[:3], g) for leaf, g in zip(leaves, got[len(params) :]) if g is not None]
+        grads_halo.add(sent, tile)
         if want_input:
             for (box, _), g in zip(inputs, got[len(params) + len(leaves) :]):
                 if g is not None:
                     crop(gx, box).add_(g.to(gx.device))
-        del got, leaves, inputs
-        grads_halo.release(tile, gradients=True)
-        runner.halo.release(tile, gradients=False)
+        del got, leaves, inputs, sent  # the tile's gradients, before the next tile
+        grads_halo.release(tile)
+        runner.halo.release(tile)
         if _row_done(plan, tile, reverse=True):
             release_freed_memory(runner.device or runner.x.device)
     return gx, acc
