@@ -5,7 +5,8 @@ Run as ``python tools/cpu-dp-step.py [--tree DIR ...] [--rounds R]``: for each m
 float32, one thread) and each tree (a checkout of memconv; this one by default), the
 non-private step, ``clip_and_accumulate`` with default arguments and
 ``PrivateStep.clip_and_accumulate`` each run in a fresh process (``--engines per-layer``:
-per-layer clipping, ``clip_and_accumulate(..., groups="parameter")``): two warm-up calls,
+per-layer clipping, ``clip_and_accumulate(..., groups="parameter")``; ``grads``: the
+plain ``per_sample_grads``): two warm-up calls,
 the median of three timed calls (wall time, and the process's CPU time, which other
 jobs on a shared machine disturb far less), then the allocator-level peak of one call
 (the profiler's memory events). The engines and trees alternate within each round.
@@ -22,7 +23,7 @@ import time
 CASES = {"cifar-resnet18-gn": 32, "tv-resnet18-gn": 64, "convnext-atto": 64}
 ENGINES = ("non-private", "plain", "PrivateStep")
 #: Engines run only where asked for (``--engines``).
-OPTIONAL_ENGINES = ("per-layer",)
+OPTIONAL_ENGINES = ("per-layer", "grads")
 
 
 def worker(tree, case, engine):
@@ -55,6 +56,8 @@ def worker(tree, case, engine):
             memconv.clip_and_accumulate(model, loss, x, y, max_norm=1.0)
         elif engine == "per-layer":
             memconv.clip_and_accumulate(model, loss, x, y, max_norm=1.0, groups="parameter")
+        elif engine == "grads":
+            memconv.per_sample_grads(model, loss, x, y)
         else:
             step.clip_and_accumulate(x, y, max_norm=1.0)
 
