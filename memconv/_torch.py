@@ -16,16 +16,20 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = [
     "add_each",
+    "assert_on_device",
+    "compile_backend",
     "compiled_inner",
     "copy_each",
     "functorch_active",
     "global_module_hooks",
     "graph_task_id",
     "is_view",
+    "make_fx_real",
     "max_abs_each",
     "module_hooks",
     "new_sequence_nr",
     "no_torch_function",
+    "not_traced",
     "saved_self",
     "sequence_nr",
     "storage_key",
@@ -175,6 +179,42 @@ def compiled_inner(model) -> nn.Module | None:
     if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
         return inner
     return None
+
+
+def compile_backend(model):
+    """The compiler backend a ``torch.compile``'d model was compiled with (a callable
+    ``torch.compile`` takes as ``backend``: inductor with the model's mode and options,
+    or another backend), or None for a model that is not compiled."""
+    if compiled_inner(model) is None:
+        return None
+    backend = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
+    while getattr(backend, "_torchdynamo_orig_backend", None) is not None:
+        backend = backend._torchdynamo_orig_backend
+    return backend if callable(backend) else "inductor"
+
+
+def make_fx_real(fn, args: tuple):
+    """``fn(*args)`` traced into a ``torch.fx.GraphModule`` of ATen operations on real
+    tensors (``torch.fx.experimental.proxy_tensor.make_fx``): autograd, hooks and Python
+    run as they would, their tensor operations recorded; a host read of a traced value
+    raises."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="real")(*args)
+
+
+def assert_on_device(flag: Tensor, message: str) -> None:
+    """Fail where ``flag`` (a one-element bool tensor) is False, on its device, without
+    a host synchronisation (``torch._assert_async``: on CUDA a device-side assertion,
+    which the next synchronisation reports; on the CPU at once)."""
+    torch._assert_async(flag, message)
+
+
+def not_traced(fn):
+    """``fn`` as a step compiled with ``torch.compile`` calls it: as it is, between two
+    graphs (one graph break), instead of Dynamo tracing into memconv's Python, which it
+    would break at many places. ``torch.compiler.disable``."""
+    return torch.compiler.disable(fn, recursive=True)
 
 
 def no_torch_function():

@@ -582,7 +582,7 @@ def op_call(bound: BoundOp, out: Tensor, axes: CallAxes, name: str, window, reco
     shell = bound.shell(params)
     partial = None
     if maps:  # the same shell with the standardised slots frozen
-        frozen = {k: nn.Parameter(params[k], requires_grad=False) for k in maps}
+        frozen = {k: params[k].detach() for k in maps}
         partial = bound.shell({**params, **frozen})
     rule = shell_rule(shell)
     if rule is None or not rule.describes(shell, bound.data, out):

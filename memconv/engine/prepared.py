@@ -54,12 +54,19 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 
 from torch import Tensor, nn
 
 from .._checks import AVAILABLE, check_grad_mode
-from .._torch import compiled_inner, global_module_hooks, module_hooks, own_parameters
+from .._torch import (
+    compile_backend,
+    compiled_inner,
+    global_module_hooks,
+    module_hooks,
+    own_parameters,
+)
 from ..conv.settings import Autocast
 from ..layers import RuleSettings, check_layer, find_rule
 from ..streaming import StreamingCNN
@@ -68,6 +75,7 @@ from .planning import Plan, Profile, make_plan, profile
 from .probes import CallAxes, ProbeMismatch, owner_names
 from .request import Batch, Request
 from .resources import guards, resolve_budget
+from .traced import TracedSteps
 
 
 def unwrap_compiled(model):
@@ -254,12 +262,16 @@ class Prepared:
         self._streams = False
         self._walks: KeptWalk | None = None
         self._reading = None  # (time, device, bytes) of the last "available" budget
+        self.backend = None  # the compiler backend of a torch.compile'd model
+        self.traced = TracedSteps()
+        self._serial: dict = {}  # task -> the number of the plan kept for it
 
     def forget(self) -> None:
         """Drop the probe and plan: the next call makes new ones."""
         self._checked = self._probe_key = self._profile = self._axes = self._plan = None
         self._plans = {}
         self._walks = None
+        self.traced.forget()
 
     def run(self, call):
         """``call()``, run again from the start with a new probe if a reused probe no
@@ -272,6 +284,47 @@ class Prepared:
             self.forget()
             return call()
 
+    def run_walk(self, batch: Batch, request: Request, walk, *, options=(), extra=()):
+        """``walk(cp, batch, *extra)`` under the call's plan ``cp`` (:meth:`call_plan`),
+        run again from the start where a reused probe no longer fits (:meth:`run`).
+
+        For a ``torch.compile``'d model, a call on a kept probe and plan runs the walk as
+        one compiled graph (:mod:`memconv.engine.traced`): traced at the first such call,
+        then reused while the plan, ``options`` (what else the walk depends on besides
+        tensor values: hashable) and the tensors' shapes, dtypes and devices are the
+        same. ``walk`` must return a pytree of tensors and constants and leave no side
+        effect but on what it returns.
+
+        Args:
+            batch: the call's model (unwrapped), loss and samples.
+            request: what the call computes.
+            walk: ``walk(cp, batch, *extra)``.
+            options: the walk's further settings (part of the graph's key).
+            extra: further tensors the walk reads (inputs of the graph).
+        """
+
+        def call():
+            cp = self.call_plan(batch, request)
+            if self.backend is None or not self.reused:
+                return walk(cp, batch, *extra)
+            key = (
+                request.task,
+                self._serial.get(request.task),
+                request.key(),
+                options,
+                *(_tensor_key(t) for t in (batch.inputs, batch.targets, *extra)),
+            )
+            return self.traced.run(
+                key,
+                lambda b, *more: walk(cp, b, *more),
+                batch,
+                tuple(extra),
+                self.backend,
+                batch.model,
+            )
+
+        return self.run(call)
+
     @property
     def plan(self) -> Plan | None:
         """The plan of the last call (None before the first)."""
@@ -283,6 +336,7 @@ class Prepared:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         check_grad_mode()
+        self.backend = compile_backend(model)
         model = unwrap_compiled(model)
         state = _ModelState(model)
         if self._checked != (state, settings):
@@ -290,6 +344,14 @@ class Prepared:
             self._checked = (state, settings)
             self._trainable = state.trainable()
             self._streams = model_streams(model)
+            if self.backend is not None and self._streams:
+                warnings.warn(
+                    "memconv: the torch.compile'd model holds a StreamingCNN, whose per-sample "
+                    "quantities memconv computes one sample at a time, eagerly: the step is "
+                    "not compiled. Pass the uncompiled model to silence this warning.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
         self._model_key = state
         return model
 
@@ -325,6 +387,7 @@ class Prepared:
             self._plan = make_plan(self._profile, request, budget=budget)
             self._plans[request.task] = (plan_key, self._plan)
             self.plans += 1
+            self._serial[request.task] = self.plans
         plan = self._plan
         if budget is not None and plan.memory_budget != budget:
             plan = replace(plan, memory_budget=budget)
@@ -373,6 +436,7 @@ class Prepared:
         self.probes += 1
         self._plans = {}
         self._walks = KeptWalk.of(self._axes)
+        self.traced.forget()
 
     def _still_fits(self, budget, request: Request) -> bool:
         """Whether the plan a fresh one would be is the kept one (an ``"available"``
@@ -390,6 +454,13 @@ class Prepared:
                 p.task != "clip" or request.clip_route is not None or p.clip_route == "book-keeping"
             )
         )
+
+
+def _tensor_key(t) -> tuple:
+    """What a traced graph depends on of a tensor besides its values."""
+    if not isinstance(t, Tensor):
+        return (type(t).__name__,)
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.is_contiguous())
 
 
 #: The attribute of a model under which the plain functions keep its :class:`Prepared`.

@@ -196,9 +196,11 @@ class LayerRule:
 
 def trainable(module: nn.Module, name: str) -> bool:
     """Whether the module's attribute ``name`` is a parameter that requires grad (a
-    layer rule computes the quantities of those only)."""
-    p = getattr(module, name, None)
-    return isinstance(p, nn.Parameter) and p.requires_grad
+    layer rule computes the quantities of those only): an entry of its parameter
+    dictionary (a shell's may be a plain tensor of the step,
+    :func:`memconv.layers.operations.as_parameter`)."""
+    p = module._parameters.get(name)
+    return p is not None and p.requires_grad
 
 
 def register(*types: type):

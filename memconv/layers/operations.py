@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from torch import Tensor, nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .base import LayerRule, find_rule
 
@@ -122,9 +121,15 @@ def bind_args(
 
 
 def with_params(shell: nn.Module, params: dict) -> nn.Module:
-    """``shell`` with ``params`` ``{name: parameter or None}`` set as its attributes."""
+    """``shell`` with ``params`` ``{name: parameter, tensor or None}`` as its parameters
+    (a tensor that is not an ``nn.Parameter``, :func:`as_parameter`'s, is put in the
+    shell's parameter dictionary as it is)."""
     for k, p in params.items():
-        setattr(shell, k, p)
+        if p is None or isinstance(p, nn.Parameter):
+            setattr(shell, k, p)
+        else:
+            shell.__dict__.pop(k, None)  # (a shell's plain attribute of that name)
+            shell._parameters[k] = p
     return shell
 
 
@@ -158,29 +163,14 @@ def new_layer(layer_type: type, *args, **kwargs) -> nn.Module:
     return layer
 
 
-_WRAPPED = WeakIdKeyDictionary()
-
-
-def as_parameter(t: Tensor, trainable: bool) -> nn.Parameter:
-    """``t`` as a shell's parameter (sharing its memory; no graph): an
-    ``nn.Parameter`` made once per parameter of the model (while its memory, shape
-    and dtype stay the same: an optimizer updates it in place), afresh for a computed
-    tensor."""
-    if t.grad_fn is not None or not t.is_leaf:
-        return nn.Parameter(t, requires_grad=trainable)
-    kept = _WRAPPED.get(t)
-    if (
-        kept is not None
-        and kept.requires_grad == trainable
-        and kept.data_ptr() == t.data_ptr()
-        and kept.shape == t.shape
-        and kept.dtype == t.dtype
-        and kept.stride() == t.stride()
-    ):
-        return kept
-    made = nn.Parameter(t, requires_grad=trainable)
-    _WRAPPED[t] = made
-    return made
+def as_parameter(t: Tensor, trainable: bool) -> Tensor:
+    """``t`` as a shell's parameter: the model's parameter itself where ``t`` is one
+    (of the same ``requires_grad``), else a leaf sharing ``t``'s memory without its
+    graph (``detach``: an operation a trace records, so that a traced step reads the
+    step's own tensor, never one frozen at the trace). :func:`with_params` sets it."""
+    if t.is_leaf and isinstance(t, nn.Parameter) and t.requires_grad == trainable:
+        return t
+    return t.detach().requires_grad_(trainable)
 
 
 def shell_rule(shell: nn.Module) -> LayerRule | None:

@@ -315,7 +315,9 @@ def convolution_backward(
         g,
         x,
         weight,
-        None,
+        # the bias' shape where its gradient is asked for (the compiler's shape
+        # functions need it; the eager kernel reads the output gradient's)
+        [g.shape[1]] if bias_grad else None,
         list(geom.stride),
         list(geom.padding),
         list(geom.dilation),

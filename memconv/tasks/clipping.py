@@ -24,15 +24,25 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import AVAILABLE, check_max_norm
+from .._torch import not_traced
 from ..conv.settings import activate
 from ..engine.passes import sample_by_sample
 from ..engine.prepared import CallPlan, Prepared, kept_for
 from ..engine.request import Batch
 from .arguments import check_call
-from .groups import Grouping, OnePass, all_finite, clip_factors, ensure_finite, resolve_groups
+from .groups import (
+    Grouping,
+    OnePass,
+    all_finite,
+    assert_finite_on_device,
+    clip_factors,
+    ensure_finite,
+    resolve_groups,
+)
 from .norms import add_into, gather_norms, group_norms, joined, squared
 
 
+@not_traced
 def clip_and_accumulate(
     model: nn.Module,
     loss_fn,
@@ -128,16 +138,19 @@ def clip_with(prepared: Prepared, given: Batch, *, max_norm, groups="all", **opt
             total, parts = _clip_sample_by_sample(batch, params, grouping)
         route = None
     else:
-        cp = None
 
-        def run():
-            nonlocal cp
-            cp = prepared.call_plan(batch, request)
-            return _clipped_sums(cp, batch, grouping, params)
+        def walk(cp, b):
+            return _clipped_sums(cp, b, grouping, params)
 
-        total, parts = prepared.run(run)
-        route = cp.plan.clip_route
-    ensure_finite_results(parts, total if route == "two-pass" else {}, request.caller)
+        options = (grouping.kind, tuple(grouping.of.items()), tuple(grouping.max_norm.items()))
+        total, parts = prepared.run_walk(batch, request, walk, options=options)
+        route = prepared.plan.clip_route
+    if prepared.backend is not None and given.inputs.device.type != "cpu":
+        # a compiled step on a GPU: checked there, the host does not wait
+        norms = [v for part in parts for v in part.values()]
+        assert_finite_on_device(norms + list(total.values()), request.caller)
+    else:
+        ensure_finite_results(parts, total if route == "two-pass" else {}, request.caller)
     accumulate(params, total, ddp)
     return joined(grouping, parts)
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 from torch import Tensor, nn
 
 from .._checks import AVAILABLE
-from .._torch import storage_ptr, tree_flatten
+from .._torch import not_traced, storage_ptr, tree_flatten
 from ..conv.settings import activate
 from ..engine.calls import LayerCall
 from ..engine.passes import sample_by_sample, walk_micro_batches
@@ -27,6 +27,7 @@ from ..layers import RuleSettings
 from .arguments import check_call
 
 
+@not_traced
 def per_sample_grads(
     model: nn.Module,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
@@ -104,7 +105,7 @@ def grads_with(prepared: Prepared, given: Batch, **options):
     params = prepared.trainable()
     if request.n == 0 or prepared.streams:
         return _sample_by_sample(batch, params, request)
-    return prepared.run(lambda: _walked(prepared.call_plan(batch, request), batch, params))
+    return prepared.run_walk(batch, request, lambda cp, b: _walked(cp, b, params))
 
 
 def _walked(cp: CallPlan, batch: Batch, params: dict) -> dict[str, Tensor]:

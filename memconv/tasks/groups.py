@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_groups, check_thresholds
-from .._torch import max_abs_each
+from .._torch import assert_on_device, max_abs_each
 from ..conv.norm_routes import at_least_float32, sq_norms
 
 #: The named groupings ``groups=`` takes (besides a mapping).
@@ -55,6 +55,23 @@ def all_finite(tensors: list[Tensor]) -> bool:
     if len(tensors) == 1:
         return bool(torch.isfinite(tensors[0]).all())
     return bool(torch.isfinite(torch.stack(max_abs_each(tensors))).all())
+
+
+def assert_finite_on_device(tensors: list[Tensor], caller: str) -> None:
+    """:func:`ensure_finite` without a host synchronisation: the check runs on the
+    tensors' device (:func:`memconv._torch.assert_on_device`), for a compiled step on a
+    GPU, whose host must not wait for the step. A non-finite value fails the device's
+    next synchronisation (a CUDA device-side assertion, which ends the process's CUDA
+    context: never a silent NaN in ``.grad``); the samples are not named."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return
+    flag = torch.isfinite(torch.stack(max_abs_each(tensors))).all()
+    assert_on_device(
+        flag,
+        f"{caller}: a per-sample gradient norm or clipped sum is not finite (NaN or inf); "
+        "run the step on the CPU or uncompiled to name the samples",
+    )
 
 
 def ensure_finite(norms: Tensor | list[Tensor], caller: str, offsets=None) -> None:

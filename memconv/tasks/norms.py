@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import AVAILABLE
-from .._torch import storage_key
+from .._torch import not_traced, storage_key
 from ..conv.norm_routes import at_least_float32, float32_or_wider, sq_norms
 from ..conv.settings import activate
 from ..engine.calls import LayerCall, Scales
@@ -159,6 +159,7 @@ def squared(grads: Tensor) -> Tensor:
     return at_least_float32(sq_norms(grads))
 
 
+@not_traced
 def per_sample_norms(
     model: nn.Module,
     loss_fn,
@@ -240,11 +241,10 @@ def norms_with(prepared: Prepared, given: Batch, *, per_parameter=False, groups=
             ]
     else:
 
-        def run():
-            cp = prepared.call_plan(batch, request)
-            return [(part.visitor.result(cp.params), part.rows) for part in gather_norms(batch, cp)]
+        def walk(cp, b):
+            return [(part.visitor.result(cp.params), part.rows) for part in gather_norms(b, cp)]
 
-        parts = prepared.run(run)
+        parts = prepared.run_walk(batch, request, walk)
     if grouping.kind != "all":
         out = {
             g: _cat([grouping.norm(g, sq, _len(rows)) for sq, rows in parts])

@@ -141,6 +141,7 @@ class RecordedBackward:
         self._open: list = []  # (pass, its root call) of the calls under way
         self._waiting: set = set()  # passes recorded, their backward not yet run
         self._probing = False
+        self._warned_compiled = False
 
     # ------------------------------------------------------------ the block
     def __enter__(self):
@@ -224,6 +225,17 @@ class RecordedBackward:
             cp = self._prepared.call_plan(batch, request)
         finally:
             self._probing = False
+        if self._prepared.backend is not None and not self._warned_compiled:
+            self._warned_compiled = True
+            warnings.warn(
+                f"{self.caller}: the model is torch.compile'd, but this block records the "
+                "user's own forward and backward pass and runs them eagerly (the module "
+                "the compiled model wraps, same parameters). For a compiled step, use "
+                "memconv.PrivateStep or memconv.clip_and_accumulate with the compiled "
+                "model: they run the per-sample step as one compiled graph.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         if self.memory_budget is not None:
             cp = replace(cp, plan=replace(cp.plan, layer_budget=self.memory_budget))
         return UserPass(cp, batch.model, self._visitor(cp, len(x)))

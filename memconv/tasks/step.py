@@ -24,6 +24,7 @@ from .._checks import (
     check_module,
     check_route,
 )
+from .._torch import not_traced
 from ..conv.settings import use_block_settings
 from ..engine.planning import Plan
 from ..engine.prepared import Prepared
@@ -105,6 +106,7 @@ class PrivateStep:
         """How many plans were made so far."""
         return self._prepared.plans
 
+    @not_traced
     def per_sample_grads(self, inputs: Tensor, targets: Tensor) -> dict[str, Tensor]:
         """:func:`memconv.per_sample_grads` of the step's model and loss.
 
@@ -120,6 +122,7 @@ class PrivateStep:
         """
         return self._call(grads_with, inputs, targets)
 
+    @not_traced
     def per_sample_norms(
         self, inputs: Tensor, targets: Tensor, *, per_parameter: bool = False, groups="all"
     ):
@@ -140,6 +143,7 @@ class PrivateStep:
         """
         return self._call(norms_with, inputs, targets, per_parameter=per_parameter, groups=groups)
 
+    @not_traced
     def clip_and_accumulate(
         self, inputs: Tensor, targets: Tensor, *, max_norm: float | dict, groups="all"
     ):

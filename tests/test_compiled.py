@@ -1,0 +1,346 @@
+"""A ``torch.compile``'d model through the per-sample step: one traced graph per plan,
+compiled by the model's backend, equal to the eager path in float64.
+
+Most cases compile with ``backend="aot_eager"`` (Dynamo and AOTAutograd, no code
+generation: seconds, not minutes, on two cores); the numbers of a backend are that
+backend's business, the graph memconv hands it is what is tested. One small model
+goes through inductor itself. The reference of every step is the eager path on the
+uncompiled model (itself tested against per-sample autograd loops elsewhere), and
+one case is checked against such a loop here too.
+"""
+
+import warnings
+
+import pytest
+import torch
+from helpers import loop_reference
+from torch import nn
+from torch._dynamo.utils import counters
+
+import memconv
+from memconv.bench import models
+from memconv.bench.steps import LoraLinear
+
+TOL = 1e-10
+
+
+def _seed_cnn():
+    return models.seed_cnn(side=28, in_channels=1), (1, 28, 28)
+
+
+def _tiny_cnn():
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3),
+        nn.ReLU(inplace=True),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 10),
+    )
+    return model, (1, 8, 8)
+
+
+def _tv_resnet():  # in-place ReLU, ``out += identity``, GroupNorm
+    model = models.TVResNet((1, 1, 1, 1), norm_layer=lambda c: nn.GroupNorm(2, c), width=4)
+    return model, (3, 8, 8)
+
+
+def _convnext():  # LayerNorm2d, depthwise 7×7, layer scale (gamma)
+    return models.ConvNeXt((1, 1), (8, 16)), (3, 16, 16)
+
+
+def _vit():  # class token, position embedding, attention
+    model = models.VisionTransformer(img_size=8, patch_size=4, embed_dim=12, depth=1, num_heads=2)
+    return model, (3, 8, 8)
+
+
+def _nf_resnet():  # weight-standardised convolutions, skipinit gains
+    return models.NormFreeNet((1, 1), skipinit=True), (3, 8, 8)
+
+
+def _lora():
+    torch.manual_seed(1)
+    head = LoraLinear(nn.Linear(16, 10))
+    head.base_layer.requires_grad_(False)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 16), head
+    )
+    return model, (3, 6, 6)
+
+
+MODELS = {
+    "seed-cnn": _seed_cnn,
+    "tiny-cnn": _tiny_cnn,
+    "tv-resnet": _tv_resnet,
+    "convnext": _convnext,
+    "vit": _vit,
+    "nf-resnet": _nf_resnet,
+    "lora": _lora,
+}
+
+
+def assert_close(got, ref, rtol):
+    """Tensors, or dicts of them with the same keys, within ``rtol`` relative to the
+    largest entry of the reference."""
+    if isinstance(ref, dict):
+        assert set(got) == set(ref)
+        for k in ref:
+            assert_close(got[k], ref[k], rtol)
+        return
+    assert got.shape == ref.shape
+    scale = ref.abs().max().item() or 1.0
+    assert (got - ref).abs().max().item() <= rtol * scale
+
+
+def _batch(shape, n=4, seed=0, classes=10):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, *shape, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, classes, (n,), generator=g)
+
+
+def _grads(model):
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _steps(name, task, n_steps=3, backend="aot_eager", **kwargs):
+    """``n_steps`` calls of ``task`` on the compiled model and on the eager one, each
+    on a new batch; returns the per-step pairs and the compiled PrivateStep."""
+    torch.manual_seed(0)
+    model, shape = MODELS[name]()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    compiled = memconv.PrivateStep(torch.compile(model, backend=backend), loss_fn, **kwargs)
+    eager = memconv.PrivateStep(model, loss_fn, **kwargs)
+    pairs = []
+    for i in range(n_steps):
+        x, y = _batch(shape, seed=i)
+        if task == "clip":
+            model.zero_grad(set_to_none=True)
+            got_norms = compiled.clip_and_accumulate(x, y, max_norm=0.5)
+            got = (got_norms, _grads(model))
+            model.zero_grad(set_to_none=True)
+            ref = (eager.clip_and_accumulate(x, y, max_norm=0.5), _grads(model))
+        elif task == "norms":
+            got = compiled.per_sample_norms(x, y, groups="layer")
+            ref = eager.per_sample_norms(x, y, groups="layer")
+        else:
+            got = compiled.per_sample_grads(x, y)
+            ref = eager.per_sample_grads(x, y)
+        pairs.append((got, ref))
+    return pairs, compiled
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_clipped_sum_of_a_compiled_model_is_the_eager_one(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no step falls back to eager
+        pairs, step = _steps(name, "clip", n_steps=4)
+    for got, ref in pairs:
+        assert_close(got[0], ref[0], TOL)
+        assert_close(got[1], ref[1], TOL)
+    traced = step._prepared.traced
+    assert traced.traces == 1 and not traced.refused
+    (graph,) = traced.graphs.values()
+    assert graph.calls == 2  # steps 3 and 4: the first probes and plans, the second traces
+    assert counters["stats"]["unique_graphs"] == 1  # one graph, compiled once
+    assert not counters["graph_break"]
+    assert not counters["recompiles"]
+
+
+@pytest.mark.parametrize("task", ["norms", "grads"])
+@pytest.mark.parametrize("name", ["tiny-cnn", "vit"])
+def test_norms_and_grads_of_a_compiled_model(name, task):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pairs, step = _steps(name, task)
+    for got, ref in pairs:
+        assert_close(got, ref, TOL)
+    assert step._prepared.traced.traces == 1
+    assert not counters["graph_break"]
+
+
+def test_plain_functions_keep_the_compiled_step_per_model():
+    torch.manual_seed(0)
+    model, shape = _tv_resnet()
+    model = model.double()
+    compiled = torch.compile(model, backend="aot_eager")
+    loss_fn = nn.CrossEntropyLoss()
+    for i in range(3):
+        x, y = _batch(shape, seed=i)
+        model.zero_grad(set_to_none=True)
+        memconv.clip_and_accumulate(compiled, loss_fn, x, y, max_norm=1.0)
+        got = _grads(model)
+        ref = loop_reference(model, loss_fn, x, y)
+        norms = torch.sqrt(sum(v.flatten(1).pow(2).sum(1) for v in ref.values()))
+        c = (1.0 / norms).clamp(max=1.0)
+        want = {k: torch.einsum("n,n...->...", c, v) for k, v in ref.items()}
+        assert_close(got, want, TOL)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_new_shape_or_option_traces_again_and_the_old_graph_is_kept():
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), nn.CrossEntropyLoss())
+    for seed in range(3):
+        step.clip_and_accumulate(*_batch(shape, seed=seed), max_norm=1.0)
+    for seed in range(3):  # another threshold: another graph (a constant of it)
+        step.clip_and_accumulate(*_batch(shape, seed=seed), max_norm=2.0)
+    assert step._prepared.traced.traces == 2
+    x, y = _batch(shape, seed=0)
+    model.zero_grad(set_to_none=True)
+    got = step.clip_and_accumulate(x, y, max_norm=1.0)  # the first graph again
+    assert step._prepared.traced.traces == 2
+    ref = memconv.per_sample_norms(model, nn.CrossEntropyLoss(), x, y)
+    assert_close(got, ref, TOL)
+
+
+def test_inductor_compiles_the_step():
+    """Inductor itself (code generation) on a tiny CNN: float64 equal to the eager path."""
+    pairs, step = _steps("tiny-cnn", "clip", backend="inductor")
+    for got, ref in pairs:
+        assert_close(got[0], ref[0], 1e-9)
+        assert_close(got[1], ref[1], 1e-9)
+    assert step._prepared.traced.traces == 1 and not counters["graph_break"]
+
+
+class _HostRead(nn.Module):
+    """A model whose forward reads a value on the host (data-dependent control flow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 2 if h.sum() > 0 else h
+
+
+def test_a_step_that_cannot_be_traced_warns_once_and_runs_eagerly():
+    torch.manual_seed(0)
+    model = _HostRead().double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (4,))
+    step.per_sample_norms(x, y)
+    with pytest.warns(RuntimeWarning, match="runs eagerly, not compiled: the trace stopped"):
+        got = step.per_sample_norms(x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        again = step.per_sample_norms(-x, y)
+    assert_close(got, memconv.per_sample_norms(model, loss_fn, x, y), TOL)
+    assert_close(again, memconv.per_sample_norms(model, loss_fn, -x, y), TOL)
+
+
+class _HeldTensor(nn.Module):
+    """A model that reads a tensor held as a plain attribute (neither a parameter nor
+    a buffer): its value at the trace would be frozen into the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.scale = torch.ones(2, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def test_a_tensor_from_outside_the_model_is_refused_not_frozen():
+    torch.manual_seed(0)
+    model = _HeldTensor().double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (4,))
+    step.per_sample_norms(x, y)
+    with pytest.warns(RuntimeWarning, match="neither an input nor a parameter or buffer"):
+        step.per_sample_norms(x, y)
+    model.scale = torch.full((2,), 3.0, dtype=torch.float64)  # seen: the step is eager
+    got = step.per_sample_norms(x, y)
+    assert_close(got, memconv.per_sample_norms(model, loss_fn, x, y), TOL)
+
+
+def test_parameters_updated_in_place_are_read_by_the_compiled_graph():
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = _batch(shape)
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        got = step.clip_and_accumulate(x, y, max_norm=1.0)
+        opt.step()
+    assert step._prepared.traced.traces == 1
+    model.zero_grad(set_to_none=True)
+    ref = memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=1.0)
+    opt.zero_grad(set_to_none=True)
+    assert_close(step.clip_and_accumulate(x, y, max_norm=1.0), ref, TOL)
+    assert not torch.equal(got, ref)  # the parameters moved
+
+
+def test_non_finite_norm_of_a_compiled_step_raises_before_grad():
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), nn.CrossEntropyLoss())
+    for seed in range(3):
+        step.clip_and_accumulate(*_batch(shape, seed=seed), max_norm=1.0)
+    model.zero_grad(set_to_none=True)
+    x, y = _batch(shape, seed=5)
+    x[2] = float("nan")
+    with pytest.raises(RuntimeError, match="sample\\(s\\) 2 is not finite"):
+        step.clip_and_accumulate(x, y, max_norm=1.0)
+    assert all(p.grad is None for p in model.parameters())
+    assert step._prepared.traced.traces == 1  # the compiled graph ran; the host check raised
+
+
+def test_the_device_side_check_needs_no_host_read():
+    from memconv.tasks.groups import assert_finite_on_device
+
+    assert_finite_on_device([torch.ones(3), torch.zeros(0)], "memconv.clip_and_accumulate")
+    with pytest.raises(RuntimeError):  # on the CPU the assertion fails at once
+        assert_finite_on_device([torch.tensor([1.0, float("inf")])], "memconv.clip_and_accumulate")
+
+
+def test_a_compiled_step_function_breaks_its_graph_once_at_memconv():
+    """``torch.compile(step_fn)`` where ``step_fn`` calls memconv: Dynamo calls memconv
+    as it is (one graph break, where it would otherwise break at every piece of
+    memconv's Python), and the numbers are the eager ones."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    step = memconv.PrivateStep(model, nn.CrossEntropyLoss())
+
+    def step_fn(x, y):
+        h = x * 1.0  # traced by Dynamo
+        return step.per_sample_norms(h, y) + 0.0
+
+    compiled = torch.compile(step_fn, backend="aot_eager")
+    for seed in range(3):
+        x, y = _batch(shape, seed=seed)
+        assert_close(compiled(x, y), step.per_sample_norms(x, y), TOL)
+    breaks = counters["graph_break"]
+    assert sum(breaks.values()) == 1 and "disable" in next(iter(breaks))
+
+
+def test_recorded_blocks_say_that_a_compiled_model_runs_eagerly():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    compiled = torch.compile(model, backend="aot_eager")
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    with pytest.warns(RuntimeWarning, match="runs them eagerly"):
+        with memconv.clipping(compiled, max_norm=1.0):
+            nn.functional.cross_entropy(compiled(x), y).backward()

@@ -1,0 +1,188 @@
+"""The compiled DP step on the CPU against the compiled non-private step, one engine
+per fresh process.
+
+Run as ``python tools/cpu-compiled-step.py [--cases ...] [--batch 64] [--threads 2]
+[--json FILE]``: for each model (batch 64, float32, 2 threads by default) four engines,
+each in a fresh process, alternating within the round:
+
+- ``non-private``: ``loss_fn(model(x), y).backward()``;
+- ``non-private compiled``: the same with ``torch.compile(model)`` (inductor);
+- ``memconv``: ``PrivateStep(model, loss_fn).clip_and_accumulate(x, y, max_norm=1.0)``;
+- ``memconv compiled``: the same with ``PrivateStep(torch.compile(model), loss_fn)``.
+
+Each process times its first calls until the steady state (a compiled non-private
+step: its first call; memconv compiled: its first three, the eager plan, the trace
+and the compilation) as "first seconds", then the median of three calls (wall time
+and the process's CPU time), the allocator-level peak of one call, the host launches
+of one call (the profiler's top-level ATen operations plus the compiled kernels,
+inductor's kernel profiling on), and the process's peak RSS. Prints one JSON line per
+process and a Markdown table of ratios against the compiled non-private step.
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+CASES = {
+    "cifar-resnet18-gn": 32,
+    "tv-resnet18-gn": 64,
+    "convnext-atto": 64,
+    "vit-tiny": 32,
+    "nf-resnet26": 64,
+}
+ENGINES = ("non-private", "non-private compiled", "memconv", "memconv compiled")
+
+
+def _launches(fn) -> int:
+    """Top-level ATen operations and compiled kernels of one call of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    count = 0
+    for e in prof.events():
+        parent = e.cpu_parent
+        if e.name.startswith("aten::"):
+            count += parent is None or not parent.name.startswith("aten::")
+        elif "cpp_fused" in e.name or e.name.startswith("triton_"):
+            count += 1
+    return count
+
+
+def worker(tree: str, case: str, engine: str, batch: int, threads: int) -> dict:
+    sys.path.insert(0, tree)
+    import torch
+    import torch._inductor.config as inductor_config
+    from torch import nn
+
+    import memconv
+    from memconv.bench import models
+    from memconv.bench.measure import peak_allocated
+
+    inductor_config.cpp.enable_kernel_profile = True  # the kernels, named, for the count
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    build = {
+        "cifar-resnet18-gn": models.resnet18_gn,
+        "tv-resnet18-gn": models.tv_resnet18_gn,
+        "convnext-atto": models.convnext_atto,
+        "vit-tiny": models.vit_tiny,
+        "nf-resnet26": models.nf_resnet26,
+    }[case]
+    model = build()
+    side = CASES[case]
+    x, y = torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
+    loss = nn.CrossEntropyLoss()
+    run = torch.compile(model) if engine.endswith("compiled") else model
+    step = memconv.PrivateStep(run, loss) if engine.startswith("memconv") else None
+
+    def call():
+        model.zero_grad(set_to_none=True)
+        if step is None:
+            loss(run(x), y).backward()
+        else:
+            step.clip_and_accumulate(x, y, max_norm=1.0)
+
+    warm = 3 if engine == "memconv compiled" else 1
+    start = time.perf_counter()
+    for _ in range(warm):
+        call()
+    first = time.perf_counter() - start
+    wall, cpu = [], []
+    for _ in range(3):
+        w, c = time.perf_counter(), time.process_time()
+        call()
+        wall.append(time.perf_counter() - w)
+        cpu.append(time.process_time() - c)
+    peak, _ = peak_allocated(call, torch.device("cpu"))
+    launches = _launches(call)
+    record = {
+        "case": case,
+        "engine": engine,
+        "batch": batch,
+        "threads": threads,
+        "first_s": first,
+        "wall_s": statistics.median(wall),
+        "cpu_s": statistics.median(cpu),
+        "peak_mib": peak,
+        "launches": launches,
+        "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    if step is not None and engine.endswith("compiled"):
+        traced = step._prepared.traced
+        record["traces"] = traced.traces
+        record["refused"] = list(traced.refused.values())
+        graph = next(iter(traced.graphs.values()), None)
+        record["nodes"] = len(graph.graph.graph.nodes) if graph is not None else None
+        record["trace_s"] = graph.trace_seconds if graph is not None else None
+        record["compile_s"] = graph.compile_seconds if graph is not None else None
+    return record
+
+
+def table(records: list[dict]) -> str:
+    rows = [
+        "| model | engine | first step (s) | step (s) | × compiled non-private | allocator "
+        "(MiB) | × | launches | × | peak RSS (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for case in dict.fromkeys(r["case"] for r in records):
+        of = {r["engine"]: r for r in records if r["case"] == case}
+        base = of.get("non-private compiled")
+        for engine in ENGINES:
+            r = of.get(engine)
+            if r is None:
+                continue
+
+            def ratio(key, r=r):
+                return f"{r[key] / base[key]:.2f}" if base and base[key] else "–"
+
+            rows.append(
+                f"| {case} | {engine} | {r['first_s']:.1f} | {r['wall_s']:.3f} | "
+                f"{ratio('wall_s')} | {r['peak_mib']:.0f} | {ratio('peak_mib')} | "
+                f"{r['launches']} | {ratio('launches')} | {r['rss_mib']:.0f} |"
+            )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tree", default=os.path.dirname(os.path.dirname(__file__)) or ".")
+    parser.add_argument("--json", help="append the records to this JSON Lines file")
+    parser.add_argument("--worker", nargs=2, metavar=("CASE", "ENGINE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    tree = os.path.abspath(args.tree)
+    if args.worker:
+        record = worker(tree, *args.worker, args.batch, args.threads)
+        print(json.dumps(record))
+        return 0
+    records = []
+    for case in args.cases:
+        for engine in args.engines:
+            cmd = [sys.executable, __file__, "--worker", case, engine, "--tree", tree]
+            cmd += ["--batch", str(args.batch), "--threads", str(args.threads)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                print(out.stderr[-3000:], file=sys.stderr)
+                continue
+            record = json.loads(out.stdout.strip().splitlines()[-1])
+            record["load_average"] = os.getloadavg()[0]
+            print(json.dumps(record), flush=True)
+            records.append(record)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
