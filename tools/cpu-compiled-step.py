@@ -138,7 +138,7 @@ def table(records: list[dict]) -> str:
             if r is None:
                 continue
 
-            def ratio(key, r=r):
+            def ratio(key, r=r, base=base):
                 return f"{r[key] / base[key]:.2f}" if base and base[key] else "–"
 
             rows.append(
