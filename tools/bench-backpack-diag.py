@@ -10,6 +10,11 @@ was allocated before it. Prints one JSON line per configuration (also appended t
     python tools/bench-backpack-diag.py [--v 10 100] [--ext DiagGGNExact BatchDiagGGNExact]
     python tools/bench-backpack-diag.py --device cuda --time-budget 120 --json out.jsonl
     python tools/bench-backpack-diag.py --device cpu --quick       # a dry run, seconds
+
+``--time-only`` samples no RSS (no sampling thread taking CPU time beside the step);
+every line has the step's wall time (``seconds``) and its process CPU time
+(``cpu_seconds``, ``time.process_time()``). ``--ext KFAC`` (or ``KFLR``) times the
+Kronecker-factored extensions too (their checksum sums every factor).
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ ENGINES = {
 BUDGET = 64 * 2**20
 
 
-def one(engine: str, ext_name: str, v: int, device: str, batch: int) -> dict:
+def one(
+    engine: str, ext_name: str, v: int, device: str, batch: int, time_only: bool = False
+) -> dict:
     import torch
     from backpack import backpack, extend
     from backpack import extensions as E
@@ -63,7 +70,7 @@ def one(engine: str, ext_name: str, v: int, device: str, batch: int) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-    else:
+    elif not time_only:
         import psutil
 
         proc = psutil.Process()
@@ -78,25 +85,33 @@ def one(engine: str, ext_name: str, v: int, device: str, batch: int) -> dict:
 
         sampler = threading.Thread(target=sample)
         sampler.start()
-    start = time.perf_counter()
+    else:
+        before, peak = 0, [0]
+    start, cpu_start = time.perf_counter(), time.process_time()
     with backpack(ext):
         lossfn(model(x), y).backward()
     if cuda:
         torch.cuda.synchronize()
         peak = [torch.cuda.max_memory_allocated()]
     seconds = time.perf_counter() - start
-    if not cuda:
+    cpu_seconds = time.process_time() - cpu_start
+    if not cuda and not time_only:
         done.set()
         sampler.join()
-    checksum = sum(float(getattr(p, ext.savefield).double().sum()) for p in model.parameters())
+    checksum = 0.0
+    for p in model.parameters():
+        quantity = getattr(p, ext.savefield)
+        for part in quantity if isinstance(quantity, list) else [quantity]:
+            checksum += float(part.double().sum())
     return {
         "engine": engine,
         "extension": ext_name,
         "V": v,
         "N": batch,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "peak_rss_increase_mib": (peak[0] - before) / 2**20,
+        "peak_rss_increase_mib": None if time_only and not cuda else (peak[0] - before) / 2**20,
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
         "checksum": checksum,
         "load": os.getloadavg()[0],
     }
@@ -112,13 +127,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="V=10 and batch 2 only")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds in all")
     parser.add_argument("--json", default=None, help="append the JSON lines to this file")
+    parser.add_argument("--time-only", action="store_true", help="no RSS sampling thread")
     parser.add_argument("--one", nargs=3, metavar=("ENGINE", "EXT", "V"))
     args = parser.parse_args()
     if args.quick:
         args.v, args.batch = [10], 2
     if args.one:
         engine, ext, v = args.one
-        print(json.dumps(one(engine, ext, int(v), args.device, args.batch)), flush=True)
+        row = one(engine, ext, int(v), args.device, args.batch, args.time_only)
+        print(json.dumps(row), flush=True)
         return
     start, rows = time.perf_counter(), []
     for ext in args.ext:
@@ -132,6 +149,7 @@ def main() -> None:
                         continue
                 command = [sys.executable, __file__, "--one", engine, ext, str(v)]
                 command += ["--device", args.device, "--batch", str(args.batch)]
+                command += ["--time-only"] if args.time_only else []
                 try:
                     out = subprocess.run(
                         command, capture_output=True, text=True, check=True, timeout=left
@@ -146,23 +164,32 @@ def main() -> None:
                 if args.json:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(row) + "\n")
-    print("\n| extension | V | engine | peak RSS increase | time | vs BackPACK (memory, time) |")
+    print(
+        "\n| extension | V | engine | peak RSS increase | time (CPU) | vs BackPACK (memory, time) |"
+    )
     print("|---|---|---|---|---|---|")
     for row in rows:
         ref = next(
-            r
-            for r in rows
-            if r["engine"] == "backpack"
-            and r["extension"] == row["extension"]
-            and r["V"] == row["V"]
+            (
+                r
+                for r in rows
+                if r["engine"] == "backpack"
+                and r["extension"] == row["extension"]
+                and r["V"] == row["V"]
+            ),
+            None,
         )
-        ratio = (
-            f"{row['peak_rss_increase_mib'] / max(ref['peak_rss_increase_mib'], 1e-9):.2f}×, "
-            f"{row['seconds'] / ref['seconds']:.2f}×"
-        )
+        mib = row["peak_rss_increase_mib"]
+        memory = "–" if mib is None else f"+{mib:.0f} MiB"
+        ratio = "–"
+        if ref is not None:
+            ref_mib = ref["peak_rss_increase_mib"]
+            ratio = f"{row['seconds'] / ref['seconds']:.2f}×"
+            if mib is not None and ref_mib is not None:
+                ratio = f"{mib / max(ref_mib, 1e-9):.2f}×, " + ratio
         print(
-            f"| {row['extension']} | {row['V']} | {ENGINES[row['engine']]} | "
-            f"+{row['peak_rss_increase_mib']:.0f} MiB | {row['seconds']:.2f} s | {ratio} |"
+            f"| {row['extension']} | {row['V']} | {ENGINES[row['engine']]} | {memory} | "
+            f"{row['seconds']:.2f} s ({row['cpu_seconds']:.2f} s) | {ratio} |"
         )
 
 

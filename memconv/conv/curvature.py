@@ -18,6 +18,11 @@ a chunk's size follows ``memory_budget`` (:func:`row_chunks`). Where the output 
 is small the diagonal takes the Gram route instead (``S Sᵀ`` over position pairs
 against the patches' outer products, :func:`weight_diagonal`), chosen by
 :func:`diagonal_route`. The bias quantities are ``S`` summed over space.
+
+The layer's normal form (:func:`memconv.strategies.geometry.conv_spec`) is read once
+per call: each function takes it as ``spec=`` (read from the module when None) and
+passes it to everything it calls, the route's choice, the chunks' sizes and every
+chunk's weight VJPs.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_choice
-from ..strategies.geometry import conv_spec
+from ..strategies.geometry import ConvSpec, spec_of
 from .grads import weight_grad
 from .kronecker import patches
 from .settings import Settings
@@ -56,8 +61,8 @@ def row_chunks(v: int, n: int, row_bytes: int, memory_budget: int | None):
     return [(v0, v0 + 1, n0, min(n, n0 + rows)) for v0 in range(v) for n0 in range(0, n, rows)]
 
 
-def _row_bytes(module, input: Tensor, s: Tensor, copies: int) -> int:
-    weight = conv_spec(module).geometry.weight_shape
+def _row_bytes(spec: ConvSpec, input: Tensor, s: Tensor, copies: int) -> int:
+    weight = spec.geometry.weight_shape
     numel = 1
     for size in weight:
         numel *= size
@@ -65,7 +70,9 @@ def _row_bytes(module, input: Tensor, s: Tensor, copies: int) -> int:
     return (copies * numel + per_sample) * s.element_size()
 
 
-def _row_vjps(module, input: Tensor, s: Tensor, settings: Settings, chunk) -> Tensor:
+def _row_vjps(
+    module, input: Tensor, s: Tensor, settings: Settings, chunk, *, spec: ConvSpec
+) -> Tensor:
     """The weight VJPs of one chunk's rows, ``[n1 - n0, v1 - v0, *weight.shape]``.
 
     The chunk's ``v1 - v0`` rows of a sample share its input: they are folded into the
@@ -77,7 +84,6 @@ def _row_vjps(module, input: Tensor, s: Tensor, settings: Settings, chunk) -> Te
     cv, x, g = v1 - v0, input[n0:n1], s[v0:v1, n0:n1]
     if x.dtype != g.dtype:  # autocast: the forward pass's dtype
         x = x.to(g.dtype)
-    spec = conv_spec(module)
     geom = spec.geometry
     groups = geom.groups
     # [cv, n, G·c, *T] -> [n, G·cv·c, *T]: the rows of a group side by side
@@ -119,14 +125,15 @@ class DiagonalCosts:
     gram_sample_bytes: int
 
 
-def diagonal_costs(module, input: Tensor, s: Tensor) -> DiagonalCosts:
+def diagonal_costs(
+    module, input: Tensor, s: Tensor, *, spec: ConvSpec | None = None
+) -> DiagonalCosts:
     """The costs :func:`diagonal_route` compares, from the shapes (no work).
 
     Args:
-        module, input, s: as :func:`weight_diagonal`.
+        module, input, s, spec: as :func:`weight_diagonal`.
     """
-    spec = conv_spec(module)
-    geom = spec.geometry
+    geom = spec_of(module, spec).geometry
     v, n, c_out = s.shape[:3]  # c_out: the channels of the layer's output
     t = math.prod(s.shape[3:])
     c_in = input.shape[1]
@@ -139,7 +146,9 @@ def diagonal_costs(module, input: Tensor, s: Tensor) -> DiagonalCosts:
     )
 
 
-def diagonal_route(module, input: Tensor, s: Tensor, settings: Settings) -> str:
+def diagonal_route(
+    module, input: Tensor, s: Tensor, settings: Settings, *, spec: ConvSpec | None = None
+) -> str:
     """Which route :func:`weight_diagonal` takes: the one place it is chosen.
 
     ``"gram"`` when its multiply-adds are fewer than the row VJPs' (about when the
@@ -149,22 +158,24 @@ def diagonal_route(module, input: Tensor, s: Tensor, settings: Settings) -> str:
     strategy is not ``"auto"`` (a strategy the user chose is kept).
 
     Args:
-        module, input, s, settings: as :func:`weight_diagonal`.
+        module, input, s, settings, spec: as :func:`weight_diagonal`.
 
     Returns:
         ``"gram"`` or ``"rows"``.
     """
     if settings.strategy != "auto" or s.shape[0] * s.shape[1] == 0:
         return "rows"
-    costs = diagonal_costs(module, input, s)
+    costs = diagonal_costs(module, input, s, spec=spec)
     budget = settings.options.memory_budget
     budget = DEFAULT_CHUNK_BYTES if budget is None else budget
     return "gram" if costs.gram < costs.rows and costs.gram_sample_bytes <= budget else "rows"
 
 
-def _gram_diagonal(module, input: Tensor, s: Tensor, memory_budget, per_sample: bool) -> Tensor:
+def _gram_diagonal(
+    module, input: Tensor, s: Tensor, memory_budget, per_sample: bool, *, spec: ConvSpec
+) -> Tensor:
     """The diagonal by the Gram route (see :func:`weight_diagonal`), samples in chunks."""
-    p = patches(module, input.to(s.dtype))
+    p = patches(module, input.to(s.dtype), spec=spec)
     v, n, c_out = s.shape[:3]
     t = math.prod(s.shape[3:])
     g = p.groups
@@ -173,8 +184,8 @@ def _gram_diagonal(module, input: Tensor, s: Tensor, memory_budget, per_sample: 
     shape = module.weight.shape
     out = s.new_zeros((n, *shape) if per_sample else shape)
     budget = DEFAULT_CHUNK_BYTES if memory_budget is None else memory_budget
-    step = max(1, budget // max(diagonal_costs(module, input, s).gram_sample_bytes, 1))
-    transposed = conv_spec(module).transposed
+    step = max(1, budget // max(diagonal_costs(module, input, s, spec=spec).gram_sample_bytes, 1))
+    transposed = spec.transposed
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
         rows = s[:, n0:n1].reshape(v, n1 - n0, c_out, t).permute(1, 2, 0, 3)  # [n, o, v, t]
@@ -196,7 +207,14 @@ def _gram_diagonal(module, input: Tensor, s: Tensor, memory_budget, per_sample: 
 
 
 def weight_diagonal(
-    module, input: Tensor, s: Tensor, settings: Settings, *, per_sample: bool, route=None
+    module,
+    input: Tensor,
+    s: Tensor,
+    settings: Settings,
+    *,
+    per_sample: bool,
+    route=None,
+    spec: ConvSpec | None = None,
 ) -> Tensor:
     """The diagonal ``Σ_v Σ_n (Jₙᵀ S[v, n])²`` of a convolution's weight curvature.
 
@@ -222,6 +240,9 @@ def weight_diagonal(
         per_sample: ``[N, *weight.shape]`` (no sum over ``n``) if True, else
             ``weight.shape``.
         route: ``"rows"`` or ``"gram"`` to force one; None: :func:`diagonal_route`.
+        spec: the layer's :func:`memconv.strategies.geometry.conv_spec`, read by the
+            caller in the same call (a caller that computes several quantities of one
+            layer call reads it once); None: read here, once for the whole call.
 
     Returns:
         The diagonal, in ``s``'s dtype.
@@ -230,16 +251,18 @@ def weight_diagonal(
         ValueError: for an unknown ``route``.
     """
     check_choice(route, DIAGONAL_ROUTES, "route")
+    spec = spec_of(module, spec)
     if route is None:
-        route = diagonal_route(module, input, s, settings)
+        route = diagonal_route(module, input, s, settings, spec=spec)
     if route == "gram":
-        return _gram_diagonal(module, input, s, settings.options.memory_budget, per_sample)
+        budget = settings.options.memory_budget
+        return _gram_diagonal(module, input, s, budget, per_sample, spec=spec)
     v, n = s.shape[:2]
     shape = module.weight.shape
     out = s.new_zeros((n, *shape) if per_sample else shape)
-    row_bytes = _row_bytes(module, input, s, copies=2)
+    row_bytes = _row_bytes(spec, input, s, copies=2)
     for chunk in row_chunks(v, n, row_bytes, settings.options.memory_budget):
-        squares = _row_vjps(module, input, s, settings, chunk).square().sum(1)
+        squares = _row_vjps(module, input, s, settings, chunk, spec=spec).square().sum(1)
         if per_sample:
             out[chunk[2] : chunk[3]] += squares
         else:
@@ -247,19 +270,23 @@ def weight_diagonal(
     return out
 
 
-def weight_rows(module, input: Tensor, s: Tensor, settings: Settings) -> Tensor:
+def weight_rows(
+    module, input: Tensor, s: Tensor, settings: Settings, *, spec: ConvSpec | None = None
+) -> Tensor:
     """Every row's weight VJP ``Jₙᵀ S[v, n]``: ``[V, N, *weight.shape]``.
 
     Args:
-        module, input, s, settings: as :func:`weight_diagonal`; the result itself is
-            ``V·N·|W|`` numbers, the budget bounds the work around it.
+        module, input, s, settings, spec: as :func:`weight_diagonal`; the result itself
+            is ``V·N·|W|`` numbers, the budget bounds the work around it.
     """
+    spec = spec_of(module, spec)
     v, n = s.shape[:2]
     out = s.new_empty((v, n, *module.weight.shape))
-    row_bytes = _row_bytes(module, input, s, copies=1)
+    row_bytes = _row_bytes(spec, input, s, copies=1)
     for chunk in row_chunks(v, n, row_bytes, settings.options.memory_budget):
         v0, v1, n0, n1 = chunk
-        out[v0:v1, n0:n1] = _row_vjps(module, input, s, settings, chunk).transpose(0, 1)
+        rows = _row_vjps(module, input, s, settings, chunk, spec=spec)
+        out[v0:v1, n0:n1] = rows.transpose(0, 1)
     return out
 
 

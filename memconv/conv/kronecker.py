@@ -69,7 +69,7 @@ from .._checks import (
     check_conv_input,
     check_conv_module,
 )
-from ..strategies.geometry import conv_spec, span, torch_pad_argument
+from ..strategies.geometry import ConvSpec, conv_spec, span, spec_of, torch_pad_argument
 
 
 @dataclass(frozen=True)
@@ -111,13 +111,15 @@ class Patches:
         return self.source[tuple(index)]
 
 
-def patches(module: nn.Module, input: Tensor) -> Patches:
+def patches(module: nn.Module, input: Tensor, *, spec: ConvSpec | None = None) -> Patches:
     """The patches of a convolution or transposed convolution for its input.
 
     Args:
         module: a ``torch.nn.Conv1d/2d/3d`` or ``ConvTranspose1d/2d/3d`` (or a
             subclass, e.g. memconv's).
         input: the layer's input ``[N, C_in, *S]``.
+        spec: the layer's :func:`memconv.strategies.geometry.conv_spec`, read by the
+            caller in the same call; None: read here.
 
     Returns:
         The :class:`Patches` (the padded input is one copy of the input; for a
@@ -128,7 +130,7 @@ def patches(module: nn.Module, input: Tensor) -> Patches:
         ValueError: if ``input`` does not fit the layer.
     """
     check_conv_module(module)
-    spec = conv_spec(module)
+    spec = spec_of(module, spec)
     geom = spec.geometry
     dims = geom.dims
     check_conv_input(spec, input)
@@ -176,6 +178,7 @@ def input_factor(
     *,
     kfac_approx: str = "expand",
     memory_budget: int | None = None,
+    spec: ConvSpec | None = None,
 ) -> Tensor:
     """The input factor Ω of a convolution's Kronecker-factored curvature, no unfold.
 
@@ -190,6 +193,9 @@ def input_factor(
             offsets of every sample, ``N·C_in·m·T`` numbers each, where two offsets
             fit; else one offset of a chunk of samples); None: the size of the padded
             input. Below two offsets' patches of one sample it warns and holds those.
+        spec: the layer's :func:`memconv.strategies.geometry.conv_spec`, read by the
+            caller in the same call (BackPACK's module extension reads it once per
+            layer call); None: read here.
 
     Returns:
         ``[C_in·K, C_in·K]`` for ``groups = 1``; ``[G, C_in/G·K, C_in/G·K]`` for
@@ -206,7 +212,7 @@ def input_factor(
     """
     check_choice(kfac_approx, KFAC_APPROXIMATIONS, "kfac_approx", none=False)
     check_budget(memory_budget, available=False, where="input_factor")
-    p = patches(module, input)
+    p = patches(module, input, spec=spec)
     factor = _reduce_factor(p) if kfac_approx == "reduce" else _expand_factor(p, memory_budget)
     return factor[0] if p.groups == 1 else factor
 

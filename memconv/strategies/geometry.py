@@ -229,6 +229,36 @@ def conv_spec(module: nn.Module) -> ConvSpec:
     return ConvSpec(geometry, pre_pad, mode, transposed)
 
 
+def spec_of(module: nn.Module, spec: ConvSpec | None = None) -> ConvSpec:
+    """The spec a function works with: ``spec`` as its caller passed it, else
+    :func:`conv_spec` of ``module``.
+
+    A caller that runs several functions on one layer call reads the layer once
+    (``spec = conv_spec(module)``) and passes the record down by keyword; nothing is
+    kept between calls, so a module whose ``stride``, ``padding`` or weight changes
+    between calls is read afresh on the next one.
+
+    Args:
+        module: the convolution or transposed convolution.
+        spec: ``conv_spec(module)`` read by the caller in the same call, or None.
+
+    Returns:
+        The :class:`ConvSpec`.
+
+    Raises:
+        TypeError: if ``spec`` is neither None nor a :class:`ConvSpec`, or (when
+            ``spec`` is None) ``module`` is not a supported convolution.
+    """
+    if spec is None:
+        return conv_spec(module)
+    if not isinstance(spec, ConvSpec):
+        raise TypeError(
+            f"spec must be a ConvSpec (memconv.strategies.geometry.conv_spec(module)) or "
+            f"None, got {type(spec).__name__}"
+        )
+    return spec
+
+
 def _normal_padding(module, dims: int):
     """``(symmetric zero padding, pre-padding or None, its mode)`` of a convolution."""
     pairs = []  # (left, right) per spatial dimension

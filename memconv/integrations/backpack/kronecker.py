@@ -39,7 +39,8 @@ from backpack.utils.errors import batch_norm_raise_error_if_train
 from torch import Tensor, nn
 
 from ..._checks import KFAC_APPROXIMATIONS, check_budget, check_choice
-from ...conv.kronecker import block_diagonal, input_factor, is_transposed, output_factor
+from ...conv.kronecker import block_diagonal, input_factor, output_factor
+from ...strategies.geometry import conv_spec
 from .extensions import DERIVATIVES, _tied
 from .naming import describe
 
@@ -72,7 +73,8 @@ class _KroneckerWeight:
 
     def weight(self, ext, module, g_inp, g_out, backproped):
         """``[A, Ω]``: BackPACK's output factor (block diagonal per group) and
-        :func:`memconv.conv.kronecker.input_factor`."""
+        :func:`memconv.conv.kronecker.input_factor` (the layer's geometry read once,
+        passed down as ``spec=``)."""
         if ExpectationApproximation.should_average_param_jac(ext.get_ea_strategy()):
             raise NotImplementedError(
                 f"{type(ext).__name__} on {describe(module)}: an expectation "
@@ -84,10 +86,15 @@ class _KroneckerWeight:
             a = block_diagonal(self._factor_from_batch_average(module, backproped), module.groups)
         else:  # KFAC, KFLR
             a = output_factor(backproped, module.groups)
-        if is_transposed(module):
+        spec = conv_spec(module)
+        if spec.transposed:
             self._warn_approximation_transpose_weight()
         omega = input_factor(
-            module, module.input0, kfac_approx=self.kfac_approx, memory_budget=self.memory_budget
+            module,
+            module.input0,
+            kfac_approx=self.kfac_approx,
+            memory_budget=self.memory_budget,
+            spec=spec,
         )
         return [a, omega]
 

@@ -9,7 +9,10 @@ Jacobian is exact for every padding. The weight quantities are memconv's
 and SqrtGGN's ``[V, N, *weight.shape]`` rows, by the layer's strategy, in chunks of
 rows under the strategy's ``memory_budget``, never forming BackPACK's unfolded input
 nor its ``V·N·|W|`` product. The bias quantities are ``S`` summed over space, as
-BackPACK's.
+BackPACK's. Each call of a weight rule reads the layer's geometry once
+(:func:`memconv.strategies.geometry.conv_spec`) and passes it down as ``spec=``: to
+every signed factor of ``{Batch}DiagHessian``, the route's choice and every chunk of
+rows; nothing is kept between calls.
 
 Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
 """
@@ -34,6 +37,7 @@ from backpack.utils.subsampling import subsample
 from ...conv.curvature import bias_diagonal, weight_diagonal, weight_rows
 from ...conv.settings import Settings
 from ...strategies import NO_OPTIONS
+from ...strategies.geometry import conv_spec
 from .derivatives import settings_for as _layer_settings
 
 #: The strategy of a ``torch.nn`` layer's rows outside any ``save_memory`` block: the
@@ -82,7 +86,12 @@ class DiagGGNConv(DiagGGNBaseModule):
 
     def weight(self, ext, module, g_inp, g_out, backproped):
         return weight_diagonal(
-            module, module.input0, backproped, settings_for(module), per_sample=self.per_sample
+            module,
+            module.input0,
+            backproped,
+            settings_for(module),
+            per_sample=self.per_sample,
+            spec=conv_spec(module),
         )
 
 
@@ -111,10 +120,10 @@ class DiagHessianConv(DiagHBaseModule):
         return self._signed_sum(lambda s: bias_diagonal(s, per_sample=self.per_sample), backproped)
 
     def weight(self, ext, module, g_inp, g_out, backproped):
-        settings = settings_for(module)
+        settings, spec = settings_for(module), conv_spec(module)  # once for every factor
         return self._signed_sum(
             lambda s: weight_diagonal(
-                module, module.input0, s, settings, per_sample=self.per_sample
+                module, module.input0, s, settings, per_sample=self.per_sample, spec=spec
             ),
             backproped,
         )
@@ -134,7 +143,7 @@ class SqrtGGNConv(SqrtGGNBaseModule):
 
     def weight(self, ext, module, g_inp, g_out, backproped):
         x = subsample(module.input0, subsampling=ext.get_subsampling())
-        return weight_rows(module, x, backproped, settings_for(module))
+        return weight_rows(module, x, backproped, settings_for(module), spec=conv_spec(module))
 
 
 def module_extension(ext, derivatives, wrap=lambda cls: cls):
