@@ -344,3 +344,8 @@ def test_recorded_blocks_say_that_a_compiled_model_runs_eagerly():
     with pytest.warns(RuntimeWarning, match="runs them eagerly"):
         with memconv.clipping(compiled, max_norm=1.0):
             nn.functional.cross_entropy(compiled(x), y).backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ref = memconv.clip_and_accumulate(model, nn.CrossEntropyLoss(), x, y, max_norm=1.0)
+    assert_close(got, _grads(model), TOL)
+    assert ref.shape == (4,)

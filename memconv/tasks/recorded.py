@@ -47,7 +47,7 @@ from .._checks import (
 from ..conv.settings import use_block_settings
 from ..engine.losses import linear_loss
 from ..engine.passes import UserPass
-from ..engine.prepared import CallPlan, Prepared
+from ..engine.prepared import CallPlan, Prepared, unwrap_compiled
 from ..engine.request import Batch
 from ..layers import own_trainable
 from .arguments import check_call
@@ -290,13 +290,15 @@ class Clipping(RecordedBackward):
     def __init__(self, model: nn.Module, *, max_norm, groups="all", caller: str, **options):
         super().__init__(model, caller=caller, **options)
         check_max_norm(max_norm)
-        resolve_groups(model, groups, max_norm)  # checked before any work
+        # checked before any work, on the names the walk gives (a torch.compile'd
+        # model's own module: its parameters without the wrapper's prefix)
+        resolve_groups(unwrap_compiled(model), groups, max_norm)
         self.max_norm, self.groups = max_norm, groups
         self.norms: Tensor | dict | None = None
         self._totals: dict = {}
 
     def _visitor(self, cp: CallPlan, n: int):
-        grouping = resolve_groups(self.model, self.groups, self.max_norm)
+        grouping = resolve_groups(unwrap_compiled(self.model), self.groups, self.max_norm)
         total: dict = {}
         visitor = gatherer(cp, n, one_pass(cp, grouping, total))
         self._totals[id(visitor)] = (grouping, total)
