@@ -12,9 +12,10 @@ conventional pass: a parameter's gradient is a sum of one partial gradient per t
 float32), a halo position's gradient a sum of the gradients the tiles reading it sent
 (each rounded to the dtype, where the conventional pass rounds the whole sum once), and
 torch's CPU kernels may round an element differently in a crop than in the whole image
-(a vectorised loop and its scalar tail: one unit of rounding at a few positions of a
-BatchNorm's output). In bfloat16 such a unit can then move a max-pool's choice between
-near-equal values, and with it a whole gradient value to a neighbouring position. So
+(seen: one unit of rounding at one position of a BatchNorm's output, on the ResNet trunk
+with other weights than these). In bfloat16 such a unit can then move a max-pool's
+choice between near-equal values, and with it a whole gradient value to a neighbouring
+position. So
 streaming is another computation of the gradients in the autocast dtype, and the tests
 require it to be as good as the conventional one, with ``u`` the dtype's unit round-off
 (``eps / 2``: 2^-8 for bfloat16, 2^-11 for float16), ``err(x, y) = ‖x − y‖ / ‖y‖``, and
@@ -164,9 +165,9 @@ def test_streamingcnn_example_net_bfloat16():
 
 
 def test_convnext_trunk_bfloat16():
-    """torchvision's CNBlock (Permute, LayerNorm over channels in float32 under CPU
-    autocast, Linear in bfloat16, layer scale, ``result += input``) and LayerNorm2d
-    downsampling: the output is float32, as the conventional pass's."""
+    """torchvision's CNBlock (Permute, LayerNorm over channels, Linear in bfloat16,
+    layer scale, ``result += input``) and LayerNorm2d downsampling: the output is
+    float32 here, as the conventional pass's."""
     trunk = randomised(lambda: trunks.convnext_trunk((1, 2), (8, 12), layer_scale=0.5))
     check(trunk, (1, 3, 101, 94), 36)
 
