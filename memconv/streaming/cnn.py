@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 from .._checks import check_stream_tile
 from .._torch import version
-from ..conv.settings import activate, record
+from ..conv.settings import Autocast, activate, record
 from .budget import choose_tile, predict_peak, predict_time
-from .errors import NotStreamableError
+from .errors import REMEDY, NotStreamableError
 from .graph import Bound, analyse, infer_channels, receptive_fields
 from .halo import HaloStore
 from .ops import Transposed, Upsample, Window
@@ -352,12 +352,18 @@ class StreamingCNN(nn.Module):
 
     def _forward(self, x: Tensor, *, input_grad: bool = False):
         plan = self.plan(tuple(x.shape), x.dtype, input_grad=input_grad)
+        device = self._device() or x.device
+        # the autocast state of this call, for the tiles' device: every tile's forward
+        # pass and its recomputation run under it (the backward pass may run outside the
+        # block, or on another thread)
+        autocast = Autocast.current(torch.device(device).type)
+        check_autocast(plan.bound, autocast)
         if self.verbose:
             logger.info("forward: %d tiles for input %s", plan.count, tuple(x.shape[2:]))
-        runner = TileRunner(plan, x.detach(), HaloStore(plan), self._device())
+        runner = TileRunner(plan, x.detach(), HaloStore(plan), self._device(), autocast)
         start = time.perf_counter()
-        with torch.no_grad():
-            out = forward_pass(runner, plan.bound.env(self._device() or x.device), self._progress)
+        with torch.no_grad(), runner.context():
+            out = forward_pass(runner, plan.bound.env(device), self._progress)
         if self.verbose:
             _synchronise(out.device)
             self._report(plan, "forward", time.perf_counter() - start)
@@ -410,11 +416,39 @@ class StreamingCNN(nn.Module):
             )
         device = self._device() or runner.x.device
         start = time.perf_counter()
-        out = backward_pass(runner, lambda: bound.env(device), grad, params, want_x, self._progress)
+        with runner.context():  # the forward pass's autocast state, also outside its block
+            out = backward_pass(
+                runner, lambda: bound.env(device), grad, params, want_x, self._progress
+            )
         if self.verbose:
             _synchronise(device)
             self._report(runner.plan, "backward", time.perf_counter() - start)
         return out
+
+
+def check_autocast(bound: Bound, autocast: Autocast) -> None:
+    """Refuse, before any work, what cannot be streamed exactly under ``torch.autocast``.
+
+    A call that reads the dtype of a tensor computed from the image (``x.dtype``,
+    ``x.element_size()``; e.g. ``y.to(x.dtype)`` to cast back after a float32 part) is
+    read once, when the trunk is analysed at the input's dtype; under autocast that
+    tensor has the dtype autocast gives it (bfloat16, float16), so the tiles would run
+    with another dtype than the conventional pass.
+
+    Raises:
+        NotStreamableError: autocast is on and the trunk reads such a dtype, naming the
+            call and the remedies.
+    """
+    if autocast.dtype is None or not bound.dtype_reads:
+        return
+    raise NotStreamableError(
+        f"{', '.join(bound.dtype_reads)}: reads the dtype of a tensor computed from the image, "
+        f"which StreamingCNN takes once at the input's dtype; under torch.autocast "
+        f"({autocast.device_type}, {autocast.dtype}) that tensor has another dtype, so the "
+        "tiles would not compute what the conventional pass computes. Use a fixed dtype in "
+        "that forward (e.g. x.float(), .to(torch.bfloat16)), stream without torch.autocast, "
+        f"or {REMEDY}"
+    )
 
 
 def _synchronise(device) -> None:

@@ -110,6 +110,10 @@ class Bound:
         values: Python values and the static nodes' meta tensors.
         root: the trunk.
         dims: spatial axes.
+        dtype_reads: labels of the calls that read the dtype (``x.dtype``,
+            ``x.element_size()``) of a node computed from the image: a value taken
+            once, at the dtype of the bound input, which ``torch.autocast`` would change
+            (see :func:`memconv.streaming.cnn.check_autocast`).
     """
 
     nodes: list[DataNode]
@@ -118,6 +122,7 @@ class Bound:
     values: dict
     root: nn.Module
     dims: int
+    dtype_reads: tuple[str, ...] = ()
 
     def env(self, device) -> Env:
         """The real values of the static nodes (computed now: inside autograd when
@@ -186,6 +191,7 @@ class StreamGraph:
         index: dict = {}
         nodes: list[DataNode] = []
         statics = []
+        dtype_reads: list[str] = []
         output = None
         ctx = Context(
             self.module,
@@ -219,7 +225,7 @@ class StreamGraph:
                     )
                 output = index[result]
             else:
-                self._bind_call(node, ctx, env, meta, index, nodes, statics)
+                self._bind_call(node, ctx, env, meta, index, nodes, statics, dtype_reads)
         out = nodes[output]
         if output == 0:
             raise NotStreamableError(
@@ -231,9 +237,11 @@ class StreamGraph:
                 f"{self.name}: its output has axes {out.layout}; a streamed trunk returns "
                 "[N, C, *spatial]"
             )
-        return _prune(nodes, output, statics, meta, self.module, dims)
+        bound = _prune(nodes, output, statics, meta, self.module, dims)
+        bound.dtype_reads = tuple(dtype_reads)
+        return bound
 
-    def _bind_call(self, node, ctx, env, meta, index, nodes, statics) -> None:
+    def _bind_call(self, node, ctx, env, meta, index, nodes, statics, dtype_reads) -> None:
         slots = [n for n in _inputs(node) if n in index]
         if not slots:  # static or a value: evaluated (meta) now
             name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
@@ -245,6 +253,8 @@ class StreamGraph:
                 statics.append((node, call))
             return
         if _is_value(node):
+            if _reads_dtype(node) and any(index[s] != 0 for s in slots):
+                dtype_reads.append(_label(node, ctx))
             call = NodeCall(node.op, node.target, node.args, dict(node.kwargs))
             meta[node] = _evaluate(node, ctx, call, env)
             return
@@ -306,6 +316,13 @@ def _is_value(node: fx.Node) -> bool:
     return (
         node.op == "call_function" and node.target is getattr and node.args[1] in VALUE_ATTRIBUTES
     )
+
+
+def _reads_dtype(node: fx.Node) -> bool:
+    """Whether a value call reads its tensor's dtype (``x.dtype``, ``x.element_size()``)."""
+    if node.op == "call_method":
+        return node.target == "element_size"
+    return node.args[1] == "dtype"
 
 
 def _evaluate(node, ctx, call: NodeCall, env, inputs=()):

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .._torch import add_each
+from ..conv.settings import Autocast
 from .halo import HaloStore
 from .tiling import TilePlan
 
@@ -56,21 +57,46 @@ def seed(y: Tensor, grads: HaloStore, v: int, tile, ins: list) -> Tensor:
 
 
 class TileRunner:
-    """One pass's tiles: the plan, the input, the halo store and where tiles run.
+    """One pass's tiles: the plan, the input, the halo store, where tiles run and the
+    autocast state they run under.
 
     Args:
         plan: the tiles.
         x: the input image (anywhere; crops go to ``device``).
         halo: the forward values' store.
         device: where tiles run (None: where ``x`` is).
+        autocast: the ``torch.autocast`` state of the forward pass, for the tiles'
+            device: each tile's forward pass and its recomputation run under it
+            (:meth:`context`), wherever and whenever the backward pass runs. None:
+            autocast off.
+
+    Attributes:
+        dtypes: ``{node: dtype}`` of the boxes computed so far (under autocast a node's
+            dtype is the one its operation gives, not the input's), for the crops made
+            of padding alone.
     """
 
-    def __init__(self, plan: TilePlan, x: Tensor, halo: HaloStore, device=None):
+    def __init__(
+        self,
+        plan: TilePlan,
+        x: Tensor,
+        halo: HaloStore,
+        device=None,
+        autocast: Autocast | None = None,
+    ):
         self.plan = plan
         self.bound = plan.bound
         self.x = x
         self.halo = halo
         self.device = device
+        device_type = torch.device(device).type if device is not None else x.device.type
+        self.autocast = autocast if autocast is not None else Autocast(device_type, None)
+        self.dtypes: dict[int, torch.dtype] = {}
+
+    def context(self):
+        """A ``torch.autocast`` block restoring the forward pass's autocast state (off
+        when it was off, even inside a user's autocast block)."""
+        return self.autocast.context()
 
     def to_tile(self, t: Tensor) -> Tensor:
         """``t`` on the tiles' device."""
@@ -119,6 +145,7 @@ class TileRunner:
                 else:
                     y = node.op.run(env, ins, needs, own)
                 _check(node, y, own)
+                self.dtypes[v] = y.dtype
                 if seeds is not None and v in seeds and y.requires_grad:
                     # an in-place op's result is its input's tensor, which nothing else reads
                     y = seed(y, seeds[v], v, tile, [] if v in self.plan.in_place else ins)
@@ -146,7 +173,8 @@ class TileRunner:
             shape = list(node.shape)
             for a, (lo, hi) in enumerate(box):
                 shape[node.dim(a)] = hi - lo
-            return self.to_tile(self.x.new_empty(shape))
+            dtype = self.dtypes.get(u, self.x.dtype)
+            return self.to_tile(self.x.new_empty(shape, dtype=dtype))
         own = self.plan.own(u, tile)
         return self._block(u, tile, list(box), own, values.get(u), 0, leaves)
 
