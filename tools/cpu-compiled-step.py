@@ -15,7 +15,9 @@ step: its first call; memconv compiled: its first three, the eager plan, the tra
 and the compilation) as "first seconds", then the median of three calls (wall time
 and the process's CPU time), the allocator-level peak of one call, the host launches
 of one call (the profiler's top-level ATen operations plus the compiled kernels,
-inductor's kernel profiling on), and the process's peak RSS. Prints one JSON line per
+inductor's kernel profiling on), and the process's peak RSS. Each process compiles
+with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` of its own unless set), so
+the first step's time includes a first compilation. Prints one JSON line per
 process and a Markdown table of ratios against the compiled non-private step.
 """
 
@@ -56,6 +58,10 @@ def _launches(fn) -> int:
 
 def worker(tree: str, case: str, engine: str, batch: int, threads: int) -> dict:
     sys.path.insert(0, tree)
+    import tempfile
+
+    # a cold compiler cache: the first step's time is a first compilation's
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
     import torch
     import torch._inductor.config as inductor_config
     from torch import nn
