@@ -307,7 +307,9 @@ def ensure_finite_sums(sums: dict[str, Tensor], caller: str, padded: bool = Fals
             "the norm of every real sample (sample_mask True) is: the model or the loss is "
             "not finite on a padded sample, whose input and target memconv replaces by "
             "zeros (a normalisation of the input by its norm, a log of 0); nothing was "
-            "added to .grad. Make the model and loss finite at a zero input and target."
+            "added to .grad. Make the model and loss finite at a zero input and target (with "
+            'clip_route="two-pass", torch\'s own backward of a layer may be the cause instead: '
+            'try "book-keeping").'
         )
     if bad:
         raise RuntimeError(
