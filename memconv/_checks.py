@@ -404,6 +404,38 @@ def check_batch(inputs, targets) -> int:
     return len(inputs)
 
 
+def check_sample_mask(sample_mask, n: int, device, argument: str = "sample_mask") -> None:
+    """Raise unless ``sample_mask`` is None or a bool tensor ``[n]`` on ``device`` (the
+    inputs'): which samples of a batch padded to a fixed size are real (masked DP-SGD,
+    Beltran et al. 2024). A float mask (a per-sample weight) is not one: it is refused.
+    Only the mask's metadata is read (no host synchronisation).
+
+    Raises:
+        TypeError: not a tensor, or not of dtype ``torch.bool``.
+        ValueError: a shape other than ``[n]``, or a device other than ``device``.
+    """
+    if sample_mask is None:
+        return
+    accepted = f"None or a bool tensor of shape [{n}] (True: a real sample, False: padding)"
+    if not isinstance(sample_mask, Tensor):
+        raise TypeError(f"{argument} must be {accepted}, got {type(sample_mask).__name__}")
+    if sample_mask.dtype != torch.bool:
+        raise TypeError(
+            f"{argument} must be {accepted}, got dtype {sample_mask.dtype}; turn a 0/1 mask "
+            "into one with mask.bool() (a per-sample weight is not accepted)"
+        )
+    if tuple(sample_mask.shape) != (n,):
+        raise ValueError(
+            f"{argument} must be {accepted} (one entry per sample of inputs), got shape "
+            f"{list(sample_mask.shape)}"
+        )
+    if sample_mask.device != torch.device(device):
+        raise ValueError(
+            f"{argument} must be on the inputs' device {torch.device(device)}, got "
+            f"{sample_mask.device}"
+        )
+
+
 def check_layer_input(shape: tuple, axes: int, *, layer: str, inputs: tuple) -> None:
     """Raise unless a layer that takes inputs of ``axes`` axes (batch axis included) got
     ``shape`` in the probe of one sample of the batch ``inputs`` (its shape).

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._checks import check_finite_number, check_threshold
+from .._checks import check_finite_number, check_sample_mask, check_threshold
 
 
 @dataclass
@@ -98,21 +98,32 @@ class AdaptiveClipping:
                 "Andrew et al., 2021)"
             )
 
-    def count(self, norms: Tensor) -> None:
+    def count(self, norms: Tensor, sample_mask: Tensor | None = None) -> None:
         """Count the samples of a (micro-)batch and those the threshold left unclipped.
 
         Args:
             norms: the per-sample norms ``[N]`` before clipping, as
                 :func:`memconv.clip_and_accumulate` returns them with
                 ``max_norm=self.max_norm``.
+            sample_mask: None, or the ``torch.bool`` mask ``[N]`` the norms were taken
+                with (masked DP-SGD, Beltran et al. 2024): only the real samples (True)
+                are counted, not the padding.
 
         Raises:
-            TypeError: ``norms`` not a 1-d tensor.
+            TypeError: ``norms`` not a 1-d tensor; a ``sample_mask`` not a bool tensor.
+            ValueError: a ``sample_mask`` not ``[N]`` on the norms' device.
         """
         if not isinstance(norms, Tensor) or norms.dim() != 1:
             raise TypeError(f"norms must be a 1-d tensor of per-sample norms, got {norms!r}")
-        self.sample_size += len(norms)
-        self.unclipped_num += int((norms <= self.max_norm).sum())
+        check_sample_mask(sample_mask, len(norms), norms.device)
+        if sample_mask is None:
+            self.sample_size += len(norms)
+            self.unclipped_num += int((norms <= self.max_norm).sum())
+            return
+        counts = torch.stack([sample_mask.sum(), (sample_mask & (norms <= self.max_norm)).sum()])
+        real, unclipped = counts.tolist()  # one host synchronisation, as without a mask
+        self.sample_size += real
+        self.unclipped_num += unclipped
 
     def gradient_noise_multiplier(self) -> float:
         """σ_eff = (σ⁻² − (2σ_b)⁻²)^(−1/2), 0 for σ = 0 (Theorem 1; Opacus'

@@ -12,9 +12,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
-from .._checks import check_batch, check_budget, check_clip_route, check_route
+from .._checks import (
+    check_batch,
+    check_budget,
+    check_clip_route,
+    check_route,
+    check_sample_mask,
+)
 from ..conv.settings import use_block_settings
 from ..engine.prepared import Prepared
 from ..engine.request import Batch, Request
@@ -28,11 +35,15 @@ class Checked(NamedTuple):
         batch: on what (the model unwrapped from ``torch.compile`` and, where asked,
             from ``DistributedDataParallel``).
         ddp: the ``DistributedDataParallel`` wrapper that was taken off, or None.
+        sample_mask: the bool mask ``[N]`` of the real samples, or None (then
+            ``batch`` holds the padded samples' inputs and targets as zeros:
+            :func:`zero_padded`).
     """
 
     request: Request
     batch: Batch
     ddp: nn.Module | None
+    sample_mask: Tensor | None = None
 
 
 def unwrap_ddp(model):
@@ -63,6 +74,7 @@ def check_call(
     norm_route=None,
     clip_route=None,
     unwrap: bool = False,
+    sample_mask=None,
 ) -> Checked:
     """Check a call's arguments (before any work) and gather them into records.
 
@@ -75,6 +87,8 @@ def check_call(
         strategy, memory_budget, norm_route, clip_route: the call's.
         unwrap: take a ``DistributedDataParallel`` wrapper off (norms and clipping
             run on the local samples; clipping sums the ranks itself).
+        sample_mask: None, or the bool mask ``[N]`` of the real samples of a padded
+            batch (checked here; the batch's padded samples zeroed, :func:`zero_padded`).
 
     Raises:
         TypeError, ValueError, RuntimeError: as the public functions document.
@@ -84,9 +98,34 @@ def check_call(
     check_clip_route(clip_route)
     model = prepared.check_model(model, settings)
     n = check_batch(given.inputs, given.targets)
+    check_sample_mask(sample_mask, n, given.inputs.device)
     check_budget(memory_budget)
     check_route(norm_route)
     routes = dict(norm_route=norm_route, clip_route=clip_route, caller=caller)
     request = Request(task=task, n=n, settings=settings, memory_budget=memory_budget, **routes)
     batch = given if model is given.model else replace(given, model=model)
-    return Checked(request, batch, ddp)
+    if sample_mask is not None:
+        batch = replace(
+            batch,
+            inputs=zero_padded(batch.inputs, sample_mask),
+            targets=zero_padded(batch.targets, sample_mask),
+        )
+    return Checked(request, batch, ddp, sample_mask)
+
+
+def zero_padded(values, sample_mask: Tensor):
+    """``values`` (``[N, ...]``) with the padded samples' rows (``sample_mask`` False)
+    replaced by zeros, by ``torch.where`` (the shape stays, no host synchronisation): a
+    NaN or inf in a padded sample's input or target never enters the passes, whose
+    results for the padded samples are then finite and multiplied by a zero clip factor
+    (``0·NaN`` would be NaN). A ``values`` that is no tensor ``[N, ...]`` on the mask's
+    device (targets of another kind) is returned as it is."""
+    if not (
+        isinstance(values, Tensor)
+        and values.dim() >= 1
+        and len(values) == len(sample_mask)
+        and values.device == sample_mask.device
+    ):
+        return values
+    keep = sample_mask.view(-1, *([1] * (values.dim() - 1)))
+    return torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))

@@ -37,6 +37,7 @@ from .groups import (
     assert_finite_on_device,
     clip_factors,
     ensure_finite,
+    masked,
     resolve_groups,
 )
 from .norms import add_into, gather_norms, group_norms, joined, squared
@@ -55,6 +56,7 @@ def clip_and_accumulate(
     norm_route: str | None = None,
     clip_route: str | None = None,
     groups: str | dict = "all",
+    sample_mask: Tensor | None = None,
 ) -> Tensor | dict[str, Tensor]:
     """Add Σₙ min(1, max_norm/‖gₙ‖)·gₙ to every trainable parameter's ``.grad``.
 
@@ -80,6 +82,16 @@ def clip_and_accumulate(
     every rank gets the clipped **sum** over the whole (global) batch: the ranks'
     sums are all-reduced (summed, not averaged as DDP's gradients are).
 
+    With ``sample_mask`` (masked DP-SGD: Beltran et al. 2024, "Towards Efficient and
+    Scalable Training of Differentially Private Deep Learning"), the batch is a Poisson
+    batch padded to a fixed size, and only the samples whose entry is True count: the sum
+    added is Σ over them of min(1, C/‖gₙ‖)·gₙ, as if the padded samples were not there
+    (the shapes stay fixed, so a compiled graph does not recompile for each batch size).
+    The padded samples' inputs and targets are replaced by zeros before the forward pass
+    and their clip factors are 0, both by ``torch.where``: a NaN or inf they hold reaches
+    neither the sum nor the finiteness check of the norms. No host synchronisation is
+    added for the mask.
+
     Args:
         model: as :func:`memconv.per_sample_grads`.
         loss_fn: returns a scalar for one sample.
@@ -99,22 +111,36 @@ def clip_and_accumulate(
             module owns directly, named by the module, ``""`` for the model's own),
             ``"parameter"``, or a mapping ``{parameter name: group name}`` covering
             every trainable parameter.
+        sample_mask: None (every sample is real), or a ``torch.bool`` tensor ``[N]`` on
+            the inputs' device: True for a real sample, False for padding, which adds
+            nothing (masked DP-SGD, Beltran et al. 2024). A float mask or per-sample
+            weight is refused.
 
     Returns:
         The per-sample norms ``[N]`` before clipping (of the local samples); with
-        ``groups`` other than ``"all"``, ``{group: [N]}``.
+        ``groups`` other than ``"all"``, ``{group: [N]}``. A padded sample's norm is 0.
 
     Raises:
         TypeError, ValueError: as :func:`per_sample_norms`; a threshold not a positive
             finite number; bad ``groups`` or a group without a threshold (see
-            :func:`memconv.tasks.groups.resolve_groups`); an unknown ``clip_route``. Before
-            any work, every ``.grad`` unchanged.
+            :func:`memconv.tasks.groups.resolve_groups`); an unknown ``clip_route``; a
+            ``sample_mask`` not a bool tensor (TypeError) or not ``[N]`` on the inputs'
+            device (ValueError). Before any work, every ``.grad`` unchanged.
+        RuntimeError: a real sample's norm not finite, or (with ``sample_mask``) a
+            clipped sum not finite because the model or loss is not finite at a padded
+            sample's zero input and target. Nothing is added to ``.grad``.
     """
     given = Batch(model, loss_fn, inputs, targets)
     options = dict(strategy=strategy, memory_budget=memory_budget, norm_route=norm_route)
     with kept_for(model) as prepared:
         return clip_with(
-            prepared, given, max_norm=max_norm, clip_route=clip_route, groups=groups, **options
+            prepared,
+            given,
+            max_norm=max_norm,
+            clip_route=clip_route,
+            groups=groups,
+            sample_mask=sample_mask,
+            **options,
         )
 
 
@@ -126,7 +152,7 @@ def clip_with(prepared: Prepared, given: Batch, *, max_norm, groups="all", **opt
     check_max_norm(max_norm)
     caller = "memconv.clip_and_accumulate"
     checked = check_call(prepared, given, task="clip", caller=caller, unwrap=True, **options)
-    request, batch, ddp = checked
+    request, batch, ddp, mask = checked
     grouping = resolve_groups(batch.model, groups, max_norm)
     params = prepared.trainable()
     if request.n == 0:
@@ -135,41 +161,52 @@ def clip_with(prepared: Prepared, given: Batch, *, max_norm, groups="all", **opt
         return joined(grouping, [{g: zero for g in grouping.members}])
     if prepared.streams:  # one sample at a time: its norm from its gradient, gathered
         with activate(request.settings):
-            total, parts = _clip_sample_by_sample(batch, params, grouping)
+            total, parts = _clip_sample_by_sample(batch, params, grouping, mask)
         route = None
     else:
 
-        def walk(cp, b):
-            return _clipped_sums(cp, b, grouping, params)
+        def walk(cp, b, *more):  # ``more``: the mask, where there is one
+            return _clipped_sums(cp, b, grouping, params, *more)
 
         options = (grouping.kind, tuple(grouping.of.items()), tuple(grouping.max_norm.items()))
-        total, parts = prepared.run_walk(batch, request, walk, options=options)
+        extra = () if mask is None else (mask,)
+        total, parts = prepared.run_walk(batch, request, walk, options=options, extra=extra)
         route = prepared.plan.clip_route
+    checked_sums = total if route == "two-pass" or mask is not None else {}
     if prepared.backend is not None and given.inputs.device.type != "cpu":
         # a compiled step on a GPU: checked there, the host does not wait
         norms = [v for part in parts for v in part.values()]
-        assert_finite_on_device(norms + list(total.values()), request.caller)
+        assert_finite_on_device(norms + list(checked_sums.values()), request.caller)
     else:
-        ensure_finite_results(parts, total if route == "two-pass" else {}, request.caller)
+        ensure_finite_results(parts, checked_sums, request.caller, padded=mask is not None)
     accumulate(params, total, ddp)
     return joined(grouping, parts)
 
 
-def _clipped_sums(cp: CallPlan, batch: Batch, grouping: Grouping, params: dict):
+def _clipped_sums(cp: CallPlan, batch: Batch, grouping: Grouping, params: dict, mask=None):
     """``(clipped sums {name: tensor}, [{group: norms [m]} per micro-batch])`` of the
     batch, a micro-batch at a time (clip factors are per sample: the micro-batches'
-    clipped sums add up); nothing is checked yet (:func:`ensure_finite_results`)."""
+    clipped sums add up); nothing is checked yet (:func:`ensure_finite_results`).
+    ``mask``: the bool mask ``[N]`` of the real samples, or None."""
     total: dict[str, Tensor] = {}
-    onepass = one_pass(cp, grouping, total)
+    onepass = one_pass(cp, grouping, total, mask)
     parts = gather_norms(batch, cp, onepass)
-    return total, [clip_part(part, cp, grouping, params, total) for part in parts]
+    return total, [
+        clip_part(part, cp, grouping, params, total, _rows(mask, part.rows)) for part in parts
+    ]
 
 
-def ensure_finite_results(parts: list[dict], sums: dict, caller: str) -> None:
+def _rows(mask: Tensor | None, rows: slice) -> Tensor | None:
+    """The mask of a micro-batch's rows (a view: no copy, no synchronisation)."""
+    return None if mask is None else mask[rows]
+
+
+def ensure_finite_results(parts: list[dict], sums: dict, caller: str, padded=False) -> None:
     """Raise unless every norm of ``parts`` (``{group: [m]}`` per micro-batch) and every
-    clipped sum of ``sums`` (the two-pass route's, from torch's own backward) is
-    finite, before anything reaches ``.grad``: one host synchronisation for all of
-    them, the call's only one.
+    clipped sum of ``sums`` (the two-pass route's, from torch's own backward; every
+    route's with a ``sample_mask``) is finite, before anything reaches ``.grad``: one
+    host synchronisation for all of them, the call's only one. ``padded``: the batch has
+    a ``sample_mask`` (the norms are those of the real samples, the padded ones 0).
 
     Raises:
         RuntimeError: naming the samples whose norm is not finite, or the parameters
@@ -184,31 +221,48 @@ def ensure_finite_results(parts: list[dict], sums: dict, caller: str) -> None:
         offsets += [start] * len(part)
         start += length
     ensure_finite(norms, caller, offsets)
-    ensure_finite_sums(sums, caller)
+    ensure_finite_sums(sums, caller, padded)
 
 
-def one_pass(cp: CallPlan, grouping: Grouping, total: dict):
+def one_pass(cp: CallPlan, grouping: Grouping, total: dict, mask: Tensor | None = None):
     """What makes each walk's :class:`memconv.tasks.groups.OnePass` (groups within one
     layer call are clipped during the backward pass, into ``total``), or None for
-    ``groups="all"``."""
+    ``groups="all"``: called with the walk's rows (None: all of ``mask``), it gives the
+    OnePass of those rows' part of ``mask`` (the bool mask ``[N]`` of the real samples,
+    or None)."""
     if grouping.kind == "all":
         return None
-    return lambda: OnePass(grouping, cp.rule_settings, total, cp.request.caller)
+    caller = cp.request.caller
+    return lambda rows=None: OnePass(
+        grouping,
+        cp.rule_settings,
+        total,
+        caller,
+        sample_mask=mask if rows is None else _rows(mask, rows),
+    )
 
 
-def clip_part(part, cp: CallPlan, grouping: Grouping, params: dict, total: dict) -> dict:
+def clip_part(part, cp: CallPlan, grouping: Grouping, params: dict, total: dict, mask=None) -> dict:
     """One walked micro-batch (:class:`memconv.engine.passes.MicroBatch` whose visitor is
     a :class:`memconv.tasks.norms.NormGatherer`): its norms by group → their clip factors
-    → the clipped sums by the plan's route, added into ``total``.
+    → the clipped sums by the plan's route, added into ``total``. ``mask``: the bool mask
+    ``[m]`` of the micro-batch's real samples, or None: a padded sample's norm and clip
+    factor are 0 (set by ``torch.where``).
 
     Returns:
         ``{group: norms [m]}`` before clipping (not yet checked: the caller checks
         every micro-batch's at once, :func:`ensure_finite_results`, before ``.grad``).
     """
     gathered = part.visitor
-    norms = group_norms(grouping, gathered.result(cp.params), len(part.losses))
+    sq = gathered.result(cp.params)
+    norms = group_norms(grouping, sq, len(part.losses))
+    norms = {g: masked(v, mask) for g, v in norms.items()}
     done = gathered.onepass.groups if gathered.onepass is not None else set()
-    factors = {g: clip_factors(v, grouping.max_norm[g]) for g, v in norms.items() if g not in done}
+    factors = {
+        g: masked(clip_factors(v, grouping.max_norm[g]), mask)
+        for g, v in norms.items()
+        if g not in done
+    }
     if cp.plan.clip_route == "book-keeping":
         c = {k: factors[g] for k, g in grouping.of.items() if g in factors}
         gathered.add_clipped_sums(c, total)
@@ -227,30 +281,43 @@ def _second_passes(losses, factors: dict, grouping: Grouping, params: dict, tota
             add_into(total, name, v)
 
 
-def _clip_sample_by_sample(batch: Batch, params: dict, grouping: Grouping):
+def _clip_sample_by_sample(batch: Batch, params: dict, grouping: Grouping, mask=None):
     """Clip and sum for models that stream: each sample's gradient (gathered tile by
-    tile), its norms, its clipped share added to a running total. Returns
-    ``(total, [{group: norms [1]} per sample])``."""
+    tile), its norms, its clipped share added to a running total (a padded sample's,
+    with ``mask``, times 0). Returns ``(total, [{group: norms [1]} per sample])``."""
     total: dict[str, Tensor] = {}
     norms = []
-    for _, grads in sample_by_sample(batch, params):
+    for i, grads in sample_by_sample(batch, params):
         sq = {k: squared(g.unsqueeze(0)) for k, g in grads.items()}
-        norm = group_norms(grouping, sq, 1)
-        c = {g: clip_factors(v, grouping.max_norm[g]) for g, v in norm.items()}
+        one = _rows(mask, slice(i, i + 1))
+        norm = {g: masked(v, one) for g, v in group_norms(grouping, sq, 1).items()}
+        c = {g: masked(clip_factors(v, grouping.max_norm[g]), one) for g, v in norm.items()}
         for name, g in grads.items():
             add_into(total, name, g * c[grouping.of[name]].to(g.dtype))
         norms.append(norm)
     return total, norms
 
 
-def ensure_finite_sums(sums: dict[str, Tensor], caller: str) -> None:
-    """Raise if the second pass gave a non-finite clipped sum (the norms being finite,
-    torch's own backward of a layer is not finite there).
+def ensure_finite_sums(sums: dict[str, Tensor], caller: str, padded: bool = False) -> None:
+    """Raise if a clipped sum is not finite although every norm is: the second pass's
+    (torch's own backward of a layer is not finite there) or, with a ``sample_mask``
+    (``padded``), a padded sample's share (the model or loss not finite at its zero input
+    and target, and ``0·NaN`` is NaN).
 
     Raises:
         RuntimeError: naming the parameters and the remedy.
     """
     bad = [name for name, v in sums.items() if not all_finite([v])]
+    if bad and padded:
+        raise RuntimeError(
+            f"{caller}: the clipped sum of {', '.join(map(repr, bad))} is not finite although "
+            "the norm of every real sample (sample_mask True) is: the model or the loss is "
+            "not finite on a padded sample, whose input and target memconv replaces by "
+            "zeros (a normalisation of the input by its norm, a log of 0); nothing was "
+            "added to .grad. Make the model and loss finite at a zero input and target (with "
+            'clip_route="two-pass", torch\'s own backward of a layer may be the cause instead: '
+            'try "book-keeping").'
+        )
     if bad:
         raise RuntimeError(
             f"{caller}: the two-pass route's second backward pass (torch's autograd) gave a "

@@ -101,7 +101,8 @@ def grads_with(prepared: Prepared, given: Batch, **options):
     call: the arguments checked, then the result allocated and filled micro-batch by
     micro-batch of the plan (the plan raises before any work if the result cannot fit)."""
     caller = "memconv.per_sample_grads"
-    request, batch, _ = check_call(prepared, given, task="grads", caller=caller, **options)
+    checked = check_call(prepared, given, task="grads", caller=caller, **options)
+    request, batch = checked.request, checked.batch
     params = prepared.trainable()
     if request.n == 0 or prepared.streams:
         return _sample_by_sample(batch, params, request)

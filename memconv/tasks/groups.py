@@ -45,6 +45,17 @@ def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
     return (max_norm / norms).clamp_(max=1.0)
 
 
+def masked(values: Tensor, sample_mask: Tensor | None) -> Tensor:
+    """``values`` ``[n]`` with the padded samples' entries (``sample_mask`` False) set to
+    0 by ``torch.where`` (a NaN or inf there is replaced, not multiplied: ``0·NaN`` is
+    NaN); ``values`` itself without a mask. Fixed shapes, no host synchronisation."""
+    if sample_mask is None:
+        return values
+    return torch.where(
+        sample_mask, values, torch.zeros((), dtype=values.dtype, device=values.device)
+    )
+
+
 def all_finite(tensors: list[Tensor]) -> bool:
     """Whether every element of every tensor is finite: one host synchronisation
     whatever the number of tensors (their largest magnitudes, one operation for all of
@@ -210,12 +221,15 @@ class OnePass:
 
     Attributes:
         grouping: the groups and thresholds.
+        sample_mask: the bool mask ``[n]`` of the walk's real samples, or None: the
+            padded samples' clip factors are 0 (:func:`masked`).
         calls: the calls clipped in the pass (set by :meth:`prepare`).
         groups: their groups.
     """
 
-    def __init__(self, grouping: Grouping, rs, total: dict, caller: str):
+    def __init__(self, grouping: Grouping, rs, total: dict, caller: str, sample_mask=None):
         self.grouping, self.rs, self.total, self.caller = grouping, rs, total, caller
+        self.sample_mask = sample_mask
         self.calls: set = set()
         self.groups: set = set()
 
@@ -257,7 +271,7 @@ class OnePass:
         n = next(iter(sq.values())).shape[0] if sq else 0
         for g, keys in local.items():
             norm = self.grouping.norm(g, full, n).detach()
-            c = clip_factors(norm, self.grouping.max_norm[g])
+            c = masked(clip_factors(norm, self.grouping.max_norm[g]), self.sample_mask)
             if grads is None:
                 sums = call.summed_grad(self.rs, c)
             else:

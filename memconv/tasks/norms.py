@@ -25,7 +25,7 @@ from ..engine.prepared import CallPlan, Prepared, kept_for
 from ..engine.request import Batch
 from ..layers import RuleSettings
 from .arguments import check_call
-from .groups import ALL, Grouping, OnePass, ensure_finite, resolve_groups
+from .groups import ALL, Grouping, OnePass, ensure_finite, masked, resolve_groups
 
 
 class NormGatherer:
@@ -171,6 +171,7 @@ def per_sample_norms(
     per_parameter: bool = False,
     norm_route: str | None = None,
     groups: str | dict = "all",
+    sample_mask: Tensor | None = None,
 ):
     """L2 norms of each sample's gradient, without holding per-sample gradients.
 
@@ -203,22 +204,36 @@ def per_sample_norms(
             for the model's own), ``"parameter"``, or a mapping ``{parameter name: group
             name}`` covering every trainable parameter: the norms of each group, as
             :func:`clip_and_accumulate` clips them (:mod:`memconv.tasks.groups`).
+        sample_mask: None, or a ``torch.bool`` tensor ``[N]`` on the inputs' device:
+            False marks a padded sample of a batch padded to a fixed size (masked
+            DP-SGD, Beltran et al. 2024), whose input and target are replaced by zeros
+            (``torch.where``) and whose norm is 0, NaN or inf inputs included.
 
     Returns:
         ``[N]`` norms (float32 or wider); ``{name: [N]}`` with ``per_parameter``;
-        ``{group: [N]}`` with ``groups`` other than ``"all"``.
+        ``{group: [N]}`` with ``groups`` other than ``"all"``. A padded sample's
+        entries are 0.
 
     Raises:
         TypeError, ValueError: as :func:`memconv.per_sample_grads`; an unknown
             ``norm_route``; a non-positive or non-integer ``memory_budget``, or one below
             the smallest feasible budget (named); bad ``groups`` (see
             :func:`memconv.tasks.groups.resolve_groups`), or ``groups`` with
-            ``per_parameter``. Before any work.
+            ``per_parameter``; a ``sample_mask`` not a bool tensor (TypeError) or not
+            ``[N]`` on the inputs' device (ValueError). Before any work.
+        RuntimeError: a real sample's norm not finite.
     """
     given = Batch(model, loss_fn, inputs, targets)
     options = dict(strategy=strategy, memory_budget=memory_budget, norm_route=norm_route)
     with kept_for(model) as prepared:
-        return norms_with(prepared, given, per_parameter=per_parameter, groups=groups, **options)
+        return norms_with(
+            prepared,
+            given,
+            per_parameter=per_parameter,
+            groups=groups,
+            sample_mask=sample_mask,
+            **options,
+        )
 
 
 def norms_with(prepared: Prepared, given: Batch, *, per_parameter=False, groups="all", **options):
@@ -226,7 +241,7 @@ def norms_with(prepared: Prepared, given: Batch, *, per_parameter=False, groups=
     call."""
     caller = "memconv.per_sample_norms"
     checked = check_call(prepared, given, task="norms", caller=caller, unwrap=True, **options)
-    request, batch = checked.request, checked.batch
+    request, batch, mask = checked.request, checked.batch, checked.sample_mask
     grouping = resolve_groups(batch.model, groups)
     if per_parameter and grouping.kind != "all":
         raise ValueError("per_parameter=True is groups='parameter'; pass one of them")
@@ -247,15 +262,15 @@ def norms_with(prepared: Prepared, given: Batch, *, per_parameter=False, groups=
         parts = prepared.run_walk(batch, request, walk)
     if grouping.kind != "all":
         out = {
-            g: _cat([grouping.norm(g, sq, _len(rows)) for sq, rows in parts])
+            g: masked(_cat([grouping.norm(g, sq, _len(rows)) for sq, rows in parts]), mask)
             for g in grouping.members
         }
         ensure_finite(list(out.values()), request.caller)
         return out
-    total = _cat([total_sq(sq, _len(rows)) for sq, rows in parts]).sqrt()
+    total = masked(_cat([total_sq(sq, _len(rows)) for sq, rows in parts]).sqrt(), mask)
     ensure_finite(total, request.caller)
     if per_parameter:
-        return {name: _cat([sq[name] for sq, _ in parts]).sqrt() for name in params}
+        return {name: masked(_cat([sq[name] for sq, _ in parts]).sqrt(), mask) for name in params}
     return total
 
 
@@ -288,7 +303,7 @@ def gather_norms(batch: Batch, cp: CallPlan, onepass=None):
     return walk_micro_batches(
         batch,
         cp,
-        visitor=lambda rows: gatherer(cp, _len(rows), onepass),
+        visitor=lambda rows: gatherer(cp, _len(rows), onepass and (lambda: onepass(rows))),
         keep_graph=route == "two-pass",
     )
 

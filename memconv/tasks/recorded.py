@@ -43,6 +43,7 @@ from .._checks import (
     check_max_norm,
     check_module,
     check_route,
+    check_sample_mask,
 )
 from ..conv.settings import use_block_settings
 from ..engine.losses import linear_loss
@@ -50,7 +51,7 @@ from ..engine.passes import UserPass
 from ..engine.prepared import CallPlan, Prepared, unwrap_compiled
 from ..engine.request import Batch
 from ..layers import own_trainable
-from .arguments import check_call
+from .arguments import check_call, zero_padded
 from .clipping import accumulate, clip_part, ensure_finite_results, one_pass
 from .grads import RowWriter
 from .groups import resolve_groups
@@ -195,24 +196,41 @@ class RecordedBackward:
         return self._hand_off(upass, out)
 
     # ------------------------------------------------------------ one pass
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, sample_mask: Tensor | None = None) -> Tensor:
         """Run the model on ``x`` recorded, its backward pass driven by memconv (the
         wrapper form of the block, for a module that calls the model itself).
 
+        Args:
+            x: the batch ``[N, ...]``.
+            sample_mask: None, or a ``torch.bool`` tensor ``[N]`` on ``x``'s device:
+                False marks a padded sample of a batch padded to a fixed size (masked
+                DP-SGD, Beltran et al. 2024). The model runs on ``x`` with the padded
+                samples' rows replaced by zeros (``torch.where``: a NaN or inf there
+                reaches nothing), their output gradients are dropped in the backward
+                pass (their clip factors and norms are 0), so they add nothing.
+
         Returns:
             The model's output, detached from its graph and attached to the node
-            whose backward runs the pass.
+            whose backward runs the pass (a padded sample's row: the model's output
+            at a zero input).
+
+        Raises:
+            TypeError, ValueError: as :func:`memconv.clip_and_accumulate` for a bad
+                ``sample_mask``, before any work.
         """
         _one_input((x,), {}, self.caller)
-        upass = self._pass(x)
-        return self._hand_off(upass, upass.forward(x))
+        check_sample_mask(sample_mask, len(x), x.device)
+        if sample_mask is not None:
+            x = zero_padded(x, sample_mask)
+        upass = self._pass(x, sample_mask)
+        return self._hand_off(upass, upass.forward(x), sample_mask)
 
-    def _pass(self, x: Tensor) -> UserPass:
+    def _pass(self, x: Tensor, sample_mask: Tensor | None = None) -> UserPass:
         """Check the model and plan its pass on ``x`` (the probe, two forward passes of
         one and two samples, kept while the model and the input's shape do not change)."""
         self._probing = True  # the probe's calls of the model are not recorded
         try:
-            request, batch, _ = check_call(
+            checked = check_call(
                 self._prepared,
                 Batch(self.model, linear_loss, x, x),
                 task=self.task,
@@ -222,7 +240,7 @@ class RecordedBackward:
                 norm_route=self.norm_route,
                 clip_route=self.clip_route,
             )
-            cp = self._prepared.call_plan(batch, request)
+            cp = self._prepared.call_plan(checked.batch, checked.request)
         finally:
             self._probing = False
         if self._prepared.backend is not None and not self._warned_compiled:
@@ -238,9 +256,9 @@ class RecordedBackward:
             )
         if self.memory_budget is not None:
             cp = replace(cp, plan=replace(cp.plan, layer_budget=self.memory_budget))
-        return UserPass(cp, batch.model, self._visitor(cp, len(x)))
+        return UserPass(cp, checked.batch.model, self._visitor(cp, len(x), sample_mask))
 
-    def _hand_off(self, upass: UserPass, out) -> Tensor:
+    def _hand_off(self, upass: UserPass, out, sample_mask: Tensor | None = None) -> Tensor:
         if not isinstance(out, Tensor) or out.dim() == 0 or len(out) != len(upass.inputs):
             upass.close()
             raise TypeError(
@@ -251,14 +269,16 @@ class RecordedBackward:
 
         def receive(grad_output):
             self._waiting.discard(upass)
-            self._backward(upass, grad_output)
+            self._backward(upass, grad_output, sample_mask)
 
         return Handoff.apply(receive, self._anchor, out.detach())
 
-    def _backward(self, upass: UserPass, grad_output: Tensor) -> None:
+    def _backward(self, upass: UserPass, grad_output: Tensor, sample_mask=None) -> None:
         n = len(upass.inputs)
         scale = n if self.loss_reduction == "mean" else 1
         targets = grad_output.detach() * scale
+        if sample_mask is not None:  # the padded samples' output gradients dropped
+            targets = zero_padded(targets, sample_mask)
         try:
             with torch.enable_grad():  # a backward node's own backward runs without
                 keep = upass.cp.plan.clip_route == "two-pass"
@@ -268,7 +288,7 @@ class RecordedBackward:
             upass.close()
 
     # what each backward pass computes (subclasses)
-    def _visitor(self, cp: CallPlan, n: int):
+    def _visitor(self, cp: CallPlan, n: int, sample_mask=None):
         raise NotImplementedError
 
     def _finish(self, cp: CallPlan, part, scale: int) -> None:
@@ -281,7 +301,10 @@ class Clipping(RecordedBackward):
 
     Attributes:
         norms: the per-sample norms before clipping of the last backward pass: ``[N]``,
-            or ``{group: [N]}`` with ``groups`` other than ``"all"``.
+            or ``{group: [N]}`` with ``groups`` other than ``"all"`` (0 for a padded
+            sample of a :meth:`forward` with a ``sample_mask``).
+        sample_mask: the ``sample_mask`` of the last backward pass's :meth:`forward`,
+            or None.
         max_norm: the threshold(s); may be changed between steps.
     """
 
@@ -295,21 +318,24 @@ class Clipping(RecordedBackward):
         resolve_groups(unwrap_compiled(model), groups, max_norm)
         self.max_norm, self.groups = max_norm, groups
         self.norms: Tensor | dict | None = None
+        self.sample_mask: Tensor | None = None
         self._totals: dict = {}
 
-    def _visitor(self, cp: CallPlan, n: int):
+    def _visitor(self, cp: CallPlan, n: int, sample_mask=None):
         grouping = resolve_groups(unwrap_compiled(self.model), self.groups, self.max_norm)
         total: dict = {}
-        visitor = gatherer(cp, n, one_pass(cp, grouping, total))
-        self._totals[id(visitor)] = (grouping, total)
+        visitor = gatherer(cp, n, one_pass(cp, grouping, total, sample_mask))
+        self._totals[id(visitor)] = (grouping, total, sample_mask)
         return visitor
 
     def _finish(self, cp: CallPlan, part, scale: int) -> None:
-        grouping, total = self._totals.pop(id(part.visitor))
+        grouping, total, mask = self._totals.pop(id(part.visitor))
         params = self._prepared.trainable()
-        norms = clip_part(part, cp, grouping, params, total)
-        sums = total if cp.plan.clip_route == "two-pass" else {}
-        ensure_finite_results([norms], sums, cp.request.caller)
+        norms = clip_part(part, cp, grouping, params, total, mask)
+        padded = mask is not None
+        sums = total if cp.plan.clip_route == "two-pass" or padded else {}
+        ensure_finite_results([norms], sums, cp.request.caller, padded=padded)
+        self.sample_mask = mask
         accumulate(params, total, None)
         self.norms = joined(grouping, [norms])
 
@@ -332,7 +358,7 @@ class Recording(RecordedBackward):
         self.norms: Tensor | None = None
         self._outs: dict = {}
 
-    def _visitor(self, cp: CallPlan, n: int):
+    def _visitor(self, cp: CallPlan, n: int, sample_mask=None):
         params = self._prepared.trainable()
         out: dict = {}
         visitor = RowWriter(out, slice(0, n), cp.rule_settings, whole=True, like=(params, n))

@@ -124,7 +124,13 @@ class PrivateStep:
 
     @not_traced
     def per_sample_norms(
-        self, inputs: Tensor, targets: Tensor, *, per_parameter: bool = False, groups="all"
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        *,
+        per_parameter: bool = False,
+        groups="all",
+        sample_mask: Tensor | None = None,
     ):
         """:func:`memconv.per_sample_norms` of the step's model and loss.
 
@@ -134,18 +140,35 @@ class PrivateStep:
             per_parameter: return ``{name: [N]}`` instead of the total norms.
             groups: as :func:`memconv.per_sample_norms` (``"all"``, ``"layer"``,
                 ``"parameter"`` or ``{parameter name: group}``).
+            sample_mask: None, or a ``torch.bool`` tensor ``[N]`` on the inputs'
+                device, False for the padding of a batch padded to a fixed size
+                (masked DP-SGD, Beltran et al. 2024), as :func:`memconv.per_sample_norms`.
 
         Returns:
-            ``[N]`` norms, or ``{name: [N]}``, or ``{group: [N]}``.
+            ``[N]`` norms, or ``{name: [N]}``, or ``{group: [N]}`` (0 for a padded
+            sample).
 
         Raises:
             As :func:`memconv.per_sample_norms`.
         """
-        return self._call(norms_with, inputs, targets, per_parameter=per_parameter, groups=groups)
+        return self._call(
+            norms_with,
+            inputs,
+            targets,
+            per_parameter=per_parameter,
+            groups=groups,
+            sample_mask=sample_mask,
+        )
 
     @not_traced
     def clip_and_accumulate(
-        self, inputs: Tensor, targets: Tensor, *, max_norm: float | dict, groups="all"
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        *,
+        max_norm: float | dict,
+        groups="all",
+        sample_mask: Tensor | None = None,
     ):
         """:func:`memconv.clip_and_accumulate` of the step's model and loss: adds the
         clipped sum to every trainable parameter's ``.grad``.
@@ -155,15 +178,26 @@ class PrivateStep:
             targets: ``[N, ...]``.
             max_norm: the clipping threshold C (positive, finite), or ``{group: C_g}``.
             groups: as :func:`memconv.clip_and_accumulate`.
+            sample_mask: None, or a ``torch.bool`` tensor ``[N]`` on the inputs'
+                device: the padded samples (False) of a Poisson batch padded to a fixed
+                size add nothing (masked DP-SGD, Beltran et al. 2024), as
+                :func:`memconv.clip_and_accumulate`.
 
         Returns:
-            The per-sample norms ``[N]`` before clipping, or ``{group: [N]}``.
+            The per-sample norms ``[N]`` before clipping, or ``{group: [N]}`` (0 for a
+            padded sample).
 
         Raises:
             As :func:`memconv.clip_and_accumulate`.
         """
         return self._call(
-            clip_with, inputs, targets, max_norm=max_norm, clip_route=self.clip_route, groups=groups
+            clip_with,
+            inputs,
+            targets,
+            max_norm=max_norm,
+            clip_route=self.clip_route,
+            groups=groups,
+            sample_mask=sample_mask,
         )
 
     def _call(self, call_with, inputs, targets, **options):

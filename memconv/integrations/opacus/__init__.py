@@ -84,8 +84,10 @@ bridge into Opacus' registries), :mod:`~memconv.integrations.opacus.arguments`
 :mod:`~memconv.integrations.opacus.private_module` (:class:`PrivateModule` and its
 clipping step), :mod:`~memconv.integrations.opacus.adaptive` (adaptive clipping's state
 and optimizer), :mod:`~memconv.integrations.opacus.privacy_engine` (:func:`make_private`,
-:func:`make_private_with_epsilon`) and :mod:`~memconv.integrations.opacus.batch_norm`
-(:func:`fix`). It does not import Opacus until a function is called; without it,
+:func:`make_private_with_epsilon`), :mod:`~memconv.integrations.opacus.batch_norm`
+(:func:`fix`) and :mod:`~memconv.integrations.opacus.fixed_size`
+(:class:`FixedSizePoissonLoader`: Poisson batches padded to a fixed size, with the
+mask of their real samples). It does not import Opacus until a function is called; without it,
 :func:`install` raises an ``ImportError`` naming the extra to install.
 """
 
@@ -93,6 +95,7 @@ from __future__ import annotations
 
 from .arguments import ADAPTIVE_ARGS, CLIPPINGS
 from .batch_norm import fix
+from .fixed_size import FixedSizePoissonLoader
 from .privacy_engine import make_private, make_private_with_epsilon
 from .private_module import PrivateModule
 from .samplers import (
@@ -108,6 +111,7 @@ from .samplers import (
 __all__ = [
     "ADAPTIVE_ARGS",
     "CLIPPINGS",
+    "FixedSizePoissonLoader",
     "PrivateModule",
     "classes",
     "fix",

@@ -94,6 +94,13 @@ def make_private(
             criterion(model(x), y).backward()
             optimizer.step()
 
+    Fixed shapes (masked DP-SGD, Beltran et al. 2024): wrap the returned loader in
+    :class:`~memconv.integrations.opacus.FixedSizePoissonLoader` to get each Poisson
+    batch padded to a fixed size with the mask of its real samples, and call the
+    model as ``model(x, sample_mask=mask)``: the padding adds nothing to ``.grad``
+    (:class:`~memconv.integrations.opacus.PrivateModule`); the accounting, the noise
+    and the division by the expected batch size do not change.
+
     The criterion must reduce per-sample losses by ``loss_reduction`` over the
     batch axis, each depending on its sample's output only (``CrossEntropyLoss``,
     ``MSELoss``, ...). Cost: the user's forward pass, recorded, and one backward pass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..._checks import check_sample_mask
 from ...tasks.recorded import Clipping, Handoff
 
 
@@ -63,7 +64,7 @@ class _PrivateClipping(Clipping):
         _refuse_held_gradients(params)
         super()._finish(cp, part, scale)
         if self.adaptive is not None:
-            self.adaptive.count(self.norms)
+            self.adaptive.count(self.norms, self.sample_mask)
         _create_missing_grads(params)
 
 
@@ -82,6 +83,25 @@ class PrivateModule(nn.Module):
     and any other random layer keep what the forward pass drew. Any criterion whose
     per-sample loss depends on that sample's output only works unchanged. In eval mode
     or without gradients the model runs as it is.
+
+    **Fixed shapes** (masked DP-SGD: Beltran et al. 2024, "Towards Efficient and Scalable
+    Training of Differentially Private Deep Learning"): ``forward(x, sample_mask=mask)``
+    with a ``torch.bool`` tensor ``[N]`` takes ``x`` as a Poisson batch padded to a fixed
+    size N, ``mask`` True for its real samples (as
+    :class:`~memconv.integrations.opacus.FixedSizePoissonLoader` yields them). The mask
+    is a keyword of the call because it belongs to the batch, as the batch's targets
+    do: no state to set and reset between steps, and a forward without it is an ordinary
+    one. Opacus has no mask of its own (its batches have the Poisson size); the name is
+    memconv's ``sample_mask``, the same in :func:`memconv.clip_and_accumulate`. The model
+    runs on ``x`` with the padded rows replaced by zeros (``torch.where``: a NaN or inf
+    there reaches nothing), the padded samples' output gradients are dropped, and their
+    clip factors and norms (:attr:`last_norms`) are 0: ``.grad`` gets exactly the
+    clipped sum of the real samples, as without padding. The criterion reduces all N
+    rows as usual (``loss_reduction="mean"`` over the padded size too: memconv takes
+    each row's own loss gradient back from it); the optimizer's noise and its division
+    by the expected batch size, and the accountant's sampling rate, do not change.
+    Adaptive clipping counts the real samples only. In eval mode or without gradients
+    the mask is checked and the model runs on ``x`` as it is.
 
     The module interface is the wrapped model's, as on Opacus' ``GradSampleModule``:
     attributes not found on the wrapper are looked up on it, and ``state_dict`` and
@@ -163,7 +183,29 @@ class PrivateModule(nn.Module):
         """Load into the wrapped model (its own keys)."""
         return self._module.load_state_dict(state_dict, *args, **kwargs)
 
-    def forward(self, x, *args, **kwargs):
+    def forward(self, x, *args, sample_mask: Tensor | None = None, **kwargs):
+        """The model's output on ``x``; in training mode with gradients enabled, attached
+        to the node whose backward adds the clipped sum to ``.grad``.
+
+        Args:
+            x: the batch ``[N, ...]``.
+            sample_mask: None, or a ``torch.bool`` tensor ``[N]`` on ``x``'s device:
+                False for the padding of a Poisson batch padded to a fixed size, which
+                adds nothing to ``.grad`` and has norm 0 (masked DP-SGD, Beltran et al.
+                2024; see the class docstring).
+
+        Raises:
+            TypeError: in training mode, other arguments than one tensor; a
+                ``sample_mask`` not a tensor of dtype ``torch.bool``.
+            ValueError: a ``sample_mask`` not ``[N]`` on ``x``'s device. Both before
+                any work.
+        """
+        if sample_mask is not None:
+            if not isinstance(x, Tensor):
+                raise TypeError(
+                    f"sample_mask needs the batch as one tensor [N, ...], got {type(x).__name__}"
+                )
+            check_sample_mask(sample_mask, len(x), x.device)
         if not (self.training and torch.is_grad_enabled()):
             return self._module(x, *args, **kwargs)
         if args or kwargs or not isinstance(x, Tensor):
@@ -176,7 +218,7 @@ class PrivateModule(nn.Module):
             with torch.no_grad():
                 out = unwrap_parallel(self._module)(x)
             return Handoff.apply(self._empty_step, self._anchor, out)
-        return self._clipping.forward(x.detach())
+        return self._clipping.forward(x.detach(), sample_mask)
 
     def _empty_step(self, grad_output=None) -> None:
         params = [p for p in unwrap_parallel(self._module).parameters() if p.requires_grad]
