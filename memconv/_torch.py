@@ -24,6 +24,7 @@ __all__ = [
     "global_module_hooks",
     "graph_task_id",
     "is_view",
+    "literal_copy",
     "make_fx_real",
     "max_abs_each",
     "module_hooks",
@@ -191,6 +192,12 @@ def compile_backend(model):
     while getattr(backend, "_torchdynamo_orig_backend", None) is not None:
         backend = backend._torchdynamo_orig_backend
     return backend if callable(backend) else "inductor"
+
+
+def literal_copy(target) -> bool:
+    """Whether a traced graph's node target is the copy ``make_fx`` reads a literal
+    tensor made inside the traced function through (``torch.tensor(2.0)``)."""
+    return target is torch.ops.aten.lift_fresh_copy.default
 
 
 def make_fx_real(fn, args: tuple):

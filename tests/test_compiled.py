@@ -349,3 +349,30 @@ def test_recorded_blocks_say_that_a_compiled_model_runs_eagerly():
     ref = memconv.clip_and_accumulate(model, nn.CrossEntropyLoss(), x, y, max_norm=1.0)
     assert_close(got, _grads(model), TOL)
     assert ref.shape == (4,)
+
+
+def test_padded_poisson_batches_keep_one_compiled_graph():
+    """Masked DP-SGD: Poisson batches of varying size padded to one physical size keep
+    one traced graph (the mask is one of its inputs), and each step's clipped sum is
+    the unpadded batch's."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    g = torch.Generator().manual_seed(3)
+    for i, real in enumerate([5, 2, 7, 4, 6, 3]):
+        x, y = _batch(shape, n=8, seed=i)
+        mask = torch.zeros(8, dtype=torch.bool)
+        mask[torch.randperm(8, generator=g)[:real]] = True
+        x[~mask] = float("nan")  # padding: never read
+        model.zero_grad(set_to_none=True)
+        got_norms = step.clip_and_accumulate(x, y, max_norm=0.5, sample_mask=mask)
+        got = _grads(model)
+        model.zero_grad(set_to_none=True)
+        ref_norms = memconv.clip_and_accumulate(model, loss_fn, x[mask], y[mask], max_norm=0.5)
+        assert_close(got, _grads(model), TOL)
+        assert_close(got_norms[mask], ref_norms, TOL)
+        assert torch.equal(got_norms[~mask], torch.zeros(8 - real, dtype=got_norms.dtype))
+    assert step._prepared.traced.traces == 1
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]

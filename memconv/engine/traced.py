@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
-from .._torch import make_fx_real, tree_flatten, tree_unflatten
+from .._torch import literal_copy, make_fx_real, tree_flatten, tree_unflatten
 from .request import Batch
 
 logger = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ def check_constants(graph: nn.Module, model: nn.Module) -> None:
         if not isinstance(value, Tensor) or id(value) in own:
             continue
         users = list(node.users)
-        if users and all(u.target is torch.ops.aten.lift_fresh_copy.default for u in users):
+        if users and all(literal_copy(u.target) for u in users):
             continue
         names = ", ".join(str(u.target) for u in users[:3])
         raise NotTraceable(
