@@ -25,6 +25,8 @@ __all__ = [
     "graph_task_id",
     "is_view",
     "literal_copy",
+    "module_hook_items",
+    "random_op",
     "make_fx_real",
     "max_abs_each",
     "module_hooks",
@@ -192,6 +194,26 @@ def compile_backend(model):
     while getattr(backend, "_torchdynamo_orig_backend", None) is not None:
         backend = backend._torchdynamo_orig_backend
     return backend if callable(backend) else "inductor"
+
+
+def module_hook_items(module: nn.Module):
+    """``(kind, hook)`` for each of ``module``'s own forward, forward pre-, backward and
+    backward pre-hooks."""
+    for kind, hooks in (
+        ("forward hook", module._forward_hooks),
+        ("forward pre-hook", module._forward_pre_hooks),
+        ("backward hook", module._backward_hooks),
+        ("backward pre-hook", module._backward_pre_hooks),
+    ):
+        for hook in hooks.values():
+            yield kind, hook
+
+
+def random_op(target) -> bool:
+    """Whether a traced graph's node target draws random numbers (ATen's
+    ``nondeterministic_seeded`` tag: dropout, ``rand``, ``bernoulli``, ...)."""
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
 
 
 def literal_copy(target) -> bool:

@@ -376,3 +376,41 @@ def test_padded_poisson_batches_keep_one_compiled_graph():
         assert torch.equal(got_norms[~mask], torch.zeros(8 - real, dtype=got_norms.dtype))
     assert step._prepared.traced.traces == 1
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+
+
+def _warns_and_matches_eager(model, match):
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (4,))
+    step.per_sample_norms(x, y)
+    with pytest.warns(RuntimeWarning, match=match):
+        step.per_sample_norms(x, y)
+    assert not step._prepared.traced.graphs
+    return step, x, y
+
+
+def test_dropout_in_training_mode_is_refused_not_compiled():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 2)).double()
+    _warns_and_matches_eager(model, "draws random numbers")
+    model.eval()  # no random numbers: compiled
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), nn.CrossEntropyLoss())
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            got = step.per_sample_norms(x, y)
+    assert step._prepared.traced.graphs
+    assert_close(got, memconv.per_sample_norms(model, nn.CrossEntropyLoss(), x, y), TOL)
+
+
+def test_a_hook_with_side_effects_is_refused_not_run_once():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    seen = []
+    model[0].register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    step, x, y = _warns_and_matches_eager(model, "forward hook .*lambda")
+    before = len(seen)
+    step.per_sample_norms(x, y)
+    assert len(seen) > before  # the hook still runs at every (eager) step

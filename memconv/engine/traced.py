@@ -35,7 +35,15 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
-from .._torch import literal_copy, make_fx_real, tree_flatten, tree_unflatten
+from .._torch import (
+    global_module_hooks,
+    literal_copy,
+    make_fx_real,
+    module_hook_items,
+    random_op,
+    tree_flatten,
+    tree_unflatten,
+)
 from .request import Batch
 
 logger = logging.getLogger(__name__)
@@ -147,6 +155,7 @@ class TracedSteps:
             held.update(result=result, spec=spec, leaves=leaves)
             return [v for v in leaves if isinstance(v, Tensor)]
 
+        check_hooks(model)
         start = time.perf_counter()
         try:
             graph = make_fx_real(step, (batch.inputs, batch.targets, *extra))
@@ -159,6 +168,7 @@ class TracedSteps:
         seconds = time.perf_counter() - start
         self.traces += 1
         check_constants(graph, model)
+        check_random(graph)
         leaves = held["leaves"]
         constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, Tensor)}
         compiled = torch.compile(graph, backend=backend, fullgraph=True, dynamic=False)
@@ -216,3 +226,47 @@ def check_constants(graph: nn.Module, model: nn.Module) -> None:
             f"the step reads a tensor {tuple(value.shape)} of dtype {value.dtype} that is "
             f"neither an input nor a parameter or buffer of the model (used by {names})"
         )
+
+
+#: Hooks whose only effect is a computation the trace records (a pruned or
+#: weight-normalised weight made from its parameters before each call).
+_PURE_HOOKS = ("BasePruningMethod", "WeightNorm")
+
+
+def check_hooks(model: nn.Module) -> None:
+    """Refuse a model whose modules hold hooks that may act outside their tensors'
+    computation (store an activation, log, count): a trace runs them once, and the
+    compiled step would not run them again. Pruning's and weight normalisation's hooks,
+    which only compute a weight, are kept.
+
+    Raises:
+        NotTraceable: naming the module and the hook.
+    """
+    if global_module_hooks(backward=True):
+        raise NotTraceable("global module hooks are registered (they would run only at the trace)")
+    for name, module in model.named_modules():
+        for kind, hook in module_hook_items(module):
+            if any(c.__name__ in _PURE_HOOKS for c in type(hook).__mro__):
+                continue
+            what = getattr(hook, "__qualname__", type(hook).__name__)
+            raise NotTraceable(
+                f"module {name or type(model).__name__!r} ({type(module).__name__}) has a "
+                f"{kind} {what}, which would run at the trace only, not at each "
+                "compiled step"
+            )
+
+
+def check_random(graph: nn.Module) -> None:
+    """Refuse a traced step that draws random numbers (dropout in training mode): the
+    eager walk replays the forward pass's random numbers where it recomputes, which the
+    graph cannot promise.
+
+    Raises:
+        NotTraceable: naming the random operation.
+    """
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and random_op(node.target):
+            raise NotTraceable(
+                f"the step draws random numbers ({node.target}: dropout in training "
+                "mode?), whose replay the compiled graph cannot promise"
+            )
