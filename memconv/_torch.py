@@ -24,6 +24,7 @@ __all__ = [
     "global_module_hooks",
     "graph_task_id",
     "is_view",
+    "tracing",
     "literal_copy",
     "module_hook_items",
     "random_op",
@@ -209,17 +210,38 @@ def module_hook_items(module: nn.Module):
             yield kind, hook
 
 
-def random_op(target) -> bool:
-    """Whether a traced graph's node target draws random numbers (ATen's
-    ``nondeterministic_seeded`` tag: dropout, ``rand``, ``bernoulli``, ...)."""
-    tags = getattr(target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
+def random_op(target, args: tuple = (), kwargs: dict | None = None) -> bool:
+    """Whether a traced graph's node (``target`` called on ``args``, ``kwargs``) draws
+    random numbers: an operation of ATen's ``nondeterministic_seeded`` tag (dropout,
+    ``rand``, ``bernoulli``, attention with dropout), unless its dropout probability
+    (``dropout_p``, or ``p`` with ``train``) makes it draw none."""
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return True
+    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    bound.update({a.name: v for a, v in zip(schema.arguments, args)})
+    bound.update(kwargs or {})
+    if "dropout_p" in bound:
+        return bound["dropout_p"] != 0
+    if "p" in bound and "train" in bound:
+        return bool(bound["train"]) and bound["p"] != 0
+    return True
 
 
 def literal_copy(target) -> bool:
     """Whether a traced graph's node target is the copy ``make_fx`` reads a literal
     tensor made inside the traced function through (``torch.tensor(2.0)``)."""
     return target is torch.ops.aten.lift_fresh_copy.default
+
+
+def tracing() -> bool:
+    """Whether ``make_fx`` is recording the tensor operations that run now (a compiled
+    step's trace, :func:`make_fx_real`)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
 
 
 def make_fx_real(fn, args: tuple):

@@ -414,3 +414,15 @@ def test_a_hook_with_side_effects_is_refused_not_run_once():
     before = len(seen)
     step.per_sample_norms(x, y)
     assert len(seen) > before  # the hook still runs at every (eager) step
+
+
+@pytest.mark.parametrize("strategy", ["loop", "rochette"])
+def test_per_sample_routes_traced_as_the_eager_ones(strategy):
+    """The per-sample loop route (one kernel call per sample, stacked when traced) and a
+    batched one, forced, traced and compiled: the eager numbers."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pairs, step = _steps("tiny-cnn", "grads", strategy=strategy)
+    for got, ref in pairs:
+        assert_close(got, ref, TOL)
+    assert step._prepared.traced.traces == 1

@@ -265,7 +265,7 @@ def check_random(graph: nn.Module) -> None:
         NotTraceable: naming the random operation.
     """
     for node in graph.graph.nodes:
-        if node.op == "call_function" and random_op(node.target):
+        if node.op == "call_function" and random_op(node.target, node.args, node.kwargs):
             raise NotTraceable(
                 f"the step draws random numbers ({node.target}: dropout in training "
                 "mode?), whose replay the compiled graph cannot promise"

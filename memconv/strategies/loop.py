@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
+from .._torch import tracing
 from .base import Options, Problem, numel, register_strategy
 from .costs import operations_time, scale_memory, time_rates
 from .geometry import ConvGeometry, convolution_backward
@@ -73,6 +75,17 @@ class Loop:
             result = x.new_empty((n, *geom.weight_shape))
         else:
             result = x.new_zeros(geom.weight_shape)
+        if per_sample and out is None and tracing():
+            # a traced step: the samples' gradients stacked, not written one by one into
+            # a buffer, which the compiler would copy whole at every write
+            return torch.stack(
+                [
+                    convolution_backward(
+                        x[i : i + 1], weight, g[i : i + 1], geom, weight_grad=True
+                    )[1]
+                    for i in range(n)
+                ]
+            )
         for i in range(n):
             _, grad, _ = convolution_backward(
                 x[i : i + 1], weight, g[i : i + 1], geom, weight_grad=True
