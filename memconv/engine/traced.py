@@ -44,6 +44,7 @@ from .._torch import (
     tree_flatten,
     tree_unflatten,
 )
+from .probes import ProbeMismatch
 from .request import Batch
 
 logger = logging.getLogger(__name__)
@@ -159,11 +160,9 @@ class TracedSteps:
         start = time.perf_counter()
         try:
             graph = make_fx_real(step, (batch.inputs, batch.targets, *extra))
-        except NotTraceable:
+        except ProbeMismatch:  # the model's calls changed: probed again by the caller
             raise
         except Exception as error:
-            if type(error).__name__ == "ProbeMismatch":
-                raise
             raise NotTraceable(f"the trace stopped: {_first_line(error)}") from error
         seconds = time.perf_counter() - start
         self.traces += 1
