@@ -214,6 +214,21 @@ def test_inductor_compiles_the_step():
     assert step._prepared.traced.traces == 1 and not counters["graph_break"]
 
 
+def _warns_and_matches_eager(model, match):
+    """A compiled step of ``model`` that warns (``match``) at its second call, where it
+    would trace, and keeps no graph; returns the step, its batch and the warned call's
+    norms."""
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (4,))
+    step.per_sample_norms(x, y)
+    with pytest.warns(RuntimeWarning, match=match):
+        warned = step.per_sample_norms(x, y)
+    assert not step._prepared.traced.graphs
+    return step, x, y, warned
+
+
 class _HostRead(nn.Module):
     """A model whose forward reads a value on the host (data-dependent control flow)."""
 
@@ -229,16 +244,12 @@ class _HostRead(nn.Module):
 def test_a_step_that_cannot_be_traced_warns_once_and_runs_eagerly():
     torch.manual_seed(0)
     model = _HostRead().double()
-    loss_fn = nn.CrossEntropyLoss()
-    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
-    x = torch.randn(4, 3, dtype=torch.float64)
-    y = torch.randint(0, 2, (4,))
-    step.per_sample_norms(x, y)
-    with pytest.warns(RuntimeWarning, match="runs eagerly, not compiled: the trace stopped"):
-        got = step.per_sample_norms(x, y)
+    match = "runs eagerly, not compiled: the trace stopped"
+    step, x, y, got = _warns_and_matches_eager(model, match)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once
         again = step.per_sample_norms(-x, y)
+    loss_fn = nn.CrossEntropyLoss()
     assert_close(got, memconv.per_sample_norms(model, loss_fn, x, y), TOL)
     assert_close(again, memconv.per_sample_norms(model, loss_fn, -x, y), TOL)
 
@@ -259,13 +270,8 @@ class _HeldTensor(nn.Module):
 def test_a_tensor_from_outside_the_model_is_refused_not_frozen():
     torch.manual_seed(0)
     model = _HeldTensor().double()
+    step, x, y, _ = _warns_and_matches_eager(model, "neither an input nor a parameter or buffer")
     loss_fn = nn.CrossEntropyLoss()
-    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
-    x = torch.randn(4, 3, dtype=torch.float64)
-    y = torch.randint(0, 2, (4,))
-    step.per_sample_norms(x, y)
-    with pytest.warns(RuntimeWarning, match="neither an input nor a parameter or buffer"):
-        step.per_sample_norms(x, y)
     model.scale = torch.full((2,), 3.0, dtype=torch.float64)  # seen: the step is eager
     got = step.per_sample_norms(x, y)
     assert_close(got, memconv.per_sample_norms(model, loss_fn, x, y), TOL)
@@ -378,18 +384,6 @@ def test_padded_poisson_batches_keep_one_compiled_graph():
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
 
 
-def _warns_and_matches_eager(model, match):
-    loss_fn = nn.CrossEntropyLoss()
-    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
-    x = torch.randn(4, 3, dtype=torch.float64)
-    y = torch.randint(0, 2, (4,))
-    step.per_sample_norms(x, y)
-    with pytest.warns(RuntimeWarning, match=match):
-        step.per_sample_norms(x, y)
-    assert not step._prepared.traced.graphs
-    return step, x, y
-
-
 def test_dropout_in_training_mode_is_refused_not_compiled():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 2)).double()
@@ -410,7 +404,7 @@ def test_a_hook_with_side_effects_is_refused_not_run_once():
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
     seen = []
     model[0].register_forward_hook(lambda m, args, out: seen.append(out.shape))
-    step, x, y = _warns_and_matches_eager(model, "forward hook .*lambda")
+    step, x, y, _ = _warns_and_matches_eager(model, "forward hook .*lambda")
     before = len(seen)
     step.per_sample_norms(x, y)
     assert len(seen) > before  # the hook still runs at every (eager) step

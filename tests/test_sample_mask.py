@@ -20,31 +20,13 @@ from helpers import loop_reference
 from torch import nn
 
 import memconv
+from memconv.bench.models import TVBasicBlock
 from memconv.bench.ops import count
 
 TOL = 1e-10
 C = 0.3
 #: Real samples (True) and padding (False), the padding between the real samples.
 MASK = torch.tensor([True, False, True, True, False, True, False, True])
-
-
-class BasicBlock(nn.Module):
-    """torchvision's BasicBlock (GroupNorm): in-place ReLU, ``out += identity``."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.GroupNorm(2, c)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.GroupNorm(2, c)
-
-    def forward(self, x):
-        identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += identity
-        return self.relu(out)
 
 
 def gn_net():
@@ -57,7 +39,8 @@ def gn_net():
 def resnet():
     return nn.Sequential(
         nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.GroupNorm(2, 4), nn.ReLU(inplace=True),
-        BasicBlock(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3),
+        TVBasicBlock(4, 4, norm_layer=lambda c: nn.GroupNorm(2, c)),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3),
     )  # fmt: skip
 
 
