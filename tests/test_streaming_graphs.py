@@ -28,13 +28,7 @@ def randomise(module: nn.Module, seed: int = 0) -> nn.Module:
     initial values (so that an error in their gradients shows)."""
     torch.manual_seed(seed)
     module = module.double().eval()
-    for m in module.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.running_mean.uniform_(-0.5, 0.5)
-            m.running_var.uniform_(0.5, 2.0)
-        if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm)):
-            m.weight.data.uniform_(0.5, 1.5)
-            m.bias.data.uniform_(-0.2, 0.2)
+    trunks.randomise_norms(module)
     for name, p in module.named_parameters():
         if "layer_scale" in name or name.endswith("gamma"):
             p.data.uniform_(0.5, 1.5)

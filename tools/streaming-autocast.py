@@ -53,13 +53,7 @@ def randomised(build, seed: int = 0) -> nn.Module:
     away from their initial values (as tests/test_streaming_autocast.py does)."""
     torch.manual_seed(seed)
     module = build().float().eval()
-    for m in module.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.running_mean.uniform_(-0.5, 0.5)
-            m.running_var.uniform_(0.5, 2.0)
-        if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm)):
-            m.weight.data.uniform_(0.5, 1.5)
-            m.bias.data.uniform_(-0.2, 0.2)
+    trunks.randomise_norms(module)
     return module
 
 

@@ -501,3 +501,17 @@ __all__ = [
     "mobilenet_v2_trunk",
     "resnet_trunk",
 ]
+
+
+def randomise_norms(module: nn.Module) -> nn.Module:
+    """``module`` with its normalisation layers' running statistics and affine
+    parameters drawn away from their initial values (from the global generator), so
+    that an error in their gradients shows in a comparison; returns it."""
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+        if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm)):
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.2, 0.2)
+    return module
