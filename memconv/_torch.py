@@ -19,6 +19,7 @@ __all__ = [
     "assert_on_device",
     "compile_backend",
     "compiled_inner",
+    "compile_graph",
     "copy_each",
     "functorch_active",
     "global_module_hooks",
@@ -252,6 +253,23 @@ def make_fx_real(fn, args: tuple):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     return make_fx(fn, tracing_mode="real")(*args)
+
+
+def compile_graph(graph, example_inputs: list, backend):
+    """``graph`` (a ``torch.fx.GraphModule`` of ATen operations, as :func:`make_fx_real`
+    makes) compiled by ``backend`` directly, as Dynamo hands its graphs to a backend
+    (``backend(graph, example_inputs)``; a name is looked up in Dynamo's registry),
+    without Dynamo re-reading the graph's Python: a callable ``compiled(*tensors)``.
+
+    The compiled code is specialised to the example inputs' shapes, strides and dtypes
+    (inductor asserts them at each call); the caller keeps one per such signature."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    if type(graph.graph._codegen) is not torch.fx.graph.CodeGen:  # make_fx's pytree one
+        graph.graph._codegen = torch.fx.graph.CodeGen()
+        graph.recompile()
+    compiler = lookup_backend(backend) if isinstance(backend, str) else backend
+    return compiler(graph, list(example_inputs))
 
 
 def assert_on_device(flag: Tensor, message: str) -> None:

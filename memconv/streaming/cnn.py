@@ -28,14 +28,15 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_stream_tile
-from .._torch import version
+from .._torch import compile_backend, compiled_inner, not_traced, version
 from ..conv.settings import Autocast, activate, record
 from .budget import choose_tile, predict_peak, predict_time
+from .compiled import CompiledTiles
 from .errors import REMEDY, NotStreamableError
 from .graph import Bound, analyse, infer_channels, receptive_fields
 from .halo import HaloStore
 from .ops import Transposed, Upsample, Window
-from .passes import TileRunner, backward_pass, forward_pass
+from .passes import EAGER, TileRunner, backward_pass, forward_pass
 from .tiling import TilePlan, tile_plan
 
 logger = logging.getLogger("memconv")
@@ -55,7 +56,9 @@ class StreamingCNN(nn.Module):
             ResNet's ``nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool,
             net.layer1, ..., net.layer4)``, ConvNeXt's or DenseNet's ``features``, a
             U-Net. Its dataflow is traced with torch.fx; every operation on the image must
-            be local (:mod:`memconv.streaming.catalogue`).
+            be local (:mod:`memconv.streaming.catalogue`). A ``torch.compile``'d trunk
+            streams compiled: each kind of tile's forward and backward work runs as one
+            graph compiled with the trunk's backend (:mod:`memconv.streaming.compiled`).
         tile_size: **input pixels** each tile computes anew per spatial axis (an int, one
             int per axis, or ``"auto"``: of the tiles whose predicted peak fits
             ``memory_budget``, the one predicted fastest with the device's calibration,
@@ -116,7 +119,12 @@ class StreamingCNN(nn.Module):
         if copy_to_gpu is not None and tile_device is not None:
             raise ValueError("give copy_to_gpu (Lightstream's) or tile_device, not both")
         self.stream_layers = stream_layers
-        self.graph = analyse(stream_layers)
+        inner = compiled_inner(stream_layers)
+        self.graph = analyse(inner if inner is not None else stream_layers)
+        #: what runs each tile: eagerly, or as compiled graphs for a compiled trunk
+        self.tiles_by = (
+            CompiledTiles(inner, compile_backend(stream_layers)) if inner is not None else EAGER
+        )
         dims = self.graph.dims or (len(tile) if isinstance(tile, tuple) else None)
         if dims is None:
             raise ValueError(
@@ -330,8 +338,13 @@ class StreamingCNN(nn.Module):
         return tqdm(tiles, desc=desc, unit="tile")
 
     # ------------------------------------------------------------------ passes
+    @not_traced
     def forward(self, x: Tensor) -> Tensor:
         """Streamed forward pass; differentiable (the backward pass streams too).
+
+        Inside a ``torch.compile``'d model this call is one graph break: the model's
+        graphs end before it and start after it, and the trunk's tiles run as the trunk
+        was given (as compiled graphs when it was ``torch.compile``'d).
 
         Args:
             x: ``[N, C, *S]``.
@@ -361,19 +374,23 @@ class StreamingCNN(nn.Module):
         if self.verbose:
             logger.info("forward: %d tiles for input %s", plan.count, tuple(x.shape[2:]))
         runner = TileRunner(plan, x.detach(), HaloStore(plan), self._device(), autocast)
+        runner.key = (tuple(x.shape), x.dtype, input_grad, autocast)
+        tiles_by = self._tiles_by("forward", runner)
         start = time.perf_counter()
         with torch.no_grad(), runner.context():
-            out = forward_pass(runner, plan.bound.env(device), self._progress)
+            out = forward_pass(runner, lambda: plan.bound.env(device), self._progress, tiles_by)
         if self.verbose:
             _synchronise(out.device)
             self._report(plan, "forward", time.perf_counter() - start)
         return runner, out
 
+    @not_traced
     def stream_forward(self, x: Tensor) -> Tensor:
         """Forward pass tile by tile, without autograd."""
         self._check_input(x)
         return self._forward(x)[1]
 
+    @not_traced
     def backward(self, image: Tensor, grad: Tensor, *, input_grad: bool | None = None):
         """Backward pass by hand, as Lightstream's ``sCNN.backward(image, grad)``.
 
@@ -405,6 +422,13 @@ class StreamingCNN(nn.Module):
             p.grad = g if p.grad is None else p.grad + g
         return gx
 
+    def _tiles_by(self, phase: str, runner: TileRunner, *more):
+        """What runs the tiles of a pass: eagerly, or the compiled graphs of the pass's
+        key (the phase, the input's shape and dtype, autocast, the settings)."""
+        if self.tiles_by is EAGER:
+            return EAGER
+        return self.tiles_by.begin((phase, runner.key, record(), *more))
+
     def stream_backward(self, runner: TileRunner, grad: Tensor, want_x: bool, params):
         """Input gradient (or None) and gradients of ``params``, tile by tile."""
         bound = runner.plan.bound
@@ -416,9 +440,10 @@ class StreamingCNN(nn.Module):
             )
         device = self._device() or runner.x.device
         start = time.perf_counter()
+        tiles_by = self._tiles_by("backward", runner, want_x, tuple(map(id, params)))
         with runner.context():  # the forward pass's autocast state, also outside its block
             out = backward_pass(
-                runner, lambda: bound.env(device), grad, params, want_x, self._progress
+                runner, lambda: bound.env(device), grad, params, want_x, self._progress, tiles_by
             )
         if self.verbose:
             _synchronise(device)

@@ -135,13 +135,26 @@ class HaloStore:
     def write(self, v: int, tile, value: Tensor) -> None:
         """Keep the positions of ``value`` (node ``v``'s box at ``tile``) that later
         tiles read."""
+        parts = self.parts(v, tile)
+        self.put(parts, [value[index] for _, _, index in parts])
+
+    def parts(self, v: int, tile) -> list[tuple[tuple, tuple, tuple]]:
+        """``(slab key, positions, index in the box)`` of every slab that keeps (or
+        gathers the gradient of) positions of node ``v``'s box at ``tile``: what
+        :meth:`write` copies, and where :meth:`seed_into` reads, split so that a
+        compiled tile computes the pieces and the caller stores them."""
         box = self.plan.own(v, tile)
-        targets, values = [], []
-        for key, part in self._overlaps(v, tile, box):
-            # views (indexed assignment would add an alias and a dispatch per piece)
-            targets.append(self._at(key, part, value))
-            values.append(value[_relative(self.plan, v, part, box)])
-        copy_each(targets, values)  # one copy for all the slabs (distinct tensors)
+        return [
+            (key, part, _relative(self.plan, v, part, box))
+            for key, part in self._overlaps(v, tile, box)
+        ]
+
+    def put(self, parts: list, pieces: list[Tensor]) -> None:
+        """Copy ``pieces`` (one per entry of :meth:`parts`) into their slabs, by one
+        operation for all the slabs (distinct tensors; views, as indexed assignment
+        would add an alias and a dispatch per piece)."""
+        targets = [self._at(key, part, piece) for (key, part, _), piece in zip(parts, pieces)]
+        copy_each(targets, pieces)
 
     def read(self, v: int, axis: int, tile, box, *, view: bool = False) -> Tensor:
         """The kept positions ``box`` of node ``v`` that ``tile`` reads before its own
@@ -183,10 +196,17 @@ class HaloStore:
     def seed_into(self, v: int, tile, grad: Tensor) -> None:
         """Add the gradient later tiles sent to node ``v``'s box at ``tile`` to ``grad``
         (a gradient of the box), on the slabs they cover."""
-        box = self.plan.own(v, tile)
-        for key, part in self._overlaps(v, tile, box):
-            if key in self.slabs:
-                grad[_relative(self.plan, v, part, box)].add_(self._at(key, part))
+        for index, piece in self.sent(v, tile):
+            grad[index].add_(piece)
+
+    def sent(self, v: int, tile) -> list[tuple[tuple, Tensor]]:
+        """``(index in the box, gradient)`` of what later tiles sent to node ``v``'s
+        box at ``tile``, on the slabs they cover."""
+        return [
+            (index, self._at(key, part))
+            for key, part, index in self.parts(v, tile)
+            if key in self.slabs
+        ]
 
 
 def _whole(t: Tensor, index: tuple) -> bool:

@@ -22,26 +22,14 @@ from torch import Tensor
 from .._torch import add_each
 from ..conv.settings import Autocast
 from .halo import HaloStore
+from .tileio import DIRECT, DirectIO, crop
 from .tiling import TilePlan
 
 
-def crop(x: Tensor, box, dims: list[int] | None = None) -> Tensor:
-    """View of the positions ``box`` (``(lo, hi)`` per spatial axis) of ``x``, whose
-    spatial axes are ``dims`` (default: ``2, 3, ...``); ``x`` itself when the box is
-    all of it (no view: its gradient needs no zero-padded copy)."""
-    dims = dims or list(range(2, 2 + len(box)))
-    if all(lo == 0 and hi == x.shape[d] for d, (lo, hi) in zip(dims, box)):
-        return x
-    index = [slice(None)] * x.dim()
-    for d, (lo, hi) in zip(dims, box):
-        index[d] = slice(lo, hi)
-    return x[tuple(index)]
-
-
-def seed(y: Tensor, grads: HaloStore, v: int, tile, ins: list) -> Tensor:
+def seed(y: Tensor, runner: TileRunner, v: int, tile, ins: list, io: DirectIO) -> Tensor:
     """``y`` (node ``v``'s box at ``tile``), whose gradient receives the gradients later
-    tiles sent to the box (``grads.seed_into``, on the thin slabs they cover, not a box
-    of zeros) through a hook: no operation in the forward pass. An op that returned one
+    tiles sent to the box (``io.sent``: on the thin slabs they cover, not a box of
+    zeros) through a hook: no operation in the forward pass. An op that returned one
     of its inputs ``ins`` unchanged gets a view of it first, so that the hook adds to
     this node's gradient only."""
     if any(y is t for t in ins):
@@ -49,11 +37,21 @@ def seed(y: Tensor, grads: HaloStore, v: int, tile, ins: list) -> Tensor:
 
     def hook(g: Tensor) -> Tensor:
         g = g.clone()  # autograd may pass the same gradient to other nodes
-        grads.seed_into(v, tile, g)
+        for index, piece in io.sent(runner, v, tile):
+            g[index].add_(piece)
         return g
 
     y.register_hook(hook)
     return y
+
+
+def sent_gradient(runner: TileRunner, v: int, tile, like: Tensor, io: DirectIO) -> Tensor:
+    """The gradient later tiles sent to node ``v``'s box at ``tile``, as a tensor like
+    the box's."""
+    out = torch.zeros_like(like)
+    for index, piece in io.sent(runner, v, tile):
+        out[index].add_(piece)
+    return out
 
 
 class TileRunner:
@@ -92,6 +90,10 @@ class TileRunner:
         device_type = torch.device(device).type if device is not None else x.device.type
         self.autocast = autocast if autocast is not None else Autocast(device_type, None)
         self.dtypes: dict[int, torch.dtype] = {}
+        #: the backward pass's store of the gradients later tiles sent
+        self.grads: HaloStore | None = None
+        #: what a compiled pass's graphs of this runner's tiles depend on besides them
+        self.key: tuple = ()
 
     def context(self):
         """A ``torch.autocast`` block restoring the forward pass's autocast state (off
@@ -111,7 +113,8 @@ class TileRunner:
         leaves: list | None = None,
         inputs: list | None = None,
         hold: frozenset = frozenset(),
-        seeds: dict | None = None,
+        seeds: frozenset = frozenset(),
+        io: DirectIO = DIRECT,
     ):
         """The boxes of this tile: ``{node: tensor}`` for the output and the nodes in
         ``hold`` (the others are dropped once the nodes that read them ran, as autograd
@@ -126,8 +129,10 @@ class TileRunner:
             inputs: where the backward pass collects the input crops it reads (as
                 leaves), ``(box, tensor)``; None when no input gradient is wanted.
             hold: nodes whose boxes are returned.
-            seeds: ``{node: gradient store}``: nodes whose boxes receive the gradients
-                later tiles sent them, through :func:`seed` (the backward pass).
+            seeds: nodes whose boxes receive the gradients later tiles sent them,
+                through :func:`seed` (the backward pass).
+            io: the tile's reads and writes of the image and the stores
+                (:mod:`memconv.streaming.tileio`).
         """
         nodes = self.bound.nodes
         values: dict[int, Tensor | None] = {}
@@ -137,33 +142,41 @@ class TileRunner:
             needs = self.plan.needs(v, tile)
             if needs is None:
                 values[v] = None
+                io.structure(v, None)
             else:
-                ins = [self._assemble(u, tile, needs, values, leaves, inputs) for u in node.slots]
                 own = self.plan.own(v, tile)
+                io.structure(
+                    v,
+                    tuple((n.hi - n.lo, n.pad_lo, n.pad_hi, n.skip) for n in needs),
+                    tuple(hi - lo for lo, hi in own),
+                )
+                ins = [
+                    self._assemble(u, tile, needs, values, leaves, inputs, io) for u in node.slots
+                ]
                 if v in self.plan.in_place:  # eager's in-place form, where nothing else reads
                     y = node.op.run(env, ins, needs, own, True)
                 else:
                     y = node.op.run(env, ins, needs, own)
                 _check(node, y, own)
                 self.dtypes[v] = y.dtype
-                if seeds is not None and v in seeds and y.requires_grad:
+                if v in seeds and y.requires_grad:
                     # an in-place op's result is its input's tensor, which nothing else reads
-                    y = seed(y, seeds[v], v, tile, [] if v in self.plan.in_place else ins)
+                    y = seed(y, self, v, tile, [] if v in self.plan.in_place else ins, io)
                 values[v] = y
                 if write:
-                    self.halo.write(v, tile, y)
+                    io.write(self, v, tile, y)
             for u in dict.fromkeys(node.slots):  # free what no later node of this tile reads
                 remaining[u] -= 1
                 if remaining[u] == 0 and u not in hold:
                     values.pop(u, None)
         return values
 
-    def _assemble(self, u, tile, needs, values, leaves, inputs) -> Tensor:
+    def _assemble(self, u, tile, needs, values, leaves, inputs, io) -> Tensor:
         """Node ``u``'s positions ``needs`` read: its box at this tile and, before it, the
         halo from the store."""
         box = tuple((n.lo, n.hi) for n in needs)
         if u == 0:
-            piece = self.to_tile(crop(self.x, box))
+            piece = io.image(self, box)
             if inputs is not None:
                 piece = piece.detach().requires_grad_()
                 inputs.append((box, piece))
@@ -176,7 +189,7 @@ class TileRunner:
             dtype = self.dtypes.get(u, self.x.dtype)
             return self.to_tile(self.x.new_empty(shape, dtype=dtype))
         own = self.plan.own(u, tile)
-        return self._block(u, tile, list(box), own, values.get(u), 0, leaves)
+        return self._block(u, tile, list(box), own, values.get(u), 0, leaves, io)
 
     def reads_box(self, v: int, tile) -> bool:
         """Whether a node reading ``v`` at ``tile`` reads part of ``v``'s own box (so that
@@ -188,7 +201,7 @@ class TileRunner:
                 return True
         return False
 
-    def _block(self, u, tile, box, own, current, axis, leaves) -> Tensor:
+    def _block(self, u, tile, box, own, current, axis, leaves, io) -> Tensor:
         node = self.bound.nodes[u]
         if axis == len(box):
             return crop(
@@ -202,7 +215,7 @@ class TileRunner:
         if lo < start:  # the halo along this axis, kept by earlier tiles
             part = list(box)
             part[axis] = (lo, min(hi, start))
-            piece = self.halo.read(u, axis, tile, part, view=leaves is not None)
+            piece = io.halo(self, u, axis, tile, part, leaves is not None)
             if leaves is not None:  # a view of a slab that takes no gradient: a leaf
                 piece.requires_grad_()
                 leaves.append((u, axis, tuple(part), piece))
@@ -210,7 +223,7 @@ class TileRunner:
         if hi > start:
             rest = list(box)
             rest[axis] = (max(lo, start), hi)
-            parts.append(self._block(u, tile, rest, own, current, axis + 1, leaves))
+            parts.append(self._block(u, tile, rest, own, current, axis + 1, leaves, io))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=node.dim(axis))
 
 
@@ -248,14 +261,51 @@ def _check(node, y: Tensor, own) -> None:
         )
 
 
-def forward_pass(runner: TileRunner, env, progress=None) -> Tensor:
+class EagerTiles:
+    """Runs each tile's body as it is (the eager path); :class:`memconv.streaming.
+    compiled.CompiledTiles` runs it as compiled graphs instead."""
+
+    def run(self, runner: TileRunner, tile, body, grad: Tensor | None = None):
+        """``body(io, fresh)``: the tile's tensors and what the pass keeps of it, run
+        with the stores read directly and the pass's static values (``fresh``:
+        compute them anew, inside a traced graph)."""
+        return body(DIRECT, False)
+
+
+EAGER = EagerTiles()
+
+
+def forward_pass(runner: TileRunner, make_env, progress=None, tiles_by=EAGER) -> Tensor:
     """The output ``[N, C_out, *S_out]`` on the input's device, tile by tile (no
-    autograd); the runner's halo store is filled for the backward pass."""
+    autograd); the runner's halo store is filled for the backward pass.
+
+    Args:
+        runner: the pass's tiles, input and halo store.
+        make_env: ``make_env()``: the static values (computed once; inside each
+            traced tile's graph for compiled tiles).
+        progress: ``progress(tiles, description)``: an iterable over the tiles.
+        tiles_by: what runs each tile (:class:`EagerTiles`, or compiled graphs).
+    """
     plan, bound = runner.plan, runner.bound
     out = None
+    shared: list = []
+
+    def env(fresh: bool):
+        if fresh:
+            return make_env()
+        if not shared:
+            shared.append(make_env())
+        return shared[0]
+
     tiles = plan.tiles()
     for tile in progress(tiles, "forward") if progress else tiles:
-        y = runner.run(env, tile, write=True)[bound.output]
+
+        def body(io, fresh, tile=tile):
+            y = runner.run(env(fresh), tile, write=True, io=io)[bound.output]
+            return [y], dict(runner.dtypes)
+
+        (y,), dtypes = tiles_by.run(runner, tile, body)
+        runner.dtypes.update(dtypes)
         if out is None:
             out = runner.x.new_empty(bound.output_shape(), dtype=y.dtype)
         crop(out, plan.output_range(tile)).copy_(y)
@@ -274,7 +324,13 @@ def _row_done(plan: TilePlan, tile, *, reverse: bool) -> bool:
 
 
 def backward_pass(
-    runner: TileRunner, make_env, grad: Tensor, params: list, want_input: bool, progress=None
+    runner: TileRunner,
+    make_env,
+    grad: Tensor,
+    params: list,
+    want_input: bool,
+    progress=None,
+    tiles_by=EAGER,
 ):
     """``(input gradient or None, [gradient of each of params])``, tile by tile.
 
@@ -284,53 +340,87 @@ def backward_pass(
         grad: the output gradient ``[N, C_out, *S_out]``.
         params: parameters to differentiate.
         want_input: compute the input gradient.
+        progress: ``progress(tiles, description)``: an iterable over the tiles.
+        tiles_by: what runs each tile (:class:`EagerTiles`, or compiled graphs).
     """
-    plan, bound = runner.plan, runner.bound
-    grads_halo = HaloStore(plan, gradients=True)
+    plan = runner.plan
+    runner.grads = HaloStore(plan, gradients=True)
     acc = [torch.zeros_like(p) for p in params]
     gx = torch.zeros_like(runner.x) if want_input else None
     tiles = plan.tiles()[::-1]
     for tile in progress(tiles, "backward") if progress else tiles:
-        leaves: list = []
-        inputs: list | None = [] if want_input else None
-        with torch.enable_grad():
-            env = make_env()
-            reached = [v for v in range(1, len(bound.nodes)) if grads_halo.reaches(v, tile)]
-            # gradients later tiles sent join on the way back, or, where nothing of this
-            # tile reads the box, as outputs of their own
-            alone = frozenset(v for v in reached if not runner.reads_box(v, tile))
-            seeds = {v: grads_halo for v in reached if v not in alone}
-            values = runner.run(
-                env, tile, write=False, leaves=leaves, inputs=inputs, hold=alone, seeds=seeds
-            )
-            outs, seeds = [], []
-            y = values[bound.output]
-            if y is not None and y.requires_grad:
-                outs.append(y)
-                seeds.append(runner.to_tile(crop(grad, plan.output_range(tile))))
-            for v in sorted(alone):
-                value = values.get(v)
-                if v == bound.output or value is None or not value.requires_grad:
-                    continue
-                outs.append(value)
-                seeds.append(grads_halo.seed(v, tile, value))
-            wrt = list(params) + [leaf[-1] for leaf in leaves] + [t for _, t in inputs or []]
-            got = torch.autograd.grad(outs, wrt, seeds, allow_unused=True) if outs and wrt else ()
-        del values, outs, seeds
+
+        def body(io, fresh, tile=tile):
+            return _tile_gradients(runner, make_env, grad, params, want_input, tile, io)
+
+        got, (leaf_parts, boxes) = tiles_by.run(runner, tile, body, grad)
         summed = [(a, g) for a, g in zip(acc, got[: len(params)]) if g is not None]
         add_each([a for a, _ in summed], [g for _, g in summed])  # one operation for all
-        sent = [(*leaf[:3], g) for leaf, g in zip(leaves, got[len(params) :]) if g is not None]
-        grads_halo.add(sent, tile)
+        grads = got[len(params) :]
+        sent = [(*part, g) for part, g in zip(leaf_parts, grads) if g is not None]
+        runner.grads.add(sent, tile)
         if want_input:
-            for (box, _), g in zip(inputs, got[len(params) + len(leaves) :]):
+            for box, g in zip(boxes, grads[len(leaf_parts) :]):
                 if g is not None:
                     crop(gx, box).add_(g.to(gx.device))
-        del got, leaves, inputs, sent  # the tile's gradients, before the next tile
-        grads_halo.release(tile)
+        del got, grads, sent  # the tile's gradients, before the next tile
+        runner.grads.release(tile)
         runner.halo.release(tile)
         if _row_done(plan, tile, reverse=True):
             release_freed_memory(runner.device or runner.x.device)
+    grads, runner.grads = runner.grads, None
+    del grads
     return gx, acc
 
 
-__all__ = ["TileRunner", "backward_pass", "crop", "forward_pass"]
+def _tile_gradients(runner: TileRunner, make_env, grad, params, want_input, tile, io):
+    """One tile's backward pass: its boxes recomputed with autograd (the halo it reads
+    as leaves), one ``torch.autograd.grad`` from its part of the output gradient and
+    the gradients later tiles sent.
+
+    Returns:
+        ``(gradients, (halo parts, input boxes))``: the gradients of ``params``, of the
+        halo leaves and of the input crops read (None where nothing flowed), and where
+        those leaves and crops are.
+    """
+    plan, bound = runner.plan, runner.bound
+    store = runner.grads
+    leaves: list = []
+    inputs: list | None = [] if want_input else None
+    with torch.enable_grad():
+        env = make_env()
+        reached = [v for v in range(1, len(bound.nodes)) if store.reaches(v, tile)]
+        # gradients later tiles sent join on the way back, or, where nothing of this
+        # tile reads the box, as outputs of their own
+        alone = frozenset(v for v in reached if not runner.reads_box(v, tile))
+        io.structure("reached", tuple(reached), tuple(sorted(alone)))
+        values = runner.run(
+            env,
+            tile,
+            write=False,
+            leaves=leaves,
+            inputs=inputs,
+            hold=alone,
+            seeds=frozenset(reached) - alone,
+            io=io,
+        )
+        outs, seeds = [], []
+        y = values[bound.output]
+        if y is not None and y.requires_grad:
+            outs.append(y)
+            seeds.append(io.grad(runner, grad, plan.output_range(tile)))
+        for v in sorted(alone):
+            value = values.get(v)
+            if v == bound.output or value is None or not value.requires_grad:
+                continue
+            outs.append(value)
+            seeds.append(sent_gradient(runner, v, tile, value, io))
+        wrt = list(params) + [leaf[-1] for leaf in leaves] + [t for _, t in inputs or []]
+        if outs and wrt:
+            got = list(torch.autograd.grad(outs, wrt, seeds, allow_unused=True))
+        else:
+            got = [None] * len(wrt)
+    return got, ([leaf[:3] for leaf in leaves], [box for box, _ in inputs or []])
+
+
+__all__ = ["EAGER", "EagerTiles", "TileRunner", "backward_pass", "crop", "forward_pass"]
