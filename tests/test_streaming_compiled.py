@@ -219,9 +219,8 @@ def test_other_strides_are_recorded_anew():
     ref_out, ref_grads = _conventional(trunk, x, g)
     stream = StreamingCNN(torch.compile(trunk, backend=BACKEND), 32)
     last = torch.channels_last
-    for image, grad in [(x, g)] * 3 + [(x, g.contiguous(memory_format=last))] * 3 + [
-        (x.contiguous(memory_format=last), g)
-    ] * 3:
+    steps = [(x, g)] * 3 + [(x, g.contiguous(memory_format=last))]
+    for image, grad in [*steps, (x.contiguous(memory_format=last), g)]:
         xs = image.detach().requires_grad_()
         out = stream(xs)
         grads = torch.autograd.grad(out, [xs, *trunk.parameters()], grad)

@@ -374,7 +374,7 @@ class StreamingCNN(nn.Module):
         if self.verbose:
             logger.info("forward: %d tiles for input %s", plan.count, tuple(x.shape[2:]))
         runner = TileRunner(plan, x.detach(), HaloStore(plan), self._device(), autocast)
-        runner.key = (tuple(x.shape), x.dtype, input_grad, autocast)
+        runner.key = (tuple(x.shape), x.stride(), x.dtype, x.device, input_grad, autocast)
         tiles_by = self._tiles_by("forward", runner)
         start = time.perf_counter()
         with torch.no_grad(), runner.context():

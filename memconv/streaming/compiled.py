@@ -152,6 +152,11 @@ class CompiledTiles:
         time, traced the first time a tile of its kind runs again, compiled after."""
         at = (self.pass_key, tuple(tile))
         record: TileRecord | None = self.records.get(at)
+        reads = None
+        if record is not None and (self.pass_key, record.key()) not in self.refused:
+            reads = record.gather(runner, grad)
+            if not record.matches(reads):  # laid out otherwise (an output gradient's strides)
+                record = reads = None
         if record is None:
             io = RecordIO()
             tensors, meta = body(io, False)
@@ -159,9 +164,8 @@ class CompiledTiles:
             self.records[at] = io.record
             return tensors, meta
         kind = (self.pass_key, record.key())
-        if kind in self.refused:
+        if reads is None:  # refused
             return body(DIRECT, False)
-        reads = record.gather(runner, grad)
         entry = self.graphs.get(kind)
         if entry is None:
             try:

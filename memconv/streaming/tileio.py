@@ -54,7 +54,7 @@ class Read:
             in the order they were made.
         where: the absolute positions (``(lo, hi)`` per axis), or for :data:`SENT`
             the ``(slab key, positions, index)`` parts, to read them again.
-        shapes: the shape and dtype of each tensor read.
+        shapes: the shape, strides, dtype and device of each tensor read.
     """
 
     slot: tuple
@@ -88,6 +88,15 @@ class TileRecord:
             tuple((v, tuple(_plain(i) for _, _, i in parts)) for v, parts in self.writes),
         )
 
+    def signature(self) -> tuple:
+        """The shape, strides, dtype and device of every tensor read, in order."""
+        return tuple(shape for read in self.reads for shape in read.shapes)
+
+    def matches(self, tensors: list[Tensor]) -> bool:
+        """Whether ``tensors`` (a :meth:`gather`) are laid out as the recorded reads
+        (an output gradient of other strides is not)."""
+        return shapes(tensors) == self.signature()
+
     def gather(self, runner, grad: Tensor | None = None) -> list[Tensor]:
         """The tensors this tile reads now, in the order of :attr:`reads` (views of the
         stores, the image and the output gradient)."""
@@ -120,8 +129,10 @@ def _plain(index: tuple) -> tuple:
     return tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index)
 
 
-def _shapes(tensors) -> tuple:
-    return tuple((tuple(t.shape), t.dtype) for t in tensors)
+def shapes(tensors) -> tuple:
+    """Shape, strides, dtype and device of each tensor: what compiled code is
+    specialised to."""
+    return tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors)
 
 
 class DirectIO:
@@ -164,7 +175,7 @@ class RecordIO(DirectIO):
         self.record.structure.append(item)
 
     def _read(self, slot: tuple, where, tensors: list[Tensor]) -> None:
-        self.record.reads.append(Read(slot, where, _shapes(tensors)))
+        self.record.reads.append(Read(slot, where, shapes(tensors)))
 
     def image(self, runner, box) -> Tensor:
         t = super().image(runner, box)
