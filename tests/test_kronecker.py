@@ -301,7 +301,8 @@ def test_memconv_modules_and_adaptive_pool():
 
 def test_module_extension_covers_only_kronecker_layers():
     assert module_extension(extensions.DiagGGNExact(), nn.Conv2d) is None
-    assert module_extension(extensions.KFAC(), nn.Linear) is None
+    assert module_extension(extensions.KFAC(), nn.ReLU) is None
+    assert module_extension(extensions.KFRA(), nn.Linear) is None  # BackPACK's own
     assert module_extension(extensions.KFAC(), memconv.modules.ConvTranspose3d) is not None
     with pytest.raises(ValueError, match="kfac_approx"):
         module_extension(extensions.KFAC(), nn.Conv2d, kfac_approx="mean")
