@@ -21,7 +21,9 @@ one JSON line per run (appended to ``--json``) and a Markdown table of the media
 over ``--repeats`` runs::
 
     PYTHONPATH=<laplace-torch's site> python tools/laplace-models.py --repeats 2 \\
-        --json laplace-models.jsonl
+        --json docs/bench/laplace-models.jsonl --markdown docs/curvature.md
+    python tools/laplace-models.py --from-json docs/bench/laplace-models.jsonl \\
+        --markdown docs/curvature.md           # the table again, from the runs
     python tools/laplace-models.py --quick     # batch 2, 32×32, one run each
 
 laplace-torch and its no-dependency installs are those of the Makefile's
@@ -191,10 +193,17 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
     parser.add_argument("--json", help="append every run as a JSON line to this file")
     parser.add_argument("--quick", action="store_true", help="batch 2, 32×32, one run")
+    parser.add_argument("--from-json", help="tabulate this file's runs, run nothing")
+    parser.add_argument("--markdown", help="refill the page's laplace-models:table block")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(one(**json.loads(args.one))), flush=True)
+        return 0
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        _report(rows, args.markdown)
         return 0
     if args.quick:
         args.batch, args.side, args.repeats = 2, 32, 1
@@ -226,8 +235,18 @@ def main(argv=None) -> int:
                     if args.json:
                         with open(args.json, "a") as f:
                             f.write(json.dumps(row) + "\n")
-    print(table(rows))
+    _report(rows, args.markdown)
     return 0
+
+
+def _report(rows: list[dict], page: str | None) -> None:
+    text = table(rows)
+    print(text)
+    if page:
+        from memconv.bench.report import fill_block
+
+        path = Path(page)
+        path.write_text(fill_block(path.read_text(), "laplace-models:table", text))
 
 
 if __name__ == "__main__":
