@@ -34,6 +34,7 @@ is stubbed as in ``tests/test_backpack_laplace.py``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -141,40 +142,38 @@ def _run(config: dict, timeout: float) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: per model and structure, each engine's median figures and memconv's
-    as multiples of BackPACK's."""
+    """Markdown: per model, batch and structure, each engine's median figures and
+    memconv's as multiples of BackPACK's."""
     out = [
-        "| model | Laplace | BackPACK alone: +RSS / +alloc, time | memconv: +RSS / +alloc, time "
-        "| memconv / BackPACK: RSS, alloc, time |",
-        "|---|---|---|---|---|",
+        "| model | batch | Laplace | BackPACK alone: +RSS / +alloc, time "
+        "| memconv: +RSS / +alloc, time | memconv / BackPACK: RSS, alloc, time |",
+        "|---|---|---|---|---|---|",
     ]
-    for model in MODELS:
-        for structure in STRUCTURES:
-            cells, medians = [], {}
-            for engine in ENGINES:
-                runs = [
-                    r
-                    for r in rows
-                    if (r["model"], r["structure"], r["engine"]) == (model, structure, engine)
-                ]
-                good = [r for r in runs if "error" not in r]
-                if not runs:
-                    cells.append("–")
-                elif not good:
-                    cells.append(f"fails: `{runs[0]['error']}`")
-                else:
-                    m = {k: statistics.median(r[k] for r in good) for k in good[0] if k in KEYS}
-                    medians[engine] = m
-                    cells.append(
-                        f"+{m['peak_rss_mib']:,.0f} / +{m['peak_alloc_mib']:,.0f} MiB, "
-                        f"{m['time_s']:.2f} s"
-                    )
-            if len(medians) == 2:
-                b, m = medians["backpack"], medians["memconv"]
-                ratio = ", ".join(f"{m[k] / b[k]:.2f}" for k in KEYS)
+    batches = sorted({r["batch"] for r in rows})
+    for model, batch, structure in itertools.product(MODELS, batches, STRUCTURES):
+        cells, medians = [], {}
+        for engine in ENGINES:
+            key = (model, batch, structure, engine)
+            runs = [r for r in rows if (r["model"], r["batch"], r["structure"], r["engine"]) == key]
+            good = [r for r in runs if "error" not in r]
+            if not runs:
+                cells.append("–")
+            elif not good:
+                cells.append(f"fails: `{runs[0]['error']}`")
             else:
-                ratio = "–"
-            out.append(f"| {model} | {structure} | {cells[0]} | {cells[1]} | {ratio} |")
+                m = {k: statistics.median(r[k] for r in good) for k in KEYS}
+                medians[engine] = m
+                cells.append(
+                    f"+{m['peak_rss_mib']:,.0f} / +{m['peak_alloc_mib']:,.0f} MiB, "
+                    f"{m['time_s']:.2f} s"
+                )
+        if all(cell == "–" for cell in cells):
+            continue
+        ratio = "–"
+        if len(medians) == 2:
+            b, m = medians["backpack"], medians["memconv"]
+            ratio = ", ".join(f"{m[k] / b[k]:.2f}" for k in KEYS)
+        out.append(f"| {model} | {batch} | {structure} | {cells[0]} | {cells[1]} | {ratio} |")
     return "\n".join(out)
 
 
