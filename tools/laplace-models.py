@@ -22,6 +22,8 @@ over ``--repeats`` runs::
 
     PYTHONPATH=<laplace-torch's site> python tools/laplace-models.py --repeats 2 \\
         --json docs/bench/laplace-models.jsonl --markdown docs/curvature.md
+    PYTHONPATH=... python tools/laplace-models.py --models resnet18 --structures diag \\
+        --batch 32 --repeats 2 --json docs/bench/laplace-models.jsonl --markdown docs/curvature.md
     python tools/laplace-models.py --from-json docs/bench/laplace-models.jsonl \\
         --markdown docs/curvature.md           # the table again, from the runs
     python tools/laplace-models.py --quick     # batch 2, 32×32, one run each
