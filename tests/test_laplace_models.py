@@ -222,3 +222,28 @@ def test_kron_laplace_factors_against_autograd(name):
         assert len(got) == len(expected)
         for g, w in zip(got, expected):
             _close(g, w)
+    # laplace-torch's own use of the factors: its eigendecomposition's log-determinant
+    # (memconv's per-group 3-d factors fail here: torch.outer of 2-d eigenvalues), and
+    # the GLM predictive (its Jacobians by BackPACK's BatchGrad: routed too)
+    assert torch.isfinite(la.log_marginal_likelihood())
+    with mb.routed():
+        probs = la(x[:2], pred_type="glm", link_approx="probit")
+    assert torch.allclose(probs.sum(-1), torch.ones(2, dtype=probs.dtype))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_glm_predictive_jacobians_against_autograd(name):
+    """laplace-torch's GLM predictive takes the Jacobians from BackPACK's BatchGrad,
+    one output at a time: inside ``routed()`` they are memconv's, equal to torch.func's."""
+    model, shape = MODELS[name]()
+    reference = copy.deepcopy(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    x, _ = _data(shape)
+    extended = mb.extend(model)
+    extended.output_size = CLASSES  # what laplace-torch's fit sets
+    backend = BackPackGGN(extended, "classification")
+    with mb.routed():
+        got, _ = backend.jacobians(x[:2])
+    want = _jacobians(reference, x[:2])
+    order = [names[id(p)] for p in backend.model.parameters()]
+    _close(got, torch.cat([want[n].flatten(2) for n in order], dim=2))
