@@ -32,6 +32,10 @@ GROUPINGS: tuple[str, ...] = get_args(GroupKind)
 #: The input factor of a convolution's KFAC: over all patches, or their average.
 KfacApprox = Literal["expand", "reduce"]
 KFAC_APPROXIMATIONS: tuple[str, ...] = get_args(KfacApprox)
+#: The Kronecker factors of a grouped convolution's weight through BackPACK: one
+#: product per group, or one product with the input averaged over the groups.
+KronGroups = Literal["blocks", "average"]
+KRON_GROUPS: tuple[str, ...] = get_args(KronGroups)
 #: ``memory_budget="available"``: what the process can still use.
 AVAILABLE = "available"
 #: The ``memory_budget`` of a budget derived from the model and batch (BackPACK's

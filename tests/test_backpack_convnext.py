@@ -215,3 +215,11 @@ def test_backward_over_chunks_of_rows_equals_one_pass():
         results.append({n: p.diag_ggn_exact for n, p in converted.named_parameters()})
     for name in results[0]:
         _close(results[1][name], results[0][name])
+
+
+def test_layer_scale_of_shape_c11_refuses_an_input_of_another_rank():
+    """torchvision's layer scale ``[C, 1, 1]`` is per channel only on ``[N, C, H, W]``."""
+    scale = LayerScale2d(nn.Parameter(torch.ones(4, 1, 1)))
+    assert scale(torch.ones(2, 4, 3, 3)).shape == (2, 4, 3, 3)
+    with pytest.raises(ValueError, match="per-channel"):
+        scale(torch.ones(2, 4, 5))

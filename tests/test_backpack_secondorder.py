@@ -262,7 +262,9 @@ def test_kronecker_extensions_get_the_kronecker_hook(monkeypatch):
 
     mine = object()
     seen = []
-    monkeypatch.setattr(kronecker, "module_extension", lambda ext, cls: seen.append(cls) or mine)
+    monkeypatch.setattr(
+        kronecker, "module_extension", lambda ext, cls, **kw: seen.append(cls) or mine
+    )
     for ext_cls in (E.KFAC, E.KFLR, E.KFRA):
         ext = mb.install(ext_cls())
         assert mb._mapping(ext)[nn.Conv2d] is mine

@@ -301,7 +301,8 @@ def test_memconv_modules_and_adaptive_pool():
 
 def test_module_extension_covers_only_kronecker_layers():
     assert module_extension(extensions.DiagGGNExact(), nn.Conv2d) is None
-    assert module_extension(extensions.KFAC(), nn.Linear) is None
+    assert module_extension(extensions.KFAC(), nn.ReLU) is None
+    assert module_extension(extensions.KFRA(), nn.Linear) is None  # BackPACK's own
     assert module_extension(extensions.KFAC(), memconv.modules.ConvTranspose3d) is not None
     with pytest.raises(ValueError, match="kfac_approx"):
         module_extension(extensions.KFAC(), nn.Conv2d, kfac_approx="mean")
@@ -402,3 +403,73 @@ def test_kronecker_layout_is_exact_for_one_position(groups):
     for g in range(groups):
         block = full[g * size : (g + 1) * size, g * size : (g + 1) * size]
         assert rel_err(torch.kron(a[g], omega[g]), block) < TOL
+
+
+@pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
+def test_kron_groups_average_on_a_grouped_convolution(kfac_approx):
+    """``kron_groups="average"``: one product, ``A`` the full exact bias GGN (KFLR) and
+    Ω that of the input averaged over the groups (curvlinops' convention)."""
+    conv_kwargs = dict(in_channels=4, out_channels=6, kernel_size=3, padding=1, groups=2)
+    shape = (3, 4, 5, 5)
+    torch.manual_seed(1)
+    x = torch.randn(shape, dtype=torch.float64)
+    y = torch.randint(0, 5, (shape[0],))
+    options = dict(kron_groups="average", kfac_approx=kfac_approx)
+    got = _run(_model(nn.Conv2d, conv_kwargs, shape), x, y, "KFLR", memconv_exts=True, **options)
+    model = _model(nn.Conv2d, conv_kwargs, shape)
+    conv = model[0]
+    averaged = nn.Conv2d(2, 6, 3, padding=1).double()
+    a, omega = got["0.weight"]
+    want = omega_reference(averaged, x.unflatten(1, (2, 2)).mean(1), kfac_approx)
+    assert rel_err(omega, want) < TOL
+    assert rel_err(a, bias_ggn(model, conv, nn.CrossEntropyLoss(), x, y)) < TOL
+
+
+@pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
+def test_linear_on_channels_last_is_its_one_by_one_convolution(kfac_approx):
+    """A Linear layer on ``[N, H, W, C]`` (torchvision's ConvNeXt; BackPACK's KFAC/KFLR
+    raise for inputs that are not 2-d) gets the factors of the equal 1×1 convolution."""
+    from backpack.custom_module.permute import Permute
+
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 4).double()
+    conv = nn.Conv2d(3, 4, 1).double()
+    with torch.no_grad():
+        conv.weight.copy_(linear.weight[:, :, None, None])
+        conv.bias.copy_(linear.bias)
+    head = nn.Linear(4 * 5 * 5, 5).double()
+    last = nn.Sequential(Permute(0, 2, 3, 1), linear, Permute(0, 3, 1, 2))
+    x = torch.randn(3, 3, 5, 5, dtype=torch.float64)
+    y = torch.randint(0, 5, (3,))
+    runs = []
+    for layer in (last, conv):
+        model = nn.Sequential(layer, nn.ReLU(), nn.Flatten(), copy.deepcopy(head))
+        runs.append(
+            list(_run(model, x, y, "KFLR", memconv_exts=True, kfac_approx=kfac_approx).values())
+        )
+    for got, want in zip(*runs):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < TOL
+
+
+def test_kron_groups_refused_before_any_work():
+    from memconv.integrations import backpack as mb
+
+    with pytest.raises(ValueError, match="kron_groups"):
+        module_extension(extensions.KFAC(), nn.Conv2d, kron_groups="mean")
+    with pytest.raises(ValueError, match="kron_groups"):
+        mb.install(extensions.KFAC(), kron_groups="mean")
+    with pytest.raises(ValueError, match="kron_groups"), mb.routed(kron_groups=None):
+        pass
+    transposed = nn.ConvTranspose2d(4, 4, 3, groups=2).double()
+    ext = extensions.KFAC()
+    model = extend(nn.Sequential(transposed, nn.Flatten(), nn.Linear(4 * 7 * 7, 2).double()))
+    loss_fn = extend(nn.CrossEntropyLoss())
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    with (
+        mb.installed(ext, kron_groups="average"),
+        backpack.backpack(ext),
+        pytest.raises(NotImplementedError, match="grouped transposed"),
+    ):
+        loss_fn(model(x), torch.tensor([0, 1])).backward()

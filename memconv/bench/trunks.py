@@ -200,6 +200,42 @@ def convnext_trunk(
     return features
 
 
+class TVConvNeXt(nn.Module):
+    """torchvision's ``ConvNeXt`` (``convnext_tiny`` with the defaults): the features of
+    :func:`convnext_trunk`, ``AdaptiveAvgPool2d(1)`` and the classifier
+    ``nn.Sequential(LayerNorm2d, nn.Flatten(1), nn.Linear)``, as torchvision writes them.
+
+    Args:
+        depths: blocks per stage.
+        dims: channels per stage.
+        num_classes: outputs.
+        in_channels: input channels.
+        layer_scale: the layer scales' initial value (torchvision: 1e-6).
+    """
+
+    def __init__(
+        self,
+        depths=(3, 3, 9, 3),
+        dims=(96, 192, 384, 768),
+        num_classes=10,
+        in_channels=3,
+        layer_scale=1e-6,
+    ):
+        super().__init__()
+        self.features = convnext_trunk(depths, dims, in_channels, layer_scale)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(
+            LayerNorm2d(dims[-1], eps=1e-6), nn.Flatten(1), nn.Linear(dims[-1], num_classes)
+        )
+        nn.init.trunc_normal_(self.classifier[2].weight, std=0.02)
+        nn.init.zeros_(self.classifier[2].bias)
+
+    def forward(self, x):
+        x = self.features(x)
+        x = self.avgpool(x)
+        return self.classifier(x)
+
+
 # ------------------------------------------------------------------ DenseNet
 class _DenseLayer(nn.Module):
     """torchvision's ``_DenseLayer``: BN–ReLU–1×1 conv on the concatenated features, then
@@ -494,6 +530,7 @@ __all__ = [
     "Permute",
     "SqueezeExcitation",
     "TRUNKS",
+    "TVConvNeXt",
     "UNet",
     "classifier",
     "convnext_trunk",

@@ -23,8 +23,9 @@ second-order ``{Batch}DiagGGN{Exact,MC}``, ``{Batch}DiagHessian`` and
 runs over chunks of the factor's rows to a lean budget, :mod:`.chunking`) and the
 Kronecker-factored ``KFAC``, ``KFLR`` and ``KFRA`` (:mod:`.kronecker`, which also
 supplies adaptive pooling and BatchNorm in eval mode, where BackPACK has no module
-extension) and ConvNeXt's layers (:mod:`.layers`: ``LayerNorm2d``, the layer scale and
-``nn.GELU``, made modules by :func:`extend`, BackPACK's converter for timm's ConvNeXt);
+extension) and ConvNeXt's layers (:mod:`.layers`: ``LayerNorm2d``, ``nn.LayerNorm``,
+the layer scale and ``nn.GELU``, made modules by :func:`extend`, BackPACK's converter
+for timm's and torchvision's ConvNeXt);
 the strategy is the one the layer's forward pass recorded (the rule of
 :class:`memconv.save_memory`). memconv's
 layers that are not convolutions get BackPACK's module extension of the ``torch.nn``
@@ -50,7 +51,15 @@ import weakref
 
 from torch import nn
 
-from ..._checks import CONV_TRANSPOSE_TYPES, CONV_TYPES, LEAN, check_batch, check_budget
+from ..._checks import (
+    CONV_TRANSPOSE_TYPES,
+    CONV_TYPES,
+    KRON_GROUPS,
+    LEAN,
+    check_batch,
+    check_budget,
+    check_choice,
+)
 from ...conv import settings as context
 from ...conv.vjp import check_settings
 from ...engine.losses import per_sample_losses
@@ -90,7 +99,7 @@ def _check_budget(memory_budget) -> None:
     check_budget(memory_budget, available=False, lean=True)
 
 
-def install(*exts, memory_budget=LEAN, model=None):
+def install(*exts, memory_budget=LEAN, model=None, kron_groups="blocks"):
     """Route the convolution weight Jacobians of BackPACK extension objects through memconv.
 
     For each covered extension object, every ``torch.nn`` and memconv convolution and
@@ -120,6 +129,11 @@ def install(*exts, memory_budget=LEAN, model=None):
             extension has no module extension for, a parameter shared by several
             layers) is refused now, before any work
             (:func:`memconv.integrations.backpack.naming.check_model`).
+        kron_groups: ``KFAC``/``KFLR``/``KFRA`` on a grouped convolution:
+            ``"blocks"`` (one Kronecker product per group, 3-d factors) or
+            ``"average"`` (one product with BackPACK's 2-d shapes, the input averaged
+            over the groups); see
+            :func:`memconv.integrations.backpack.kronecker.module_extension`.
 
     Returns:
         The extension object (or the tuple of them, for several).
@@ -128,8 +142,9 @@ def install(*exts, memory_budget=LEAN, model=None):
         ImportError: if BackPACK is not installed.
         TypeError: if an argument is not a BackPACK extension object, or
             ``memory_budget`` is not an int, ``"lean"`` or None.
-        ValueError: if ``memory_budget`` is not positive; for a ``model`` with a
-            parameter shared by several layers (``BatchGrad`` excepted), naming them.
+        ValueError: if ``memory_budget`` is not positive or ``kron_groups`` unknown;
+            for a ``model`` with a parameter shared by several layers (``BatchGrad``
+            excepted), naming them.
         NotImplementedError: for a ``model`` with a layer with trainable parameters
             that an extension has no module extension for, naming its path.
 
@@ -139,6 +154,7 @@ def install(*exts, memory_budget=LEAN, model=None):
     """
     extensions = _require()
     _check_budget(memory_budget)
+    check_choice(kron_groups, KRON_GROUPS, "kron_groups", none=False)
     from backpack.extensions.backprop_extension import BackpropExtension
 
     for ext in exts:
@@ -150,7 +166,7 @@ def install(*exts, memory_budget=LEAN, model=None):
     try:
         for ext in exts:
             if ext not in _previous:
-                _install_one(ext, memory_budget, model, extensions)
+                _install_one(ext, memory_budget, model, extensions, kron_groups)
                 done.append(ext)
     except BaseException:
         uninstall(*done)  # none of this call's objects left half-installed
@@ -162,7 +178,7 @@ def install(*exts, memory_budget=LEAN, model=None):
     return exts[0] if len(exts) == 1 else exts
 
 
-def _install_one(ext, memory_budget, model, extensions) -> None:
+def _install_one(ext, memory_budget, model, extensions, kron_groups="blocks") -> None:
     from . import chunking, naming
     from .kronecker import KFLR, OTHER_LAYERS
     from .kronecker import module_extension as kronecker_module_extension
@@ -175,7 +191,7 @@ def _install_one(ext, memory_budget, model, extensions) -> None:
         if torch_cls in extensions.DERIVATIVES and isinstance(ext, extensions.COVERED):
             module_ext = extensions.module_extension(ext, torch_cls)
         else:  # KFAC/KFLR/KFRA: convolutions, and BatchNorm in eval mode
-            module_ext = kronecker_module_extension(ext, torch_cls)
+            module_ext = kronecker_module_extension(ext, torch_cls, kron_groups=kron_groups)
         if module_ext is not None:
             new[torch_cls] = new[memconv_cls] = module_ext
         elif torch_cls in mapping:
@@ -188,6 +204,8 @@ def _install_one(ext, memory_budget, model, extensions) -> None:
         module_ext = None if cls in new else layer_module_extension(ext, cls)
         if module_ext is not None:
             new[cls] = module_ext
+            if cls in CONVERSIONS:  # nn.LayerNorm: memconv's LayerNorm too
+                new.setdefault(CONVERSIONS[cls], module_ext)
     if not any(cls in new for cls in extensions.DERIVATIVES):
         warnings.warn(
             f"memconv does not cover the BackPACK extension {type(ext).__name__}; its "
@@ -266,14 +284,14 @@ def uninstall(*exts) -> None:
 
 
 @contextlib.contextmanager
-def installed(*exts, memory_budget=LEAN, model=None):
-    """:func:`install` (with its ``memory_budget`` and ``model``) for the duration of a
-    ``with`` block, then :func:`uninstall`.
+def installed(*exts, memory_budget=LEAN, model=None, kron_groups="blocks"):
+    """:func:`install` (with its ``memory_budget``, ``model`` and ``kron_groups``) for
+    the duration of a ``with`` block, then :func:`uninstall`.
 
     Yields:
         The extension object (or the tuple of them).
     """
-    result = install(*exts, memory_budget=memory_budget, model=model)
+    result = install(*exts, memory_budget=memory_budget, model=model, kron_groups=kron_groups)
     try:
         yield result
     finally:
@@ -291,7 +309,7 @@ _patched: dict = {}
 
 
 @contextlib.contextmanager
-def routed(memory_budget=LEAN, model=None):
+def routed(memory_budget=LEAN, model=None, kron_groups="average"):
     """Route every BackPACK ``with backpack(...)`` block opened inside through memconv.
 
     For third-party code that builds its own extension objects (laplace-torch's
@@ -321,16 +339,22 @@ def routed(memory_budget=LEAN, model=None):
         model: as :func:`install`'s: the model the blocks run (its module paths in
             refusals, and each block's extensions checked on it when the block opens,
             before the forward pass).
+        kron_groups: as :func:`install`'s, but ``"average"`` by default: third-party
+            code expects BackPACK's 2-d Kronecker factors (laplace-torch's ``Kron``
+            adds them to ``[C_out, C_out]`` and ``[C_in/G·K, C_in/G·K]`` zeros, which
+            would broadcast memconv's per-group blocks into wrong factors, silently).
 
     Yields:
         None.
 
     Raises:
         ImportError: if BackPACK is not installed.
-        TypeError, ValueError: for a ``memory_budget`` :func:`install` refuses.
+        TypeError, ValueError: for a ``memory_budget`` or ``kron_groups``
+            :func:`install` refuses.
     """
     _require()
     _check_budget(memory_budget)
+    check_choice(kron_groups, KRON_GROUPS, "kron_groups", none=False)
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"routed's model must be a torch.nn.Module, got {type(model).__name__}")
     import backpack
@@ -341,7 +365,8 @@ def routed(memory_budget=LEAN, model=None):
             _patched.update(__enter__=cls.__enter__, __exit__=cls.__exit__)
             cls.__enter__, cls.__exit__ = _routed_enter, _routed_exit
         _patched["count"] = _patched.get("count", 0) + 1
-    token = _routing.set((_routing.get()[0] + 1, dict(memory_budget=memory_budget, model=model)))
+    arguments = dict(memory_budget=memory_budget, model=model, kron_groups=kron_groups)
+    token = _routing.set((_routing.get()[0] + 1, arguments))
     try:
         yield
     finally:

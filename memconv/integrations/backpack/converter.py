@@ -2,16 +2,18 @@
 
 ``backpack.extend(model, use_converter=True)`` traces the model with ``torch.fx`` and
 turns its function calls into modules BackPACK's extensions see (additions,
-permutations, multiplications by a float). timm's ConvNeXt leaves two that it does
-not convert:
+permutations, multiplications by a float). timm's and torchvision's ConvNeXt leave two that
+it does not convert:
 
 - ``LayerNorm2d`` (``permute → F.layer_norm → permute``): the tracer enters it
   (it is not a ``torch.nn`` class), and the repeated ``F.layer_norm`` calls crash
   BackPACK 1.7.1's duplicate removal, which takes every repeated node target for a
   module name (``AttributeError: 'function' object has no attribute 'split'``);
   even without the crash no extension would see the layer;
-- the layer scale ``x.mul(self.gamma.reshape(1, -1, 1, 1))``: a parameter used by a
-  function call, which no extension sees either.
+- the layer scale, timm's ``x.mul(self.gamma.reshape(1, -1, 1, 1))`` or torchvision's
+  ``self.layer_scale * x`` (a parameter ``[C, 1, 1]``): a parameter used by a function
+  call, which no extension sees either (BackPACK's converter raises on torchvision's:
+  ``RuntimeError: Expecting types [float, Node]``).
 
 :func:`extend` rewrites both into the modules of :mod:`.layers` (sharing the model's
 parameters: the quantities land on the model's own ``Parameter`` objects), then runs
@@ -35,6 +37,10 @@ from torch import fx, nn
 from .layers import LAYERS, LayerNorm2d, LayerScale2d
 
 _lock = threading.Lock()
+#: Classes BackPACK's tracer keeps as modules (subclasses too), besides ``torch.nn``'s
+#: own: not every ``nn.LayerNorm`` subclass, whose ``forward`` may differ (timm's
+#: ``LayerNorm2d`` permutes), which the tracer enters and :func:`_layer_norms` rewrites.
+_LEAVES = tuple(cls for cls in LAYERS if cls is not nn.LayerNorm)
 _LN_ARGS = ("input", "normalized_shape", "weight", "bias", "eps")
 _MUL = {operator.mul, torch.mul, "mul", "multiply"}
 
@@ -63,15 +69,22 @@ def _to_first(rank: int) -> tuple:
     return (0, rank - 1, *range(1, rank - 1))
 
 
+def _taken(gm: nn.Module, name: str) -> bool:
+    """Whether ``name`` is a submodule, parameter, buffer or other attribute of ``gm``."""
+    owner, _, attr = name.rpartition(".")
+    try:
+        module = gm.get_submodule(owner) if owner else gm
+    except AttributeError:
+        return False
+    return hasattr(module, attr)
+
+
 def _free(gm: nn.Module, name: str) -> str:
     candidate, i = name, 0
-    while True:
-        try:
-            gm.get_submodule(candidate)
-        except AttributeError:
-            return candidate
+    while _taken(gm, candidate):
         i += 1
         candidate = f"{name}{i}"
+    return candidate
 
 
 def _replace(gm: fx.GraphModule, first: fx.Node, last: fx.Node, path: str, module, inp):
@@ -129,8 +142,23 @@ def _free_or_own(gm, path: str) -> str:
     return _free(gm, path + "_layer_norm")
 
 
+def _direct_scale(gm: fx.GraphModule, scale) -> nn.Parameter | None:
+    """The parameter of ``scale`` when it is a parameter ``[C, 1, …, 1]`` used as it is
+    (torchvision's ``CNBlock``: ``self.layer_scale * self.block(input)``), else None."""
+    if not (isinstance(scale, fx.Node) and scale.op == "get_attr"):
+        return None
+    try:
+        gamma = gm.get_parameter(scale.target)
+    except AttributeError:  # a buffer or a constant
+        return None
+    if gamma.dim() < 2 or any(s != 1 for s in gamma.shape[1:]):
+        return None
+    return gamma
+
+
 def _layer_scales(gm: fx.GraphModule) -> int:
-    """``x * gamma.reshape(1, -1, 1, 1)`` (a parameter ``[C]``) → :class:`LayerScale2d`."""
+    """``x * gamma.reshape(1, -1, 1, 1)`` (a parameter ``[C]``, timm's) and
+    ``gamma * x`` (a parameter ``[C, 1, 1]``, torchvision's) → :class:`LayerScale2d`."""
     count = 0
     for node in list(gm.graph.nodes):
         if node.op not in ("call_method", "call_function") or node.target not in _MUL:
@@ -138,6 +166,13 @@ def _layer_scales(gm: fx.GraphModule) -> int:
         if len(node.args) != 2 or node.kwargs:
             continue
         for x, scale in (node.args, node.args[::-1]):
+            gamma = _direct_scale(gm, scale)
+            if gamma is not None and isinstance(x, fx.Node):
+                owner = scale.target.rpartition(".")[0]
+                path = _free(gm, f"{owner}.layer_scale" if owner else "layer_scale")
+                _replace(gm, node, node, path, LayerScale2d(gamma), x)
+                count += 1
+                break
             if not (
                 isinstance(scale, fx.Node)
                 and scale.op == "call_method"
@@ -221,7 +256,7 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = True) -
         original = tracer.is_leaf_module
 
         def is_leaf_module(self, m, qualified_name):
-            return isinstance(m, LAYERS) or original(self, m, qualified_name)
+            return isinstance(m, _LEAVES) or original(self, m, qualified_name)
 
         tracer.is_leaf_module = is_leaf_module
         try:

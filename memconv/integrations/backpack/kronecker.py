@@ -16,17 +16,23 @@ Two layers of every torchvision ResNet that BackPACK's Kronecker-factored extens
 lack get module extensions too: ``AdaptiveAvgPool1d/2d/3d`` (BackPACK's own
 adaptive-pooling derivatives: an input size that is a multiple of the output size,
 BackPACK raises otherwise) and, for KFAC and KFLR, ``BatchNorm1d/2d/3d`` in eval mode
-(:class:`HBPBatchNormNd`).
+(:class:`HBPBatchNormNd`). For torchvision's ConvNeXt, KFAC and KFLR get module
+extensions for ``nn.Linear`` on ``[N, *, C_in]`` (:class:`HBPLinearShared`: the
+factors of the equivalent 1×1 convolution; BackPACK's raise for inputs that are not
+2-d) and for the ``Permute`` modules of BackPACK's converter (:class:`HBPPermute`).
 
 Imports BackPACK; loaded by :mod:`memconv.integrations.backpack` on demand.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 
 from backpack.core.derivatives.adaptive_avg_pool_nd import AdaptiveAvgPoolNDDerivatives
 from backpack.core.derivatives.batchnorm_nd import BatchNormNdDerivatives
+from backpack.core.derivatives.permute import PermuteDerivatives
+from backpack.custom_module.permute import Permute
 from backpack.extensions.secondorder.hbp import KFAC, KFLR, KFRA
 from backpack.extensions.secondorder.hbp.conv_transposend import HBPConvTransposeNd
 from backpack.extensions.secondorder.hbp.convnd import HBPConvNd
@@ -35,10 +41,11 @@ from backpack.extensions.secondorder.hbp.hbp_options import (
     ExpectationApproximation,
 )
 from backpack.extensions.secondorder.hbp.hbpbase import HBPBaseModule
+from backpack.extensions.secondorder.hbp.linear import HBPLinear
 from backpack.utils.errors import batch_norm_raise_error_if_train
 from torch import Tensor, nn
 
-from ..._checks import KFAC_APPROXIMATIONS, check_budget, check_choice
+from ..._checks import KFAC_APPROXIMATIONS, KRON_GROUPS, check_budget, check_choice
 from ...conv.kronecker import block_diagonal, input_factor, output_factor
 from ...strategies.geometry import conv_spec
 from .extensions import DERIVATIVES, _tied
@@ -58,18 +65,20 @@ _CONVS = {
     nn.ConvTranspose3d: (HBPConvTransposeNd, 3),
 }
 _POOLS = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}
-#: The layers besides convolutions that memconv gives module extensions for.
-OTHER_LAYERS = (*_POOLS, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+#: The layers besides convolutions (and ``nn.Linear``, a class memconv converts) that
+#: memconv gives module extensions for.
+OTHER_LAYERS = (*_POOLS, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, Permute)
 
 
 class _KroneckerWeight:
     """The weight factors ``[A, Ω]`` of BackPACK's HBP module extension, by memconv."""
 
-    def __init__(self, dims, derivatives_cls, kfac_approx, memory_budget):
+    def __init__(self, dims, derivatives_cls, kfac_approx, memory_budget, kron_groups="blocks"):
         super().__init__(dims)
         self.derivatives = derivatives_cls()  # BackPACK's, memconv's weight Jacobian
         self.kfac_approx = kfac_approx
         self.memory_budget = memory_budget
+        self.kron_groups = kron_groups
 
     def weight(self, ext, module, g_inp, g_out, backproped):
         """``[A, Ω]``: BackPACK's output factor (block diagonal per group) and
@@ -82,21 +91,45 @@ class _KroneckerWeight:
                 "convolutions (as in BackPACK); use the default ea_strategy "
                 "(ExpectationApproximation.BOTEV_MARTENS)"
             )
+        blocks = module.groups if self.kron_groups == "blocks" else 1
         if BackpropStrategy.is_batch_average(ext.get_backprop_strategy()):  # KFRA
-            a = block_diagonal(self._factor_from_batch_average(module, backproped), module.groups)
+            a = block_diagonal(self._factor_from_batch_average(module, backproped), blocks)
         else:  # KFAC, KFLR
-            a = output_factor(backproped, module.groups)
-        spec = conv_spec(module)
+            a = output_factor(backproped, blocks)
+        layer, x = module, module.input0
+        if module.groups > 1 and self.kron_groups == "average":
+            layer, x = _group_average(module, x)
+        spec = conv_spec(layer)
         if spec.transposed:
             self._warn_approximation_transpose_weight()
         omega = input_factor(
-            module,
-            module.input0,
+            layer,
+            x,
             kfac_approx=self.kfac_approx,
             memory_budget=self.memory_budget,
             spec=spec,
         )
         return [a, omega]
+
+
+def _group_average(module: nn.Module, x: Tensor) -> tuple[nn.Module, Tensor]:
+    """A grouped convolution's input averaged over its ``G`` groups, ``[N, C_in/G, *S]``,
+    and a shallow copy of the layer with ``groups = 1`` and ``C_in/G`` input channels
+    (its geometry; the parameters are the layer's, not used): the input factor of
+    ``kron_groups="average"``.
+
+    Raises:
+        NotImplementedError: for a transposed convolution, naming it.
+    """
+    if isinstance(module, nn.modules.conv._ConvTransposeNd):
+        raise NotImplementedError(
+            f"kron_groups='average' on {describe(module)}: a grouped transposed "
+            "convolution has no averaged input factor in memconv; use kron_groups='blocks'"
+        )
+    g = module.groups
+    layer = copy.copy(module)  # the attributes' dict copied, the parameters shared
+    layer.groups, layer.in_channels = 1, module.in_channels // g
+    return layer, x.unflatten(1, (g, -1)).mean(1)
 
 
 class AdaptiveAvgPoolDerivatives(AdaptiveAvgPoolNDDerivatives):
@@ -150,9 +183,71 @@ class HBPBatchNormNd(HBPBaseModule):
 
 
 def _gram(vjps: Tensor) -> Tensor:
-    """``Σᵥₙ jᵥₙ jᵥₙᵀ`` of per-row VJPs ``[V, N, C]``."""
-    rows = vjps.flatten(end_dim=1)
+    """``Σᵥₙ jᵥₙ jᵥₙᵀ`` of per-row VJPs ``[V, N, *P]`` (``P``: the parameter's shape,
+    flattened)."""
+    rows = vjps.flatten(end_dim=1).flatten(start_dim=1)
     return rows.T @ rows
+
+
+class HBPLinearShared(HBPLinear):
+    """KFAC and KFLR on ``nn.Linear`` applied to ``[N, *, C_in]`` (BackPACK's
+    ``HBPLinear`` raises for inputs that are not 2-d; torchvision's ``CNBlock`` applies
+    its Linear layers to the channels-last ``[N, H, W, C]``).
+
+    The factors are those of the equivalent 1×1 convolution (the axes ``*`` are its
+    positions ``T``; :mod:`memconv.conv.kronecker`'s convention): ``A = Σᵥₙ (Σₜ Sᵥₙₜ)
+    (Σₜ Sᵥₙₜ)ᵀ`` (the GGN of the bias, which is also the bias's factor) and ``Ω =
+    (1/N) Σₙₜ xₙₜ xₙₜᵀ`` (``"expand"``) or ``(1/N) Σₙ x̄ₙ x̄ₙᵀ`` with ``x̄ₙ`` the mean
+    over the positions (``"reduce"``). A 2-d input keeps BackPACK's own computation.
+    """
+
+    def __init__(self, kfac_approx: str = "expand"):
+        super().__init__()
+        self.kfac_approx = kfac_approx
+
+    def check_parameters(self, ext, module) -> None:
+        if module.input0.dim() == 2:
+            super().check_parameters(ext, module)
+        elif BackpropStrategy.is_batch_average(ext.get_backprop_strategy()) or (
+            ExpectationApproximation.should_average_param_jac(ext.get_ea_strategy())
+        ):
+            raise NotImplementedError(
+                f"{type(ext).__name__} on {describe(module)} with an input of shape "
+                f"{tuple(module.input0.shape)}: memconv's factors of a Linear layer on "
+                "[N, *, C_in] need the backpropagated square root (KFAC, KFLR) and the "
+                "default ea_strategy"
+            )
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        """``[A, Ω]``: ``[C_out, C_out]`` and ``[C_in, C_in]``."""
+        if module.input0.dim() == 2:
+            return super().weight(ext, module, g_inp, g_out, backproped)
+        self.check_parameters(ext, module)
+        x = module.input0
+        if self.kfac_approx == "reduce":
+            x = x.flatten(1, -2).mean(1)
+        rows = x.reshape(-1, x.shape[-1])
+        return [self._output_factor(backproped), rows.T @ rows / x.shape[0]]
+
+    def bias(self, ext, module, g_inp, g_out, backproped):
+        """``[A]``, ``[C_out, C_out]``."""
+        if module.input0.dim() == 2:
+            return super().bias(ext, module, g_inp, g_out, backproped)
+        self.check_parameters(ext, module)
+        return [self._output_factor(backproped)]
+
+    @staticmethod
+    def _output_factor(backproped: Tensor) -> Tensor:
+        """``Σᵥₙ (Σₜ Sᵥₙₜ)(Σₜ Sᵥₙₜ)ᵀ`` from ``S [V, N, *, C_out]``."""
+        return _gram(backproped.flatten(2, -2).sum(2))
+
+
+class HBPPermute(HBPBaseModule):
+    """KFAC and KFLR through BackPACK's converter's ``Permute`` module (which its
+    Kronecker extensions lack): BackPACK's own ``PermuteDerivatives``."""
+
+    def __init__(self):
+        super().__init__(derivatives=PermuteDerivatives())
 
 
 class HBPAdaptiveAvgPoolNd(HBPBaseModule):
@@ -163,7 +258,9 @@ class HBPAdaptiveAvgPoolNd(HBPBaseModule):
         super().__init__(derivatives=AdaptiveAvgPoolDerivatives(N=dims))
 
 
-def module_extension(ext, module_class, *, kfac_approx: str = "expand", memory_budget=None):
+def module_extension(
+    ext, module_class, *, kfac_approx: str = "expand", memory_budget=None, kron_groups="blocks"
+):
     """memconv's module extension of a BackPACK KFAC/KFLR/KFRA object for a layer class.
 
     Args:
@@ -171,11 +268,21 @@ def module_extension(ext, module_class, *, kfac_approx: str = "expand", memory_b
         module_class: a layer class: ``torch.nn.Conv1d/2d/3d``,
             ``ConvTranspose1d/2d/3d`` or a subclass (memconv's),
             ``AdaptiveAvgPool1d/2d/3d``, or ``BatchNorm1d/2d/3d`` (KFAC and KFLR; in
-            eval mode). :data:`OTHER_LAYERS` lists the classes besides convolutions.
+            eval mode), ``nn.Linear`` (KFAC and KFLR; on ``[N, *, C_in]`` as well as
+            ``[N, C_in]``) or BackPACK's converter's ``Permute`` (KFAC and KFLR).
+            :data:`OTHER_LAYERS` lists the classes besides convolutions and Linear.
         kfac_approx: the input factor, ``"expand"`` (BackPACK's) or ``"reduce"``
             (KFAC-reduce); see :mod:`memconv.conv.kronecker`.
         memory_budget: bytes the input factor's offset chunks may hold (None: the
             size of the padded layer input).
+        kron_groups: a grouped convolution's weight factors (``groups = G > 1``):
+            ``"blocks"`` (memconv's convention, one product per group: ``A [G,
+            C_out/G, C_out/G]``, ``Ω [G, C_in/G·K, C_in/G·K]``) or ``"average"`` (one
+            product, BackPACK's 2-d shapes: ``A [C_out, C_out]`` the full output
+            factor and ``Ω [C_in/G·K, C_in/G·K]`` the input factor of the input
+            averaged over the groups, curvlinops' ``KFACLinearOperator`` convention;
+            what laplace-torch's ``Kron`` holds). Convolutions only (a grouped
+            transposed convolution raises with ``"average"``).
 
     Returns:
         The module extension, or None when ``ext`` is not a ``KFAC``, ``KFLR`` or
@@ -186,17 +293,24 @@ def module_extension(ext, module_class, *, kfac_approx: str = "expand", memory_b
         TypeError: for a budget that is not an int.
     """
     check_choice(kfac_approx, KFAC_APPROXIMATIONS, "kfac_approx", none=False)
+    check_choice(kron_groups, KRON_GROUPS, "kron_groups", none=False)
     check_budget(memory_budget, available=False, where="module_extension")
     if not isinstance(ext, KRONECKER) or not isinstance(module_class, type):
         return None
     for pool, dims in _POOLS.items():
         if issubclass(module_class, pool):
             return HBPAdaptiveAvgPoolNd(dims)
+    if issubclass(module_class, Permute):
+        # KFRA backpropagates a batch average, which Permute's derivatives lack
+        return None if isinstance(ext, KFRA) else HBPPermute()
+    if issubclass(module_class, nn.Linear):
+        # KFRA: BackPACK's own (2-d inputs only)
+        return None if isinstance(ext, KFRA) else _tied(HBPLinearShared)(kfac_approx)
     if issubclass(module_class, nn.modules.batchnorm._BatchNorm):
         # KFRA backpropagates a batch average, which BatchNorm's derivatives lack
         return None if isinstance(ext, KFRA) else _tied(HBPBatchNormNd)()
     for conv, (base, dims) in _CONVS.items():
         if issubclass(module_class, conv):
             cls = _tied(type(base.__name__, (_KroneckerWeight, base), {"__module__": __name__}))
-            return cls(dims, DERIVATIVES[conv], kfac_approx, memory_budget)
+            return cls(dims, DERIVATIVES[conv], kfac_approx, memory_budget, kron_groups)
     return None

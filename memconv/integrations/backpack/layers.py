@@ -97,7 +97,14 @@ class LayerScale2d(nn.Module):
     """timm's ``LayerScale2d``: ``x · gamma`` per channel of ``[N, C, *S]``.
 
     Args:
-        gamma: the scale ``[C]`` (the model's own parameter, shared).
+        gamma: the scale, the model's own parameter (shared): ``[C]`` (timm's
+            ``gamma``, reshaped to ``[1, C, 1, …]`` in its block's ``forward``) or
+            ``[C, 1, …, 1]`` with one 1 per spatial axis (torchvision's ``CNBlock``
+            multiplies its ``layer_scale [C, 1, 1]`` by ``[N, C, H, W]`` directly).
+
+    Raises:
+        ValueError: in ``forward``, for a ``[C, 1, …, 1]`` scale whose rank is not the
+            input's less one (its broadcast would not be per channel).
     """
 
     def __init__(self, gamma: nn.Parameter):
@@ -105,6 +112,11 @@ class LayerScale2d(nn.Module):
         self.gamma = gamma
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gamma.dim() > 1 and self.gamma.dim() != x.dim() - 1:
+            raise ValueError(
+                f"LayerScale2d: a scale of shape {tuple(self.gamma.shape)} on an input of "
+                f"shape {tuple(x.shape)} is not a per-channel scale"
+            )
         return x * self.gamma.reshape(1, -1, *([1] * (x.dim() - 2)))
 
 
@@ -163,7 +175,54 @@ class LayerScale2dDerivatives(BaseParameterDerivatives):
 
     def _gamma_jac_t_mat_prod(self, module, g_inp, g_out, mat, sum_batch=True, subsampling=None):
         x = subsample(module.input0, subsampling=subsampling)
-        return _spatial_sum(mat * x, sum_batch)
+        vjp = _spatial_sum(mat * x, sum_batch)  # [V, (N,) C]
+        return vjp.reshape(*vjp.shape[:-1], *module.gamma.shape)
+
+
+class LayerNormDerivatives(BaseParameterDerivatives):
+    """Derivatives of ``nn.LayerNorm`` (Ba et al. 2016) on ``[N, *, *D]``, normalising
+    over its ``normalized_shape`` ``D`` (the trailing axes; torchvision's ``CNBlock``
+    applies it to the channels-last ``[N, H, W, C]``).
+
+    With ``x̂ = (x − μ)/σ`` over ``D`` and ``ĝ = g · weight``, the input VJP is
+    ``(ĝ − mean_D ĝ − x̂ · mean_D(ĝ x̂)) / σ``; the weight VJP is ``Σ_* g x̂`` and the
+    bias VJP ``Σ_* g`` per sample (``*``: the axes between N and D).
+    """
+
+    def hessian_is_zero(self, module) -> bool:
+        return False
+
+    def hessian_is_diagonal(self, module) -> bool:
+        return False
+
+    @staticmethod
+    def _normalised(module, subsampling=None):
+        x = subsample(module.input0, subsampling=subsampling)
+        dims = tuple(range(x.dim() - len(module.normalized_shape), x.dim()))
+        mean = x.mean(dims, keepdim=True)
+        var = x.var(dims, unbiased=False, keepdim=True)
+        sigma = (var + module.eps).sqrt()
+        return (x - mean) / sigma, sigma
+
+    def _jac_t_mat_prod(self, module, g_inp, g_out, mat, subsampling=None):
+        xhat, sigma = self._normalised(module, subsampling)
+        dims = tuple(range(mat.dim() - len(module.normalized_shape), mat.dim()))
+        g = mat if module.weight is None else mat * module.weight
+        inner = g.mean(dims, keepdim=True) + xhat * (g * xhat).mean(dims, keepdim=True)
+        return (g - inner) / sigma
+
+    @staticmethod
+    def _shared_sum(module, t: Tensor, sum_batch: bool) -> Tensor:
+        """``[V, N, *, *D]`` summed over ``*`` (and ``N`` if ``sum_batch``)."""
+        dims = tuple(range(1 if sum_batch else 2, t.dim() - len(module.normalized_shape)))
+        return t.sum(dims) if dims else t
+
+    def _weight_jac_t_mat_prod(self, module, g_inp, g_out, mat, sum_batch=True, subsampling=None):
+        xhat, _ = self._normalised(module, subsampling)
+        return self._shared_sum(module, mat * xhat, sum_batch)
+
+    def _bias_jac_t_mat_prod(self, module, g_inp, g_out, mat, sum_batch=True, subsampling=None):
+        return self._shared_sum(module, mat, sum_batch)
 
 
 def _channels(p: Tensor, dims: int) -> Tensor:
@@ -204,12 +263,19 @@ class GELUDerivatives(ElementwiseDerivatives):
         return self._derivatives(module, module.input0, 2)
 
 
-#: The parameters of each layer class here.
-PARAMS = {LayerNorm2d: ["bias", "weight"], LayerScale2d: ["gamma"], nn.GELU: []}
+#: The parameters of each layer class here (``LayerNorm2d`` before ``nn.LayerNorm``,
+#: its base class: :func:`module_extension` takes the first class that matches).
+PARAMS = {
+    LayerNorm2d: ["bias", "weight"],
+    LayerScale2d: ["gamma"],
+    nn.GELU: [],
+    nn.LayerNorm: ["bias", "weight"],
+}
 DERIVATIVES = {
     LayerNorm2d: LayerNorm2dDerivatives,
     LayerScale2d: LayerScale2dDerivatives,
     nn.GELU: GELUDerivatives,
+    nn.LayerNorm: LayerNormDerivatives,
 }
 #: The layer classes :func:`module_extension` covers (``nn.Identity``: for
 #: ``{Batch}DiagHessian`` only, which BackPACK's lack).
@@ -297,7 +363,7 @@ def module_extension(ext, module_class):
     if isinstance(ext, (SqrtGGNExact, SqrtGGNMC)):
         return SqrtGGNBaseModule(d, params=params)
     if isinstance(ext, (DiagHessian, BatchDiagHessian)):
-        if cls is LayerNorm2d:  # nonlinear, its Hessian not diagonal
+        if cls in (LayerNorm2d, nn.LayerNorm):  # nonlinear, its Hessian not diagonal
             return _Refused(
                 "the Hessian of a layer norm's output with respect to its input is not "
                 "diagonal, which BackPACK's Hessian backpropagation requires",
