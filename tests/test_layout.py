@@ -2,7 +2,7 @@
 
 The order (docs/design.md, "Layout"):
 
-0. ``_version``, ``_checks``, ``_torch``, ``_trace``: nothing else of memconv;
+0. ``_version``, ``_checks``, ``_torch``: nothing of memconv;
 1. ``strategies/``: one convolution's weight-VJP algorithms and their normal form;
 2. ``conv/``: one convolution under ``save_memory``/``per_sample``;
 3. ``layers/``: one layer (its rule), one operation (its binder);
@@ -29,7 +29,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "memconv"
 
 #: The parts of memconv in their order; a part imports only itself and earlier parts.
 LEVELS = (
-    ("_version", "_checks", "_torch", "_trace"),
+    ("_version", "_checks", "_torch"),
     ("strategies",),
     ("conv",),
     ("layers",),

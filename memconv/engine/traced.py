@@ -35,13 +35,15 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
-from .._torch import make_fx_real, tree_flatten, tree_unflatten
-from .._trace import (
+from .._torch import (
     NotTraceable,
     check_constants,
     check_hooks,
     check_random,
     first_line,
+    make_fx_real,
+    tree_flatten,
+    tree_unflatten,
 )
 from .probes import ProbeMismatch
 from .request import Batch

@@ -24,7 +24,7 @@ and ``save_memory`` settings.
 
 Exactness: a graph records the very operations the eager tile runs; float64 results
 equal the eager ones to rounding. What a trace cannot keep is refused with a warning
-naming it, and those tiles run eagerly (:mod:`memconv._trace`): hooks on the trunk's
+naming it, and those tiles run eagerly (:mod:`memconv._torch`'s trace checks): hooks on the trunk's
 modules, a tensor read from outside the trunk, random operations, a compiler error.
 """
 
@@ -38,8 +38,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .._torch import compile_graph, make_fx_real
-from .._trace import NotTraceable, check_constants, check_hooks, check_random, first_line
+from .._torch import (
+    NotTraceable,
+    check_constants,
+    check_hooks,
+    check_random,
+    compile_graph,
+    first_line,
+    make_fx_real,
+)
 from .passes import TileRunner
 from .tileio import DIRECT, RecordIO, ReplayIO, TileRecord
 
