@@ -2,7 +2,8 @@
 
 memconv reads a few things torch does not promise to keep: autograd nodes' sequence
 numbers, a tensor's view and version state and its storage address, the saved inputs
-of a node, the module hook dictionaries, and pytree. Each is read here and only here,
+of a node, the module hook dictionaries, pytree, and ``make_fx``'s traces (with the
+checks of what a trace cannot keep). Each is read here and only here,
 so that a torch release that moves one touches this file alone; every function says
 what it stands for in torch's public terms.
 """
