@@ -265,17 +265,39 @@ def compile_graph(graph, example_inputs: list, backend):
     """``graph`` (a ``torch.fx.GraphModule`` of ATen operations, as :func:`make_fx_real`
     makes) compiled by ``backend`` directly, as Dynamo hands its graphs to a backend
     (``backend(graph, example_inputs)``; a name is looked up in Dynamo's registry),
-    without Dynamo re-reading the graph's Python: a callable ``compiled(*tensors)``.
+    without Dynamo re-reading the graph's Python: no guard, graph break or
+    recompilation. Returns a callable ``compiled(*tensors) -> list``, which compiles at
+    its first call (the trace's own call runs the graph as recorded).
 
-    The compiled code is specialised to the example inputs' shapes, strides and dtypes
-    (inductor asserts them at each call); the caller keeps one per such signature."""
-    from torch._dynamo.backends.registry import lookup_backend
+    The compiled code is specialised to the example inputs' shapes, strides, dtypes and
+    devices (inductor asserts them at each call): the caller keeps one per such
+    signature. The graph's parameters and buffers (``make_fx`` registers the model's
+    tensors it reads as such) are lifted to inputs by AOT Autograd, so in-place updates
+    of them between calls are read."""
+    return _LazyCompiled(graph, example_inputs, backend)
 
-    if type(graph.graph._codegen) is not torch.fx.graph.CodeGen:  # make_fx's pytree one
-        graph.graph._codegen = torch.fx.graph.CodeGen()
-        graph.recompile()
-    compiler = lookup_backend(backend) if isinstance(backend, str) else backend
-    return compiler(graph, list(example_inputs))
+
+class _LazyCompiled:
+    def __init__(self, graph, example_inputs: list, backend):
+        self.graph, self.backend, self.fn = graph, backend, None
+        self.example = [  # the inputs' layout, not their values (nothing kept alive)
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            for t in example_inputs
+        ]
+
+    def __call__(self, *tensors):
+        if self.fn is None:
+            from torch._dynamo.backends.registry import lookup_backend
+
+            graph = self.graph
+            if type(graph.graph._codegen) is not torch.fx.graph.CodeGen:  # make_fx's pytree one
+                graph.graph._codegen = torch.fx.graph.CodeGen()
+                graph.recompile()
+            backend = self.backend
+            compiler = lookup_backend(backend) if isinstance(backend, str) else backend
+            self.fn = compiler(graph, self.example)
+            self.example = None
+        return self.fn(*tensors)
 
 
 def assert_on_device(flag: Tensor, message: str) -> None:

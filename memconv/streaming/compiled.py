@@ -85,26 +85,6 @@ class TileGraph:
         return _split(outputs, self.present)
 
 
-class _Lazy:
-    """``graph`` compiled by ``backend`` at its first call (:func:`memconv._torch.
-    compile_graph`): the trace's call runs the graph as recorded, the compilation waits
-    for the next tile of the kind."""
-
-    def __init__(self, graph: nn.Module, example: list[Tensor], backend):
-        self.graph, self.backend = graph, backend
-        self.example = [
-            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            for t in example
-        ]
-        self.fn = None
-
-    def __call__(self, *tensors):
-        if self.fn is None:
-            self.fn = compile_graph(self.graph, self.example, self.backend)
-            self.example = None
-        return self.fn(*tensors)
-
-
 def _split(outputs: list, present: list[bool]) -> tuple[list, list[Tensor]]:
     it = iter(outputs)
     results = [next(it) if p else None for p in present]
@@ -211,7 +191,7 @@ class CompiledTiles:
         self.traces += 1
         check_constants(graph, self.module)
         check_random(graph)
-        compiled = _Lazy(graph, list(reads), self.backend)
+        compiled = compile_graph(graph, list(reads), self.backend)
         present = [t is not None for t in held["results"]]
         logger.info(
             "memconv: traced a %s tile of %s (%d nodes, %.2f s)",
