@@ -81,7 +81,7 @@ ROWS = (SqrtGGNExact, SqrtGGNMC)
 #: the extension. At 1, All-CNN-C's V = 100 factor (batch 8) ran in 100 chunks of one
 #: row, each a replay of every layer with weight VJPs of one row per sample: 1.2-1.5×
 #: BackPACK's time. At 4, 34 chunks of 3 rows, two Gram layers kept: below BackPACK's
-#: time at 0.15× its peak RSS increase (measured in docs/backpack.md).
+#: time at 0.14× its peak RSS increase (measured in docs/backpack.md).
 LEAN_FACTOR = 4.0
 #: The least lean budget (bytes): below it, chunks would save less than the
 #: interpreter's own footprint and cost one replay of every module extension each.
