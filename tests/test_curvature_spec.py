@@ -167,12 +167,14 @@ def test_one_reading_per_layer_call(spec_counts, ext_cls, convert):
 def test_one_reading_per_replayed_call(spec_counts, ext_cls):
     """Over chunks of the factor's rows (``memory_budget`` of one row: V = 6 chunks)
     the module extension is called once per chunk after the backward pass, and each
-    call reads the geometry once: 6 per layer. This is the minimum without a cache:
-    BackPACK's module-extension call passes nothing but the module, and keeping the
-    spec between the replayed calls would be state keyed on the module, which could go
-    stale if the module changed between calls."""
+    call reads the geometry once: 6 per layer, and the diagonals' replay plan once more
+    per layer (whether its diagonal over all rows takes the Gram route). This is the
+    minimum without a cache: BackPACK's module-extension call passes nothing but the
+    module, and keeping the spec between the replayed calls would be state keyed on the
+    module, which could go stale if the module changed between calls."""
     model, got = _run(ext_cls(), spec_counts, memory_budget=1)
-    assert [spec_counts[id(m)] for m in _convs(model)] == [CLASSES] * 3
+    plan = 0 if ext_cls is E.SqrtGGNExact else 1
+    assert [spec_counts[id(m)] for m in _convs(model)] == [CLASSES + plan] * 3
     _, one_pass = _run(ext_cls())
     _equal(got, one_pass)
 

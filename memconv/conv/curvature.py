@@ -43,9 +43,29 @@ from .settings import Settings
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 
+def even_chunks(total: int, most: int) -> list[tuple[int, int]]:
+    """The fewest chunks ``(start, stop)`` of ``range(total)`` of at most ``most``
+    items each, their sizes differing by at most one.
+
+    Fewest: the time of a chunk of rows is a fixed part (its operations, each priced
+    ``per_op`` by :mod:`memconv.strategies.costs`) plus a part per row, so a split into
+    more chunks is predicted slower. Even: of the splits into that many chunks, none
+    leaves a last chunk of a few rows, whose operations would each do little work (a
+    weight VJP of one row per sample folds ``C_out`` channels, not ``cv·C_out``: the
+    strategies' predicted time per row falls with the rows folded).
+
+    Args:
+        total: the items (rows, samples), >= 0.
+        most: the most items of a chunk, >= 1.
+    """
+    count = -(-total // max(1, most))
+    return [(i * total // count, (i + 1) * total // count) for i in range(count)]
+
+
 def row_chunks(v: int, n: int, row_bytes: int, memory_budget: int | None):
     """Chunks ``(v0, v1, n0, n1)`` of the ``V·N`` rows: whole samples' blocks of ``V``
-    first, each chunk's rows costing at most ``memory_budget`` bytes (at least one row).
+    first, each chunk's rows costing at most ``memory_budget`` bytes (at least one row),
+    the fewest such chunks, of even sizes (:func:`even_chunks`).
 
     Args:
         v: V, the rows per sample.
@@ -56,9 +76,8 @@ def row_chunks(v: int, n: int, row_bytes: int, memory_budget: int | None):
     budget = DEFAULT_CHUNK_BYTES if memory_budget is None else memory_budget
     rows = max(1, budget // max(row_bytes, 1))
     if rows >= n:
-        step_v = max(1, min(v, rows // n))
-        return [(v0, min(v, v0 + step_v), 0, n) for v0 in range(0, v, step_v)]
-    return [(v0, v0 + 1, n0, min(n, n0 + rows)) for v0 in range(v) for n0 in range(0, n, rows)]
+        return [(v0, v1, 0, n) for v0, v1 in even_chunks(v, rows // n)]
+    return [(v0, v0 + 1, n0, n1) for v0 in range(v) for n0, n1 in even_chunks(n, rows)]
 
 
 def _row_bytes(spec: ConvSpec, input: Tensor, s: Tensor, copies: int) -> int:
@@ -171,31 +190,73 @@ def diagonal_route(
     return "gram" if costs.gram < costs.rows and costs.gram_sample_bytes <= budget else "rows"
 
 
-def _gram_diagonal(
-    module, input: Tensor, s: Tensor, memory_budget, per_sample: bool, *, spec: ConvSpec
-) -> Tensor:
-    """The diagonal by the Gram route (see :func:`weight_diagonal`), samples in chunks."""
-    p = patches(module, input.to(s.dtype), spec=spec)
+def gram_factor(s: Tensor) -> Tensor:
+    """The Gram route's ``Aₙ[o] = Σ_v S[v, n, o] S[v, n, o]ᵀ`` of a factor's rows.
+
+    Linear in the rows: the ``A`` of a factor whose rows come in chunks is the sum of
+    the chunks' (how :mod:`memconv.integrations.backpack.chunking` keeps a layer on the
+    Gram route whatever its chunks' size), and :func:`gram_diagonal` of it is the
+    diagonal of all the rows.
+
+    Args:
+        s: the factorisation ``[V, N, C_out, *T]``.
+
+    Returns:
+        ``[N, C_out, T, T]`` (T: the output positions, flattened), in ``s``'s dtype.
+    """
     v, n, c_out = s.shape[:3]
     t = math.prod(s.shape[3:])
+    rows = s.reshape(v, n, c_out, t).permute(1, 2, 0, 3)  # [n, o, v, t]
+    return rows.transpose(-1, -2) @ rows
+
+
+def gram_bytes(s: Tensor) -> int:
+    """Bytes of the ``A`` of :func:`gram_factor` for a factor shaped as ``s`` (any
+    ``V``; a tensor on the ``"meta"`` device will do): ``N·C_out·T²`` numbers of
+    ``s``'s dtype."""
+    n, c_out = s.shape[1:3]
+    t = math.prod(s.shape[3:])
+    return n * c_out * t * t * s.element_size()
+
+
+def gram_diagonal(
+    module, input: Tensor, a: Tensor, memory_budget, per_sample: bool, *, spec=None
+) -> Tensor:
+    """The weight diagonal from an ``A`` of :func:`gram_factor` (the Gram route's
+    products with the patches' outer products), samples in chunks under
+    ``memory_budget`` (bytes; None: :data:`DEFAULT_CHUNK_BYTES`).
+
+    Args:
+        module: ``Conv*d`` or ``ConvTranspose*d``.
+        input: the layer's input ``[N, C_in, *S]``.
+        a: ``[N, C_out, T, T]``, from :func:`gram_factor` (summed over chunks of rows).
+        memory_budget: bytes of one chunk of samples' patch products.
+        per_sample: ``[N, *weight.shape]`` if True, else ``weight.shape``.
+        spec: as :func:`weight_diagonal`.
+
+    Returns:
+        The diagonal, in ``a``'s dtype.
+    """
+    spec = spec_of(module, spec)
+    p = patches(module, input.to(a.dtype), spec=spec)
+    n, c_out, t = a.shape[:3]
     g = p.groups
     c_in = p.source.shape[1]
     o_g, i_g = c_out // g, c_in // g
     shape = module.weight.shape
-    out = s.new_zeros((n, *shape) if per_sample else shape)
+    out = a.new_zeros((n, *shape) if per_sample else shape)
     budget = DEFAULT_CHUNK_BYTES if memory_budget is None else memory_budget
-    step = max(1, budget // max(diagonal_costs(module, input, s, spec=spec).gram_sample_bytes, 1))
+    sample_bytes = (c_out + c_in) * t * t * a.element_size()
+    step = max(1, budget // max(sample_bytes, 1))
     transposed = spec.transposed
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
-        rows = s[:, n0:n1].reshape(v, n1 - n0, c_out, t).permute(1, 2, 0, 3)  # [n, o, v, t]
-        a = rows.transpose(-1, -2) @ rows  # [n, o, t, t]: Σ_v S Sᵀ
-        a = a.reshape(n1 - n0, g, o_g, t * t)
-        diag = s.new_empty(n1 - n0, g, o_g, i_g, len(p.offsets))
+        a_chunk = a[n0:n1].reshape(n1 - n0, g, o_g, t * t)
+        diag = a.new_empty(n1 - n0, g, o_g, i_g, len(p.offsets))
         for k, offset in enumerate(p.offsets):
             x = p.view(offset)[n0:n1].reshape(n1 - n0, g, i_g, t)
             b = (x[..., :, None] * x[..., None, :]).reshape(n1 - n0, g, i_g, t * t)
-            diag[..., k] = a @ b.transpose(-1, -2)  # [n, g, o, i]
+            diag[..., k] = a_chunk @ b.transpose(-1, -2)  # [n, g, o, i]
         if transposed:  # weight [C_in, C_out/G, *k]
             diag = diag.transpose(2, 3)
         diag = diag.reshape(n1 - n0, *shape)
@@ -203,6 +264,27 @@ def _gram_diagonal(
             out[n0:n1] = diag
         else:
             out += diag.sum(0)
+    return out
+
+
+def _gram_diagonal(
+    module, input: Tensor, s: Tensor, memory_budget, per_sample: bool, *, spec: ConvSpec
+) -> Tensor:
+    """The diagonal by the Gram route (see :func:`weight_diagonal`), samples in chunks."""
+    n = s.shape[1]
+    shape = module.weight.shape
+    out = s.new_zeros((n, *shape) if per_sample else shape)
+    budget = DEFAULT_CHUNK_BYTES if memory_budget is None else memory_budget
+    step = max(1, budget // max(diagonal_costs(module, input, s, spec=spec).gram_sample_bytes, 1))
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        diag = gram_diagonal(
+            module, input[n0:n1], gram_factor(s[:, n0:n1]), memory_budget, per_sample, spec=spec
+        )
+        if per_sample:
+            out[n0:n1] = diag
+        else:
+            out += diag
     return out
 
 
@@ -262,11 +344,13 @@ def weight_diagonal(
     out = s.new_zeros((n, *shape) if per_sample else shape)
     row_bytes = _row_bytes(spec, input, s, copies=2)
     for chunk in row_chunks(v, n, row_bytes, settings.options.memory_budget):
-        squares = _row_vjps(module, input, s, settings, chunk, spec=spec).square().sum(1)
+        # squared in place: the chunk's rows are a temporary of this loop (no second
+        # tensor of V·N·|W| numbers to allocate and fault in)
+        squares = _row_vjps(module, input, s, settings, chunk, spec=spec).square_()
         if per_sample:
-            out[chunk[2] : chunk[3]] += squares
+            out[chunk[2] : chunk[3]] += squares.sum(1)
         else:
-            out += squares.sum(0)
+            out += squares.sum((0, 1))
     return out
 
 

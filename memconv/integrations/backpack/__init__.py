@@ -118,9 +118,11 @@ def install(*exts, memory_budget=LEAN, model=None, kron_groups="blocks"):
             backward pass runs over chunks of the factor's ``V`` rows that fit it
             (:mod:`memconv.integrations.backpack.chunking`; the ``"memconv"`` logger
             says how many chunks at INFO level), so the peak does not grow with the
-            model's outputs. ``"lean"`` (the default): the bytes of the layer inputs
-            and outputs the forward pass stored (the activations), at least 16 MiB,
-            derived per backward pass; a positive int: bytes; None: one pass, the whole factor
+            model's outputs; within it the chunks (and the Gram factors kept over
+            them) are those predicted fastest. ``"lean"`` (the default): 4× the
+            bytes of the layer inputs and outputs the forward pass stored (the
+            activations; ``chunking.LEAN_FACTOR``), at least 16 MiB, derived per
+            backward pass; a positive int: bytes; None: one pass, the whole factor
             kept, as BackPACK. Not used by the other extensions; a budget in bytes
             given for ``{Batch}DiagHessian`` or ``KFLR``, whose factors have ``V``
             rows too but are not chunked, warns that it is not honoured.
