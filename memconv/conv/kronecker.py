@@ -53,6 +53,7 @@ wrap around (BackPACK's unfold pads with zeros).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import warnings
@@ -66,9 +67,11 @@ from .._checks import (
     KFAC_APPROXIMATIONS,
     check_budget,
     check_choice,
+    check_chunks,
     check_conv_input,
     check_conv_module,
 )
+from ..strategies.costs import operations_time, time_coefficients
 from ..strategies.geometry import ConvSpec, conv_spec, span, spec_of, torch_pad_argument
 
 
@@ -178,9 +181,17 @@ def input_factor(
     *,
     kfac_approx: str = "expand",
     memory_budget: int | None = None,
+    chunks: int | None = None,
     spec: ConvSpec | None = None,
 ) -> Tensor:
     """The input factor Ω of a convolution's Kronecker-factored curvature, no unfold.
+
+    ``"expand"`` copies the patches of every kernel offset into one slab ``[G, K·Cg,
+    M]`` at a time (one strided copy of the padded input; M positions of a chunk of
+    samples) and takes Σ z zᵀ in ``chunks`` products per slab: the row block of
+    offsets ``[a, b)`` times the rows of offsets ``a`` to K, ``(c+1)/c`` times the
+    multiply-adds of Ω's symmetric half (:class:`FactorPlan`, :func:`expand_plan`).
+    Besides the slab it holds Ω twice (the accumulator and the result).
 
     Args:
         module: a ``torch.nn.Conv1d/2d/3d`` or ``ConvTranspose1d/2d/3d`` (or a
@@ -189,10 +200,20 @@ def input_factor(
             has its dtype).
         kfac_approx: ``"expand"`` (KFAC, BackPACK's KFAC/KFLR/KFRA input factor) or
             ``"reduce"`` (KFAC-reduce); see the module's docstring.
-        memory_budget: bytes the two chunks of patches held at once may take (``m``
-            offsets of every sample, ``N·C_in·m·T`` numbers each, where two offsets
-            fit; else one offset of a chunk of samples); None: the size of the padded
-            input. Below two offsets' patches of one sample it warns and holds those.
+        memory_budget: bytes the slab of patches held at once may take: every kernel
+            offset's patches of a chunk of samples (``C_in·K·T`` numbers a sample),
+            or, where one sample's exceed it, of a chunk of output rows (the first
+            spatial axis of T) of one sample; None: :data:`DEFAULT_BUDGET_INPUTS` (4)
+            times the padded input's bytes (at stride 1 about the patches of 4
+            offsets of every sample), at least one sample's patches. Below one
+            output row's patches of one sample it warns and holds those.
+            ``"reduce"`` holds no slab (it sums over the positions of the window
+            view) and ignores it.
+        chunks: c, the products per slab, 1 to K (``"expand"`` only); None: the c of
+            least predicted time, ``per_flop · multiply-adds + per_op · operations``
+            priced by the input's device type (:mod:`memconv.strategies.costs`,
+            the ``"ghost-offsets"`` products' ``per_flop``): on a CPU, where
+            arithmetic dominates, up to K; on a launch-bound GPU a few.
         spec: the layer's :func:`memconv.strategies.geometry.conv_spec`, read by the
             caller in the same call (BackPACK's module extension reads it once per
             layer call); None: read here.
@@ -202,87 +223,287 @@ def input_factor(
         ``groups = G > 1`` (one block per group). Symmetric.
 
     Warns:
-        UserWarning: ``memory_budget`` below two kernel offsets' patches (before the
-            products).
+        UserWarning: ``memory_budget`` below one output row's patches of one sample
+            (before the products).
 
     Raises:
-        TypeError: if ``module`` is not a convolution or ``memory_budget`` is not an int.
-        ValueError: for an unknown ``kfac_approx``, a non-positive budget or an
-            input that does not fit the layer.
+        TypeError: if ``module`` is not a convolution, ``memory_budget`` or
+            ``chunks`` not an int.
+        ValueError: for an unknown ``kfac_approx``, a non-positive budget, ``chunks``
+            outside 1..K or given with ``"reduce"``, or an input that does not fit
+            the layer.
     """
     check_choice(kfac_approx, KFAC_APPROXIMATIONS, "kfac_approx", none=False)
     check_budget(memory_budget, available=False, where="input_factor")
+    if chunks is not None and kfac_approx == "reduce":
+        raise ValueError("input_factor: chunks applies to kfac_approx='expand' only")
     p = patches(module, input, spec=spec)
-    factor = _reduce_factor(p) if kfac_approx == "reduce" else _expand_factor(p, memory_budget)
+    check_chunks(chunks, math.prod(p.kernel_size))
+    if kfac_approx == "reduce":
+        factor = _reduce_factor(p)
+    else:
+        factor = _expand_factor(p, memory_budget, chunks)
     return factor[0] if p.groups == 1 else factor
 
 
-def _expand_factor(p: Patches, memory_budget: int | None) -> Tensor:
-    """Ω = (1/N) Σₙₜ ⟦x⟧ ⟦x⟧ᵀ per group, ``[G, Cg·K, Cg·K]``, by offset-chunk products.
+#: The default ``memory_budget`` of :func:`input_factor`, in multiples of the bytes of
+#: the padded input: at stride 1, about the patches of this many kernel offsets.
+DEFAULT_BUDGET_INPUTS = 4
 
-    Two chunks of offsets' patches are held at a time, within the budget: several
-    offsets of every sample where two offsets fit, else one offset of a chunk of
-    samples (the products summed over the sample chunks).
+
+@dataclass(frozen=True)
+class FactorPlan:
+    """How :func:`input_factor` takes KFAC's (expand) input factor of one layer.
+
+    The patches of every kernel offset ``[G, K·Cg, M]`` (rows offset-major, M
+    positions of some samples) are copied into one *slab* at a time, by one strided
+    copy; each slab's rows are cut into ``chunks`` row blocks of about K/c offsets,
+    and the block of offsets ``[a, b)`` is multiplied by the rows of offsets ``a`` to
+    K in ONE product: ``c`` products per slab compute the block upper triangle of Ω,
+    ``(c+1)/c`` times the multiply-adds of its symmetric half (the diagonal blocks
+    whole). The slabs are chunks of samples, or of output rows (the first output axis)
+    of one sample where one sample's patches exceed the budget.
+
+    Attributes:
+        samples: samples per slab.
+        rows: output rows (first spatial axis of T) per slab: all of them unless one
+            sample's patches exceed the budget (then ``samples = 1``).
+        chunks: c, the row blocks (products) per slab.
+        slabs: the number of slabs.
+        slab_bytes: the bytes of the largest slab.
+        multiply_adds: of the products, in all.
+        operations: top-level tensor operations predicted for the factor.
     """
+
+    samples: int
+    rows: int
+    chunks: int
+    slabs: int
+    slab_bytes: int
+    multiply_adds: int
+    operations: int
+
+    @property
+    def products(self) -> int:
+        """Matrix products (each a ``bmm`` over the G groups) in all: slabs × chunks."""
+        return self.slabs * self.chunks
+
+
+def expand_plan(
+    module: nn.Module,
+    input: Tensor,
+    *,
+    memory_budget: int | None = None,
+    chunks: int | None = None,
+    spec: ConvSpec | None = None,
+) -> FactorPlan:
+    """The slabs and products :func:`input_factor` (``kfac_approx="expand"``) takes.
+
+    Args:
+        module: a convolution or transposed convolution (as :func:`input_factor`).
+        input: the layer's input ``[N, C_in, *S]`` (its shape, dtype and device).
+        memory_budget: as :func:`input_factor`'s.
+        chunks: c, the products per slab (1 to K); None: the c of least predicted
+            time (see :func:`input_factor`).
+        spec: the layer's :func:`memconv.strategies.geometry.conv_spec`; None: read here.
+
+    Returns:
+        The :class:`FactorPlan`.
+
+    Raises:
+        TypeError, ValueError: as :func:`input_factor`; ``chunks`` not an int in 1..K.
+    """
+    check_budget(memory_budget, available=False, where="expand_plan")
+    p = patches(module, input, spec=spec)
+    return _plan(p, memory_budget, chunks, warn=False)
+
+
+def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool) -> FactorPlan:
+    n, c = p.source.shape[:2]
+    k = math.prod(p.kernel_size)
+    check_chunks(chunks, k)
+    g = p.groups
+    t1, rest = p.output_size[0], math.prod(p.output_size[1:])
+    size = p.source.element_size()
+    per_row = c * k * rest * size  # every offset's patches of one output row of one sample
+    per_sample = per_row * t1
+    if memory_budget is None:
+        budget = max(per_sample, DEFAULT_BUDGET_INPUTS * _nbytes(p.source))
+    else:
+        budget = memory_budget
+    if memory_budget is not None and memory_budget < per_row:
+        if warn:
+            warnings.warn(
+                f"input_factor: memory_budget={memory_budget:,} bytes is below every "
+                f"kernel offset's patches of one output row of one sample ({per_row:,} "
+                "bytes, the least it needs); it holds those; raise the budget to silence "
+                "this",
+                stacklevel=4,
+            )
+    if per_sample <= budget:
+        samples, rows = min(n, budget // per_sample), t1
+        slabs = math.ceil(n / samples)
+    else:
+        samples, rows = 1, max(1, min(t1, budget // per_row))
+        slabs = n * math.ceil(t1 / rows)
+    positions = n * t1 * rest  # M summed over the slabs
+    cg = c // g
+
+    def macs(cc: int) -> int:  # Σ_a m_a (K - s_a) offset pairs, times Cg², G, M
+        bounds = _bounds(k, cc)
+        pairs = sum((b - a) * (k - a) for a, b in zip(bounds, bounds[1:]))
+        return pairs * cg * cg * g * positions
+
+    def operations(cc: int) -> int:  # as _expand_factor and _each_slab issue them
+        # the window views and one copy of each slab
+        views = math.ceil(n / samples) * (samples < n) + slabs * (3 + (rows < t1))
+        if cc == 1 and slabs == 1:
+            return 4 + views + 3 * p.flipped
+        if cc == 1:
+            return 3 + views + 2 * slabs + 3 * p.flipped
+        # the accumulator's blocks; each slab's transpose, row blocks and products;
+        # the mirroring into the weight's order
+        return 3 + cc + views + slabs * (2 * cc + 1) + 12 + p.flipped
+
+    if chunks is None:
+        per_mac = time_coefficients("ghost-offsets", p.source.device.type)[0]
+        chunks = min(
+            range(1, k + 1),
+            key=lambda cc: (
+                per_mac * macs(cc) + operations_time(operations(cc), p.source.device.type)
+            ),
+        )
+    return FactorPlan(
+        samples=samples,
+        rows=rows,
+        chunks=chunks,
+        slabs=slabs,
+        slab_bytes=samples * rows * per_row,
+        multiply_adds=macs(chunks),
+        operations=operations(chunks),
+    )
+
+
+def _bounds(k: int, chunks: int) -> list[int]:
+    """The offsets' boundaries of ``chunks`` row blocks of about K/c offsets each."""
+    return [i * k // chunks for i in range(chunks + 1)]
+
+
+def _windows(p: Patches) -> Tensor:
+    """Every patch as one strided view of the padded input, ``[N, C, *k, *T]``: entry
+    ``[n, c, j, t] = source[n, c, stride·t + dilation·j]`` (offsets unflipped)."""
+    src = p.source
+    spatial = src.stride()[2:]
+    strides = (
+        *src.stride()[:2],
+        *(d * s for d, s in zip(p.dilation, spatial)),
+        *(st * s for st, s in zip(p.stride, spatial)),
+    )
+    shape = (*src.shape[:2], *p.kernel_size, *p.output_size)
+    return src.as_strided(shape, strides, src.storage_offset())
+
+
+def _expand_factor(p: Patches, memory_budget: int | None, chunks: int | None = None) -> Tensor:
+    """Ω = (1/N) Σₙₜ ⟦x⟧ ⟦x⟧ᵀ per group, ``[G, Cg·K, Cg·K]``, in a few large products.
+
+    Each slab (:class:`FactorPlan`) is one strided copy ``z [G, K·Cg, M]`` of the
+    window view. With one product per slab (c = 1) its rows are in the weight's
+    ``(channel, offset)`` order and Σ z zᵀ is Ω. Otherwise they are offset-major: the
+    row block of offsets ``[a, b)`` times the rows of offsets ``a`` to K is one
+    ``baddbmm_`` into the accumulator, whose block upper triangle so holds Σ z zᵀ;
+    its element upper triangle, mirrored, is Ω (offset-major), and the one addition
+    that mirrors it writes the weight's order.
+    """
+    plan = _plan(p, memory_budget, chunks, warn=True)
     n, c = p.source.shape[:2]
     g = p.groups
     cg = c // g
-    offsets = p.offsets
-    k = len(offsets)
-    t = math.prod(p.output_size)
-    per_sample = c * t * p.source.element_size()  # one offset's patches of one sample
-    per_offset = n * per_sample
-    budget = memory_budget if memory_budget is not None else max(per_offset, _nbytes(p.source))
-    if memory_budget is not None and memory_budget < 2 * per_sample:
-        warnings.warn(
-            f"input_factor: memory_budget={memory_budget:,} bytes is below two kernel "
-            f"offsets' patches of one sample ({2 * per_sample:,} bytes, the least it "
-            "needs); it runs one offset of one sample at a time and holds those; raise "
-            "the budget to silence this",
-            stacklevel=3,
-        )
-    m = max(1, min(k, budget // (2 * per_offset)))
-    step = n if 2 * per_offset <= budget else max(1, budget // (2 * per_sample))
-    chunks = [range(i, min(i + m, k)) for i in range(0, k, m)]
-    out = p.source.new_zeros(g, cg, k, cg, k)
-    for n0 in range(0, n, step):
-        samples = range(n0, min(n, n0 + step))
-        for a, rows in enumerate(chunks):
-            za = _slab(p, [offsets[i] for i in rows], g, samples)
-            for cols in chunks[a:]:
-                zb = za if cols is rows else _slab(p, [offsets[i] for i in cols], g, samples)
-                block = torch.bmm(za, zb.transpose(1, 2)).view(g, cg, len(rows), cg, len(cols))
-                out[:, :, rows.start : rows.stop, :, cols.start : cols.stop] += block
-                if cols is not rows:
-                    out[:, :, cols.start : cols.stop, :, rows.start : rows.stop] += block.permute(
-                        0, 3, 4, 1, 2
-                    )
-                del zb, block
-    return out.view(g, cg * k, cg * k).div_(n)
+    dims = len(p.kernel_size)
+    size = math.prod(p.kernel_size) * cg
+    kernel = tuple(range(2, 2 + dims))
+    if plan.chunks == 1:  # [n, G, Cg, *k, *T] -> [G, Cg, *k, n, *T]
+        order = (1, 2, *range(3, 3 + dims), 0, *range(3 + dims, 3 + 2 * dims))
+        if plan.slabs == 1:
+            z = _windows(p).unflatten(1, (g, cg)).permute(order).reshape(g, size, -1)
+            out = torch.bmm(z, z.mT)
+            del z
+        else:
+            out = p.source.new_zeros(g, size, size)
+            _each_slab(p, plan, order, lambda z: out.baddbmm_(z, z.mT))
+        if p.flipped:
+            shape = (g, cg, *p.kernel_size, cg, *p.kernel_size)
+            out = out.view(shape).flip((*kernel, *(i + dims + 1 for i in kernel))).view_as(out)
+        return out.div_(n)
+    bounds = [b * cg for b in _bounds(math.prod(p.kernel_size), plan.chunks)]
+    acc = p.source.new_zeros(g, size, size)
+    targets = [
+        block.narrow(2, a, size - a) for a, block in zip(bounds, acc.split(_sizes(bounds), 1))
+    ]
+    # [n, G, Cg, *k, *T] -> [G, *k, Cg, n, *T]
+    order = (1, *range(3, 3 + dims), 2, 0, *range(3 + dims, 3 + 2 * dims))
+    _each_slab(p, plan, order, functools.partial(_products, bounds=bounds, targets=targets))
+    del targets  # (views of acc)
+    # the block upper triangle holds Σ z zᵀ, its element upper triangle included
+    acc.triu_()
+    acc.diagonal(dim1=1, dim2=2).mul_(0.5)  # counted twice by acc + accᵀ
+    offsets_first = (g, *p.kernel_size, cg, *p.kernel_size, cg)
+    to_weight = (0, dims + 1, *range(1, dims + 1), 2 * dims + 2, *range(dims + 2, 2 * dims + 2))
+    out = acc.new_empty(g, cg, *p.kernel_size, cg, *p.kernel_size)
+    torch.add(
+        acc.view(offsets_first).permute(to_weight),
+        acc.mT.reshape(offsets_first).permute(to_weight),  # (a view: only splits axes)
+        out=out,
+    )
+    del acc
+    if p.flipped:
+        out = out.flip((*kernel, *(i + dims + 1 for i in kernel)))
+    return out.view(g, size, size).div_(n)
 
 
-def _slab(p: Patches, offsets: list[tuple[int, ...]], groups: int, samples: range) -> Tensor:
-    """The patch entries of some offsets for some samples, ``[G, Cg·m, n·T]`` (one copy)."""
-    c = p.source.shape[1]
-    cg = c // groups
-    t = math.prod(p.output_size)
-    size = p.output_size
-    z = p.source.new_empty(groups, cg, len(offsets), len(samples), *size)
-    for j, offset in enumerate(offsets):
-        entries = p.view(offset)[samples.start : samples.stop].unflatten(1, (groups, cg))
-        z[:, :, j].copy_(entries.movedim(0, 2))  # one copy of a view [n, G, Cg, *T]
-    return z.view(groups, cg * len(offsets), len(samples) * t)
+def _each_slab(p: Patches, plan: FactorPlan, order: tuple[int, ...], fn) -> None:
+    """Call ``fn(z)`` on each slab ``z [G, K·Cg, M]`` of the plan, the window view's
+    axes ``[n, G, Cg, *k, *T]`` in ``order`` (one copy each; a slab is freed before
+    the next is made)."""
+    n, c = p.source.shape[:2]
+    g = p.groups
+    dims = len(p.kernel_size)
+    t1 = p.output_size[0]
+    windows = _windows(p)
+    for n0 in range(0, n, plan.samples):
+        samples = windows if plan.samples == n else windows.narrow(0, n0, min(plan.samples, n - n0))
+        for r0 in range(0, t1, plan.rows):
+            part = samples
+            if plan.rows < t1:
+                part = samples.narrow(2 + dims, r0, min(plan.rows, t1 - r0))
+            size = c // g * math.prod(p.kernel_size)
+            fn(part.unflatten(1, (g, c // g)).permute(order).reshape(g, size, -1))
+
+
+def _products(z: Tensor, bounds: list[int], targets: list[Tensor]) -> None:
+    """Add one slab's ``z [G, K·Cg, M]`` row blocks times their suffixes of rows,
+    ``z[:, a:b] z[:, a:]ᵀ``, into ``targets`` (the accumulator's blocks): one product
+    each."""
+    zt = z.mT
+    for a, target, rows in zip(bounds, targets, z.split(_sizes(bounds), 1)):
+        target.baddbmm_(rows, zt if a == 0 else zt.narrow(2, a, zt.shape[2] - a))
+
+
+def _sizes(bounds: list[int]) -> list[int]:
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def _reduce_factor(p: Patches) -> Tensor:
-    """KFAC-reduce's Ω = (1/N) Σₙ x̄ₙ x̄ₙᵀ per group, ``[G, Cg·K, Cg·K]``."""
-    n, c = p.source.shape[:2]
+    """KFAC-reduce's Ω = (1/N) Σₙ x̄ₙ x̄ₙᵀ per group, ``[G, Cg·K, Cg·K]``: every
+    offset's sum over the positions in one reduction of the window view, one product."""
+    n = p.source.shape[0]
     g = p.groups
-    spatial = tuple(range(2, 2 + len(p.kernel_size)))
+    dims = len(p.kernel_size)
     t = math.prod(p.output_size)
-    means = torch.stack([p.view(o).sum(spatial) for o in p.offsets], dim=2).div_(t)  # [N, C, K]
-    means = means.reshape(n, g, -1).transpose(0, 1)  # [G, N, Cg·K]
-    return torch.bmm(means.transpose(1, 2), means).div_(n)
+    sums = _windows(p).sum(tuple(range(2 + dims, 2 + 2 * dims)))  # [N, C, *k]
+    if p.flipped:
+        sums = sums.flip(tuple(range(2, 2 + dims)))
+    sums = sums.reshape(n, g, -1).transpose(0, 1)  # [G, N, Cg·K]
+    return torch.bmm(sums.mT, sums).div_(n * t * t)
 
 
 def output_factor(sqrt_ggn: Tensor, groups: int = 1) -> Tensor:

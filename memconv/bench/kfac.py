@@ -1,0 +1,277 @@
+"""KFAC's step against its arithmetic floor and its operation count, on the CPU.
+
+::
+
+    python -m memconv.bench.kfac --json docs/bench/kfac-floor.jsonl --repeats 3
+
+The **floor** of one KFAC step (forward, backward and BackPACK's ``KFAC`` extension)
+counts the multiply-adds no implementation can skip, per convolution (N samples, T
+output positions, ``C_in·K/G`` inputs per output, :func:`floor`):
+
+- forward ``N·T·C_out·C_in/G·K``; backward twice that (the weight gradient and the
+  input gradient; the first layer has no input gradient);
+- the Monte-Carlo square root ``S [V, N, C_out, *T]`` (V = 1 sample for ``KFAC``)
+  backpropagated through the layer's input Jacobian, ``V`` times the forward's (not
+  for the first layer);
+- the input factor's symmetric half, ``N·T·G·(C_in/G·K)(C_in/G·K + 1)/2``;
+- the output factor's, ``V·N·C_out(C_out + 1)/2``.
+
+Its time is the multiply-adds priced at the GEMM rate measured in the same process
+(one ``torch.mm`` of two ``4096 × 4096`` float32 matrices, the best of three). Each
+configuration runs in a fresh process (:func:`memconv.bench.runner.run_in_subprocess`),
+float32, one thread (``OMP_NUM_THREADS=1``), CIFAR-100 shapes (All-CNN-C, V = 100
+classes, batch 8): a warm-up step, then the median of ``--steps`` timed steps. Engines:
+``plain`` (``loss.backward()``), ``kfac`` (BackPACK's ``KFAC`` through memconv's module
+extensions, :func:`memconv.integrations.backpack.install`), ``kfac-reduce`` (the same
+with ``kfac_approx="reduce"``) and ``backpack`` (BackPACK 1.7.1's ``KFAC`` alone).
+
+The **operation counts** (:func:`memconv.bench.ops.count`: top-level ATen operations
+of one step, a plain step's and a KFAC step's, on All-CNN-C and the CIFAR ResNet-18 in
+eval mode of :mod:`memconv.bench.second_order`) are taken with the CPU's prices and
+with the shipped CUDA calibration's (the products per slab that a GPU's prices choose,
+:func:`memconv.conv.kronecker.expand_plan`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from ..strategies import costs
+from .runner import JsonLines, run_in_subprocess
+from .second_order import MODELS, RESIDUAL
+
+ENGINES = ("plain", "kfac", "kfac-reduce", "backpack")
+#: The side of the square matrices whose product measures the GEMM rate.
+GEMM_SIDE = 4096
+
+
+def conv_layers(model: nn.Module, x: Tensor) -> list[dict]:
+    """Each convolution's call on ``x``: ``{"n", "c_in", "c_out", "k", "t", "groups",
+    "first"}`` (``first``: its input is the model's input, no input gradient)."""
+    found = []
+
+    def hook(module, args, output):
+        found.append(
+            {
+                "n": args[0].shape[0],
+                "c_in": module.in_channels,
+                "c_out": module.out_channels,
+                "k": math.prod(module.kernel_size),
+                "t": math.prod(output.shape[2:]),
+                "groups": module.groups,
+                "first": args[0] is x,
+            }
+        )
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Conv2d)]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return found
+
+
+def floor(layers: list[dict], samples: int = 1) -> dict:
+    """The multiply-adds of one KFAC step's floor, in all and per term (module
+    docstring); ``samples``: V, the rows of the backpropagated square root."""
+    out = {"forward": 0, "backward": 0, "sqrt": 0, "input_factor": 0, "output_factor": 0}
+    for la in layers:
+        fwd = la["n"] * la["t"] * la["c_out"] * la["c_in"] // la["groups"] * la["k"]
+        d = la["c_in"] // la["groups"] * la["k"]
+        out["forward"] += fwd
+        out["backward"] += fwd if la["first"] else 2 * fwd
+        out["sqrt"] += 0 if la["first"] else samples * fwd
+        out["input_factor"] += la["n"] * la["t"] * la["groups"] * d * (d + 1) // 2
+        out["output_factor"] += samples * la["n"] * la["c_out"] * (la["c_out"] + 1) // 2
+    out["total"] = sum(out.values())
+    out["plain"] = out["forward"] + out["backward"]
+    return out
+
+
+def gemm_rate(side: int = GEMM_SIDE, repeats: int = 3) -> float:
+    """Multiply-adds per second of one float32 ``torch.mm`` of two square matrices
+    (the best of ``repeats`` after a warm-up)."""
+    a, b = torch.randn(side, side), torch.randn(side, side)
+    a @ b
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return side**3 / best
+
+
+def _step(engine: str, model_name: str, net: nn.Module):
+    """``step(x, y)``: one forward and backward pass of the engine."""
+    from backpack import backpack, extend, extensions
+
+    loss_fn = nn.CrossEntropyLoss()
+    if engine == "plain":
+
+        def plain(x, y):
+            net.zero_grad(set_to_none=True)
+            loss_fn(net(x), y).backward()
+
+        return plain
+    from memconv.integrations import backpack as mb
+    from memconv.integrations.backpack.kronecker import module_extension
+
+    ext = extensions.KFAC()
+    if engine == "backpack":
+        model = extend(net, use_converter=model_name in RESIDUAL)
+    else:
+        model = mb.extend(net, use_converter=model_name in RESIDUAL)
+        ext = mb.install(ext)
+        if engine == "kfac-reduce":
+            for cls in {type(m) for m in model.modules()}:
+                module_ext = module_extension(ext, cls, kfac_approx="reduce")
+                if module_ext is not None:
+                    ext.set_module_extension(cls, module_ext, overwrite=True)
+    loss_fn = extend(loss_fn)
+
+    def kfac(x, y):
+        model.zero_grad(set_to_none=True)
+        with backpack(ext):
+            loss_fn(model(x), y).backward()
+        for p in model.parameters():
+            if hasattr(p, "kfac"):
+                delattr(p, "kfac")
+
+    return kfac
+
+
+def _inputs(model_name: str, classes: int, batch: int):
+    torch.manual_seed(0)
+    net = MODELS[model_name](num_classes=classes)
+    x = torch.randn(batch, 3, 32, 32)
+    y = torch.randint(0, classes, (batch,))
+    return net, x, y
+
+
+def measure(engine: str, model: str, classes: int, batch: int, steps: int = 3) -> dict:
+    """One engine in this (fresh) process, one thread: the GEMM rate, then a warm-up
+    step and the median time of ``steps`` steps; the floor and its time at that rate."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    rate = gemm_rate()
+    net, x, y = _inputs(model, classes, batch)
+    macs = floor(conv_layers(net, x))
+    step = _step(engine, model, net)
+    step(x, y)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step(x, y)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    return {
+        "time_s": seconds,
+        "gemm_macs_per_s": rate,
+        "floor_macs": macs["total"],
+        "plain_floor_macs": macs["plain"],
+        "floor_s": macs["total"] / rate,
+        "plain_floor_s": macs["plain"] / rate,
+        "load": os.getloadavg()[0],
+    }
+
+
+def operation_counts(model: str, classes: int, batch: int, pricing: str = "cpu") -> dict:
+    """Top-level ATen operations of one plain step and one memconv KFAC step
+    (:func:`memconv.bench.ops.count`), memconv's products priced by ``pricing``'s
+    calibration."""
+    from .ops import count
+
+    warnings.simplefilter("ignore")
+    out = {}
+    for engine in ("plain", "kfac"):
+        net, x, y = _inputs(model, classes, batch)
+        step = _step(engine, model, net)
+        with costs.using("cpu", costs.calibration(pricing)):
+            out[engine] = count(lambda step=step, x=x, y=y: step(x, y))["top_level"]
+    return out
+
+
+def run(args) -> list[dict]:
+    log = JsonLines(args.json, {"command": "kfac", "repeats": args.repeats}) if args.json else None
+    rows = []
+
+    def emit(row):
+        rows.append(row)
+        if log:
+            log.write(row)
+        print(json.dumps(row), flush=True)
+
+    for model, classes in (("allcnnc", 100), ("resnet18", 10)):
+        for pricing in ("cpu", "cuda"):
+            counts = operation_counts(model, classes, args.batch, pricing)
+            emit({"record": "ops", "model": model, "classes": classes, "batch": args.batch,
+                  "pricing": pricing, **counts})  # fmt: skip
+    for repeat in range(args.repeats):
+        for engine in args.engines:
+            config = {
+                "call": "memconv.bench.kfac:measure",
+                "args": {"engine": engine, "model": "allcnnc", "classes": 100,
+                         "batch": args.batch, "steps": args.steps},
+            }  # fmt: skip
+            emit({"record": "time", "engine": engine, "repeat": repeat, "model": "allcnnc",
+                  "classes": 100, "batch": args.batch, **run_in_subprocess(config, timeout=900)})  # fmt: skip
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """Markdown: the operation counts, and each engine's median step time, multiple of
+    the plain step's (per repeat, then the median) and of the KFAC floor's time."""
+    lines = ["| model | pricing | plain step | KFAC step | KFAC / plain |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("record") == "ops":
+            ratio = r["kfac"] / r["plain"]
+            lines.append(
+                f"| {r['model']} | {r['pricing']} | {r['plain']} | {r['kfac']} | {ratio:.1f}× |"
+            )
+    times = [r for r in rows if r.get("record") == "time" and "error" not in r]
+    lines += ["", "| engine | time | / plain | / KFAC floor | floor | GEMM rate |"]
+    lines.append("|---|---|---|---|---|---|")
+    for engine in ENGINES:
+        mine = [r for r in times if r["engine"] == engine]
+        if not mine:
+            continue
+        plain = {r["repeat"]: r for r in times if r["engine"] == "plain"}
+        vs_plain = [
+            r["time_s"] / plain[r["repeat"]]["time_s"] for r in mine if r["repeat"] in plain
+        ]
+        vs_floor = [r["time_s"] / r["floor_s"] for r in mine]
+        lines.append(
+            f"| {engine} | {statistics.median(r['time_s'] for r in mine):.3f} s "
+            f"| {statistics.median(vs_plain):.2f}× | {statistics.median(vs_floor):.2f}× "
+            f"| {statistics.median(r['floor_s'] for r in mine):.3f} s "
+            f"| {statistics.median(r['gemm_macs_per_s'] for r in mine) / 1e9:.1f} GMAC/s |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="append the rows to this JSON Lines file")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per engine")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per process")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--engines", type=lambda s: s.split(","), default=list(ENGINES))
+    args = parser.parse_args(argv)
+    print(summary(run(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
