@@ -511,3 +511,23 @@ def test_kronecker_layout_is_exact_for_one_position(groups):
     for g in range(groups):
         block = full[g * size : (g + 1) * size, g * size : (g + 1) * size]
         assert rel_err(torch.kron(a[g], omega[g]), block) < TOL
+
+
+def test_kfac_floor_counts_each_term():
+    """The floor of :mod:`memconv.bench.kfac` on two layers, counted by hand: a 3×3
+    first layer (no input gradient, no square root backpropagated through it) and a
+    strided 1×1 one."""
+    from memconv.bench.kfac import conv_layers, floor
+
+    net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 1, stride=2))
+    x = torch.randn(3, 2, 4, 4)
+    layers = conv_layers(net, x)
+    assert [(la["t"], la["k"], la["first"]) for la in layers] == [(16, 9, True), (4, 1, False)]
+    got = floor(layers)
+    fwd = (3 * 16 * 4 * 2 * 9, 3 * 4 * 6 * 4)
+    assert got["forward"] == sum(fwd)
+    assert got["backward"] == fwd[0] + 2 * fwd[1]
+    assert got["sqrt"] == fwd[1]
+    assert got["input_factor"] == 3 * 16 * 18 * 19 // 2 + 3 * 4 * 4 * 5 // 2
+    assert got["output_factor"] == 3 * 4 * 5 // 2 + 3 * 6 * 7 // 2
+    assert got["total"] == 16485 and got["plain"] == 7776

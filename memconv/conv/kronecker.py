@@ -7,12 +7,16 @@ gradients, or BackPACK's backpropagated square root) and an input factor ``Ω``,
 the second moment of the unfolded input ``⟦x⟧`` (the patches ``[N, C_in·K, T]``
 of ``torch.nn.functional.unfold``, K kernel offsets, T output positions).
 
-BackPACK 1.7.1 forms ``⟦x⟧``, K times the layer input at stride 1. Here the input
-factor is taken one block per pair of kernel offsets: the block ``(k, k')`` is the
-product of two strided views of the padded input, ``Σₙₜ x[n, :, s·t + d·k]
-x[n, :, s·t + d·k']ᵀ`` (KFAC-JAX's ``patches_moments``, the shift-and-matmul form of
-a convolution), offsets in chunks under a memory budget, and the blocks below the
-diagonal are the transposes of those above it. No patch matrix is formed.
+BackPACK 1.7.1 forms ``⟦x⟧``, K times the layer input at stride 1. Here every patch
+is an entry of one strided view of the padded input, ``[N, C_in, *k, *T]`` with entry
+``x[n, c, s·t + d·k]`` (the shift-and-matmul form of a convolution; KFAC-JAX's
+``patches_moments``). Ω is taken a *slab* at a time: every offset's patches of a chunk
+of samples, copied by one strided copy into ``z [G, K·Cg, M]`` within a memory budget,
+and Σ z zᵀ in ``c`` products per slab (row blocks of about K/c offsets, each times
+the rows of its own and the later offsets): the block upper triangle, whose mirror is
+the rest. ``c`` is chosen by predicted time (:class:`FactorPlan`): more multiply-adds
+for fewer products, ``(c+1)/c`` times the symmetric half's. No patch matrix of the
+whole batch is formed unless it fits the budget.
 
 Convention (BackPACK's, kept): the weight ``[C_out, C_in, *k]`` flattened row-major
 has the curvature ``A ⊗ Ω`` with
@@ -31,7 +35,8 @@ Approximate Curvature for Modern Neural Network Architectures"; Dangel 2024,
 "Convolutions and More as Einsum"): ``Ω = (1/N) Σₙ x̄ₙ x̄ₙᵀ`` with ``x̄ₙ = (1/T) Σₜ
 ⟦x⟧ₙₜ`` the patches averaged over positions; with the same ``A`` (already a sum over
 positions, the paper's reduce factor) ``A ⊗ Ω`` is their KFAC-reduce. It costs one
-pass over the input per offset and no matrix product over positions.
+reduction of the strided view over the positions (every offset's sums at once) and
+one product over the samples.
 
 Grouped convolutions (``groups = G > 1``; BackPACK refuses them): the weight's
 block of group ``g``, ``weight[g·C_out/G : (g+1)·C_out/G]`` (``[C_out/G, C_in/G, *k]``),
