@@ -20,7 +20,7 @@ from helpers import CONV_TRANSPOSES, CONVS, rel_err
 from torch import nn
 
 import memconv
-from memconv.conv.kronecker import expand_plan, input_factor, patches
+from memconv.conv.kronecker import expand_plan, input_factor, most_chunks, patches
 
 backpack = pytest.importorskip("backpack")
 from backpack import extend, extensions  # noqa: E402
@@ -177,14 +177,15 @@ def _budgets(layer, x):
 
 @pytest.mark.parametrize("case", GEOMETRIES, ids=IDS)
 def test_every_chunking_gives_the_same_factor(case):
-    """Every number of products per slab (c from 1 to K) and slabs of one output row,
+    """Every number of products per slab (c from 1 to its most, K or at least 4 where
+    the rows allow) and slabs of one output row,
     one sample, several samples and the whole batch: Ω equals the unfold reference,
     on every geometry (grouped, strided, dilated, transposed, every padding mode)."""
     _, cls, kwargs, shape = case
     layer = _layer(cls, kwargs)
     x = torch.randn(shape, dtype=torch.float64)
     ref = omega_reference(layer, x)
-    k = math.prod(layer.kernel_size)
+    k = most_chunks(x.shape[1] // layer.groups, math.prod(layer.kernel_size))
     budgets = _budgets(layer, x)
     n, t1 = shape[0], budgets[-1][1].rows
     assert [plan.slabs for _, plan in budgets][1:] == [n, *([2] if n > 2 else []), 1]
@@ -218,7 +219,7 @@ def test_plan_counts_the_operations_and_products_it_issues(case):
     _, cls, kwargs, shape = case
     layer = _layer(cls, kwargs)
     x = torch.randn(shape, dtype=torch.float64)
-    k = math.prod(layer.kernel_size)
+    k = most_chunks(x.shape[1] // layer.groups, math.prod(layer.kernel_size))
     before = count(lambda: patches(layer, x))["top_level"] + (layer.groups == 1)
     for chunks in sorted({1, 2, k}):
         for budget, _ in _budgets(layer, x):
@@ -236,6 +237,25 @@ def test_plan_counts_the_operations_and_products_it_issues(case):
             assert products == plan.products == plan.slabs * chunks, (chunks, budget, names)
 
 
+def test_uninitialised_accumulator_is_never_read(monkeypatch):
+    """The accumulator is allocated empty (no zero fill): the first slab's products
+    (``beta=0``) and the mirroring copies write every entry. With the empty tensors
+    filled with NaN, every plan still gives the reference."""
+    layer = _layer(nn.Conv2d, dict(in_channels=3, out_channels=2, kernel_size=3, padding=1))
+    x = torch.randn(3, 3, 5, 4, dtype=torch.float64)
+    ref = omega_reference(layer, x)
+    empty = torch.Tensor.new_empty
+
+    def nan_empty(self, *size, **kwargs):
+        return empty(self, *size, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", nan_empty)
+    for budget, plan in _budgets(layer, x):
+        for chunks in (1, 2, 9):
+            got = input_factor(layer, x, memory_budget=budget, chunks=chunks)
+            assert rel_err(got, ref) < TOL, (budget, chunks, plan)
+
+
 def test_plan_products_and_multiply_adds():
     """c products per slab, and the block upper triangle's multiply-adds: (c+1)/c
     times the symmetric half's when c divides K, the half's (+ the diagonal blocks'
@@ -247,7 +267,7 @@ def test_plan_products_and_multiply_adds():
         plan = expand_plan(layer, x, memory_budget=2**40, chunks=chunks)
         assert plan.products == chunks and plan.slabs == 1
         assert plan.multiply_adds == square * fraction
-    with pytest.raises(ValueError, match="from 1 to the layer's 9 kernel offsets"):
+    with pytest.raises(ValueError, match="from 1 to 9 for this layer"):
         expand_plan(layer, x, chunks=10)
     with pytest.raises(TypeError, match="chunks must be None or an int"):
         input_factor(layer, x, chunks=2.0)

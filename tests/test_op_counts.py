@@ -271,7 +271,7 @@ def test_kfac_step_issues_a_few_products_per_layer(pricing):
         ours = count(step(mb.extend(net), mb.install(backpack.extensions.KFAC())), by_name=True)
     products = ours["names"].get("aten::bmm", 0) + ours["names"].get("aten::baddbmm_", 0)
     assert products == sum(p.products for p in plans), (products, plans)
-    assert all(p.chunks <= math.prod(m.kernel_size) for p, m in zip(plans, inputs)), plans
+    assert all(p.chunks <= max(math.prod(m.kernel_size), 4) for p, m in zip(plans, inputs)), plans
     assert sum(p.slabs for p in plans) <= 2 * len(plans), plans  # the default budget
     # each layer's: its plan's, the padding and the select of a one-group factor
     bound = theirs["top_level"] + sum(p.operations + 2 for p in plans)

@@ -243,7 +243,7 @@ def input_factor(
     if chunks is not None and kfac_approx == "reduce":
         raise ValueError("input_factor: chunks applies to kfac_approx='expand' only")
     p = patches(module, input, spec=spec)
-    check_chunks(chunks, math.prod(p.kernel_size))
+    check_chunks(chunks, most_chunks(p.source.shape[1] // p.groups, math.prod(p.kernel_size)))
     if kfac_approx == "reduce":
         factor = _reduce_factor(p)
     else:
@@ -326,8 +326,9 @@ def expand_plan(
 def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool) -> FactorPlan:
     n, c = p.source.shape[:2]
     k = math.prod(p.kernel_size)
-    check_chunks(chunks, k)
     g = p.groups
+    most = most_chunks(c // g, k)
+    check_chunks(chunks, most)
     t1, rest = p.output_size[0], math.prod(p.output_size[1:])
     size = p.source.element_size()
     per_row = c * k * rest * size  # every offset's patches of one output row of one sample
@@ -352,12 +353,12 @@ def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool)
         samples, rows = 1, max(1, min(t1, budget // per_row))
         slabs = n * math.ceil(t1 / rows)
     positions = n * t1 * rest  # M summed over the slabs
-    cg = c // g
+    width = c // g * k
 
-    def macs(cc: int) -> int:  # Σ_a m_a (K - s_a) offset pairs, times Cg², G, M
-        bounds = _bounds(k, cc)
-        pairs = sum((b - a) * (k - a) for a, b in zip(bounds, bounds[1:]))
-        return pairs * cg * cg * g * positions
+    def macs(cc: int) -> int:  # Σ_a (b - a)(Cg·K - a) entries, times G and M
+        bounds = _bounds(width, cc)
+        entries = sum((b - a) * (width - a) for a, b in zip(bounds, bounds[1:]))
+        return entries * g * positions
 
     def operations(cc: int) -> int:  # as _expand_factor and _each_slab issue them
         # the window views and one copy of each slab
@@ -366,14 +367,14 @@ def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool)
             return 4 + views + 3 * p.flipped
         if cc == 1:
             return 3 + views + 2 * slabs + 3 * p.flipped
-        # the accumulator's blocks; each slab's transpose, row blocks and products;
-        # the mirroring into the weight's order
-        return 3 + cc + views + slabs * (2 * cc + 1) + 12 + p.flipped
+        # the accumulator's row blocks; each slab's transpose, row blocks and
+        # products; the column blocks and the mirroring copies
+        return 5 + cc + views + slabs * (2 * cc + 1) + 4 * (cc - 1) + 3 * p.flipped
 
     if chunks is None:
         per_mac = time_coefficients("ghost-offsets", p.source.device.type)[0]
         chunks = min(
-            range(1, k + 1),
+            range(1, most + 1),
             key=lambda cc: (
                 per_mac * macs(cc) + operations_time(operations(cc), p.source.device.type)
             ),
@@ -389,9 +390,17 @@ def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool)
     )
 
 
-def _bounds(k: int, chunks: int) -> list[int]:
-    """The offsets' boundaries of ``chunks`` row blocks of about K/c offsets each."""
-    return [i * k // chunks for i in range(chunks + 1)]
+def most_chunks(channels: int, offsets: int) -> int:
+    """The most products per slab :func:`input_factor` takes for ``Cg`` channels per
+    group and K kernel offsets: K, at least 4, at most the ``Cg·K`` rows (row blocks
+    thinner than a channel's K offsets lose more to the product's efficiency than the
+    multiply-adds they save)."""
+    return min(channels * offsets, max(offsets, 4))
+
+
+def _bounds(rows: int, chunks: int) -> list[int]:
+    """The boundaries of ``chunks`` row blocks of about ``rows/c`` rows each."""
+    return [i * rows // chunks for i in range(chunks + 1)]
 
 
 def _windows(p: Patches) -> Tensor:
@@ -411,13 +420,12 @@ def _windows(p: Patches) -> Tensor:
 def _expand_factor(p: Patches, memory_budget: int | None, chunks: int | None = None) -> Tensor:
     """Ω = (1/N) Σₙₜ ⟦x⟧ ⟦x⟧ᵀ per group, ``[G, Cg·K, Cg·K]``, in a few large products.
 
-    Each slab (:class:`FactorPlan`) is one strided copy ``z [G, K·Cg, M]`` of the
-    window view. With one product per slab (c = 1) its rows are in the weight's
-    ``(channel, offset)`` order and Σ z zᵀ is Ω. Otherwise they are offset-major: the
-    row block of offsets ``[a, b)`` times the rows of offsets ``a`` to K is one
-    ``baddbmm_`` into the accumulator, whose block upper triangle so holds Σ z zᵀ;
-    its element upper triangle, mirrored, is Ω (offset-major), and the one addition
-    that mirrors it writes the weight's order.
+    Each slab (:class:`FactorPlan`) is one strided copy ``z [G, Cg·K, M]`` of the
+    window view, rows in the weight's ``(channel, offset)`` order. With one product per
+    slab (c = 1) Σ z zᵀ is Ω. Otherwise the row block ``[a, b)`` times the rows ``a``
+    to the last is one ``baddbmm_`` into the accumulator, whose block upper triangle
+    so holds Σ z zᵀ (the diagonal blocks whole); one transposing copy per row block
+    mirrors the rest.
     """
     plan = _plan(p, memory_budget, chunks, warn=True)
     n, c = p.source.shape[:2]
@@ -425,52 +433,50 @@ def _expand_factor(p: Patches, memory_budget: int | None, chunks: int | None = N
     cg = c // g
     dims = len(p.kernel_size)
     size = math.prod(p.kernel_size) * cg
-    kernel = tuple(range(2, 2 + dims))
-    if plan.chunks == 1:  # [n, G, Cg, *k, *T] -> [G, Cg, *k, n, *T]
-        order = (1, 2, *range(3, 3 + dims), 0, *range(3 + dims, 3 + 2 * dims))
-        if plan.slabs == 1:
-            z = _windows(p).unflatten(1, (g, cg)).permute(order).reshape(g, size, -1)
-            out = torch.bmm(z, z.mT)
-            del z
-        else:
-            out = p.source.new_zeros(g, size, size)
-            _each_slab(p, plan, order, lambda z: out.baddbmm_(z, z.mT))
-        if p.flipped:
-            shape = (g, cg, *p.kernel_size, cg, *p.kernel_size)
-            out = out.view(shape).flip((*kernel, *(i + dims + 1 for i in kernel))).view_as(out)
-        return out.div_(n)
-    bounds = [b * cg for b in _bounds(math.prod(p.kernel_size), plan.chunks)]
-    acc = p.source.new_zeros(g, size, size)
-    targets = [
-        block.narrow(2, a, size - a) for a, block in zip(bounds, acc.split(_sizes(bounds), 1))
-    ]
-    # [n, G, Cg, *k, *T] -> [G, *k, Cg, n, *T]
-    order = (1, *range(3, 3 + dims), 2, 0, *range(3 + dims, 3 + 2 * dims))
-    _each_slab(p, plan, order, functools.partial(_products, bounds=bounds, targets=targets))
-    del targets  # (views of acc)
-    # the block upper triangle holds Σ z zᵀ, its element upper triangle included
-    acc.triu_()
-    acc.diagonal(dim1=1, dim2=2).mul_(0.5)  # counted twice by acc + accᵀ
-    offsets_first = (g, *p.kernel_size, cg, *p.kernel_size, cg)
-    to_weight = (0, dims + 1, *range(1, dims + 1), 2 * dims + 2, *range(dims + 2, 2 * dims + 2))
-    out = acc.new_empty(g, cg, *p.kernel_size, cg, *p.kernel_size)
-    torch.add(
-        acc.view(offsets_first).permute(to_weight),
-        acc.mT.reshape(offsets_first).permute(to_weight),  # (a view: only splits axes)
-        out=out,
-    )
-    del acc
+    if plan.chunks == 1 and plan.slabs == 1:
+        z = _slab(p, _windows(p))
+        out = torch.bmm(z, z.mT)
+        del z
+    elif plan.chunks == 1:
+        out = p.source.new_empty(g, size, size)  # the first slab's product writes it
+        _each_slab(p, plan, lambda z, beta: out.baddbmm_(z, z.mT, beta=beta))
+    else:
+        bounds = _bounds(size, plan.chunks)
+        out = p.source.new_empty(g, size, size)  # written by the first slab and the mirror
+        targets = [
+            block.narrow(2, a, size - a) for a, block in zip(bounds, out.split(_sizes(bounds), 1))
+        ]
+        _each_slab(p, plan, functools.partial(_products, bounds=bounds, targets=targets))
+        # the block upper triangle holds Σ z zᵀ: mirror each row block right of its
+        # diagonal block into the column block below it
+        for a, b, target, column in zip(bounds, bounds[1:], targets, out.split(_sizes(bounds), 2)):
+            if b < size:
+                column.narrow(1, b, size - b).copy_(target.narrow(2, b - a, size - b).mT)
+        del targets
     if p.flipped:
-        out = out.flip((*kernel, *(i + dims + 1 for i in kernel)))
-    return out.view(g, size, size).div_(n)
+        shape = (g, cg, *p.kernel_size, cg, *p.kernel_size)
+        kernel = tuple(range(2, 2 + dims))
+        out = out.view(shape).flip((*kernel, *(i + dims + 1 for i in kernel))).view_as(out)
+    return out.div_(n)
 
 
-def _each_slab(p: Patches, plan: FactorPlan, order: tuple[int, ...], fn) -> None:
-    """Call ``fn(z)`` on each slab ``z [G, K·Cg, M]`` of the plan, the window view's
-    axes ``[n, G, Cg, *k, *T]`` in ``order`` (one copy each; a slab is freed before
-    the next is made)."""
-    n, c = p.source.shape[:2]
+def _slab(p: Patches, part: Tensor) -> Tensor:
+    """The copy ``[G, Cg·K, M]`` of a part ``[n, C, *k, *T]`` of the window view, rows
+    in the weight's ``(channel, offset)`` order, columns ``(sample, position)``."""
+    n, c = part.shape[:2]
     g = p.groups
+    dims = len(p.kernel_size)
+    order = (1, 2, *range(3, 3 + dims), 0, *range(3 + dims, 3 + 2 * dims))
+    size = c // g * math.prod(p.kernel_size)
+    return part.unflatten(1, (g, c // g)).permute(order).reshape(g, size, -1)
+
+
+def _each_slab(p: Patches, plan: FactorPlan, fn) -> None:
+    """Call ``fn(z, beta)`` on each slab ``z [G, Cg·K, M]`` of the plan (:func:`_slab`;
+    one copy each, freed before the next is made), ``beta`` 0 for the first (whose
+    products overwrite the accumulator, which ``baddbmm_`` with ``beta=0`` never reads:
+    no zero fill) and 1 for the others."""
+    n = p.source.shape[0]
     dims = len(p.kernel_size)
     t1 = p.output_size[0]
     windows = _windows(p)
@@ -480,17 +486,16 @@ def _each_slab(p: Patches, plan: FactorPlan, order: tuple[int, ...], fn) -> None
             part = samples
             if plan.rows < t1:
                 part = samples.narrow(2 + dims, r0, min(plan.rows, t1 - r0))
-            size = c // g * math.prod(p.kernel_size)
-            fn(part.unflatten(1, (g, c // g)).permute(order).reshape(g, size, -1))
+            fn(_slab(p, part), 0.0 if n0 == r0 == 0 else 1.0)
 
 
-def _products(z: Tensor, bounds: list[int], targets: list[Tensor]) -> None:
-    """Add one slab's ``z [G, K·Cg, M]`` row blocks times their suffixes of rows,
-    ``z[:, a:b] z[:, a:]ᵀ``, into ``targets`` (the accumulator's blocks): one product
-    each."""
+def _products(z: Tensor, beta: float, bounds: list[int], targets: list[Tensor]) -> None:
+    """Add one slab's ``z [G, Cg·K, M]`` row blocks times their suffixes of rows,
+    ``z[:, a:b] z[:, a:]ᵀ``, into ``targets`` (the accumulator's blocks, times
+    ``beta``): one product each."""
     zt = z.mT
     for a, target, rows in zip(bounds, targets, z.split(_sizes(bounds), 1)):
-        target.baddbmm_(rows, zt if a == 0 else zt.narrow(2, a, zt.shape[2] - a))
+        target.baddbmm_(rows, zt if a == 0 else zt.narrow(2, a, zt.shape[2] - a), beta=beta)
 
 
 def _sizes(bounds: list[int]) -> list[int]:
