@@ -4,6 +4,7 @@
 
     python -m memconv.bench.kfac --json docs/bench/kfac-floor.jsonl --repeats 3
     python -m memconv.bench.kfac --layers    # the floor and the plans per layer
+    python -m memconv.bench.kfac --counts --json docs/bench/kfac-counts.jsonl  # counts only
 
 The **floor** of one KFAC step (forward, backward and BackPACK's ``KFAC`` extension)
 counts the multiply-adds no implementation can skip, per convolution (N samples, T
@@ -244,18 +245,21 @@ def measure(engine: str, model: str, classes: int, batch: int, steps: int = 5) -
 
 
 def operation_counts(model: str, classes: int, batch: int, pricing: str = "cpu") -> dict:
-    """Top-level ATen operations of one plain step and one memconv KFAC step
-    (:func:`memconv.bench.ops.count`), memconv's products priced by ``pricing``'s
-    calibration."""
+    """Top-level ATen operations of one plain step, one memconv KFAC step and one of
+    BackPACK's ``KFAC`` alone (:func:`memconv.bench.ops.count`; ``None`` where it
+    fails), memconv's products priced by ``pricing``'s calibration."""
     from .ops import count
 
     warnings.simplefilter("ignore")
     out = {}
-    for engine in ("plain", "kfac"):
+    for engine in ("plain", "kfac", "backpack"):
         net, x, y = _inputs(model, classes, batch)
         step = _step(engine, model, net)
         with costs.using("cpu", costs.calibration(pricing)):
-            out[engine] = count(lambda step=step, x=x, y=y: step(x, y))["top_level"]
+            try:
+                out[engine] = count(lambda step=step, x=x, y=y: step(x, y))["top_level"]
+            except Exception:  # BackPACK alone fails on the ResNet's pooling
+                out[engine] = None
     return out
 
 
@@ -274,7 +278,7 @@ def run(args) -> list[dict]:
             counts = operation_counts(model, classes, args.batch, pricing)
             emit({"record": "ops", "model": model, "classes": classes, "batch": args.batch,
                   "pricing": pricing, **counts})  # fmt: skip
-    for repeat in range(args.repeats):
+    for repeat in range(0 if args.counts else args.repeats):
         for engine in args.engines:
             config = {
                 "call": "memconv.bench.kfac:measure",
@@ -289,12 +293,17 @@ def run(args) -> list[dict]:
 def summary(rows: list[dict]) -> str:
     """Markdown: the operation counts, and each engine's median step time, multiple of
     the plain step's (per repeat, then the median) and of the KFAC floor's time."""
-    lines = ["| model | pricing | plain step | KFAC step | KFAC / plain |", "|---|---|---|---|---|"]
+    lines = [
+        "| model | pricing | plain step | KFAC step | KFAC / plain | BackPACK's KFAC |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.get("record") == "ops":
             ratio = r["kfac"] / r["plain"]
+            theirs = "fails" if r.get("backpack") is None else r["backpack"]
             lines.append(
-                f"| {r['model']} | {r['pricing']} | {r['plain']} | {r['kfac']} | {ratio:.1f}× |"
+                f"| {r['model']} | {r['pricing']} | {r['plain']} | {r['kfac']} | {ratio:.1f}× "
+                f"| {theirs} |"
             )
     times = [r for r in rows if r.get("record") == "time" and "error" not in r]
     lines += ["", "| engine | median step | best step | / plain | / KFAC floor | GEMM rate |"]
@@ -338,6 +347,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--layers", action="store_true", help="print the per-layer floor and plans only"
     )
+    parser.add_argument("--counts", action="store_true", help="the operation counts only")
     args = parser.parse_args(argv)
     if args.layers:
         print(layer_table(batch=args.batch))

@@ -11,10 +11,10 @@ BackPACK 1.7.1 forms ``⟦x⟧``, K times the layer input at stride 1. Here ever
 is an entry of one strided view of the padded input, ``[N, C_in, *k, *T]`` with entry
 ``x[n, c, s·t + d·k]`` (the shift-and-matmul form of a convolution; KFAC-JAX's
 ``patches_moments``). Ω is taken a *slab* at a time: every offset's patches of a chunk
-of samples, copied by one strided copy into ``z [G, K·Cg, M]`` within a memory budget,
-and Σ z zᵀ in ``c`` products per slab (row blocks of about K/c offsets, each times
-the rows of its own and the later offsets): the block upper triangle, whose mirror is
-the rest. ``c`` is chosen by predicted time (:class:`FactorPlan`): more multiply-adds
+of samples, copied by one strided copy into ``z [G, Cg·K, M]`` within a memory budget,
+and Σ z zᵀ in ``c`` products per slab (row blocks of about ``Cg·K/c`` rows, each
+times its own and the later rows): the block upper triangle, whose mirror (one
+transposing copy per row block) is the rest. ``c`` is chosen by predicted time (:class:`FactorPlan`): more multiply-adds
 for fewer products, ``(c+1)/c`` times the symmetric half's. No patch matrix of the
 whole batch is formed unless it fits the budget.
 
@@ -191,12 +191,13 @@ def input_factor(
 ) -> Tensor:
     """The input factor Ω of a convolution's Kronecker-factored curvature, no unfold.
 
-    ``"expand"`` copies the patches of every kernel offset into one slab ``[G, K·Cg,
-    M]`` at a time (one strided copy of the padded input; M positions of a chunk of
-    samples) and takes Σ z zᵀ in ``chunks`` products per slab: the row block of
-    offsets ``[a, b)`` times the rows of offsets ``a`` to K, ``(c+1)/c`` times the
-    multiply-adds of Ω's symmetric half (:class:`FactorPlan`, :func:`expand_plan`).
-    Besides the slab it holds Ω twice (the accumulator and the result).
+    ``"expand"`` copies the patches of every kernel offset into one slab ``[G, Cg·K,
+    M]`` at a time (one strided copy of the padded input, rows in the weight's order;
+    M positions of a chunk of samples) and takes Σ z zᵀ in ``chunks`` products per
+    slab: the row block ``[a, b)`` times the rows ``a`` to the last, ``(c+1)/c`` times
+    the multiply-adds of Ω's symmetric half (:class:`FactorPlan`, :func:`expand_plan`).
+    Besides the slab it holds Ω once (the result, accumulated in place; a transposed
+    convolution's is flipped into a second).
 
     Args:
         module: a ``torch.nn.Conv1d/2d/3d`` or ``ConvTranspose1d/2d/3d`` (or a
@@ -214,11 +215,12 @@ def input_factor(
             output row's patches of one sample it warns and holds those.
             ``"reduce"`` holds no slab (it sums over the positions of the window
             view) and ignores it.
-        chunks: c, the products per slab, 1 to K (``"expand"`` only); None: the c of
-            least predicted time, ``per_flop · multiply-adds + per_op · operations``
-            priced by the input's device type (:mod:`memconv.strategies.costs`,
-            the ``"ghost-offsets"`` products' ``per_flop``): on a CPU, where
-            arithmetic dominates, up to K; on a launch-bound GPU a few.
+        chunks: c, the products per slab, 1 to :func:`most_chunks` (K, at least 4
+            where the rows allow; ``"expand"`` only); None: the c of least predicted
+            time, ``per_flop · multiply-adds + per_op · operations`` priced by the
+            input's device type (:mod:`memconv.strategies.costs`, the
+            ``"ghost-offsets"`` products' ``per_flop``): on a CPU, where arithmetic
+            dominates, the most; on a launch-bound GPU a few.
         spec: the layer's :func:`memconv.strategies.geometry.conv_spec`, read by the
             caller in the same call (BackPACK's module extension reads it once per
             layer call); None: read here.
@@ -235,7 +237,7 @@ def input_factor(
         TypeError: if ``module`` is not a convolution, ``memory_budget`` or
             ``chunks`` not an int.
         ValueError: for an unknown ``kfac_approx``, a non-positive budget, ``chunks``
-            outside 1..K or given with ``"reduce"``, or an input that does not fit
+            outside 1..:func:`most_chunks` or given with ``"reduce"``, or an input that does not fit
             the layer.
     """
     check_choice(kfac_approx, KFAC_APPROXIMATIONS, "kfac_approx", none=False)
@@ -260,11 +262,12 @@ DEFAULT_BUDGET_INPUTS = 4
 class FactorPlan:
     """How :func:`input_factor` takes KFAC's (expand) input factor of one layer.
 
-    The patches of every kernel offset ``[G, K·Cg, M]`` (rows offset-major, M
-    positions of some samples) are copied into one *slab* at a time, by one strided
-    copy; each slab's rows are cut into ``chunks`` row blocks of about K/c offsets,
-    and the block of offsets ``[a, b)`` is multiplied by the rows of offsets ``a`` to
-    K in ONE product: ``c`` products per slab compute the block upper triangle of Ω,
+    The patches of every kernel offset ``[G, Cg·K, M]`` (rows in the weight's
+    ``(channel, offset)`` order, M positions of some samples) are copied into one
+    *slab* at a time, by one strided copy; each slab's rows are cut into ``chunks``
+    row blocks of about ``Cg·K/c`` rows, and the block of rows ``[a, b)`` is
+    multiplied by the rows ``a`` to the last in ONE product: ``c`` products per slab
+    compute the block upper triangle of Ω,
     ``(c+1)/c`` times the multiply-adds of its symmetric half (the diagonal blocks
     whole). The slabs are chunks of samples, or of output rows (the first output axis)
     of one sample where one sample's patches exceed the budget.
@@ -308,15 +311,16 @@ def expand_plan(
         module: a convolution or transposed convolution (as :func:`input_factor`).
         input: the layer's input ``[N, C_in, *S]`` (its shape, dtype and device).
         memory_budget: as :func:`input_factor`'s.
-        chunks: c, the products per slab (1 to K); None: the c of least predicted
-            time (see :func:`input_factor`).
+        chunks: c, the products per slab (1 to :func:`most_chunks`); None: the c of
+            least predicted time (see :func:`input_factor`).
         spec: the layer's :func:`memconv.strategies.geometry.conv_spec`; None: read here.
 
     Returns:
         The :class:`FactorPlan`.
 
     Raises:
-        TypeError, ValueError: as :func:`input_factor`; ``chunks`` not an int in 1..K.
+        TypeError, ValueError: as :func:`input_factor`; ``chunks`` not an int in
+            1..:func:`most_chunks`.
     """
     check_budget(memory_budget, available=False, where="expand_plan")
     p = patches(module, input, spec=spec)
