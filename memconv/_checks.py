@@ -174,6 +174,23 @@ def check_budget(
     raise BudgetError(f"{prefix}{argument} must be {accepted}; got {memory_budget!r}")
 
 
+def check_chunks(chunks, most: int, argument: str = "chunks") -> None:
+    """Raise unless ``chunks`` is None or an int from 1 to ``most`` (the most row
+    blocks a layer's input factor is cut in,
+    :func:`memconv.conv.kronecker.most_chunks`).
+
+    Raises:
+        TypeError: not an int (a bool included).
+        ValueError: outside 1..most.
+    """
+    if chunks is None:
+        return
+    if not _is_int(chunks):
+        raise TypeError(f"{argument} must be None or an int, got {chunks!r}")
+    if not 1 <= chunks <= most:
+        raise ValueError(f"{argument} must be from 1 to {most} for this layer, got {chunks}")
+
+
 def check_threshold(value, what: str) -> float:
     """``value`` as a float if it is a positive finite number.
 

@@ -20,7 +20,7 @@ from helpers import CONV_TRANSPOSES, CONVS, rel_err
 from torch import nn
 
 import memconv
-from memconv.conv.kronecker import input_factor
+from memconv.conv.kronecker import expand_plan, input_factor, most_chunks, patches
 
 backpack = pytest.importorskip("backpack")
 from backpack import extend, extensions  # noqa: E402
@@ -158,10 +158,139 @@ def test_input_factor_equals_unfold(case, kfac_approx):
     x = torch.randn(shape, dtype=torch.float64)
     ref = omega_reference(layer, x, kfac_approx)
     assert rel_err(input_factor(layer, x, kfac_approx=kfac_approx), ref) < TOL
-    if kfac_approx == "expand":  # one offset per chunk, and all of them in one
-        with pytest.warns(UserWarning, match="below two kernel offsets"):
+    if kfac_approx == "expand":  # one output row of one sample per slab, and one slab
+        with pytest.warns(UserWarning, match="below every kernel offset's patches of one"):
             assert rel_err(input_factor(layer, x, memory_budget=1), ref) < TOL
         assert rel_err(input_factor(layer, x, memory_budget=2**40), ref) < TOL
+
+
+def _budgets(layer, x):
+    """Budgets giving slabs of one output row, of one sample, of all but one sample
+    (so two slabs, the second short) and of the whole batch, with their plans."""
+    plan = expand_plan(layer, x, memory_budget=2**40)
+    per_sample = plan.slab_bytes // x.shape[0]
+    per_row = per_sample // plan.rows
+    several = [per_sample * (x.shape[0] - 1)] if x.shape[0] > 2 else []
+    budgets = [per_row, per_sample, *several, 2**40]
+    return [(b, expand_plan(layer, x, memory_budget=b)) for b in budgets]
+
+
+@pytest.mark.parametrize("case", GEOMETRIES, ids=IDS)
+def test_every_chunking_gives_the_same_factor(case):
+    """Every number of products per slab (c from 1 to its most, K or at least 4 where
+    the rows allow) and slabs of one output row,
+    one sample, several samples and the whole batch: Ω equals the unfold reference,
+    on every geometry (grouped, strided, dilated, transposed, every padding mode)."""
+    _, cls, kwargs, shape = case
+    layer = _layer(cls, kwargs)
+    x = torch.randn(shape, dtype=torch.float64)
+    ref = omega_reference(layer, x)
+    k = most_chunks(x.shape[1] // layer.groups, math.prod(layer.kernel_size))
+    budgets = _budgets(layer, x)
+    n, t1 = shape[0], budgets[-1][1].rows
+    assert [plan.slabs for _, plan in budgets][1:] == [n, *([2] if n > 2 else []), 1]
+    assert budgets[0][1].rows == 1 and budgets[0][1].slabs == n * t1
+    for chunks in range(1, k + 1):
+        for budget, plan in budgets:
+            if chunks not in (1, 2, k) and plan.slabs > 1:
+                continue  # (every c on one slab; a few on every slab size)
+            got = input_factor(layer, x, memory_budget=budget, chunks=chunks)
+            assert rel_err(got, ref) < TOL, (chunks, budget, plan)
+
+
+#: Geometries whose operations are counted: dense, strided, 1-d, 3-d, grouped, transposed.
+COUNTED = (
+    "bp-first-3",
+    "bp-conv-1",
+    "replicate-3d",
+    "depthwise-2d",
+    "convT-outpad-2d",
+    "bp-convT-3",
+)
+
+
+@pytest.mark.parametrize("case", [g for g in GEOMETRIES if g[0] in COUNTED], ids=COUNTED)
+def test_plan_counts_the_operations_and_products_it_issues(case):
+    """The plan's predicted top-level operations are those the factor issues after the
+    padded input (and the select of a one-group factor), and its products the
+    ``bmm``/``baddbmm_`` calls: c per slab, for every c and slab size."""
+    from memconv.bench.ops import count
+
+    _, cls, kwargs, shape = case
+    layer = _layer(cls, kwargs)
+    x = torch.randn(shape, dtype=torch.float64)
+    k = most_chunks(x.shape[1] // layer.groups, math.prod(layer.kernel_size))
+    before = count(lambda: patches(layer, x))["top_level"] + (layer.groups == 1)
+    for chunks in sorted({1, 2, k}):
+        for budget, _ in _budgets(layer, x):
+            plan = expand_plan(layer, x, memory_budget=budget, chunks=chunks)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = count(
+                    lambda b=budget, c=chunks: input_factor(layer, x, memory_budget=b, chunks=c),
+                    warmup=0,
+                    by_name=True,
+                )
+            names = got["names"]
+            assert got["top_level"] == before + plan.operations, (chunks, budget, plan, names)
+            products = names.get("aten::bmm", 0) + names.get("aten::baddbmm_", 0)
+            assert products == plan.products == plan.slabs * chunks, (chunks, budget, names)
+
+
+def test_uninitialised_accumulator_is_never_read(monkeypatch):
+    """The accumulator is allocated empty (no zero fill): the first slab's products
+    (``beta=0``) and the mirroring copies write every entry. With the empty tensors
+    filled with NaN, every plan still gives the reference."""
+    layer = _layer(nn.Conv2d, dict(in_channels=3, out_channels=2, kernel_size=3, padding=1))
+    x = torch.randn(3, 3, 5, 4, dtype=torch.float64)
+    ref = omega_reference(layer, x)
+    empty = torch.Tensor.new_empty
+
+    def nan_empty(self, *size, **kwargs):
+        return empty(self, *size, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", nan_empty)
+    for budget, plan in _budgets(layer, x):
+        for chunks in (1, 2, 9):
+            got = input_factor(layer, x, memory_budget=budget, chunks=chunks)
+            assert rel_err(got, ref) < TOL, (budget, chunks, plan)
+
+
+def test_plan_products_and_multiply_adds():
+    """c products per slab, and the block upper triangle's multiply-adds: (c+1)/c
+    times the symmetric half's when c divides K, the half's (+ the diagonal blocks'
+    other half) at c = K, the whole square at c = 1."""
+    layer = nn.Conv2d(4, 2, 3, padding=1)
+    x = torch.randn(2, 4, 5, 5)
+    square = 2 * 25 * (4 * 9) ** 2  # N·T·(C·K)²
+    for chunks, fraction in ((1, 1.0), (3, 4 / 6), (9, 10 / 18)):
+        plan = expand_plan(layer, x, memory_budget=2**40, chunks=chunks)
+        assert plan.products == chunks and plan.slabs == 1
+        assert plan.multiply_adds == square * fraction
+    with pytest.raises(ValueError, match="from 1 to 9 for this layer"):
+        expand_plan(layer, x, chunks=10)
+    with pytest.raises(TypeError, match="chunks must be None or an int"):
+        input_factor(layer, x, chunks=2.0)
+    with pytest.raises(ValueError, match="expand"):
+        input_factor(layer, x, kfac_approx="reduce", chunks=2)
+
+
+def test_chunks_chosen_by_the_device_prices():
+    """The c of least predicted time: up to K where arithmetic is dear against an
+    operation (the CPU's prices), a few where operations are (the CUDA calibration's,
+    on a small batch), one where only operations cost."""
+    from memconv.strategies import costs
+
+    layer = nn.Conv2d(96, 96, 3, padding=1)
+    x = torch.randn(8, 96, 32, 32)
+    with costs.using("cpu", costs.calibration("cpu")):
+        assert expand_plan(layer, x).chunks == 9
+    with costs.using("cpu", costs.calibration("cuda")):
+        assert 2 <= expand_plan(layer, x).chunks <= 5
+    only_ops = copy.deepcopy(costs.calibration("cpu"))
+    only_ops["time"]["ghost-offsets"]["per_flop"] = 0.0
+    with costs.using("cpu", only_ops):
+        assert expand_plan(layer, x).chunks == 1
 
 
 def test_input_factor_equals_torch_unfold():
@@ -473,3 +602,23 @@ def test_kron_groups_refused_before_any_work():
         pytest.raises(NotImplementedError, match="grouped transposed"),
     ):
         loss_fn(model(x), torch.tensor([0, 1])).backward()
+
+
+def test_kfac_floor_counts_each_term():
+    """The floor of :mod:`memconv.bench.kfac` on two layers, counted by hand: a 3×3
+    first layer (no input gradient, no square root backpropagated through it) and a
+    strided 1×1 one."""
+    from memconv.bench.kfac import conv_layers, floor
+
+    net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 1, stride=2))
+    x = torch.randn(3, 2, 4, 4)
+    layers = conv_layers(net, x)
+    assert [(la["t"], la["k"], la["first"]) for la in layers] == [(16, 9, True), (4, 1, False)]
+    got = floor(layers)
+    fwd = (3 * 16 * 4 * 2 * 9, 3 * 4 * 6 * 4)
+    assert got["forward"] == sum(fwd)
+    assert got["backward"] == fwd[0] + 2 * fwd[1]
+    assert got["sqrt"] == fwd[1]
+    assert got["input_factor"] == 3 * 16 * 18 * 19 // 2 + 3 * 4 * 4 * 5 // 2
+    assert got["output_factor"] == 3 * 4 * 5 // 2 + 3 * 6 * 7 // 2
+    assert got["total"] == 16485 and got["plain"] == 7776

@@ -8,6 +8,9 @@ their per-operation term prices. Counted by the PyTorch profiler on the CPU
 (:func:`memconv.bench.ops.count`), on small sizes so that each runs in seconds.
 """
 
+import copy
+import math
+
 import pytest
 import torch
 from helpers import small_gn_resnet, small_vit
@@ -204,3 +207,72 @@ def test_time_models_count_the_operations_they_issue(layer):
             predicted = job.predict_time()
         measured = count(job.run, warmup=1)["top_level"]
         assert round(predicted) == measured, (job.model, predicted, measured)
+
+
+def _small_all_cnn_c():
+    """All-CNN-C's structure (3×3 layers, one strided, a valid one, 1×1 layers, global
+    average pooling), narrow, for 8×8 inputs."""
+
+    def conv(c_in, c_out, k, stride=1, padding=1):
+        return [nn.Conv2d(c_in, c_out, k, stride=stride, padding=padding), nn.ReLU()]
+
+    return nn.Sequential(
+        *conv(3, 8, 3),
+        *conv(8, 8, 3, stride=2),
+        *conv(8, 8, 3, padding=0),
+        *conv(8, 8, 1, padding=0),
+        *conv(8, 10, 1, padding=0),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+    )
+
+
+@pytest.mark.parametrize("pricing", ["cpu", "cuda"])
+def test_kfac_step_issues_a_few_products_per_layer(pricing):
+    """BackPACK's KFAC through memconv on an All-CNN-C-like model: each convolution's
+    input factor is c products per slab of patches (its
+    :func:`~memconv.conv.kronecker.expand_plan`; at most K, against the K(K+1)/2 of one
+    product per pair of kernel offsets), and the step issues at most BackPACK's own
+    step's top-level operations plus the plans' predicted operations, the padding and
+    the select of a one-group factor (which replace BackPACK's unfolding and its
+    products). One product per pair of kernel offsets (and per chunk of samples)
+    issued 115 products and 3,000 top-level operations here (BackPACK's step 180; with
+    the plans 6 products and 225 operations)."""
+    backpack = pytest.importorskip("backpack")
+    from memconv.conv.kronecker import expand_plan
+    from memconv.integrations import backpack as mb
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    inputs = {}
+    net = _small_all_cnn_c()
+    hooks = [
+        m.register_forward_hook(lambda m, a, o: inputs.__setitem__(m, a[0]))
+        for m in net.modules()
+        if isinstance(m, nn.Conv2d)
+    ]
+    net(x)
+    for h in hooks:
+        h.remove()
+
+    def step(model, ext):
+        loss_fn = backpack.extend(nn.CrossEntropyLoss())
+
+        def call():
+            model.zero_grad(set_to_none=True)
+            with backpack.backpack(ext):
+                loss_fn(model(x), y).backward()
+
+        return call
+
+    with costs.using("cpu", costs.calibration(pricing)):
+        plans = [expand_plan(m, inp) for m, inp in inputs.items()]
+        theirs = count(step(backpack.extend(copy.deepcopy(net)), backpack.extensions.KFAC()))
+        ours = count(step(mb.extend(net), mb.install(backpack.extensions.KFAC())), by_name=True)
+    products = ours["names"].get("aten::bmm", 0) + ours["names"].get("aten::baddbmm_", 0)
+    assert products == sum(p.products for p in plans), (products, plans)
+    assert all(p.chunks <= max(math.prod(m.kernel_size), 4) for p, m in zip(plans, inputs)), plans
+    assert sum(p.slabs for p in plans) <= 2 * len(plans), plans  # the default budget
+    # each layer's: its plan's, the padding and the select of a one-group factor
+    bound = theirs["top_level"] + sum(p.operations + 2 for p in plans)
+    assert ours["top_level"] <= bound, (ours["top_level"], theirs["top_level"], plans)

@@ -7,12 +7,16 @@ gradients, or BackPACK's backpropagated square root) and an input factor ``Ω``,
 the second moment of the unfolded input ``⟦x⟧`` (the patches ``[N, C_in·K, T]``
 of ``torch.nn.functional.unfold``, K kernel offsets, T output positions).
 
-BackPACK 1.7.1 forms ``⟦x⟧``, K times the layer input at stride 1. Here the input
-factor is taken one block per pair of kernel offsets: the block ``(k, k')`` is the
-product of two strided views of the padded input, ``Σₙₜ x[n, :, s·t + d·k]
-x[n, :, s·t + d·k']ᵀ`` (KFAC-JAX's ``patches_moments``, the shift-and-matmul form of
-a convolution), offsets in chunks under a memory budget, and the blocks below the
-diagonal are the transposes of those above it. No patch matrix is formed.
+BackPACK 1.7.1 forms ``⟦x⟧``, K times the layer input at stride 1. Here every patch
+is an entry of one strided view of the padded input, ``[N, C_in, *k, *T]`` with entry
+``x[n, c, s·t + d·k]`` (the shift-and-matmul form of a convolution; KFAC-JAX's
+``patches_moments``). Ω is taken a *slab* at a time: every offset's patches of a chunk
+of samples, copied by one strided copy into ``z [G, Cg·K, M]`` within a memory budget,
+and Σ z zᵀ in ``c`` products per slab (row blocks of about ``Cg·K/c`` rows, each
+times its own and the later rows): the block upper triangle, whose mirror (one
+transposing copy per row block) is the rest. ``c`` is chosen by predicted time (:class:`FactorPlan`): more multiply-adds
+for fewer products, ``(c+1)/c`` times the symmetric half's. No patch matrix of the
+whole batch is formed unless it fits the budget.
 
 Convention (BackPACK's, kept): the weight ``[C_out, C_in, *k]`` flattened row-major
 has the curvature ``A ⊗ Ω`` with
@@ -31,7 +35,8 @@ Approximate Curvature for Modern Neural Network Architectures"; Dangel 2024,
 "Convolutions and More as Einsum"): ``Ω = (1/N) Σₙ x̄ₙ x̄ₙᵀ`` with ``x̄ₙ = (1/T) Σₜ
 ⟦x⟧ₙₜ`` the patches averaged over positions; with the same ``A`` (already a sum over
 positions, the paper's reduce factor) ``A ⊗ Ω`` is their KFAC-reduce. It costs one
-pass over the input per offset and no matrix product over positions.
+reduction of the strided view over the positions (every offset's sums at once) and
+one product over the samples.
 
 Grouped convolutions (``groups = G > 1``; BackPACK refuses them): the weight's
 block of group ``g``, ``weight[g·C_out/G : (g+1)·C_out/G]`` (``[C_out/G, C_in/G, *k]``),
@@ -53,6 +58,7 @@ wrap around (BackPACK's unfold pads with zeros).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import warnings
@@ -66,9 +72,11 @@ from .._checks import (
     KFAC_APPROXIMATIONS,
     check_budget,
     check_choice,
+    check_chunks,
     check_conv_input,
     check_conv_module,
 )
+from ..strategies.costs import operations_time, time_coefficients
 from ..strategies.geometry import ConvSpec, conv_spec, span, spec_of, torch_pad_argument
 
 
@@ -178,9 +186,18 @@ def input_factor(
     *,
     kfac_approx: str = "expand",
     memory_budget: int | None = None,
+    chunks: int | None = None,
     spec: ConvSpec | None = None,
 ) -> Tensor:
     """The input factor Ω of a convolution's Kronecker-factored curvature, no unfold.
+
+    ``"expand"`` copies the patches of every kernel offset into one slab ``[G, Cg·K,
+    M]`` at a time (one strided copy of the padded input, rows in the weight's order;
+    M positions of a chunk of samples) and takes Σ z zᵀ in ``chunks`` products per
+    slab: the row block ``[a, b)`` times the rows ``a`` to the last, ``(c+1)/c`` times
+    the multiply-adds of Ω's symmetric half (:class:`FactorPlan`, :func:`expand_plan`).
+    Besides the slab it holds Ω once (the result, accumulated in place; a transposed
+    convolution's is flipped into a second).
 
     Args:
         module: a ``torch.nn.Conv1d/2d/3d`` or ``ConvTranspose1d/2d/3d`` (or a
@@ -189,10 +206,21 @@ def input_factor(
             has its dtype).
         kfac_approx: ``"expand"`` (KFAC, BackPACK's KFAC/KFLR/KFRA input factor) or
             ``"reduce"`` (KFAC-reduce); see the module's docstring.
-        memory_budget: bytes the two chunks of patches held at once may take (``m``
-            offsets of every sample, ``N·C_in·m·T`` numbers each, where two offsets
-            fit; else one offset of a chunk of samples); None: the size of the padded
-            input. Below two offsets' patches of one sample it warns and holds those.
+        memory_budget: bytes the slab of patches held at once may take: every kernel
+            offset's patches of a chunk of samples (``C_in·K·T`` numbers a sample),
+            or, where one sample's exceed it, of a chunk of output rows (the first
+            spatial axis of T) of one sample; None: :data:`DEFAULT_BUDGET_INPUTS` (4)
+            times the padded input's bytes (at stride 1 about the patches of 4
+            offsets of every sample), at least one sample's patches. Below one
+            output row's patches of one sample it warns and holds those.
+            ``"reduce"`` holds no slab (it sums over the positions of the window
+            view) and ignores it.
+        chunks: c, the products per slab, 1 to :func:`most_chunks` (K, at least 4
+            where the rows allow; ``"expand"`` only); None: the c of least predicted
+            time, ``per_flop · multiply-adds + per_op · operations`` priced by the
+            input's device type (:mod:`memconv.strategies.costs`, the
+            ``"ghost-offsets"`` products' ``per_flop``): on a CPU, where arithmetic
+            dominates, the most; on a launch-bound GPU a few.
         spec: the layer's :func:`memconv.strategies.geometry.conv_spec`, read by the
             caller in the same call (BackPACK's module extension reads it once per
             layer call); None: read here.
@@ -202,87 +230,294 @@ def input_factor(
         ``groups = G > 1`` (one block per group). Symmetric.
 
     Warns:
-        UserWarning: ``memory_budget`` below two kernel offsets' patches (before the
-            products).
+        UserWarning: ``memory_budget`` below one output row's patches of one sample
+            (before the products).
 
     Raises:
-        TypeError: if ``module`` is not a convolution or ``memory_budget`` is not an int.
-        ValueError: for an unknown ``kfac_approx``, a non-positive budget or an
-            input that does not fit the layer.
+        TypeError: if ``module`` is not a convolution, ``memory_budget`` or
+            ``chunks`` not an int.
+        ValueError: for an unknown ``kfac_approx``, a non-positive budget, ``chunks``
+            outside 1..:func:`most_chunks` or given with ``"reduce"``, or an input that does not fit
+            the layer.
     """
     check_choice(kfac_approx, KFAC_APPROXIMATIONS, "kfac_approx", none=False)
     check_budget(memory_budget, available=False, where="input_factor")
+    if chunks is not None and kfac_approx == "reduce":
+        raise ValueError("input_factor: chunks applies to kfac_approx='expand' only")
     p = patches(module, input, spec=spec)
-    factor = _reduce_factor(p) if kfac_approx == "reduce" else _expand_factor(p, memory_budget)
+    check_chunks(chunks, most_chunks(p.source.shape[1] // p.groups, math.prod(p.kernel_size)))
+    if kfac_approx == "reduce":
+        factor = _reduce_factor(p)
+    else:
+        factor = _expand_factor(p, memory_budget, chunks)
     return factor[0] if p.groups == 1 else factor
 
 
-def _expand_factor(p: Patches, memory_budget: int | None) -> Tensor:
-    """Ω = (1/N) Σₙₜ ⟦x⟧ ⟦x⟧ᵀ per group, ``[G, Cg·K, Cg·K]``, by offset-chunk products.
+#: The default ``memory_budget`` of :func:`input_factor`, in multiples of the bytes of
+#: the padded input: at stride 1, about the patches of this many kernel offsets.
+DEFAULT_BUDGET_INPUTS = 4
 
-    Two chunks of offsets' patches are held at a time, within the budget: several
-    offsets of every sample where two offsets fit, else one offset of a chunk of
-    samples (the products summed over the sample chunks).
+
+@dataclass(frozen=True)
+class FactorPlan:
+    """How :func:`input_factor` takes KFAC's (expand) input factor of one layer.
+
+    The patches of every kernel offset ``[G, Cg·K, M]`` (rows in the weight's
+    ``(channel, offset)`` order, M positions of some samples) are copied into one
+    *slab* at a time, by one strided copy; each slab's rows are cut into ``chunks``
+    row blocks of about ``Cg·K/c`` rows, and the block of rows ``[a, b)`` is
+    multiplied by the rows ``a`` to the last in ONE product: ``c`` products per slab
+    compute the block upper triangle of Ω,
+    ``(c+1)/c`` times the multiply-adds of its symmetric half (the diagonal blocks
+    whole). The slabs are chunks of samples, or of output rows (the first output axis)
+    of one sample where one sample's patches exceed the budget.
+
+    Attributes:
+        samples: samples per slab.
+        rows: output rows (first spatial axis of T) per slab: all of them unless one
+            sample's patches exceed the budget (then ``samples = 1``).
+        chunks: c, the row blocks (products) per slab.
+        slabs: the number of slabs.
+        slab_bytes: the bytes of the largest slab.
+        multiply_adds: of the products, in all.
+        operations: top-level tensor operations predicted for the factor.
     """
+
+    samples: int
+    rows: int
+    chunks: int
+    slabs: int
+    slab_bytes: int
+    multiply_adds: int
+    operations: int
+
+    @property
+    def products(self) -> int:
+        """Matrix products (each a ``bmm`` over the G groups) in all: slabs × chunks."""
+        return self.slabs * self.chunks
+
+
+def expand_plan(
+    module: nn.Module,
+    input: Tensor,
+    *,
+    memory_budget: int | None = None,
+    chunks: int | None = None,
+    spec: ConvSpec | None = None,
+) -> FactorPlan:
+    """The slabs and products :func:`input_factor` (``kfac_approx="expand"``) takes.
+
+    Args:
+        module: a convolution or transposed convolution (as :func:`input_factor`).
+        input: the layer's input ``[N, C_in, *S]`` (its shape, dtype and device).
+        memory_budget: as :func:`input_factor`'s.
+        chunks: c, the products per slab (1 to :func:`most_chunks`); None: the c of
+            least predicted time (see :func:`input_factor`).
+        spec: the layer's :func:`memconv.strategies.geometry.conv_spec`; None: read here.
+
+    Returns:
+        The :class:`FactorPlan`.
+
+    Raises:
+        TypeError, ValueError: as :func:`input_factor`; ``chunks`` not an int in
+            1..:func:`most_chunks`.
+    """
+    check_budget(memory_budget, available=False, where="expand_plan")
+    p = patches(module, input, spec=spec)
+    return _plan(p, memory_budget, chunks, warn=False)
+
+
+def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool) -> FactorPlan:
+    n, c = p.source.shape[:2]
+    k = math.prod(p.kernel_size)
+    g = p.groups
+    most = most_chunks(c // g, k)
+    check_chunks(chunks, most)
+    t1, rest = p.output_size[0], math.prod(p.output_size[1:])
+    size = p.source.element_size()
+    per_row = c * k * rest * size  # every offset's patches of one output row of one sample
+    per_sample = per_row * t1
+    if memory_budget is None:
+        budget = max(per_sample, DEFAULT_BUDGET_INPUTS * _nbytes(p.source))
+    else:
+        budget = memory_budget
+    if memory_budget is not None and memory_budget < per_row:
+        if warn:
+            warnings.warn(
+                f"input_factor: memory_budget={memory_budget:,} bytes is below every "
+                f"kernel offset's patches of one output row of one sample ({per_row:,} "
+                "bytes, the least it needs); it holds those; raise the budget to silence "
+                "this",
+                stacklevel=4,
+            )
+    if per_sample <= budget:
+        samples, rows = min(n, budget // per_sample), t1
+        slabs = math.ceil(n / samples)
+    else:
+        samples, rows = 1, max(1, min(t1, budget // per_row))
+        slabs = n * math.ceil(t1 / rows)
+    positions = n * t1 * rest  # M summed over the slabs
+    width = c // g * k
+
+    def macs(cc: int) -> int:  # Σ_a (b - a)(Cg·K - a) entries, times G and M
+        bounds = _bounds(width, cc)
+        entries = sum((b - a) * (width - a) for a, b in zip(bounds, bounds[1:]))
+        return entries * g * positions
+
+    def operations(cc: int) -> int:  # as _expand_factor and _each_slab issue them
+        # the window views and one copy of each slab
+        views = math.ceil(n / samples) * (samples < n) + slabs * (3 + (rows < t1))
+        if cc == 1 and slabs == 1:
+            return 4 + views + 3 * p.flipped
+        if cc == 1:
+            return 3 + views + 2 * slabs + 3 * p.flipped
+        # the accumulator's row blocks; each slab's transpose, row blocks and
+        # products; the column blocks and the mirroring copies
+        return 5 + cc + views + slabs * (2 * cc + 1) + 4 * (cc - 1) + 3 * p.flipped
+
+    if chunks is None:
+        per_mac = time_coefficients("ghost-offsets", p.source.device.type)[0]
+        chunks = min(
+            range(1, most + 1),
+            key=lambda cc: (
+                per_mac * macs(cc) + operations_time(operations(cc), p.source.device.type)
+            ),
+        )
+    return FactorPlan(
+        samples=samples,
+        rows=rows,
+        chunks=chunks,
+        slabs=slabs,
+        slab_bytes=samples * rows * per_row,
+        multiply_adds=macs(chunks),
+        operations=operations(chunks),
+    )
+
+
+def most_chunks(channels: int, offsets: int) -> int:
+    """The most products per slab :func:`input_factor` takes for ``Cg`` channels per
+    group and K kernel offsets: K, at least 4, at most the ``Cg·K`` rows (row blocks
+    thinner than a channel's K offsets lose more to the product's efficiency than the
+    multiply-adds they save)."""
+    return min(channels * offsets, max(offsets, 4))
+
+
+def _bounds(rows: int, chunks: int) -> list[int]:
+    """The boundaries of ``chunks`` row blocks of about ``rows/c`` rows each."""
+    return [i * rows // chunks for i in range(chunks + 1)]
+
+
+def _windows(p: Patches) -> Tensor:
+    """Every patch as one strided view of the padded input, ``[N, C, *k, *T]``: entry
+    ``[n, c, j, t] = source[n, c, stride·t + dilation·j]`` (offsets unflipped)."""
+    src = p.source
+    spatial = src.stride()[2:]
+    strides = (
+        *src.stride()[:2],
+        *(d * s for d, s in zip(p.dilation, spatial)),
+        *(st * s for st, s in zip(p.stride, spatial)),
+    )
+    shape = (*src.shape[:2], *p.kernel_size, *p.output_size)
+    return src.as_strided(shape, strides, src.storage_offset())
+
+
+def _expand_factor(p: Patches, memory_budget: int | None, chunks: int | None = None) -> Tensor:
+    """Ω = (1/N) Σₙₜ ⟦x⟧ ⟦x⟧ᵀ per group, ``[G, Cg·K, Cg·K]``, in a few large products.
+
+    Each slab (:class:`FactorPlan`) is one strided copy ``z [G, Cg·K, M]`` of the
+    window view, rows in the weight's ``(channel, offset)`` order. With one product per
+    slab (c = 1) Σ z zᵀ is Ω. Otherwise the row block ``[a, b)`` times the rows ``a``
+    to the last is one ``baddbmm_`` into the accumulator, whose block upper triangle
+    so holds Σ z zᵀ (the diagonal blocks whole); one transposing copy per row block
+    mirrors the rest.
+    """
+    plan = _plan(p, memory_budget, chunks, warn=True)
     n, c = p.source.shape[:2]
     g = p.groups
     cg = c // g
-    offsets = p.offsets
-    k = len(offsets)
-    t = math.prod(p.output_size)
-    per_sample = c * t * p.source.element_size()  # one offset's patches of one sample
-    per_offset = n * per_sample
-    budget = memory_budget if memory_budget is not None else max(per_offset, _nbytes(p.source))
-    if memory_budget is not None and memory_budget < 2 * per_sample:
-        warnings.warn(
-            f"input_factor: memory_budget={memory_budget:,} bytes is below two kernel "
-            f"offsets' patches of one sample ({2 * per_sample:,} bytes, the least it "
-            "needs); it runs one offset of one sample at a time and holds those; raise "
-            "the budget to silence this",
-            stacklevel=3,
-        )
-    m = max(1, min(k, budget // (2 * per_offset)))
-    step = n if 2 * per_offset <= budget else max(1, budget // (2 * per_sample))
-    chunks = [range(i, min(i + m, k)) for i in range(0, k, m)]
-    out = p.source.new_zeros(g, cg, k, cg, k)
-    for n0 in range(0, n, step):
-        samples = range(n0, min(n, n0 + step))
-        for a, rows in enumerate(chunks):
-            za = _slab(p, [offsets[i] for i in rows], g, samples)
-            for cols in chunks[a:]:
-                zb = za if cols is rows else _slab(p, [offsets[i] for i in cols], g, samples)
-                block = torch.bmm(za, zb.transpose(1, 2)).view(g, cg, len(rows), cg, len(cols))
-                out[:, :, rows.start : rows.stop, :, cols.start : cols.stop] += block
-                if cols is not rows:
-                    out[:, :, cols.start : cols.stop, :, rows.start : rows.stop] += block.permute(
-                        0, 3, 4, 1, 2
-                    )
-                del zb, block
-    return out.view(g, cg * k, cg * k).div_(n)
+    dims = len(p.kernel_size)
+    size = math.prod(p.kernel_size) * cg
+    if plan.chunks == 1 and plan.slabs == 1:
+        z = _slab(p, _windows(p))
+        out = torch.bmm(z, z.mT)
+        del z
+    elif plan.chunks == 1:
+        out = p.source.new_empty(g, size, size)  # the first slab's product writes it
+        _each_slab(p, plan, lambda z, beta: out.baddbmm_(z, z.mT, beta=beta))
+    else:
+        bounds = _bounds(size, plan.chunks)
+        out = p.source.new_empty(g, size, size)  # written by the first slab and the mirror
+        targets = [
+            block.narrow(2, a, size - a) for a, block in zip(bounds, out.split(_sizes(bounds), 1))
+        ]
+        _each_slab(p, plan, functools.partial(_products, bounds=bounds, targets=targets))
+        # the block upper triangle holds Σ z zᵀ: mirror each row block right of its
+        # diagonal block into the column block below it
+        for a, b, target, column in zip(bounds, bounds[1:], targets, out.split(_sizes(bounds), 2)):
+            if b < size:
+                column.narrow(1, b, size - b).copy_(target.narrow(2, b - a, size - b).mT)
+        del targets
+    if p.flipped:
+        shape = (g, cg, *p.kernel_size, cg, *p.kernel_size)
+        kernel = tuple(range(2, 2 + dims))
+        out = out.view(shape).flip((*kernel, *(i + dims + 1 for i in kernel))).view_as(out)
+    return out.div_(n)
 
 
-def _slab(p: Patches, offsets: list[tuple[int, ...]], groups: int, samples: range) -> Tensor:
-    """The patch entries of some offsets for some samples, ``[G, Cg·m, n·T]`` (one copy)."""
-    c = p.source.shape[1]
-    cg = c // groups
-    t = math.prod(p.output_size)
-    size = p.output_size
-    z = p.source.new_empty(groups, cg, len(offsets), len(samples), *size)
-    for j, offset in enumerate(offsets):
-        entries = p.view(offset)[samples.start : samples.stop].unflatten(1, (groups, cg))
-        z[:, :, j].copy_(entries.movedim(0, 2))  # one copy of a view [n, G, Cg, *T]
-    return z.view(groups, cg * len(offsets), len(samples) * t)
+def _slab(p: Patches, part: Tensor) -> Tensor:
+    """The copy ``[G, Cg·K, M]`` of a part ``[n, C, *k, *T]`` of the window view, rows
+    in the weight's ``(channel, offset)`` order, columns ``(sample, position)``."""
+    n, c = part.shape[:2]
+    g = p.groups
+    dims = len(p.kernel_size)
+    order = (1, 2, *range(3, 3 + dims), 0, *range(3 + dims, 3 + 2 * dims))
+    size = c // g * math.prod(p.kernel_size)
+    return part.unflatten(1, (g, c // g)).permute(order).reshape(g, size, -1)
+
+
+def _each_slab(p: Patches, plan: FactorPlan, fn) -> None:
+    """Call ``fn(z, beta)`` on each slab ``z [G, Cg·K, M]`` of the plan (:func:`_slab`;
+    one copy each, freed before the next is made), ``beta`` 0 for the first (whose
+    products overwrite the accumulator, which ``baddbmm_`` with ``beta=0`` never reads:
+    no zero fill) and 1 for the others."""
+    n = p.source.shape[0]
+    dims = len(p.kernel_size)
+    t1 = p.output_size[0]
+    windows = _windows(p)
+    for n0 in range(0, n, plan.samples):
+        samples = windows if plan.samples == n else windows.narrow(0, n0, min(plan.samples, n - n0))
+        for r0 in range(0, t1, plan.rows):
+            part = samples
+            if plan.rows < t1:
+                part = samples.narrow(2 + dims, r0, min(plan.rows, t1 - r0))
+            fn(_slab(p, part), 0.0 if n0 == r0 == 0 else 1.0)
+
+
+def _products(z: Tensor, beta: float, bounds: list[int], targets: list[Tensor]) -> None:
+    """Add one slab's ``z [G, Cg·K, M]`` row blocks times their suffixes of rows,
+    ``z[:, a:b] z[:, a:]ᵀ``, into ``targets`` (the accumulator's blocks, times
+    ``beta``): one product each."""
+    zt = z.mT
+    for a, target, rows in zip(bounds, targets, z.split(_sizes(bounds), 1)):
+        target.baddbmm_(rows, zt if a == 0 else zt.narrow(2, a, zt.shape[2] - a), beta=beta)
+
+
+def _sizes(bounds: list[int]) -> list[int]:
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def _reduce_factor(p: Patches) -> Tensor:
-    """KFAC-reduce's Ω = (1/N) Σₙ x̄ₙ x̄ₙᵀ per group, ``[G, Cg·K, Cg·K]``."""
-    n, c = p.source.shape[:2]
+    """KFAC-reduce's Ω = (1/N) Σₙ x̄ₙ x̄ₙᵀ per group, ``[G, Cg·K, Cg·K]``: every
+    offset's sum over the positions in one reduction of the window view, one product."""
+    n = p.source.shape[0]
     g = p.groups
-    spatial = tuple(range(2, 2 + len(p.kernel_size)))
+    dims = len(p.kernel_size)
     t = math.prod(p.output_size)
-    means = torch.stack([p.view(o).sum(spatial) for o in p.offsets], dim=2).div_(t)  # [N, C, K]
-    means = means.reshape(n, g, -1).transpose(0, 1)  # [G, N, Cg·K]
-    return torch.bmm(means.transpose(1, 2), means).div_(n)
+    sums = _windows(p).sum(tuple(range(2 + dims, 2 + 2 * dims)))  # [N, C, *k]
+    if p.flipped:
+        sums = sums.flip(tuple(range(2, 2 + dims)))
+    sums = sums.reshape(n, g, -1).transpose(0, 1)  # [G, N, Cg·K]
+    return torch.bmm(sums.mT, sums).div_(n * t * t)
 
 
 def output_factor(sqrt_ggn: Tensor, groups: int = 1) -> Tensor:

@@ -6,8 +6,9 @@ BackPACK 1.7.1's module extensions of its Kronecker-factored extensions
 refuse ``groups ≠ 1``. The subclasses here keep everything else of BackPACK's (the
 backpropagated quantities, the output factor, the bias, the savefields ``kfac``,
 ``kflr``, ``kfra``) and take the input factor from
-:func:`memconv.conv.kronecker.input_factor`: one product per pair of kernel offsets,
-every padding mode, and block-diagonal factors per group (the convention is in
+:func:`memconv.conv.kronecker.input_factor`: a few large products per slab of
+patches (every offset's patches of a chunk of samples, one strided copy), every
+padding mode, and block-diagonal factors per group (the convention is in
 :mod:`memconv.conv.kronecker`: ``[A, Ω]`` with ``A [G, C_out/G, C_out/G]`` and
 ``Ω [G, C_in/G·K, C_in/G·K]`` for ``groups = G > 1``; BackPACK's 2-d shapes for
 ``G = 1``).
@@ -273,8 +274,9 @@ def module_extension(
             :data:`OTHER_LAYERS` lists the classes besides convolutions and Linear.
         kfac_approx: the input factor, ``"expand"`` (BackPACK's) or ``"reduce"``
             (KFAC-reduce); see :mod:`memconv.conv.kronecker`.
-        memory_budget: bytes the input factor's offset chunks may hold (None: the
-            size of the padded layer input).
+        memory_budget: bytes the input factor's slab of patches may take (None: 4
+            times the padded layer input's); see
+            :func:`memconv.conv.kronecker.input_factor`.
         kron_groups: a grouped convolution's weight factors (``groups = G > 1``):
             ``"blocks"`` (memconv's convention, one product per group: ``A [G,
             C_out/G, C_out/G]``, ``Ω [G, C_in/G·K, C_in/G·K]``) or ``"average"`` (one

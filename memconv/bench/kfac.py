@@ -1,0 +1,360 @@
+"""KFAC's step against its arithmetic floor and its operation count, on the CPU.
+
+::
+
+    python -m memconv.bench.kfac --json docs/bench/kfac-floor.jsonl --repeats 3
+    python -m memconv.bench.kfac --layers    # the floor and the plans per layer
+    python -m memconv.bench.kfac --counts --json docs/bench/kfac-counts.jsonl  # counts only
+
+The **floor** of one KFAC step (forward, backward and BackPACK's ``KFAC`` extension)
+counts the multiply-adds no implementation can skip, per convolution (N samples, T
+output positions, ``C_in·K/G`` inputs per output, :func:`floor`):
+
+- forward ``N·T·C_out·C_in/G·K``; backward twice that (the weight gradient and the
+  input gradient; the first layer has no input gradient);
+- the Monte-Carlo square root ``S [V, N, C_out, *T]`` (V = 1 sample for ``KFAC``)
+  backpropagated through the layer's input Jacobian, ``V`` times the forward's (not
+  for the first layer);
+- the input factor's symmetric half, ``N·T·G·(C_in/G·K)(C_in/G·K + 1)/2``;
+- the output factor's, ``V·N·C_out(C_out + 1)/2``.
+
+Its time is the multiply-adds priced at the GEMM rate measured in the same process
+(one ``torch.mm`` of two ``4096 × 4096`` float32 matrices, the best of three before
+and three after the steps). Each
+configuration runs in a fresh process (:func:`memconv.bench.runner.run_in_subprocess`),
+float32, one thread (``OMP_NUM_THREADS=1``), CIFAR-100 shapes (All-CNN-C, V = 100
+classes, batch 8): a warm-up step, then ``--steps`` timed steps (their median, and their best, which
+the ratios use: on a shared machine the least disturbed). Engines:
+``plain`` (``loss.backward()``), ``kfac`` (BackPACK's ``KFAC`` through memconv's module
+extensions, :func:`memconv.integrations.backpack.install`), ``kfac-reduce`` (the same
+with ``kfac_approx="reduce"``) and ``backpack`` (BackPACK 1.7.1's ``KFAC`` alone).
+
+The **operation counts** (:func:`memconv.bench.ops.count`: top-level ATen operations
+of one step, a plain step's and a KFAC step's, on All-CNN-C and the CIFAR ResNet-18 in
+eval mode of :mod:`memconv.bench.second_order`) are taken with the CPU's prices and
+with the shipped CUDA calibration's (the products per slab that a GPU's prices choose,
+:func:`memconv.conv.kronecker.expand_plan`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from ..strategies import costs
+from .runner import JsonLines, run_in_subprocess
+from .second_order import MODELS, RESIDUAL
+
+ENGINES = ("plain", "kfac", "kfac-reduce", "backpack")
+#: The side of the square matrices whose product measures the GEMM rate.
+GEMM_SIDE = 4096
+
+
+def conv_layers(model: nn.Module, x: Tensor) -> list[dict]:
+    """Each convolution's call on ``x``: ``{"n", "c_in", "c_out", "k", "t", "groups",
+    "first"}`` (``first``: its input is the model's input, no input gradient)."""
+    found = []
+
+    def hook(module, args, output):
+        found.append(
+            {
+                "n": args[0].shape[0],
+                "c_in": module.in_channels,
+                "c_out": module.out_channels,
+                "k": math.prod(module.kernel_size),
+                "t": math.prod(output.shape[2:]),
+                "groups": module.groups,
+                "first": args[0] is x,
+            }
+        )
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Conv2d)]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return found
+
+
+def layer_floor(layer: dict, samples: int = 1) -> dict:
+    """One convolution's multiply-adds of the floor, per term (module docstring);
+    ``samples``: V, the rows of the backpropagated square root."""
+    fwd = layer["n"] * layer["t"] * layer["c_out"] * layer["c_in"] // layer["groups"] * layer["k"]
+    d = layer["c_in"] // layer["groups"] * layer["k"]
+    return {
+        "forward": fwd,
+        "backward": fwd if layer["first"] else 2 * fwd,
+        "sqrt": 0 if layer["first"] else samples * fwd,
+        "input_factor": layer["n"] * layer["t"] * layer["groups"] * d * (d + 1) // 2,
+        "output_factor": samples * layer["n"] * layer["c_out"] * (layer["c_out"] + 1) // 2,
+    }
+
+
+def floor(layers: list[dict], samples: int = 1) -> dict:
+    """The multiply-adds of one KFAC step's floor, per term summed over the layers,
+    ``"total"`` and ``"plain"`` (forward and backward)."""
+    out = {"forward": 0, "backward": 0, "sqrt": 0, "input_factor": 0, "output_factor": 0}
+    for layer in layers:
+        for term, macs in layer_floor(layer, samples).items():
+            out[term] += macs
+    out["total"] = sum(out.values())
+    out["plain"] = out["forward"] + out["backward"]
+    return out
+
+
+def layer_table(model: str = "allcnnc", classes: int = 100, batch: int = 8) -> str:
+    """Markdown: each convolution's floor (M multiply-adds per term) and the plan of
+    its input factor (:func:`memconv.conv.kronecker.expand_plan`, default budget):
+    slabs and products per slab priced by the CPU's and by the CUDA calibration."""
+    from ..conv.kronecker import expand_plan
+
+    net, x, _ = _inputs(model, classes, batch)
+    inputs = []
+    hooks = [
+        m.register_forward_hook(lambda m, a, o: inputs.append((m, a[0])))
+        for m in net.modules()
+        if isinstance(m, nn.Conv2d)
+    ]
+    with torch.no_grad():
+        net(x)
+    for h in hooks:
+        h.remove()
+    lines = [
+        "| layer | T | forward | backward | √GGN | input factor | output factor "
+        "| slabs | c (CPU) | c (CUDA) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (module, inp), layer in zip(inputs, conv_layers(net, x)):
+        macs = layer_floor(layer)
+        chunks = {}
+        for pricing in ("cpu", "cuda"):
+            with costs.using("cpu", costs.calibration(pricing)):
+                plan = expand_plan(module, inp)
+            chunks[pricing] = plan.chunks
+        shape = "×".join(str(v) for v in module.weight.shape)
+        cells = " | ".join(f"{macs[t] / 1e6:,.1f}" for t in macs)
+        lines.append(
+            f"| {shape} | {layer['t']} | {cells} | {plan.slabs} | {chunks['cpu']} "
+            f"| {chunks['cuda']} |"
+        )
+    total = floor(conv_layers(net, x))
+    cells = " | ".join(f"{total[t] / 1e6:,.1f}" for t in list(total)[:5])
+    lines.append(f"| all | | {cells} | | | |")
+    return "\n".join(lines)
+
+
+def gemm_rate(side: int = GEMM_SIDE, repeats: int = 3) -> float:
+    """Multiply-adds per second of one float32 ``torch.mm`` of two square matrices
+    (the best of ``repeats`` after a warm-up)."""
+    a, b = torch.randn(side, side), torch.randn(side, side)
+    a @ b
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return side**3 / best
+
+
+def _step(engine: str, model_name: str, net: nn.Module):
+    """``step(x, y)``: one forward and backward pass of the engine."""
+    from backpack import backpack, extend, extensions
+
+    loss_fn = nn.CrossEntropyLoss()
+    if engine == "plain":
+
+        def plain(x, y):
+            net.zero_grad(set_to_none=True)
+            loss_fn(net(x), y).backward()
+
+        return plain
+    from memconv.integrations import backpack as mb
+    from memconv.integrations.backpack.kronecker import module_extension
+
+    ext = extensions.KFAC()
+    if engine == "backpack":
+        model = extend(net, use_converter=model_name in RESIDUAL)
+    else:
+        model = mb.extend(net, use_converter=model_name in RESIDUAL)
+        ext = mb.install(ext)
+        if engine == "kfac-reduce":
+            for cls in {type(m) for m in model.modules()}:
+                module_ext = module_extension(ext, cls, kfac_approx="reduce")
+                if module_ext is not None:
+                    ext.set_module_extension(cls, module_ext, overwrite=True)
+    loss_fn = extend(loss_fn)
+
+    def kfac(x, y):
+        model.zero_grad(set_to_none=True)
+        with backpack(ext):
+            loss_fn(model(x), y).backward()
+        for p in model.parameters():
+            if hasattr(p, "kfac"):
+                delattr(p, "kfac")
+
+    return kfac
+
+
+def _inputs(model_name: str, classes: int, batch: int):
+    torch.manual_seed(0)
+    net = MODELS[model_name](num_classes=classes)
+    x = torch.randn(batch, 3, 32, 32)
+    y = torch.randint(0, classes, (batch,))
+    return net, x, y
+
+
+def measure(engine: str, model: str, classes: int, batch: int, steps: int = 5) -> dict:
+    """One engine in this (fresh) process, one thread: a warm-up step, ``steps`` timed
+    steps (their median ``time_s`` and best ``best_s``), and the GEMM rate measured
+    before and after them (the better of the two: on a shared machine the best times
+    are the least disturbed, and the floor is priced at the best rate)."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    rate = gemm_rate()
+    net, x, y = _inputs(model, classes, batch)
+    macs = floor(conv_layers(net, x))
+    step = _step(engine, model, net)
+    step(x, y)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step(x, y)
+        times.append(time.perf_counter() - start)
+    rate = max(rate, gemm_rate())
+    return {
+        "time_s": statistics.median(times),
+        "best_s": min(times),
+        "gemm_macs_per_s": rate,
+        "floor_macs": macs["total"],
+        "plain_floor_macs": macs["plain"],
+        "floor_s": macs["total"] / rate,
+        "plain_floor_s": macs["plain"] / rate,
+        "load": os.getloadavg()[0],
+    }
+
+
+def operation_counts(model: str, classes: int, batch: int, pricing: str = "cpu") -> dict:
+    """Top-level ATen operations of one plain step, one memconv KFAC step and one of
+    BackPACK's ``KFAC`` alone (:func:`memconv.bench.ops.count`; ``None`` where it
+    fails), memconv's products priced by ``pricing``'s calibration."""
+    from .ops import count
+
+    warnings.simplefilter("ignore")
+    out = {}
+    for engine in ("plain", "kfac", "backpack"):
+        net, x, y = _inputs(model, classes, batch)
+        step = _step(engine, model, net)
+        with costs.using("cpu", costs.calibration(pricing)):
+            try:
+                out[engine] = count(lambda step=step, x=x, y=y: step(x, y))["top_level"]
+            except Exception:  # BackPACK alone fails on the ResNet's pooling
+                out[engine] = None
+    return out
+
+
+def run(args) -> list[dict]:
+    log = JsonLines(args.json, {"command": "kfac", "repeats": args.repeats}) if args.json else None
+    rows = []
+
+    def emit(row):
+        rows.append(row)
+        if log:
+            log.write(row)
+        print(json.dumps(row), flush=True)
+
+    for model, classes in (("allcnnc", 100), ("resnet18", 10)):
+        for pricing in ("cpu", "cuda"):
+            counts = operation_counts(model, classes, args.batch, pricing)
+            emit({"record": "ops", "model": model, "classes": classes, "batch": args.batch,
+                  "pricing": pricing, **counts})  # fmt: skip
+    for repeat in range(0 if args.counts else args.repeats):
+        for engine in args.engines:
+            config = {
+                "call": "memconv.bench.kfac:measure",
+                "args": {"engine": engine, "model": "allcnnc", "classes": 100,
+                         "batch": args.batch, "steps": args.steps},
+            }  # fmt: skip
+            emit({"record": "time", "engine": engine, "repeat": repeat, "model": "allcnnc",
+                  "classes": 100, "batch": args.batch, **run_in_subprocess(config, timeout=900)})  # fmt: skip
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """Markdown: the operation counts, and each engine's median step time, multiple of
+    the plain step's (per repeat, then the median) and of the KFAC floor's time."""
+    lines = [
+        "| model | pricing | plain step | KFAC step | KFAC / plain | BackPACK's KFAC |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("record") == "ops":
+            ratio = r["kfac"] / r["plain"]
+            theirs = "fails" if r.get("backpack") is None else r["backpack"]
+            lines.append(
+                f"| {r['model']} | {r['pricing']} | {r['plain']} | {r['kfac']} | {ratio:.1f}× "
+                f"| {theirs} |"
+            )
+    times = [r for r in rows if r.get("record") == "time" and "error" not in r]
+    lines += ["", "| engine | median step | best step | / plain | / KFAC floor | GEMM rate |"]
+    lines.append("|---|---|---|---|---|---|")
+    plain = {r["repeat"]: r for r in times if r["engine"] == "plain"}
+    for engine in ENGINES:
+        mine = [r for r in times if r["engine"] == engine]
+        if not mine:
+            continue
+        vs_plain = [
+            r["best_s"] / plain[r["repeat"]]["best_s"] for r in mine if r["repeat"] in plain
+        ]
+        vs_floor = [r["best_s"] / r["floor_s"] for r in mine]
+        lines.append(
+            f"| {engine} | {statistics.median(r['time_s'] for r in mine):.3f} s "
+            f"| {min(r['best_s'] for r in mine):.3f} s "
+            f"| {_span(vs_plain)} | {_span(vs_floor)} "
+            f"| {max(r['gemm_macs_per_s'] for r in mine) / 1e9:.1f} GMAC/s |"
+        )
+    floors = [r["floor_s"] for r in times]
+    if floors:
+        lines.append(f"\nKFAC floor: {times[0]['floor_macs'] / 1e9:.2f} G multiply-adds "
+                     f"({min(floors):.3f} s at the best GEMM rate).")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _span(values: list[float]) -> str:
+    """The median of the per-repeat ratios and their range."""
+    if not values:
+        return "–"
+    return f"{statistics.median(values):.2f}× ({min(values):.2f}–{max(values):.2f})"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="append the rows to this JSON Lines file")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per engine")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per process")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--engines", type=lambda s: s.split(","), default=list(ENGINES))
+    parser.add_argument(
+        "--layers", action="store_true", help="print the per-layer floor and plans only"
+    )
+    parser.add_argument("--counts", action="store_true", help="the operation counts only")
+    args = parser.parse_args(argv)
+    if args.layers:
+        print(layer_table(batch=args.batch))
+        return 0
+    print(summary(run(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
