@@ -218,3 +218,33 @@ def test_lean_default_runs_one_row_in_one_pass(ext_cls, monkeypatch):
         results.append(getattr(model[0].weight, ext.savefield).clone())
     assert not replays
     torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=0)
+
+
+def test_a_compiled_model_is_extended_through_its_module_with_a_warning():
+    """``mb.extend(torch.compile(model))``: BackPACK's hooks would not run inside a
+    compiled graph, so the module it wraps is extended and returned, with a warning;
+    its quantities are the uncompiled model's (before: BackPACK's "missing the required
+    forward function")."""
+
+    def build():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(12, 3))
+        return net.double()
+
+    x, y = _data()
+    x = x.double()
+    results = []
+    for compiled in (False, True):
+        net = build()
+        given = torch.compile(net, backend="eager") if compiled else net
+        if compiled:
+            with pytest.warns(RuntimeWarning, match="extended through the module it wraps"):
+                model = mb.extend(given)
+        else:
+            model = mb.extend(given)
+        loss_fn = extend(nn.CrossEntropyLoss())
+        with mb.installed(E.DiagGGNExact()) as ext, backpack(ext):
+            loss_fn(model(x), y).backward()
+        results.append([p.diag_ggn_exact for p in net.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=0)

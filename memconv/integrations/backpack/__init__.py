@@ -60,6 +60,7 @@ from ..._checks import (
     check_budget,
     check_choice,
 )
+from ..._torch import compiled_inner
 from ...conv import settings as context
 from ...conv.vjp import check_settings
 from ...engine.losses import per_sample_losses
@@ -246,6 +247,11 @@ def extend(module, debug: bool = False, use_converter: bool = True):
     ``gamma``) into modules BackPACK's extensions see, for which :func:`install`
     supplies module extensions (:mod:`.converter`, :mod:`.layers`).
 
+    A ``torch.compile``'d model is extended through the module it wraps, which is
+    returned and runs eagerly, with a warning: BackPACK's extensions act through module
+    hooks that store their quantities on the modules, which a compiled graph would not
+    run at each step.
+
     Args:
         module: the model.
         debug: BackPACK's debug messages.
@@ -254,6 +260,10 @@ def extend(module, debug: bool = False, use_converter: bool = True):
     Returns:
         The extended model (BackPACK's converter returns a ``torch.fx.GraphModule``).
 
+    Warns:
+        RuntimeWarning: for a ``torch.compile``'d model (its eager module is extended
+            and returned).
+
     Raises:
         ImportError: if BackPACK is not installed.
     """
@@ -261,6 +271,18 @@ def extend(module, debug: bool = False, use_converter: bool = True):
     from .converter import extend as convert_and_extend
     from .naming import remember
 
+    inner = compiled_inner(module)
+    if inner is not None:
+        warnings.warn(
+            f"memconv.integrations.backpack.extend: the torch.compile'd "
+            f"{type(inner).__name__} is extended through the module it wraps, which is "
+            "returned and runs eagerly: BackPACK's extensions store their quantities "
+            "from module hooks, which a compiled graph would not run at each step. Pass "
+            "the uncompiled model to silence this warning.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        module = inner
     extended = convert_and_extend(module, debug=debug, use_converter=use_converter)
     remember(extended)  # the refusals name its layers' paths
     return extended
