@@ -199,6 +199,11 @@ class HaloStore:
         for index, piece in self.sent(v, tile):
             grad[index].add_(piece)
 
+    def pieces(self, parts) -> list[Tensor]:
+        """The positions of each of ``parts`` (``(slab key, positions, index)``, as
+        :meth:`parts` gives them, of slabs kept), views of their slabs."""
+        return [self._at(key, part) for key, part, _ in parts]
+
     def sent(self, v: int, tile) -> list[tuple[tuple, Tensor]]:
         """``(index in the box, gradient)`` of what later tiles sent to node ``v``'s
         box at ``tile``, on the slabs they cover."""

@@ -104,16 +104,15 @@ class TileRecord:
         for read in self.reads:
             kind = read.slot[0]
             if kind == IMAGE:
-                out.append(runner.to_tile(crop(runner.x, read.where)))
+                out.append(DIRECT.image(runner, read.where))
             elif kind == HALO:
                 _, u, axis, view = read.slot
                 tile, part = read.where
-                out.append(runner.halo.read(u, axis, tile, part, view=view))
+                out.append(DIRECT.halo(runner, u, axis, tile, part, view))
             elif kind == GRAD:
-                out.append(runner.to_tile(crop(grad, read.where)))
+                out.append(DIRECT.grad(runner, grad, read.where))
             else:
-                store = runner.grads
-                out.extend(store._at(key, part) for key, part, _ in read.where)
+                out.extend(runner.grads.pieces(read.where))
         return out
 
     def put(self, runner, pieces: list[Tensor]) -> None:
@@ -200,10 +199,10 @@ class RecordIO(DirectIO):
     def sent(self, runner, v, tile):
         store = runner.grads
         parts = [p for p in store.parts(v, tile) if p[0] in store.slabs]
-        pieces = [(index, store._at(key, part)) for key, part, index in parts]
+        pieces = store.pieces(parts)
         slot = (SENT, v, tuple(_plain(index) for _, _, index in parts))
-        self._read(slot, tuple(parts), [t for _, t in pieces])
-        return pieces
+        self._read(slot, tuple(parts), pieces)
+        return [(index, t) for (_, _, index), t in zip(parts, pieces)]
 
 
 class ReplayIO(DirectIO):
