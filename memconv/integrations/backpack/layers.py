@@ -142,25 +142,42 @@ class LayerNorm2dDerivatives(BaseParameterDerivatives):
         return False
 
     @staticmethod
-    def _normalised(module, subsampling=None):
+    def _axes(module, x: Tensor) -> tuple[int, ...]:
+        """The axes of the input ``x`` normalised over: the channels."""
+        return (1,)
+
+    @staticmethod
+    def _scaled(module, mat: Tensor) -> Tensor:
+        """``mat [V, N, ...]`` times the affine weight, broadcast over it."""
+        return mat * _channels(module.weight, mat.dim() - 1)
+
+    @staticmethod
+    def _summed(module, t: Tensor, sum_batch: bool) -> Tensor:
+        """``t [V, N, ...]`` summed over the axes the affine parameters are shared by
+        (and ``N`` if ``sum_batch``)."""
+        return _spatial_sum(t, sum_batch)
+
+    def _normalised(self, module, subsampling=None):
         x = subsample(module.input0, subsampling=subsampling)
-        mean = x.mean(1, keepdim=True)
-        var = x.var(1, unbiased=False, keepdim=True)
+        axes = self._axes(module, x)
+        mean = x.mean(axes, keepdim=True)
+        var = x.var(axes, unbiased=False, keepdim=True)
         sigma = (var + module.eps).sqrt()
         return (x - mean) / sigma, sigma
 
     def _jac_t_mat_prod(self, module, g_inp, g_out, mat, subsampling=None):
         xhat, sigma = self._normalised(module, subsampling)
-        g = mat if module.weight is None else mat * _channels(module.weight, mat.dim() - 1)
-        inner = g.mean(2, keepdim=True) + xhat * (g * xhat).mean(2, keepdim=True)
+        axes = tuple(a + 1 for a in self._axes(module, xhat))  # mat has V in front
+        g = mat if module.weight is None else self._scaled(module, mat)
+        inner = g.mean(axes, keepdim=True) + xhat * (g * xhat).mean(axes, keepdim=True)
         return (g - inner) / sigma
 
     def _weight_jac_t_mat_prod(self, module, g_inp, g_out, mat, sum_batch=True, subsampling=None):
         xhat, _ = self._normalised(module, subsampling)
-        return _spatial_sum(mat * xhat, sum_batch)
+        return self._summed(module, mat * xhat, sum_batch)
 
     def _bias_jac_t_mat_prod(self, module, g_inp, g_out, mat, sum_batch=True, subsampling=None):
-        return _spatial_sum(mat, sum_batch)
+        return self._summed(module, mat, sum_batch)
 
 
 class LayerScale2dDerivatives(BaseParameterDerivatives):
@@ -179,7 +196,7 @@ class LayerScale2dDerivatives(BaseParameterDerivatives):
         return vjp.reshape(*vjp.shape[:-1], *module.gamma.shape)
 
 
-class LayerNormDerivatives(BaseParameterDerivatives):
+class LayerNormDerivatives(LayerNorm2dDerivatives):
     """Derivatives of ``nn.LayerNorm`` (Ba et al. 2016) on ``[N, *, *D]``, normalising
     over its ``normalized_shape`` ``D`` (the trailing axes; torchvision's ``CNBlock``
     applies it to the channels-last ``[N, H, W, C]``).
@@ -189,40 +206,20 @@ class LayerNormDerivatives(BaseParameterDerivatives):
     bias VJP ``Σ_* g`` per sample (``*``: the axes between N and D).
     """
 
-    def hessian_is_zero(self, module) -> bool:
-        return False
-
-    def hessian_is_diagonal(self, module) -> bool:
-        return False
+    @staticmethod
+    def _axes(module, x: Tensor) -> tuple[int, ...]:
+        """The trailing axes of ``normalized_shape``."""
+        return tuple(range(x.dim() - len(module.normalized_shape), x.dim()))
 
     @staticmethod
-    def _normalised(module, subsampling=None):
-        x = subsample(module.input0, subsampling=subsampling)
-        dims = tuple(range(x.dim() - len(module.normalized_shape), x.dim()))
-        mean = x.mean(dims, keepdim=True)
-        var = x.var(dims, unbiased=False, keepdim=True)
-        sigma = (var + module.eps).sqrt()
-        return (x - mean) / sigma, sigma
-
-    def _jac_t_mat_prod(self, module, g_inp, g_out, mat, subsampling=None):
-        xhat, sigma = self._normalised(module, subsampling)
-        dims = tuple(range(mat.dim() - len(module.normalized_shape), mat.dim()))
-        g = mat if module.weight is None else mat * module.weight
-        inner = g.mean(dims, keepdim=True) + xhat * (g * xhat).mean(dims, keepdim=True)
-        return (g - inner) / sigma
+    def _scaled(module, mat: Tensor) -> Tensor:
+        return mat * module.weight
 
     @staticmethod
-    def _shared_sum(module, t: Tensor, sum_batch: bool) -> Tensor:
+    def _summed(module, t: Tensor, sum_batch: bool) -> Tensor:
         """``[V, N, *, *D]`` summed over ``*`` (and ``N`` if ``sum_batch``)."""
         dims = tuple(range(1 if sum_batch else 2, t.dim() - len(module.normalized_shape)))
         return t.sum(dims) if dims else t
-
-    def _weight_jac_t_mat_prod(self, module, g_inp, g_out, mat, sum_batch=True, subsampling=None):
-        xhat, _ = self._normalised(module, subsampling)
-        return self._shared_sum(module, mat * xhat, sum_batch)
-
-    def _bias_jac_t_mat_prod(self, module, g_inp, g_out, mat, sum_batch=True, subsampling=None):
-        return self._shared_sum(module, mat, sum_batch)
 
 
 def _channels(p: Tensor, dims: int) -> Tensor:
