@@ -21,6 +21,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._torch import tracing
 from .geometry import ConvGeometry, torch_pad_argument
 
 
@@ -224,8 +225,9 @@ def cost_model(fn):
     """Memoise a cost-model function of frozen values (:class:`Problem`,
     :class:`Options`, budgets in bytes, settings).
 
-    The cost models are pure functions of their arguments and of the registered
-    strategies, whose names are part of the key; without the memo, the choices made
+    The cost models are pure functions of their arguments, of the registered
+    strategies, whose names are part of the key, and of whether a compiled step is
+    being traced (:func:`unrolled`), also part of the key; without the memo, the choices made
     for every layer of every call (``"auto"``, ``"streaming"``'s tiles, the norm
     routes, the whole-call planner's predictions) cost about as much Python time as a
     small layer's backward pass.
@@ -239,7 +241,7 @@ def cost_model(fn):
             hash(args)
         except TypeError:  # an unhashable argument (a list where a tuple goes)
             return fn(*args)
-        return cached(strategy_names(), *args)
+        return cached((strategy_names(), unrolled()), *args)
 
     wrapper.cache_clear = cached.cache_clear
     return wrapper
@@ -264,6 +266,15 @@ def batched(strategy: Strategy) -> bool:
     """Whether ``strategy`` runs a batch in a number of tensor operations that does not
     depend on N (its ``batched`` attribute; True when it has none)."""
     return getattr(strategy, "batched", True)
+
+
+def unrolled() -> bool:
+    """Whether the tensor operations running now are recorded into one graph (a
+    compiled step's trace, :func:`memconv._torch.tracing`): a loop over the samples
+    is then unrolled, N copies of its operations in the graph, which the compiler
+    reads, compiles and launches each; the choices made now keep to :func:`batched`
+    strategies where one fits (``"auto"``)."""
+    return tracing()
 
 
 #: A strategy that is not :func:`batched` is ranked by its predicted time times this
