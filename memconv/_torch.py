@@ -204,6 +204,33 @@ def compile_backend(model):
     return backend if callable(backend) else "inductor"
 
 
+#: Inductor options a traced per-sample step (one graph of a forward and a backward
+#: pass) compiles with where the model's own options leave them unset: inductor's
+#: reordering for locality moves kernels next to the ones sharing their inputs, which
+#: across such a graph keeps buffers alive far past their last use (torchvision's
+#: ResNet-18 with GroupNorm, batch 64, on the CPU: allocator peak 232 MiB with it, 166
+#: MiB without, the step's time the same).
+STEP_INDUCTOR_OPTIONS = {"reorder_for_locality": False}
+
+
+def step_backend(backend):
+    """The backend a traced per-sample step compiles with: inductor (``"inductor"`` or
+    a model's inductor with its mode and options) with :data:`STEP_INDUCTOR_OPTIONS`
+    beneath the model's own options; any other backend as it is."""
+    wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+    if wrapper is None:
+        return backend
+    if isinstance(backend, str) and backend == "inductor":
+        backend = wrapper(None, None, None)
+    if not isinstance(backend, wrapper):
+        return backend
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    options = {k: v for k, v in STEP_INDUCTOR_OPTIONS.items() if k in known}
+    return wrapper(None, {**options, **backend.config}, backend.dynamic)
+
+
 def module_hook_items(module: nn.Module):
     """``(kind, hook)`` for each of ``module``'s own forward, forward pre-, backward and
     backward pre-hooks."""

@@ -9,6 +9,7 @@ uncompiled model (itself tested against per-sample autograd loops elsewhere), an
 one case is checked against such a loop here too.
 """
 
+import json
 import warnings
 
 import pytest
@@ -420,3 +421,66 @@ def test_per_sample_routes_traced_as_the_eager_ones(strategy):
     for got, ref in pairs:
         assert_close(got, ref, TOL)
     assert step._prepared.traced.traces == 1
+
+
+def _loop_cheapest():
+    """A CPU calibration under which "auto" prices "loop" (one kernel call per sample)
+    below every batched strategy."""
+    from memconv.strategies import costs
+
+    data = json.loads(json.dumps(costs.calibration("cpu")))
+    data["time"]["loop"] = dict.fromkeys(data["time"]["loop"], 0.0)
+    data["time"]["operation"]["per_op"] = 0.0
+    return costs.using("cpu", data)
+
+
+def _conv_backward_calls(step) -> list[int]:
+    """Per traced graph, its ``convolution_backward`` nodes."""
+    target = torch.ops.aten.convolution_backward.default
+    return [
+        sum(node.target is target for node in entry.graph.graph.nodes)
+        for entry in step._prepared.traced.graphs.values()
+    ]
+
+
+def test_a_traced_step_keeps_to_batched_strategies():
+    """Where "auto" takes the per-sample loop eagerly, the traced step takes a batched
+    strategy: its graph does not grow with N (a loop would be unrolled into N kernel
+    calls per layer), and its numbers are the eager ones."""
+    from memconv.strategies.auto import choose
+    from memconv.strategies.base import NO_OPTIONS, Problem
+    from memconv.strategies.geometry import conv_spec
+
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    with _loop_cheapest():
+        geom = conv_spec(model[0]).operands(torch.zeros(4, *shape), torch.zeros(4, 4, 8, 8))
+        problem = Problem(geom.geometry, 4, shape[1:], 8, True)
+        assert choose(problem, NO_OPTIONS)[0].name == "loop"  # the eager plan's choice
+        compiled = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+        eager = memconv.PrivateStep(model, loss_fn)
+        for n in (4, 8):
+            x, y = _batch(shape, n=n)
+            for _ in range(3):  # eager plan, trace, compiled
+                got = compiled.per_sample_grads(x, y)
+            assert_close(got, eager.per_sample_grads(x, y), TOL)
+    calls = _conv_backward_calls(compiled)
+    assert len(calls) == 2 and calls[0] == calls[1], calls
+    assert calls[0] < 4 * 2  # fewer than one call per sample and layer at N=4
+
+
+def test_a_traced_step_compiles_with_the_models_inductor_options_first():
+    """Inductor's step options lie beneath the model's: a mode's options and the
+    model's own settings are kept, ``reorder_for_locality`` is off unless the model
+    sets it; another backend is passed as it is."""
+    from memconv._torch import STEP_INDUCTOR_OPTIONS, compile_backend, step_backend
+
+    model = nn.Linear(2, 2)
+    tuned = step_backend(compile_backend(torch.compile(model, mode="max-autotune-no-cudagraphs")))
+    assert tuned.config["max_autotune"] and not tuned.config["reorder_for_locality"]
+    assert step_backend("inductor").config == STEP_INDUCTOR_OPTIONS
+    own = torch.compile(model, options={"reorder_for_locality": True})
+    assert step_backend(compile_backend(own)).config["reorder_for_locality"] is True
+    assert step_backend("aot_eager") == "aot_eager"

@@ -7,7 +7,8 @@ layer rule's per-sample work (norms, clip factors, clipped sums, per-sample
 gradients) — into one graph of ATen operations (``torch.fx``'s ``make_fx``, which runs
 autograd, hooks and memconv's Python while it records), and hands that graph to the
 model's own compiler backend (``torch.compile`` with the backend, mode and options the
-model was compiled with; Dynamo sees one graph without a break). Later calls with the
+model was compiled with, inductor with :data:`memconv._torch.STEP_INDUCTOR_OPTIONS`
+beneath them; Dynamo sees one graph without a break). Later calls with the
 same plan, shapes and options run the compiled graph and none of memconv's Python.
 
 Exactness: the graph records the very operations the eager walk runs; float64 results
@@ -42,6 +43,7 @@ from .._torch import (
     check_random,
     first_line,
     make_fx_real,
+    step_backend,
     tree_flatten,
     tree_unflatten,
 )
@@ -167,7 +169,9 @@ class TracedSteps:
         check_random(graph)
         leaves = held["leaves"]
         constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, Tensor)}
-        compiled = torch.compile(graph, backend=backend, fullgraph=True, dynamic=False)
+        compiled = torch.compile(
+            graph, backend=step_backend(backend), fullgraph=True, dynamic=False
+        )
         entry = TracedGraph(graph, compiled, held["spec"], constants, seconds)
         logger.info(
             "memconv: traced the per-sample step of %s (%d nodes, %.1f s)",
