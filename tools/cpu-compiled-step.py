@@ -19,6 +19,13 @@ inductor's kernel profiling on), and the process's peak RSS. Each process compil
 with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` of its own unless set), so
 the first step's time includes a first compilation. Prints one JSON line per
 process and a Markdown table of ratios against the compiled non-private step.
+
+``--options JSON`` compiles with those inductor options (``torch.compile(model,
+options=...)``, which memconv's traced step keeps above its own). ``--run STEPS`` measures what a user's ``/usr/bin/time -v`` shows of a short training
+run instead: each process runs ``STEPS`` steps and nothing else (no profiler, no
+allocator replay), and reports the median step's time and the process's peak RSS
+(``ru_maxrss``, the import of torch included), in a table of ratios against the
+eager non-private run.
 """
 
 import argparse
@@ -56,7 +63,7 @@ def _launches(fn) -> int:
     return count
 
 
-def worker(tree: str, case: str, engine: str, batch: int, threads: int) -> dict:
+def worker(tree: str, case: str, engine: str, batch: int, threads: int, run_steps: int) -> dict:
     sys.path.insert(0, tree)
     import tempfile
 
@@ -84,7 +91,9 @@ def worker(tree: str, case: str, engine: str, batch: int, threads: int) -> dict:
     side = CASES[case]
     x, y = torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
     loss = nn.CrossEntropyLoss()
-    run = torch.compile(model) if engine.endswith("compiled") else model
+    compile_options = json.loads(os.environ.get("CPU_COMPILED_STEP_OPTIONS") or "null")
+    compiled = engine.endswith("compiled")
+    run = torch.compile(model, options=compile_options) if compiled else model
     step = memconv.PrivateStep(run, loss) if engine.startswith("memconv") else None
 
     def call():
@@ -94,6 +103,21 @@ def worker(tree: str, case: str, engine: str, batch: int, threads: int) -> dict:
         else:
             step.clip_and_accumulate(x, y, max_norm=1.0)
 
+    if run_steps:  # a short run, as a user's process runs it
+        times = []
+        for _ in range(run_steps):
+            w = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - w)
+        return {
+            "case": case,
+            "engine": engine,
+            "batch": batch,
+            "threads": threads,
+            "steps": run_steps,
+            "step_s": statistics.median(times),
+            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
     warm = 3 if engine == "memconv compiled" else 1
     start = time.perf_counter()
     for _ in range(warm):
@@ -155,6 +179,25 @@ def table(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def run_table(records: list[dict]) -> str:
+    rows = [
+        "| model | engine | steps | median step (s) | peak RSS (MiB) | × non-private |",
+        "|---|---|---|---|---|---|",
+    ]
+    for case in dict.fromkeys(r["case"] for r in records):
+        of = {r["engine"]: r for r in records if r["case"] == case}
+        base = of.get("non-private")
+        for engine in ENGINES:
+            r = of.get(engine)
+            if r is not None:
+                ratio = f"{r['rss_mib'] / base['rss_mib']:.2f}" if base else "–"
+                rows.append(
+                    f"| {case} | {engine} | {r['steps']} | {r['step_s']:.3f} | "
+                    f"{r['rss_mib']:.0f} | {ratio} |"
+                )
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -163,18 +206,27 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tree", default=os.path.dirname(os.path.dirname(__file__)) or ".")
     parser.add_argument("--json", help="append the records to this JSON Lines file")
+    parser.add_argument(
+        "--run", type=int, default=0, metavar="STEPS", help="a short run's peak RSS instead"
+    )
+    parser.add_argument(
+        "--options", metavar="JSON", help="inductor options of torch.compile, e.g. '{\"a\": 1}'"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("CASE", "ENGINE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     tree = os.path.abspath(args.tree)
     if args.worker:
-        record = worker(tree, *args.worker, args.batch, args.threads)
+        record = worker(tree, *args.worker, args.batch, args.threads, args.run)
         print(json.dumps(record))
         return 0
+    if args.options:
+        os.environ["CPU_COMPILED_STEP_OPTIONS"] = args.options
     records = []
     for case in args.cases:
         for engine in args.engines:
             cmd = [sys.executable, __file__, "--worker", case, engine, "--tree", tree]
             cmd += ["--batch", str(args.batch), "--threads", str(args.threads)]
+            cmd += ["--run", str(args.run)]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
                 print(out.stderr[-3000:], file=sys.stderr)
@@ -186,7 +238,7 @@ def main() -> int:
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(record) + "\n")
-    print(table(records))
+    print(run_table(records) if args.run else table(records))
     return 0
 
 
