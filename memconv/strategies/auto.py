@@ -16,14 +16,14 @@ A strategy whose number of operations grows with N (``"loop"``, one sample at a
 time: :func:`memconv.strategies.base.batched` is False) is a candidate too, priced
 with the device's per-operation cost times that number and ranked against the others
 by :func:`memconv.strategies.base.ranked_time` (a near tie goes to the batched
-route; while a compiled step is traced, :func:`memconv.strategies.base.unrolled`, it is
-not a candidate where a batched strategy does the layer in one piece within the budget:
-the trace would unroll its loop into N copies of its operations): on a CPU (some 5 µs an operation) it is taken where its arithmetic is cheaper
-by more than that — large maps and few channels, where torch's own kernel beats
-every batched route — and on a GPU, whose calibration prices an operation at a kernel
-launch (11 µs on an H200) and the arithmetic far lower, the batched routes win, which
-keeps a GPU step's number of operations flat in the batch. The device is priced, not
-named.
+route; while a compiled step is traced, :func:`memconv.strategies.base.unrolled`, it
+is not a candidate where a batched strategy does the layer in one piece within the
+budget: the trace would unroll its loop into N copies of its operations): on a CPU
+(some 5 µs an operation) it is taken where its arithmetic is cheaper by more than
+that — large maps and few channels, where torch's own kernel beats every batched
+route — and on a GPU, whose calibration prices an operation at a kernel launch (11 µs
+on an H200) and the arithmetic far lower, the batched routes win, which keeps a GPU
+step's number of operations flat in the batch. The device is priced, not named.
 """
 
 from __future__ import annotations
@@ -81,9 +81,8 @@ def choose(problem: Problem, options: Options):
     # split only where memory demands it: where a batched candidate does the layer in
     # one piece within the budget, the split ones are not considered (a piece repeats
     # its operations, so their number would grow with N); a candidate that loops over
-    # the samples competes by its price (ranked_time) with either pool
-    # a traced step (unrolled()) keeps to the batched ones where one fits: a loop over
-    # the samples would be unrolled into N copies of its operations
+    # the samples competes by its price (ranked_time) with either pool, except in a
+    # traced step (unrolled()), whose graph would hold N copies of its operations
     whole = [c for c in candidates if c[4] == 1 and batched(c[0])]
     if any(budget is None or c[2] <= budget for c in whole):
         pool = whole + ([] if unrolled() else [c for c in candidates if not batched(c[0])])

@@ -226,11 +226,11 @@ def cost_model(fn):
     :class:`Options`, budgets in bytes, settings).
 
     The cost models are pure functions of their arguments, of the registered
-    strategies, whose names are part of the key, and of whether a compiled step is
-    being traced (:func:`unrolled`), also part of the key; without the memo, the choices made
-    for every layer of every call (``"auto"``, ``"streaming"``'s tiles, the norm
-    routes, the whole-call planner's predictions) cost about as much Python time as a
-    small layer's backward pass.
+    strategies and of whether a compiled step is being traced (:func:`unrolled`), the
+    last two part of the key; without the memo, the choices made for every layer of
+    every call (``"auto"``, ``"streaming"``'s tiles, the norm routes, the whole-call
+    planner's predictions) cost about as much Python time as a small layer's backward
+    pass.
     """
     cached = functools.lru_cache(maxsize=4096)(lambda names, *args: fn(*args))
     _MEMOS.append(cached)
