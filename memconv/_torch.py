@@ -231,6 +231,18 @@ def step_backend(backend):
     return wrapper(None, {**options, **backend.config}, backend.dynamic)
 
 
+def graph_owned_outputs(backend) -> bool:
+    """Whether ``backend`` runs a graph as a CUDA graph whose outputs live in memory the
+    next replay overwrites (inductor with ``mode="reduce-overhead"``, its
+    ``triton.cudagraphs`` option, or the ``"cudagraphs"`` backend): a caller keeping
+    an output past the next call must copy it."""
+    name = backend if isinstance(backend, str) else getattr(backend, "compiler_name", None)
+    if name == "cudagraphs":
+        return True
+    config = getattr(backend, "config", None)
+    return bool(isinstance(config, dict) and config.get("triton.cudagraphs"))
+
+
 def module_hook_items(module: nn.Module):
     """``(kind, hook)`` for each of ``module``'s own forward, forward pre-, backward and
     backward pre-hooks."""

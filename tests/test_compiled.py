@@ -484,3 +484,32 @@ def test_a_traced_step_compiles_with_the_models_inductor_options_first():
     own = torch.compile(model, options={"reorder_for_locality": True})
     assert step_backend(compile_backend(own)).config["reorder_for_locality"] is True
     assert step_backend("aot_eager") == "aot_eager"
+
+
+def test_a_cuda_graph_backends_outputs_are_copied_before_they_become_grads():
+    """A CUDA graph's outputs live in memory its next replay overwrites: a traced step
+    compiled by such a backend copies them, so that ``.grad`` accumulated over steps
+    (micro-batches) holds each step's sum. On the CPU the ``"cudagraphs"`` backend runs
+    the graph as it is; the copy and the accumulation are what is checked."""
+    from memconv._torch import graph_owned_outputs
+
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the backend's note that the CPU has no CUDA graphs
+        compiled = memconv.PrivateStep(torch.compile(model, backend="cudagraphs"), loss_fn)
+        batches = [_batch(shape, seed=i) for i in range(4)]
+        model.zero_grad(set_to_none=True)
+        for x, y in batches:  # eager plan, trace, then compiled: accumulated
+            compiled.clip_and_accumulate(x, y, max_norm=0.5)
+        got = _grads(model)
+    eager = memconv.PrivateStep(model, loss_fn)
+    model.zero_grad(set_to_none=True)
+    for x, y in batches:
+        eager.clip_and_accumulate(x, y, max_norm=0.5)
+    assert_close(got, _grads(model), TOL)
+    (entry,) = compiled._prepared.traced.graphs.values()
+    assert entry.copy_outputs and entry.calls == 2
+    assert graph_owned_outputs("cudagraphs") and not graph_owned_outputs("aot_eager")

@@ -21,7 +21,19 @@ the first step's time includes a first compilation. Prints one JSON line per
 process and a Markdown table of ratios against the compiled non-private step.
 
 ``--options JSON`` compiles with those inductor options (``torch.compile(model,
-options=...)``, which memconv's traced step keeps above its own). ``--run STEPS`` measures what a user's ``/usr/bin/time -v`` shows of a short training
+options=...)``, which memconv's traced step keeps above its own); ``--mode`` with
+that mode (``reduce-overhead``: CUDA graphs) and ``--backend`` with another backend
+(``cudagraphs`` where a GPU's Python lacks triton, ``aot_eager`` for a dry run).
+``--device cuda`` runs on a GPU (times CUDA-synchronised, the allocator's peak from
+``torch.cuda.max_memory_allocated``, launches the kernel and graph launches the
+profiler sees). ``--mask`` gives every step the same physical batch with its last
+quarter masked out, as a padded Poisson batch is (``sample_mask=``; the non-private
+step sums the masked per-sample losses). A GPU runs it as ``python
+tools/cpu-compiled-step.py --device cuda --batch 256 --mode reduce-overhead --mask
+--cases convnext-atto vit-tiny nf-resnet26 cifar-resnet18-gn --engines "non-private
+compiled" "memconv compiled"`` (``tools/gpu-run.sh``'s ``compiled`` step).
+
+``--run STEPS`` measures what a user's ``/usr/bin/time -v`` shows of a short training
 run instead: each process runs ``STEPS`` steps and nothing else (no profiler, no
 allocator replay), and reports the median step's time and the process's peak RSS
 (``ru_maxrss``, the import of torch included), in a table of ratios against the
@@ -60,10 +72,13 @@ def _launches(fn) -> int:
             count += parent is None or not parent.name.startswith("aten::")
         elif "cpp_fused" in e.name or e.name.startswith("triton_"):
             count += 1
+        elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch"):
+            count += 1
     return count
 
 
-def worker(tree: str, case: str, engine: str, batch: int, threads: int, run_steps: int) -> dict:
+def worker(tree: str, case: str, engine: str, args) -> dict:
+    batch, threads, run_steps = args.batch, args.threads, args.run
     sys.path.insert(0, tree)
     import tempfile
 
@@ -79,6 +94,7 @@ def worker(tree: str, case: str, engine: str, batch: int, threads: int, run_step
 
     inductor_config.cpp.enable_kernel_profile = True  # the kernels, named, for the count
     torch.set_num_threads(threads)
+    device = torch.device(args.device)
     torch.manual_seed(0)
     build = {
         "cifar-resnet18-gn": models.resnet18_gn,
@@ -87,21 +103,34 @@ def worker(tree: str, case: str, engine: str, batch: int, threads: int, run_step
         "vit-tiny": models.vit_tiny,
         "nf-resnet26": models.nf_resnet26,
     }[case]
-    model = build()
+    model = build().to(device)
     side = CASES[case]
-    x, y = torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
-    loss = nn.CrossEntropyLoss()
+    x = torch.randn(batch, 3, side, side, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    mask = torch.arange(batch, device=device) < batch - batch // 4 if args.mask else None
+    # a masked batch: summed losses, the padded ones out (the unmasked runs: the mean)
+    loss = nn.CrossEntropyLoss(reduction="sum" if args.mask else "mean")
     compile_options = json.loads(os.environ.get("CPU_COMPILED_STEP_OPTIONS") or "null")
     compiled = engine.endswith("compiled")
-    run = torch.compile(model, options=compile_options) if compiled else model
+    kwargs = {"backend": args.backend} if args.backend else {}
+    if args.mode:
+        kwargs["mode"] = args.mode
+    elif compile_options:
+        kwargs["options"] = compile_options
+    run = torch.compile(model, **kwargs) if compiled else model
     step = memconv.PrivateStep(run, loss) if engine.startswith("memconv") else None
 
     def call():
         model.zero_grad(set_to_none=True)
-        if step is None:
+        if step is None and mask is None:
             loss(run(x), y).backward()
+        elif step is None:  # the padded samples' losses masked out
+            losses = nn.functional.cross_entropy(run(x), y, reduction="none")
+            (losses * mask).sum().backward()
         else:
-            step.clip_and_accumulate(x, y, max_norm=1.0)
+            step.clip_and_accumulate(x, y, max_norm=1.0, sample_mask=mask)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     if run_steps:  # a short run, as a user's process runs it
         times = []
@@ -115,6 +144,7 @@ def worker(tree: str, case: str, engine: str, batch: int, threads: int, run_step
             "batch": batch,
             "threads": threads,
             "steps": run_steps,
+            "device": device.type,
             "step_s": statistics.median(times),
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
@@ -129,13 +159,17 @@ def worker(tree: str, case: str, engine: str, batch: int, threads: int, run_step
         call()
         wall.append(time.perf_counter() - w)
         cpu.append(time.process_time() - c)
-    peak, _ = peak_allocated(call, torch.device("cpu"))
+    peak, _ = peak_allocated(call, device)
     launches = _launches(call)
     record = {
         "case": case,
         "engine": engine,
         "batch": batch,
         "threads": threads,
+        "device": device.type,
+        "mode": args.mode,
+        "backend": args.backend,
+        "mask": args.mask,
         "first_s": first,
         "wall_s": statistics.median(wall),
         "cpu_s": statistics.median(cpu),
@@ -212,24 +246,32 @@ def main() -> int:
     parser.add_argument(
         "--options", metavar="JSON", help="inductor options of torch.compile, e.g. '{\"a\": 1}'"
     )
+    parser.add_argument("--mode", help="torch.compile's mode, e.g. reduce-overhead")
+    parser.add_argument("--backend", help="torch.compile's backend (default: inductor)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--mask", action="store_true", help="mask the batch's last quarter")
     parser.add_argument("--worker", nargs=2, metavar=("CASE", "ENGINE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     tree = os.path.abspath(args.tree)
     if args.worker:
-        record = worker(tree, *args.worker, args.batch, args.threads, args.run)
+        record = worker(tree, *args.worker, args)
         print(json.dumps(record))
         return 0
     if args.options:
         os.environ["CPU_COMPILED_STEP_OPTIONS"] = args.options
-    records = []
+    records, failed = [], 0
     for case in args.cases:
         for engine in args.engines:
             cmd = [sys.executable, __file__, "--worker", case, engine, "--tree", tree]
             cmd += ["--batch", str(args.batch), "--threads", str(args.threads)]
-            cmd += ["--run", str(args.run)]
+            cmd += ["--run", str(args.run), "--device", args.device]
+            cmd += ["--mode", args.mode] if args.mode else []
+            cmd += ["--backend", args.backend] if args.backend else []
+            cmd += ["--mask"] if args.mask else []
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
                 print(out.stderr[-3000:], file=sys.stderr)
+                failed += 1
                 continue
             record = json.loads(out.stdout.strip().splitlines()[-1])
             record["load_average"] = os.getloadavg()[0]
@@ -239,7 +281,7 @@ def main() -> int:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(record) + "\n")
     print(run_table(records) if args.run else table(records))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

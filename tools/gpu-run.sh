@@ -26,9 +26,17 @@
 #   suite.tar.gz            `memconv suite --device cuda`'s JSON Lines and refilled page,
 #                           in what is left of the budget
 #
+# STEPS=compiled runs only the compiled DP step against the compiled non-private step
+# instead (tools/cpu-compiled-step.py --device cuda: batch 256, mode="reduce-overhead",
+# CUDA graphs, a fixed-shape batch with its last quarter masked; BACKEND=cudagraphs
+# where the machine's Python lacks triton), one engine per process, into
+#   compiled.jsonl          one record per model and engine (first step, step, allocator
+#                           peak, launches), and its table in log.txt
+#
 # Environment: OUT (required); PYTHON (python3); WHEELS (wheels); GPU_TIME_BUDGET
 # (seconds for everything, 450: done within 8 minutes on one H100 or H200); DEVICE
-# (cuda; cpu with QUICK=1 is a dry run of seconds per step on any machine).
+# (cuda; cpu with QUICK=1 is a dry run of seconds per step on any machine); STEPS
+# (all, or compiled); BACKEND (STEPS=compiled: inductor, or cudagraphs).
 set -u
 OUT=${OUT:?set OUT to the folder the results go to}
 PY=${PYTHON:-python3}
@@ -36,6 +44,8 @@ WHEELS=${WHEELS:-wheels}
 BUDGET=${GPU_TIME_BUDGET:-450}
 DEVICE=${DEVICE:-cuda}
 QUICK=${QUICK:-}
+STEPS=${STEPS:-all}
+BACKEND=${BACKEND:-}
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 mkdir -p "$OUT"
@@ -89,6 +99,17 @@ EOF
     command -v nvidia-smi >/dev/null && nvidia-smi
 } >"$OUT/env.txt" 2>&1
 log "environment in env.txt"
+
+if [ "$STEPS" = compiled ]; then
+    # a dry run: a small batch, no code generation, no CUDA graphs
+    compiled=(--batch 256 --mode reduce-overhead --cases convnext-atto vit-tiny nf-resnet26 cifar-resnet18-gn)
+    [ -n "$QUICK" ] && compiled=(--batch 8 --backend aot_eager --cases convnext-atto)
+    [ -n "$BACKEND" ] && [ -z "$QUICK" ] && compiled+=(--backend "$BACKEND")
+    run compiled "$(left)" "$PY" tools/cpu-compiled-step.py --device "$DEVICE" --mask "${compiled[@]}" \
+        --engines "non-private compiled" "memconv compiled" --json "$OUT/compiled.jsonl"
+    log "done in $(($(date +%s) - START)) s"
+    exit 0
+fi
 
 quick=()
 [ -n "$QUICK" ] && quick=(--quick --repeats 2)

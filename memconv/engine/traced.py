@@ -42,6 +42,7 @@ from .._torch import (
     check_hooks,
     check_random,
     first_line,
+    graph_owned_outputs,
     make_fx_real,
     step_backend,
     tree_flatten,
@@ -67,6 +68,9 @@ class TracedGraph:
         compile_seconds: seconds the first compiled call took (compilation included;
             None until it ran).
         calls: compiled calls so far.
+        copy_outputs: the backend's outputs live in memory its next call overwrites (a
+            CUDA graph's, :func:`memconv._torch.graph_owned_outputs`): each is copied
+            before it is returned, as it may become a ``.grad`` kept across steps.
     """
 
     graph: nn.Module
@@ -76,11 +80,15 @@ class TracedGraph:
     trace_seconds: float
     compile_seconds: float | None = None
     calls: int = 0
+    copy_outputs: bool = False
 
     def __call__(self, tensors: tuple[Tensor, ...]):
         start = time.perf_counter()
         with torch.no_grad():  # the graph holds its backward pass as operations
-            outputs = iter(self.compiled(*tensors))
+            outputs = self.compiled(*tensors)
+            if self.copy_outputs:
+                outputs = [t.clone() for t in outputs]
+            outputs = iter(outputs)
         if self.compile_seconds is None:
             self.compile_seconds = time.perf_counter() - start
         self.calls += 1
@@ -169,10 +177,16 @@ class TracedSteps:
         check_random(graph)
         leaves = held["leaves"]
         constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, Tensor)}
-        compiled = torch.compile(
-            graph, backend=step_backend(backend), fullgraph=True, dynamic=False
+        backend = step_backend(backend)
+        compiled = torch.compile(graph, backend=backend, fullgraph=True, dynamic=False)
+        entry = TracedGraph(
+            graph,
+            compiled,
+            held["spec"],
+            constants,
+            seconds,
+            copy_outputs=graph_owned_outputs(backend),
         )
-        entry = TracedGraph(graph, compiled, held["spec"], constants, seconds)
         logger.info(
             "memconv: traced the per-sample step of %s (%d nodes, %.1f s)",
             type(model).__name__,
