@@ -188,28 +188,33 @@ def worker(tree: str, case: str, engine: str, args) -> dict:
     return record
 
 
+def _by_case(records: list[dict], base_engine: str):
+    """``(case, engine, record, the case's record of base_engine or None)`` in the
+    order of the cases met and of :data:`ENGINES`."""
+    for case in dict.fromkeys(r["case"] for r in records):
+        of = {r["engine"]: r for r in records if r["case"] == case}
+        for engine in ENGINES:
+            if engine in of:
+                yield case, engine, of[engine], of.get(base_engine)
+
+
+def _ratio(r: dict, base: dict | None, key: str) -> str:
+    return f"{r[key] / base[key]:.2f}" if base and base[key] else "–"
+
+
 def table(records: list[dict]) -> str:
     rows = [
         "| model | engine | first step (s) | step (s) | × compiled non-private | allocator "
         "(MiB) | × | launches | × | peak RSS (MiB) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for case in dict.fromkeys(r["case"] for r in records):
-        of = {r["engine"]: r for r in records if r["case"] == case}
-        base = of.get("non-private compiled")
-        for engine in ENGINES:
-            r = of.get(engine)
-            if r is None:
-                continue
-
-            def ratio(key, r=r, base=base):
-                return f"{r[key] / base[key]:.2f}" if base and base[key] else "–"
-
-            rows.append(
-                f"| {case} | {engine} | {r['first_s']:.1f} | {r['wall_s']:.3f} | "
-                f"{ratio('wall_s')} | {r['peak_mib']:.0f} | {ratio('peak_mib')} | "
-                f"{r['launches']} | {ratio('launches')} | {r['rss_mib']:.0f} |"
-            )
+    for case, engine, r, base in _by_case(records, "non-private compiled"):
+        rows.append(
+            f"| {case} | {engine} | {r['first_s']:.1f} | {r['wall_s']:.3f} | "
+            f"{_ratio(r, base, 'wall_s')} | {r['peak_mib']:.0f} | "
+            f"{_ratio(r, base, 'peak_mib')} | {r['launches']} | "
+            f"{_ratio(r, base, 'launches')} | {r['rss_mib']:.0f} |"
+        )
     return "\n".join(rows)
 
 
@@ -218,17 +223,11 @@ def run_table(records: list[dict]) -> str:
         "| model | engine | steps | median step (s) | peak RSS (MiB) | × non-private |",
         "|---|---|---|---|---|---|",
     ]
-    for case in dict.fromkeys(r["case"] for r in records):
-        of = {r["engine"]: r for r in records if r["case"] == case}
-        base = of.get("non-private")
-        for engine in ENGINES:
-            r = of.get(engine)
-            if r is not None:
-                ratio = f"{r['rss_mib'] / base['rss_mib']:.2f}" if base else "–"
-                rows.append(
-                    f"| {case} | {engine} | {r['steps']} | {r['step_s']:.3f} | "
-                    f"{r['rss_mib']:.0f} | {ratio} |"
-                )
+    for case, engine, r, base in _by_case(records, "non-private"):
+        rows.append(
+            f"| {case} | {engine} | {r['steps']} | {r['step_s']:.3f} | "
+            f"{r['rss_mib']:.0f} | {_ratio(r, base, 'rss_mib')} |"
+        )
     return "\n".join(rows)
 
 
