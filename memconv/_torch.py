@@ -423,11 +423,12 @@ def check_constants(graph: nn.Module, model: nn.Module) -> None:
 _PURE_HOOKS = ("BasePruningMethod", "WeightNorm")
 
 
-def check_hooks(model: nn.Module) -> None:
+def check_hooks(model: nn.Module, allowed: tuple = ()) -> None:
     """Refuse a model whose modules hold hooks that may act outside their tensors'
     computation (store an activation, log, count): a trace runs them once, and the
     compiled step would not run them again. Pruning's and weight normalisation's hooks,
-    which only compute a weight, are kept.
+    which only compute a weight, are kept, and so are the hook functions in ``allowed``
+    (those whose effects the traced step returns as its outputs).
 
     Raises:
         NotTraceable: naming the module and the hook.
@@ -437,6 +438,8 @@ def check_hooks(model: nn.Module) -> None:
     for name, module in model.named_modules():
         for kind, hook in module_hook_items(module):
             if any(c.__name__ in _PURE_HOOKS for c in type(hook).__mro__):
+                continue
+            if any(hook is a for a in allowed):
                 continue
             what = getattr(hook, "__qualname__", type(hook).__name__)
             raise NotTraceable(

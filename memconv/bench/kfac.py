@@ -54,7 +54,12 @@ from ..strategies import costs
 from .runner import JsonLines, run_in_subprocess
 from .second_order import MODELS, RESIDUAL
 
-ENGINES = ("plain", "kfac", "kfac-reduce", "backpack")
+#: The engines of the floor's table (the default run).
+FLOOR_ENGINES = ("plain", "kfac", "kfac-reduce", "backpack")
+#: Every engine: the floor's, and the compiled steps against curvlinops' KFAC.
+ENGINES = (*FLOOR_ENGINES, "plain-compiled", "kfac-compiled", "curvlinops")
+#: Each model's classes V.
+CLASSES = {"allcnnc": 100, "resnet18": 10}
 #: The side of the square matrices whose product measures the GEMM rate.
 GEMM_SIDE = 4096
 
@@ -172,13 +177,16 @@ def _step(engine: str, model_name: str, net: nn.Module):
     from backpack import backpack, extend, extensions
 
     loss_fn = nn.CrossEntropyLoss()
-    if engine == "plain":
+    if engine in ("plain", "plain-compiled"):
+        run = torch.compile(net) if engine == "plain-compiled" else net
 
         def plain(x, y):
             net.zero_grad(set_to_none=True)
-            loss_fn(net(x), y).backward()
+            loss_fn(run(x), y).backward()
 
         return plain
+    if engine == "curvlinops":
+        return _curvlinops_step(net)
     from memconv.integrations import backpack as mb
     from memconv.integrations.backpack.kronecker import module_extension
 
@@ -194,16 +202,39 @@ def _step(engine: str, model_name: str, net: nn.Module):
                 if module_ext is not None:
                     ext.set_module_extension(cls, module_ext, overwrite=True)
     loss_fn = extend(loss_fn)
+    compiled = torch.compile(model) if engine == "kfac-compiled" else None
 
     def kfac(x, y):
         model.zero_grad(set_to_none=True)
-        with backpack(ext):
-            loss_fn(model(x), y).backward()
+        if compiled is not None:
+            mb.step(compiled, loss_fn, x, y, ext)
+        else:
+            with backpack(ext):
+                loss_fn(model(x), y).backward()
         for p in model.parameters():
             if hasattr(p, "kfac"):
                 delattr(p, "kfac")
 
     return kfac
+
+
+def _curvlinops_step(net: nn.Module):
+    """curvlinops' ``KFACLinearOperator`` (its factors computed, one Monte-Carlo sample,
+    ``kfac_approx="expand"``) on the convolution and Linear weights, the layers it
+    covers (biases stay out of it)."""
+    from curvlinops import KFACLinearOperator
+
+    params = [m.weight for m in net.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+
+    def curvlinops_kfac(x, y):
+        options = {"fisher_type": "mc", "kfac_approx": "expand"}
+        data = [(x, y)]
+        op = KFACLinearOperator(
+            net, nn.CrossEntropyLoss(), params, data, check_deterministic=False, **options
+        )
+        op.compute_kronecker_factors()
+
+    return curvlinops_kfac
 
 
 def _inputs(model_name: str, classes: int, batch: int):
@@ -225,7 +256,11 @@ def measure(engine: str, model: str, classes: int, batch: int, steps: int = 5) -
     net, x, y = _inputs(model, classes, batch)
     macs = floor(conv_layers(net, x))
     step = _step(engine, model, net)
-    step(x, y)
+    warm_up = []
+    for _ in range(2):  # a compiled engine: its trace, then its compilation
+        start = time.perf_counter()
+        step(x, y)
+        warm_up.append(time.perf_counter() - start)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -235,6 +270,7 @@ def measure(engine: str, model: str, classes: int, batch: int, steps: int = 5) -
     return {
         "time_s": statistics.median(times),
         "best_s": min(times),
+        "warm_up_s": warm_up,
         "gemm_macs_per_s": rate,
         "floor_macs": macs["total"],
         "plain_floor_macs": macs["plain"],
@@ -264,7 +300,8 @@ def operation_counts(model: str, classes: int, batch: int, pricing: str = "cpu")
 
 
 def run(args) -> list[dict]:
-    log = JsonLines(args.json, {"command": "kfac", "repeats": args.repeats}) if args.json else None
+    header = {"command": "kfac", "repeats": args.repeats}
+    log = JsonLines(args.json, header) if args.json else None
     rows = []
 
     def emit(row):
@@ -273,20 +310,19 @@ def run(args) -> list[dict]:
             log.write(row)
         print(json.dumps(row), flush=True)
 
-    for model, classes in (("allcnnc", 100), ("resnet18", 10)):
-        for pricing in ("cpu", "cuda"):
+    for model, classes in CLASSES.items():
+        for pricing in ("cpu", "cuda") if args.op_counts else ():
             counts = operation_counts(model, classes, args.batch, pricing)
-            emit({"record": "ops", "model": model, "classes": classes, "batch": args.batch,
-                  "pricing": pricing, **counts})  # fmt: skip
+            case = {"model": model, "classes": classes, "batch": args.batch}
+            emit({"record": "ops", **case, "pricing": pricing, **counts})
+    classes = CLASSES[args.model]
+    case = {"model": args.model, "classes": classes, "batch": args.batch}
     for repeat in range(0 if args.counts else args.repeats):
         for engine in args.engines:
-            config = {
-                "call": "memconv.bench.kfac:measure",
-                "args": {"engine": engine, "model": "allcnnc", "classes": 100,
-                         "batch": args.batch, "steps": args.steps},
-            }  # fmt: skip
-            emit({"record": "time", "engine": engine, "repeat": repeat, "model": "allcnnc",
-                  "classes": 100, "batch": args.batch, **run_in_subprocess(config, timeout=900)})  # fmt: skip
+            call = {"engine": engine, **case, "steps": args.steps}
+            config = {"call": "memconv.bench.kfac:measure", "args": call}
+            result = run_in_subprocess(config, timeout=900)
+            emit({"record": "time", "engine": engine, "repeat": repeat, **case, **result})
     return rows
 
 
@@ -325,8 +361,11 @@ def summary(rows: list[dict]) -> str:
         )
     floors = [r["floor_s"] for r in times]
     if floors:
-        lines.append(f"\nKFAC floor: {times[0]['floor_macs'] / 1e9:.2f} G multiply-adds "
-                     f"({min(floors):.3f} s at the best GEMM rate).")  # fmt: skip
+        macs = times[0]["floor_macs"] / 1e9
+        best = min(floors)
+        lines.append(
+            f"\nKFAC floor: {macs:.2f} G multiply-adds ({best:.3f} s at the best GEMM rate)."
+        )
     return "\n".join(lines)
 
 
@@ -343,7 +382,19 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per engine")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per process")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--engines", type=lambda s: s.split(","), default=list(ENGINES))
+    parser.add_argument(
+        "--engines",
+        type=lambda s: s.split(","),
+        default=list(FLOOR_ENGINES),
+        help=f"comma-separated, of {','.join(ENGINES)} (default: {','.join(FLOOR_ENGINES)})",
+    )
+    parser.add_argument("--model", choices=list(CLASSES), default="allcnnc", help="timed model")
+    parser.add_argument(
+        "--no-op-counts",
+        dest="op_counts",
+        action="store_false",
+        help="skip the operation counts (times only)",
+    )
     parser.add_argument(
         "--layers", action="store_true", help="print the per-layer floor and plans only"
     )

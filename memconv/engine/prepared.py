@@ -75,7 +75,7 @@ from .planning import Plan, Profile, make_plan, profile
 from .probes import CallAxes, ProbeMismatch, owner_names
 from .request import Batch, Request
 from .resources import guards, resolve_budget
-from .traced import TracedSteps
+from .traced import TracedSteps, tensor_key
 
 
 def unwrap_compiled(model):
@@ -312,7 +312,7 @@ class Prepared:
                 self._serial.get(request.task),
                 request.key(),
                 options,
-                *(_tensor_key(t) for t in (batch.inputs, batch.targets, *extra)),
+                *(tensor_key(t) for t in (batch.inputs, batch.targets, *extra)),
             )
             return self.traced.run(
                 key,
@@ -454,13 +454,6 @@ class Prepared:
                 p.task != "clip" or request.clip_route is not None or p.clip_route == "book-keeping"
             )
         )
-
-
-def _tensor_key(t) -> tuple:
-    """What a traced graph depends on of a tensor besides its values."""
-    if not isinstance(t, Tensor):
-        return (type(t).__name__,)
-    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.is_contiguous())
 
 
 #: The attribute of a model under which the plain functions keep its :class:`Prepared`.

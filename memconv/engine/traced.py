@@ -54,6 +54,13 @@ from .request import Batch
 logger = logging.getLogger(__name__)
 
 
+def tensor_key(t) -> tuple:
+    """What a traced graph depends on of a tensor besides its values."""
+    if not isinstance(t, Tensor):
+        return (type(t).__name__,)
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.is_contiguous())
+
+
 @dataclass
 class TracedGraph:
     """One traced step and its compiled form.
@@ -101,17 +108,27 @@ class TracedGraph:
 
 @dataclass
 class TracedSteps:
-    """The traced steps of one :class:`memconv.engine.prepared.Prepared`, by key.
+    """The traced steps of one model (a :class:`memconv.engine.prepared.Prepared`'s, or
+    :func:`memconv.integrations.backpack.step`'s), by key.
 
     Attributes:
         graphs: ``{key: TracedGraph}``.
         refused: ``{key: reason}`` of steps that run eagerly.
         traces: how many traces were made.
+        what: the step, as the refusal's warning names it.
+        hooks: module hook functions the step runs itself, whose effects it returns
+            (:func:`memconv._torch.check_hooks`'s ``allowed``).
+        random: whether the step may draw random numbers (its forward pass runs once,
+            so one draw serves the whole graph); refused otherwise
+            (:func:`memconv._torch.check_random`).
     """
 
     graphs: dict = field(default_factory=dict)
     refused: dict = field(default_factory=dict)
     traces: int = 0
+    what: str = "per-sample step"
+    hooks: tuple = ()
+    random: bool = False
     _warned: set = field(default_factory=set)
 
     def forget(self) -> None:
@@ -163,7 +180,7 @@ class TracedSteps:
             held.update(result=result, spec=spec, leaves=leaves)
             return [v for v in leaves if isinstance(v, Tensor)]
 
-        check_hooks(model)
+        check_hooks(model, self.hooks)
         start = time.perf_counter()
         try:
             graph = make_fx_real(step, (batch.inputs, batch.targets, *extra))
@@ -174,7 +191,8 @@ class TracedSteps:
         seconds = time.perf_counter() - start
         self.traces += 1
         check_constants(graph, model)
-        check_random(graph)
+        if not self.random:
+            check_random(graph)
         leaves = held["leaves"]
         constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, Tensor)}
         backend = step_backend(backend)
@@ -188,7 +206,8 @@ class TracedSteps:
             copy_outputs=graph_owned_outputs(backend),
         )
         logger.info(
-            "memconv: traced the per-sample step of %s (%d nodes, %.1f s)",
+            "memconv: traced the %s of %s (%d nodes, %.1f s)",
+            self.what,
             type(model).__name__,
             len(graph.graph.nodes),
             seconds,
@@ -201,7 +220,7 @@ class TracedSteps:
             return
         self._warned.add(reason)
         warnings.warn(
-            f"memconv: the per-sample step of the torch.compile'd {type(model).__name__} "
+            f"memconv: the {self.what} of the torch.compile'd {type(model).__name__} "
             f"runs eagerly, not compiled: {reason}. The numbers are the eager path's. "
             "Remove what the message names from the step (a host read such as .item() "
             "or data-dependent control flow in forward, a tensor held outside the model "
@@ -218,4 +237,5 @@ __all__ = [
     "check_constants",
     "check_hooks",
     "check_random",
+    "tensor_key",
 ]

@@ -421,6 +421,17 @@ def _routed_exit(block, *exc):
         block._memconv_installed = ()
 
 
+def step(model, lossfunc, inputs, targets, *extensions):
+    """``with backpack(*extensions): lossfunc(model(inputs), targets).backward()`` as one
+    call, compiled for a ``torch.compile``'d model: traced once per shapes and settings
+    and run as one compiled graph (:func:`memconv.integrations.backpack.compiled.step`,
+    whose docstring gives the arguments, returns, errors and warnings)."""
+    _require()
+    from .compiled import step as run
+
+    return run(model, lossfunc, inputs, targets, *extensions)
+
+
 #: Trainable layers BackPACK's BatchGrad supports (checked before any work).
 _SUPPORTED = (
     nn.Linear,

@@ -31,6 +31,7 @@ import copy
 import math
 
 from backpack.core.derivatives.adaptive_avg_pool_nd import AdaptiveAvgPoolNDDerivatives
+from backpack.core.derivatives.avgpoolnd import AvgPoolNDDerivatives
 from backpack.core.derivatives.batchnorm_nd import BatchNormNdDerivatives
 from backpack.core.derivatives.permute import PermuteDerivatives
 from backpack.custom_module.permute import Permute
@@ -45,6 +46,7 @@ from backpack.extensions.secondorder.hbp.hbpbase import HBPBaseModule
 from backpack.extensions.secondorder.hbp.linear import HBPLinear
 from backpack.utils.errors import batch_norm_raise_error_if_train
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from ..._checks import KFAC_APPROXIMATIONS, KRON_GROUPS, check_budget, check_choice
 from ...conv.kronecker import block_diagonal, input_factor, output_factor
@@ -66,9 +68,10 @@ _CONVS = {
     nn.ConvTranspose3d: (HBPConvTransposeNd, 3),
 }
 _POOLS = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}
+_AVG_POOLS = {nn.AvgPool1d: 1, nn.AvgPool2d: 2, nn.AvgPool3d: 3}
 #: The layers besides convolutions (and ``nn.Linear``, a class memconv converts) that
 #: memconv gives module extensions for.
-OTHER_LAYERS = (*_POOLS, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, Permute)
+OTHER_LAYERS = (*_POOLS, *_AVG_POOLS, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, Permute)
 
 
 class _KroneckerWeight:
@@ -154,6 +157,53 @@ class AdaptiveAvgPoolDerivatives(AdaptiveAvgPoolNDDerivatives):
         rows = self._spread(module, mat.reshape(-1, *out_shape), 2).reshape(mat.shape[0], -1)
         both = self._spread(module, rows.T.reshape(-1, *out_shape), 2)
         return both.reshape(math.prod(in_shape), math.prod(in_shape))
+
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _per_axis(value, dims: int) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
+
+
+class AvgPoolDerivatives(AvgPoolNDDerivatives):
+    """BackPACK's ``AvgPoolNDDerivatives`` with its constant kernel a tensor in the
+    input's dtype: BackPACK builds a float32 ``ConvNd`` module and sets its weight's
+    ``.data``, which fails on float64 inputs and which a traced step cannot see (the
+    module's random initial weight would be read instead; :func:`memconv.integrations.
+    backpack.step`). The Jacobian is BackPACK's: a convolution of each channel with
+    the constant ``1/K`` kernel (``count_include_pad=True``, which BackPACK asserts)."""
+
+    def _geometry(self, module, like: Tensor) -> tuple:
+        stride, kernel, padding = (
+            _per_axis(v, self.N) for v in self.get_avg_pool_parameters(module)
+        )
+        weight = like.new_full((1, 1, *kernel), 1.0 / math.prod(kernel))
+        return weight, stride, kernel, padding
+
+    # BackPACK's private helpers (name-mangled), the only place its kernel is made
+    def _AvgPoolNDDerivatives__apply_jacobian_of(self, module, mat: Tensor) -> Tensor:
+        weight, stride, _, padding = self._geometry(module, mat)
+        return _CONV[self.N](mat, weight, stride=stride, padding=padding)
+
+    def _AvgPoolNDDerivatives__apply_jacobian_t_of(self, module, mat: Tensor) -> Tensor:
+        weight, stride, kernel, padding = self._geometry(module, mat)
+        sizes = zip(module.input0.shape[2:], mat.shape[2:], stride, padding, kernel)
+        extra = [i - ((o - 1) * s - 2 * p + k) for i, o, s, p, k in sizes]
+        return _CONV_TRANSPOSE[self.N](
+            mat, weight, stride=stride, padding=padding, output_padding=extra
+        )
+
+
+def pool_derivatives(module_class) -> AdaptiveAvgPoolDerivatives | AvgPoolDerivatives | None:
+    """memconv's derivatives of an (adaptive) average-pooling class, None for others."""
+    kinds = ((_POOLS, AdaptiveAvgPoolDerivatives), (_AVG_POOLS, AvgPoolDerivatives))
+    for pools, derivatives in kinds:
+        for pool, dims in pools.items():
+            if issubclass(module_class, pool):
+                return derivatives(N=dims)
+    return None
 
 
 class HBPBatchNormNd(HBPBaseModule):
@@ -251,12 +301,13 @@ class HBPPermute(HBPBaseModule):
         super().__init__(derivatives=PermuteDerivatives())
 
 
-class HBPAdaptiveAvgPoolNd(HBPBaseModule):
+class HBPAvgPoolNd(HBPBaseModule):
     """BackPACK's Kronecker-factored extensions on ``AdaptiveAvgPool1d/2d/3d`` (an
-    input size that is a multiple of the output's; BackPACK raises otherwise)."""
+    input size that is a multiple of the output's; BackPACK raises otherwise) and
+    ``AvgPool1d/2d/3d``, with :func:`pool_derivatives`."""
 
-    def __init__(self, dims: int):
-        super().__init__(derivatives=AdaptiveAvgPoolDerivatives(N=dims))
+    def __init__(self, derivatives):
+        super().__init__(derivatives=derivatives)
 
 
 def module_extension(
@@ -268,7 +319,7 @@ def module_extension(
         ext: a BackPACK extension object.
         module_class: a layer class: ``torch.nn.Conv1d/2d/3d``,
             ``ConvTranspose1d/2d/3d`` or a subclass (memconv's),
-            ``AdaptiveAvgPool1d/2d/3d``, or ``BatchNorm1d/2d/3d`` (KFAC and KFLR; in
+            ``AdaptiveAvgPool1d/2d/3d``, ``AvgPool1d/2d/3d``, or ``BatchNorm1d/2d/3d`` (KFAC and KFLR; in
             eval mode), ``nn.Linear`` (KFAC and KFLR; on ``[N, *, C_in]`` as well as
             ``[N, C_in]``) or BackPACK's converter's ``Permute`` (KFAC and KFLR).
             :data:`OTHER_LAYERS` lists the classes besides convolutions and Linear.
@@ -299,9 +350,9 @@ def module_extension(
     check_budget(memory_budget, available=False, where="module_extension")
     if not isinstance(ext, KRONECKER) or not isinstance(module_class, type):
         return None
-    for pool, dims in _POOLS.items():
-        if issubclass(module_class, pool):
-            return HBPAdaptiveAvgPoolNd(dims)
+    pool = pool_derivatives(module_class)
+    if pool is not None:
+        return HBPAvgPoolNd(pool)
     if issubclass(module_class, Permute):
         # KFRA backpropagates a batch average, which Permute's derivatives lack
         return None if isinstance(ext, KFRA) else HBPPermute()

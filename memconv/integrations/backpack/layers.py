@@ -70,7 +70,7 @@ from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
 from backpack.utils.subsampling import subsample
 from torch import Tensor, nn
 
-from .kronecker import _POOLS, AdaptiveAvgPoolDerivatives, _gram
+from .kronecker import _AVG_POOLS, _POOLS, _gram, pool_derivatives
 from .naming import describe
 
 
@@ -276,7 +276,7 @@ DERIVATIVES = {
 }
 #: The layer classes :func:`module_extension` covers (``nn.Identity``: for
 #: ``{Batch}DiagHessian`` only, which BackPACK's lack).
-LAYERS = (*DERIVATIVES, *_POOLS, nn.Identity)
+LAYERS = (*DERIVATIVES, *_POOLS, *_AVG_POOLS, nn.Identity)
 _DIAG_GGN = (DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC)
 _PER_SAMPLE = (BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian)
 
@@ -348,10 +348,10 @@ def module_extension(ext, module_class):
     if cls is nn.Identity:
         hessian = isinstance(ext, (DiagHessian, BatchDiagHessian))
         return DiagHBaseModule(derivatives=IdentityDerivatives()) if hessian else None
-    if cls in _POOLS:  # BackPACK's own pooling derivatives, in the input's dtype
+    if cls in _POOLS or cls in _AVG_POOLS:  # BackPACK's pooling, in the input's dtype
         if isinstance(ext, (KFAC, KFLR, KFRA)):
             return None  # :mod:`.kronecker`'s
-        d, params = AdaptiveAvgPoolDerivatives(N=_POOLS[cls]), []
+        d, params = pool_derivatives(cls), []
     else:
         d, params = DERIVATIVES[cls](), PARAMS[cls]
     if isinstance(ext, _DIAG_GGN):

@@ -1,0 +1,280 @@
+"""BackPACK's extensions on a ``torch.compile``'d model: one compiled graph per step.
+
+:func:`step` is BackPACK's ::
+
+    with backpack(*extensions):
+        loss = lossfunc(model(inputs), targets)
+        loss.backward()
+
+as one call. For a ``torch.compile``'d model, the whole step — the forward pass with
+BackPACK's hooks, the backward pass with every extension's backpropagated quantities
+and module extensions (memconv's where :func:`memconv.integrations.backpack.install`
+put them) — is traced once per shapes and settings into one graph of ATen operations
+(``make_fx``, as for the compiled per-sample step: :mod:`memconv.engine.traced`) and
+compiled by the model's own backend, mode and options. Later steps run the compiled
+graph and none of BackPACK's Python; its outputs become ``.grad`` (accumulated, as
+``backward()`` does) and the extensions' savefields (``param.kfac``,
+``param.diag_ggn_exact``, ...). curvlinops computes its compiled KFAC the same way (the
+per-batch computation traced with ``make_fx`` and compiled).
+
+While tracing, three host reads of BackPACK's whose outcome the step itself fixes are
+skipped (:func:`_fixed_host_reads`): the loss module's check that ``backward()`` starts
+at its output (the step starts it there), ``torch.distributions``' validation of the
+softmax probabilities the Monte-Carlo extensions sample from, and the range check of
+the one-hot encoding of the sampled classes.
+
+Random numbers: the Monte-Carlo extensions (``KFAC``, ``DiagGGNMC``, ``SqrtGGNMC``)
+draw their samples inside the graph. The forward pass runs once in it, so the draws
+are consistent within a step. A backend that runs ATen's operations as they are
+(``"eager"``, ``"aot_eager"``) draws from torch's generator as eager BackPACK does, the
+same numbers under the same seed; inductor draws from its own generator: the same
+distribution, other numbers.
+
+What the trace cannot keep is refused and that step runs eagerly, with a warning naming
+it (once per model and reason): a host read in the model's forward, a tensor read from
+outside the model and the inputs, hooks of other code on the model's modules, a
+compiler error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+from ..._torch import compile_backend, compiled_inner, tracing
+from ...conv import settings as context
+from ...engine.request import Batch
+from ...engine.traced import TracedSteps, tensor_key
+
+#: Each compiled model's traced steps, by its eager module.
+_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def step(model: nn.Module, lossfunc, inputs: Tensor, targets: Tensor, *extensions) -> Tensor:
+    """One forward and backward pass under BackPACK's extensions, compiled for a
+    ``torch.compile``'d model.
+
+    Equivalent to ``with backpack(*extensions): lossfunc(model(inputs),
+    targets).backward()``: the parameters' ``.grad`` accumulate the loss's gradient and
+    each extension's savefield is set on them. For a model that is not compiled, that
+    is what runs. For a ``torch.compile``'d model (``torch.compile(mb.extend(net))``), the
+    step is traced at its first call with new shapes or settings and compiled with the
+    model's backend; the next calls run the compiled graph (see the module's
+    docstring). A change of the extension objects, their installed module extensions,
+    a :func:`memconv.integrations.backpack.routed` or :class:`memconv.save_memory`
+    block, a module's training mode, a parameter's ``requires_grad`` or the inputs'
+    shapes, dtypes and devices traces a new graph; the earlier ones are kept.
+
+    Args:
+        model: the extended model (``mb.extend(net)`` or BackPACK's ``extend``), or a
+            ``torch.compile``'d one.
+        lossfunc: the extended loss module (BackPACK's ``extend(nn.CrossEntropyLoss())``,
+            ``nn.MSELoss``, ...).
+        inputs: ``[N, ...]``.
+        targets: ``[N, ...]``.
+        *extensions: BackPACK extension objects (``KFAC()``, ``DiagGGNExact()``, ...),
+            installed (:func:`memconv.integrations.backpack.install`) or not.
+
+    Returns:
+        The loss, detached (a scalar tensor).
+
+    Raises:
+        TypeError: for a ``model`` that is not a ``torch.nn.Module``, ``inputs`` or
+            ``targets`` that are not tensors, or an extension that is not a BackPACK
+            extension object. Before any work.
+        RuntimeError: if a parameter got a gradient but no savefield of an extension
+            (a model that is not extended: ``mb.extend``).
+
+    Warns:
+        RuntimeWarning: when a compiled model's step runs eagerly (the reason named).
+    """
+    _check(model, inputs, targets, extensions)
+    inner = compiled_inner(model)
+    params = [p for p in (inner or model).parameters() if p.requires_grad]
+    fields = [e.savefield for e in extensions]
+    if inner is None:
+        loss = _eager(model, lossfunc, inputs, targets, extensions)
+    else:
+        steps = _steps.get(inner)
+        if steps is None:
+            steps = _steps[inner] = _traced_steps()
+        batch = Batch(model=inner, loss_fn=lossfunc, inputs=inputs, targets=targets)
+        result = steps.run(
+            _key(inner, extensions, inputs, targets),
+            _walk(extensions, params, fields),
+            batch,
+            (),
+            compile_backend(model),
+            inner,
+        )
+        loss = _apply(params, fields, result)
+    _check_fields(inner or model, params, fields)
+    return loss
+
+
+def traces(model: nn.Module) -> int:
+    """How many graphs :func:`step` has traced for the ``torch.compile``'d ``model``."""
+    steps = _steps.get(compiled_inner(model) or model)
+    return 0 if steps is None else steps.traces
+
+
+def _check(model, inputs, targets, extensions) -> None:
+    from backpack.extensions.backprop_extension import BackpropExtension
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"step's model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, value in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"step's {name} must be a Tensor, got {type(value).__name__}")
+    for ext in extensions:
+        if not isinstance(ext, BackpropExtension):
+            raise TypeError(
+                "step's extensions must be BackPACK extension objects (KFAC(), "
+                f"DiagGGNExact(), ...), got {type(ext).__name__}"
+            )
+
+
+def _eager(model, lossfunc, inputs, targets, extensions) -> Tensor:
+    from backpack import backpack
+
+    with backpack(*extensions):
+        loss = lossfunc(model(inputs), targets)
+        loss.backward()
+    return loss.detach()
+
+
+def _traced_steps() -> TracedSteps:
+    import backpack
+
+    hooks = (backpack.hook_store_io, backpack.hook_run_extensions)
+    return TracedSteps(what="BackPACK step", hooks=hooks, random=True)
+
+
+def _key(inner: nn.Module, extensions: tuple, inputs: Tensor, targets: Tensor) -> tuple:
+    """What the traced graph depends on besides the tensors' values."""
+    from . import _mapping, _routing
+
+    depth, arguments = _routing.get()
+    routing = (depth > 0, tuple((k, id(v)) for k, v in arguments.items()) if depth else ())
+    return (
+        tuple(_extension_key(e, _mapping(e)) for e in extensions),
+        routing,
+        context.block_settings(),
+        tuple(m.training for m in inner.modules()),
+        tuple((id(p), p.requires_grad) for p in inner.parameters()),
+        tensor_key(inputs),
+        tensor_key(targets),
+    )
+
+
+def _extension_key(ext, mapping: dict) -> tuple:
+    """An extension object and the module extensions it holds now."""
+    return (type(ext), id(ext), tuple((cls, id(m)) for cls, m in mapping.items()))
+
+
+def _walk(extensions: tuple, params: list, fields: list):
+    """The step as a function of the batch, returning what it computes: the loss, the
+    parameters' gradients and savefields (None where not computed). It leaves the
+    parameters as it found them: :func:`_apply` writes the results."""
+
+    def walk(batch: Batch) -> dict:
+        before = [(p.grad, [getattr(p, f, None) for f in fields]) for p in params]
+        for p in params:
+            p.grad = None  # the trace must not read an earlier step's gradient
+            _drop(p, fields)
+        try:
+            reads = _fixed_host_reads() if tracing() else contextlib.nullcontext()
+            with reads:
+                loss = _eager(batch.model, batch.loss_fn, batch.inputs, batch.targets, extensions)
+            grads = [p.grad for p in params]
+            got = [[getattr(p, f, None) for f in fields] for p in params]
+        finally:
+            for p, (grad, values) in zip(params, before):
+                p.grad = grad
+                _drop(p, fields)
+                for f, v in zip(fields, values):
+                    if v is not None:
+                        setattr(p, f, v)
+        return {"loss": loss, "grads": grads, "fields": got}
+
+    return walk
+
+
+def _drop(p: Tensor, fields: list) -> None:
+    for f in fields:
+        if hasattr(p, f):
+            delattr(p, f)
+
+
+def _apply(params: list, fields: list, result: dict) -> Tensor:
+    """Write a step's results on the parameters as ``backward()`` and BackPACK do:
+    ``.grad`` accumulated, each savefield set."""
+    with torch.no_grad():
+        for p, grad, values in zip(params, result["grads"], result["fields"]):
+            if grad is not None:
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad += grad
+            for f, v in zip(fields, values):
+                if v is not None:
+                    setattr(p, f, v)
+    return result["loss"]
+
+
+def _check_fields(model: nn.Module, params: list, fields: list) -> None:
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in params:
+        if p.grad is None:
+            continue
+        missing = [f for f in fields if not hasattr(p, f)]
+        if missing:
+            raise RuntimeError(
+                f"BackPACK computed no {missing[0]!r} for parameter "
+                f"{names.get(id(p), '?')!r}, which got a gradient: is the model extended "
+                "(memconv.integrations.backpack.extend, or BackPACK's extend)?"
+            )
+
+
+@contextlib.contextmanager
+def _fixed_host_reads():
+    """BackPACK's host reads of traced values whose outcome :func:`step` fixes, off for
+    the time of a trace (a trace stops at a host read):
+
+    - ``BaseLossDerivatives._check_loss_has_not_been_modified`` reads whether the loss
+      module's output gradient is 1 (it warns otherwise): the step calls ``backward()``
+      on that output itself;
+    - ``torch.distributions``' argument validation (``Categorical(probs)`` in the
+      Monte-Carlo extensions): the probabilities are a softmax's;
+    - ``F.one_hot``'s range check of the classes the cross-entropy loss's Monte-Carlo
+      square root samples: they are drawn from ``num_classes`` categories.
+    """
+    from backpack.core.derivatives import crossentropyloss
+    from backpack.core.derivatives.basederivatives import BaseLossDerivatives
+    from torch.distributions import Distribution
+
+    check = BaseLossDerivatives.__dict__["_check_loss_has_not_been_modified"]
+    validate = Distribution._validate_args
+    one_hot = crossentropyloss.one_hot
+    BaseLossDerivatives._check_loss_has_not_been_modified = classmethod(_unmodified)
+    Distribution.set_default_validate_args(False)
+    crossentropyloss.one_hot = _one_hot
+    try:
+        yield
+    finally:
+        BaseLossDerivatives._check_loss_has_not_been_modified = check
+        Distribution.set_default_validate_args(validate)
+        crossentropyloss.one_hot = one_hot
+
+
+def _unmodified(cls, module, g_out) -> None:
+    """The loss's output gradient is 1: :func:`step` starts ``backward()`` there."""
+
+
+def _one_hot(classes: Tensor, num_classes: int) -> Tensor:
+    """``F.one_hot(classes, num_classes)`` for classes in ``[0, num_classes)``, without
+    its range check (a host read)."""
+    return (classes.unsqueeze(-1) == torch.arange(num_classes, device=classes.device)).long()
