@@ -339,6 +339,26 @@ class _LazyCompiled:
         return self.fn(*tensors)
 
 
+def opaque(name: str, schema: str, fake):
+    """A decorator making ``fn`` one operation of a traced graph: the ``torch.library``
+    custom operator ``memconv::name`` (its ``schema``, e.g. ``"(Tensor x, int n) ->
+    Tensor"``; no argument mutated, the result aliasing none) with ``fake`` as its fake
+    kernel (the result's shape, dtype and device from the arguments'). A compiler
+    calls it as it is, in-place work on its own buffers included, where it would
+    otherwise functionalise that work into copies. Where torch has no
+    ``torch.library.custom_op`` (before 2.4), ``fn`` itself."""
+
+    def wrap(fn):
+        custom_op = getattr(torch.library, "custom_op", None)
+        if custom_op is None:
+            return fn
+        op = custom_op(f"memconv::{name}", fn, mutates_args=(), schema=schema)
+        op.register_fake(fake)
+        return op
+
+    return wrap
+
+
 def assert_on_device(flag: Tensor, message: str) -> None:
     """Fail where ``flag`` (a one-element bool tensor) is False, on its device, without
     a host synchronisation (``torch._assert_async``: on CUDA a device-side assertion,

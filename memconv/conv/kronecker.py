@@ -76,6 +76,7 @@ from .._checks import (
     check_conv_input,
     check_conv_module,
 )
+from .._torch import opaque
 from ..strategies.costs import operations_time, time_coefficients
 from ..strategies.geometry import ConvSpec, conv_spec, span, spec_of, torch_pad_argument
 
@@ -249,7 +250,17 @@ def input_factor(
     if kfac_approx == "reduce":
         factor = _reduce_factor(p)
     else:
-        factor = _expand_factor(p, memory_budget, chunks)
+        plan = _plan(p, memory_budget, chunks, warn=True)
+        factor = _expand_op(
+            p.source,
+            p.kernel_size,
+            p.stride,
+            p.dilation,
+            p.output_size,
+            p.groups,
+            p.flipped,
+            [plan.samples, plan.rows, plan.chunks, plan.slabs],
+        )
     return factor[0] if p.groups == 1 else factor
 
 
@@ -421,7 +432,37 @@ def _windows(p: Patches) -> Tensor:
     return src.as_strided(shape, strides, src.storage_offset())
 
 
-def _expand_factor(p: Patches, memory_budget: int | None, chunks: int | None = None) -> Tensor:
+def _expand_fake(source, kernel_size, stride, dilation, output_size, groups, flipped, plan):
+    size = source.shape[1] // groups * math.prod(kernel_size)
+    return source.new_empty(groups, size, size)
+
+
+@opaque(
+    "expand_input_factor",
+    "(Tensor source, int[] kernel_size, int[] stride, int[] dilation, int[] output_size, "
+    "int groups, bool flipped, int[] plan) -> Tensor",
+    _expand_fake,
+)
+def _expand_op(source, kernel_size, stride, dilation, output_size, groups, flipped, plan):
+    """:func:`_expand_factor` of the patches of ``source`` under the plan ``[samples,
+    rows, chunks, slabs]``, as one operation of a traced graph (:func:`memconv._torch.
+    opaque`): its products accumulate in place into blocks of one buffer and mirror it,
+    which a compiler would functionalise into copies of the whole factor."""
+    p = Patches(
+        source=source,
+        kernel_size=tuple(kernel_size),
+        stride=tuple(stride),
+        dilation=tuple(dilation),
+        output_size=tuple(output_size),
+        groups=groups,
+        flipped=flipped,
+    )
+    samples, rows, chunks, slabs = plan
+    fields = {"slab_bytes": 0, "multiply_adds": 0, "operations": 0}
+    return _expand_factor(p, FactorPlan(samples, rows, chunks, slabs, **fields))
+
+
+def _expand_factor(p: Patches, plan: FactorPlan) -> Tensor:
     """Ω = (1/N) Σₙₜ ⟦x⟧ ⟦x⟧ᵀ per group, ``[G, Cg·K, Cg·K]``, in a few large products.
 
     Each slab (:class:`FactorPlan`) is one strided copy ``z [G, Cg·K, M]`` of the
@@ -431,7 +472,6 @@ def _expand_factor(p: Patches, memory_budget: int | None, chunks: int | None = N
     so holds Σ z zᵀ (the diagonal blocks whole); one transposing copy per row block
     mirrors the rest.
     """
-    plan = _plan(p, memory_budget, chunks, warn=True)
     n, c = p.source.shape[:2]
     g = p.groups
     cg = c // g

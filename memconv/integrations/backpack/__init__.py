@@ -250,7 +250,8 @@ def extend(module, debug: bool = False, use_converter: bool = True):
     A ``torch.compile``'d model is extended through the module it wraps, which is
     returned and runs eagerly, with a warning: BackPACK's extensions act through module
     hooks that store their quantities on the modules, which a compiled graph would not
-    run at each step.
+    run at each step. To run them compiled, compile the extended model and call
+    :func:`step`.
 
     Args:
         module: the model.
@@ -278,7 +279,9 @@ def extend(module, debug: bool = False, use_converter: bool = True):
             f"{type(inner).__name__} is extended through the module it wraps, which is "
             "returned and runs eagerly: BackPACK's extensions store their quantities "
             "from module hooks, which a compiled graph would not run at each step. Pass "
-            "the uncompiled model to silence this warning.",
+            "the uncompiled model to silence this warning; to run the extensions "
+            "compiled, compile the extended model and call "
+            "memconv.integrations.backpack.step(compiled, lossfunc, x, y, *extensions).",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -422,14 +425,54 @@ def _routed_exit(block, *exc):
 
 
 def step(model, lossfunc, inputs, targets, *extensions):
-    """``with backpack(*extensions): lossfunc(model(inputs), targets).backward()`` as one
-    call, compiled for a ``torch.compile``'d model: traced once per shapes and settings
-    and run as one compiled graph (:func:`memconv.integrations.backpack.compiled.step`,
-    whose docstring gives the arguments, returns, errors and warnings)."""
-    _require()
-    from .compiled import step as run
+    """One forward and backward pass under BackPACK's extensions, compiled for a
+    ``torch.compile``'d model.
 
-    return run(model, lossfunc, inputs, targets, *extensions)
+    Equivalent to ``with backpack(*extensions): lossfunc(model(inputs),
+    targets).backward()``: the parameters' ``.grad`` accumulate the loss's gradient and
+    each extension's savefield is set on them. For a model that is not compiled, that
+    is what runs. For a ``torch.compile``'d model (``torch.compile(mb.extend(net))``), the
+    step is traced at its first call with new shapes or settings and compiled with the
+    model's backend; the next calls run the compiled graph
+    (:mod:`memconv.integrations.backpack.compiled`). A change of the extension objects,
+    their installed module extensions, a :func:`memconv.integrations.backpack.routed`
+    or :class:`memconv.save_memory` block, a module's training mode, a parameter's
+    ``requires_grad`` or the inputs' shapes, dtypes and devices traces a new graph; the
+    earlier ones are kept.
+
+    Args:
+        model: the extended model (``mb.extend(net)`` or BackPACK's ``extend``), or a
+            ``torch.compile``'d one.
+        lossfunc: the extended loss module (BackPACK's ``extend(nn.CrossEntropyLoss())``,
+            ``nn.MSELoss``, ...).
+        inputs: ``[N, ...]``.
+        targets: ``[N, ...]``.
+        *extensions: BackPACK extension objects (``KFAC()``, ``DiagGGNExact()``, ...),
+            installed (:func:`memconv.integrations.backpack.install`) or not.
+
+    Returns:
+        The loss, detached (a scalar tensor).
+
+    Raises:
+        TypeError: for a ``model`` that is not a ``torch.nn.Module``, ``inputs`` or
+            ``targets`` that are not tensors, or an extension that is not a BackPACK
+            extension object. Before any work.
+        RuntimeError: if a parameter got a gradient but no savefield of an extension
+            (a model that is not extended: ``mb.extend``).
+
+    Warns:
+        RuntimeWarning: when a compiled model's step runs eagerly (the reason named).
+    """
+    _require()
+    from .compiled import check, run
+
+    check(model, inputs, targets, extensions)
+    depth, arguments = _routing.get()
+    routing = tuple((k, id(v)) for k, v in arguments.items()) if depth else None
+    installed = tuple(
+        (type(e), id(e), tuple((cls, id(m)) for cls, m in _mapping(e).items())) for e in extensions
+    )
+    return run(model, lossfunc, inputs, targets, extensions, state=(routing, installed))
 
 
 #: Trainable layers BackPACK's BatchGrad supports (checked before any work).

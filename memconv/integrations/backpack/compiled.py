@@ -1,6 +1,6 @@
 """BackPACK's extensions on a ``torch.compile``'d model: one compiled graph per step.
 
-:func:`step` is BackPACK's ::
+:func:`memconv.integrations.backpack.step` is BackPACK's ::
 
     with backpack(*extensions):
         loss = lossfunc(model(inputs), targets)
@@ -53,45 +53,12 @@ from ...engine.traced import TracedSteps, tensor_key
 _steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def step(model: nn.Module, lossfunc, inputs: Tensor, targets: Tensor, *extensions) -> Tensor:
-    """One forward and backward pass under BackPACK's extensions, compiled for a
-    ``torch.compile``'d model.
-
-    Equivalent to ``with backpack(*extensions): lossfunc(model(inputs),
-    targets).backward()``: the parameters' ``.grad`` accumulate the loss's gradient and
-    each extension's savefield is set on them. For a model that is not compiled, that
-    is what runs. For a ``torch.compile``'d model (``torch.compile(mb.extend(net))``), the
-    step is traced at its first call with new shapes or settings and compiled with the
-    model's backend; the next calls run the compiled graph (see the module's
-    docstring). A change of the extension objects, their installed module extensions,
-    a :func:`memconv.integrations.backpack.routed` or :class:`memconv.save_memory`
-    block, a module's training mode, a parameter's ``requires_grad`` or the inputs'
-    shapes, dtypes and devices traces a new graph; the earlier ones are kept.
-
-    Args:
-        model: the extended model (``mb.extend(net)`` or BackPACK's ``extend``), or a
-            ``torch.compile``'d one.
-        lossfunc: the extended loss module (BackPACK's ``extend(nn.CrossEntropyLoss())``,
-            ``nn.MSELoss``, ...).
-        inputs: ``[N, ...]``.
-        targets: ``[N, ...]``.
-        *extensions: BackPACK extension objects (``KFAC()``, ``DiagGGNExact()``, ...),
-            installed (:func:`memconv.integrations.backpack.install`) or not.
-
-    Returns:
-        The loss, detached (a scalar tensor).
-
-    Raises:
-        TypeError: for a ``model`` that is not a ``torch.nn.Module``, ``inputs`` or
-            ``targets`` that are not tensors, or an extension that is not a BackPACK
-            extension object. Before any work.
-        RuntimeError: if a parameter got a gradient but no savefield of an extension
-            (a model that is not extended: ``mb.extend``).
-
-    Warns:
-        RuntimeWarning: when a compiled model's step runs eagerly (the reason named).
-    """
-    _check(model, inputs, targets, extensions)
+def run(model: nn.Module, lossfunc, inputs, targets, extensions: tuple, *, state: tuple):
+    """:func:`memconv.integrations.backpack.step` (its docstring gives the arguments,
+    returns, errors and warnings); ``state``: what else a traced step depends on, of
+    the integration's state (the extensions' installed module extensions, the open
+    ``routed()`` block), part of the graph's key."""
+    check(model, inputs, targets, extensions)
     inner = compiled_inner(model)
     params = [p for p in (inner or model).parameters() if p.requires_grad]
     fields = [e.savefield for e in extensions]
@@ -103,7 +70,7 @@ def step(model: nn.Module, lossfunc, inputs: Tensor, targets: Tensor, *extension
             steps = _steps[inner] = _traced_steps()
         batch = Batch(model=inner, loss_fn=lossfunc, inputs=inputs, targets=targets)
         result = steps.run(
-            _key(inner, extensions, inputs, targets),
+            (state, *_key(inner, inputs, targets)),
             _walk(extensions, params, fields),
             batch,
             (),
@@ -116,12 +83,13 @@ def step(model: nn.Module, lossfunc, inputs: Tensor, targets: Tensor, *extension
 
 
 def traces(model: nn.Module) -> int:
-    """How many graphs :func:`step` has traced for the ``torch.compile``'d ``model``."""
+    """How many graphs :func:`memconv.integrations.backpack.step` has traced for the ``torch.compile``'d ``model``."""
     steps = _steps.get(compiled_inner(model) or model)
     return 0 if steps is None else steps.traces
 
 
-def _check(model, inputs, targets, extensions) -> None:
+def check(model, inputs, targets, extensions) -> None:
+    """The arguments of :func:`run`, before any work (its docstring's TypeErrors)."""
     from backpack.extensions.backprop_extension import BackpropExtension
 
     if not isinstance(model, nn.Module):
@@ -153,26 +121,16 @@ def _traced_steps() -> TracedSteps:
     return TracedSteps(what="BackPACK step", hooks=hooks, random=True)
 
 
-def _key(inner: nn.Module, extensions: tuple, inputs: Tensor, targets: Tensor) -> tuple:
-    """What the traced graph depends on besides the tensors' values."""
-    from . import _mapping, _routing
-
-    depth, arguments = _routing.get()
-    routing = (depth > 0, tuple((k, id(v)) for k, v in arguments.items()) if depth else ())
+def _key(inner: nn.Module, inputs: Tensor, targets: Tensor) -> tuple:
+    """What the traced graph depends on of the model, the settings and the tensors
+    besides their values."""
     return (
-        tuple(_extension_key(e, _mapping(e)) for e in extensions),
-        routing,
         context.block_settings(),
         tuple(m.training for m in inner.modules()),
         tuple((id(p), p.requires_grad) for p in inner.parameters()),
         tensor_key(inputs),
         tensor_key(targets),
     )
-
-
-def _extension_key(ext, mapping: dict) -> tuple:
-    """An extension object and the module extensions it holds now."""
-    return (type(ext), id(ext), tuple((cls, id(m)) for cls, m in mapping.items()))
 
 
 def _walk(extensions: tuple, params: list, fields: list):
@@ -241,7 +199,7 @@ def _check_fields(model: nn.Module, params: list, fields: list) -> None:
 
 @contextlib.contextmanager
 def _fixed_host_reads():
-    """BackPACK's host reads of traced values whose outcome :func:`step` fixes, off for
+    """BackPACK's host reads of traced values whose outcome :func:`run` fixes, off for
     the time of a trace (a trace stops at a host read):
 
     - ``BaseLossDerivatives._check_loss_has_not_been_modified`` reads whether the loss
@@ -271,7 +229,7 @@ def _fixed_host_reads():
 
 
 def _unmodified(cls, module, g_out) -> None:
-    """The loss's output gradient is 1: :func:`step` starts ``backward()`` there."""
+    """The loss's output gradient is 1: :func:`run` starts ``backward()`` there."""
 
 
 def _one_hot(classes: Tensor, num_classes: int) -> Tensor:
