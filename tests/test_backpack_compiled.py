@@ -305,3 +305,21 @@ def test_float64_average_pooling_under_kflr():
     for (_, a), (_, b) in zip(got, want):
         for fa, fb in zip(a, b):
             assert fa.dtype == torch.float64 and rel_err(fa.float(), fb) < 1e-5
+
+
+def test_the_input_factor_is_one_operation_of_the_traced_graph():
+    """Each convolution's KFAC input factor enters the graph as one custom operator,
+    its in-place products and mirroring inside, not functionalised into copies."""
+    from memconv.integrations.backpack.compiled import _steps
+
+    model, lossfunc, x, y = _setup_model(_pooled_cnn)
+    compiled = torch.compile(model, backend="aot_eager")
+    with mb.installed(extensions.KFAC()) as ext:
+        mb.step(compiled, lossfunc, x, y, ext)
+    (entry,) = _steps[model].graphs.values()
+    targets = [node.target for node in entry.graph.graph.nodes if node.op == "call_function"]
+    factor = torch.ops.memconv.expand_input_factor.default
+    convolutions = sum(isinstance(m, nn.Conv2d) for m in model.modules())
+    assert targets.count(factor) == convolutions == 2
+    aten = torch.ops.aten
+    assert aten.baddbmm.default not in targets and aten.baddbmm_.default not in targets

@@ -586,3 +586,26 @@ def test_report_renders_the_streaming_table_with_scaled_conventional_steps(tmp_p
     assert "against Lightstream: RSS 0.67 ×, time 0.62 × (met" in table
     assert "ResNet-50 trunk, 8192²: streamed step within 4 GiB: peak RSS increase 3.42 GiB" in table
     assert "no measurements" in sections["grads"]
+
+
+def test_kfac_summary_divides_each_engine_by_the_references_of_its_own_round():
+    from memconv.bench.kfac import summary
+
+    case = {"record": "time", "classes": 10, "batch": 8, "warm_up_s": [0.5, 70.0]}
+    machine = {"floor_macs": 1e9, "gemm_macs_per_s": 4e10}
+
+    def row(model, engine, repeat, best):
+        times = {"time_s": best, "best_s": best, "floor_s": best}
+        return {**case, **machine, **times, "model": model, "engine": engine, "repeat": repeat}
+
+    bests = {"plain": (1.0, 2.0), "kfac-compiled": (3.0, 4.0), "curvlinops": (6.0, 8.0)}
+    rows = [row("allcnnc", e, r, b[r]) for r in (0, 1) for e, b in bests.items()]
+    rows.append(row("resnet18", "plain", 0, 1.0))
+    out = summary(rows)
+    line = next(x for x in out.splitlines() if x.startswith("| kfac-compiled"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[3] == "2.50× (2.00–3.00)"  # / plain, per round
+    assert cells[4] == "0.50× (0.50–0.50)"  # / curvlinops
+    assert cells[-1] == "0.5 s + 70.0 s, 0.5 s + 70.0 s"
+    assert "allcnnc (V = 10, N = 8):" in out and "resnet18 (V = 10, N = 8):" in out
+    assert "| model | pricing |" not in out  # no operation counts given

@@ -27,7 +27,16 @@ classes, batch 8): a warm-up step, then ``--steps`` timed steps (their median, a
 the ratios use: on a shared machine the least disturbed). Engines:
 ``plain`` (``loss.backward()``), ``kfac`` (BackPACK's ``KFAC`` through memconv's module
 extensions, :func:`memconv.integrations.backpack.install`), ``kfac-reduce`` (the same
-with ``kfac_approx="reduce"``) and ``backpack`` (BackPACK 1.7.1's ``KFAC`` alone).
+with ``kfac_approx="reduce"``) and ``backpack`` (BackPACK 1.7.1's ``KFAC`` alone); with
+``--engines``, also ``plain-compiled`` (the plain step of ``torch.compile(model)``),
+``kfac-compiled`` (:func:`memconv.integrations.backpack.step` on the compiled extended
+model) and ``curvlinops`` (curvlinops' ``KFACLinearOperator``, one Monte-Carlo sample,
+its factors of the convolution and Linear weights). Each process records its two
+warm-up steps' times (a compiled engine's trace and first compilation); ``--model
+resnet18`` times the CIFAR ResNet-18 in eval mode instead of All-CNN-C::
+
+    python -m memconv.bench.kfac --engines plain,plain-compiled,kfac,kfac-compiled,curvlinops \
+        --no-op-counts --repeats 2 [--model resnet18]
 
 The **operation counts** (:func:`memconv.bench.ops.count`: top-level ATen operations
 of one step, a plain step's and a KFAC step's, on All-CNN-C and the CIFAR ResNet-18 in
@@ -329,11 +338,13 @@ def run(args) -> list[dict]:
 def summary(rows: list[dict]) -> str:
     """Markdown: the operation counts, and each engine's median step time, multiple of
     the plain step's (per repeat, then the median) and of the KFAC floor's time."""
+    ops = [r for r in rows if r.get("record") == "ops"]
     lines = [
         "| model | pricing | plain step | KFAC step | KFAC / plain | BackPACK's KFAC |",
         "|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    lines = lines if ops else []
+    for r in ops:
         if r.get("record") == "ops":
             ratio = r["kfac"] / r["plain"]
             theirs = "fails" if r.get("backpack") is None else r["backpack"]
@@ -342,30 +353,54 @@ def summary(rows: list[dict]) -> str:
                 f"| {theirs} |"
             )
     times = [r for r in rows if r.get("record") == "time" and "error" not in r]
-    lines += ["", "| engine | median step | best step | / plain | / KFAC floor | GEMM rate |"]
-    lines.append("|---|---|---|---|---|---|")
-    plain = {r["repeat"]: r for r in times if r["engine"] == "plain"}
+    for model in dict.fromkeys(r["model"] for r in times):
+        lines += [_time_table([r for r in times if r["model"] == model]), ""]
+    return "\n".join(lines)
+
+
+#: The engines each time is divided by (per repeat: the same process round).
+REFERENCES = ("plain", "plain-compiled", "curvlinops")
+
+
+def _time_table(times: list[dict]) -> str:
+    """One model's engines: median and best step, the best step's multiple of each
+    reference engine's and of the KFAC floor's time, and the two warm-up steps."""
+    refs = [e for e in REFERENCES if any(r["engine"] == e for r in times)]
+    head = ["engine", "median step", "best step", *(f"/ {e}" for e in refs), "/ KFAC floor"]
+    lines = [
+        f"{times[0]['model']} (V = {times[0]['classes']}, N = {times[0]['batch']}):",
+        "",
+        "| " + " | ".join([*head, "warm-up steps"]) + " |",
+        "|" + "---|" * (len(head) + 1),
+    ]
+    by_repeat = {(r["engine"], r["repeat"]): r for r in times}
     for engine in ENGINES:
         mine = [r for r in times if r["engine"] == engine]
         if not mine:
             continue
-        vs_plain = [
-            r["best_s"] / plain[r["repeat"]]["best_s"] for r in mine if r["repeat"] in plain
+        cells = [
+            engine,
+            f"{statistics.median(r['time_s'] for r in mine):.3f} s",
+            f"{min(r['best_s'] for r in mine):.3f} s",
         ]
-        vs_floor = [r["best_s"] / r["floor_s"] for r in mine]
-        lines.append(
-            f"| {engine} | {statistics.median(r['time_s'] for r in mine):.3f} s "
-            f"| {min(r['best_s'] for r in mine):.3f} s "
-            f"| {_span(vs_plain)} | {_span(vs_floor)} "
-            f"| {max(r['gemm_macs_per_s'] for r in mine) / 1e9:.1f} GMAC/s |"
-        )
-    floors = [r["floor_s"] for r in times]
-    if floors:
-        macs = times[0]["floor_macs"] / 1e9
-        best = min(floors)
-        lines.append(
-            f"\nKFAC floor: {macs:.2f} G multiply-adds ({best:.3f} s at the best GEMM rate)."
-        )
+        for ref in refs:
+            ratios = [
+                r["best_s"] / by_repeat[ref, r["repeat"]]["best_s"]
+                for r in mine
+                if (ref, r["repeat"]) in by_repeat
+            ]
+            cells.append(_span(ratios))
+        cells.append(_span([r["best_s"] / r["floor_s"] for r in mine]))
+        warm = [r.get("warm_up_s") for r in mine if r.get("warm_up_s")]
+        cells.append(", ".join(f"{a:.1f} s + {b:.1f} s" for a, b in warm) or "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    macs = times[0]["floor_macs"] / 1e9
+    best = min(r["floor_s"] for r in times)
+    rate = max(r["gemm_macs_per_s"] for r in times) / 1e9
+    lines.append(
+        f"\nKFAC floor: {macs:.2f} G multiply-adds ({best:.3f} s at the best GEMM rate, "
+        f"{rate:.1f} GMAC/s)."
+    )
     return "\n".join(lines)
 
 
