@@ -107,8 +107,15 @@ def _compiled_steps(compiled, model, lossfunc, x, y, ext, steps=3, seed=0):
     return out
 
 
-@pytest.mark.parametrize("build", [_pooled_cnn, _tv_resnet], ids=["pooled-cnn", "tv-resnet"])
-@pytest.mark.parametrize("name", ["KFLR", "KFAC", "DiagGGNExact", "DiagGGNMC", "BatchGrad"])
+CASES = [
+    *((_pooled_cnn, name) for name in ("KFLR", "KFAC", "DiagGGNExact", "DiagGGNMC", "BatchGrad")),
+    *((_tv_resnet, name) for name in ("KFLR", "KFAC")),  # the rest: seconds more each
+]
+
+
+@pytest.mark.parametrize(
+    "build, name", CASES, ids=[f"{b.__name__.strip('_')}-{n}" for b, n in CASES]
+)
 def test_a_compiled_models_backpack_step_is_the_eager_one(build, name):
     model, lossfunc, x, y = _setup_model(build)
     with mb.installed(getattr(extensions, name)()) as ext:
@@ -323,3 +330,24 @@ def test_the_input_factor_is_one_operation_of_the_traced_graph():
     assert targets.count(factor) == convolutions == 2
     aten = torch.ops.aten
     assert aten.baddbmm.default not in targets and aten.baddbmm_.default not in targets
+
+
+def test_a_routed_block_traces_its_own_graph_and_routes_it():
+    """Inside ``routed()`` the extension objects are installed when the step's block
+    opens (laplace-torch's way): the trace records memconv's module extensions, and
+    the same object outside the block traces another graph, BackPACK's own."""
+    model, lossfunc, x, y = _setup_model(_pooled_cnn)
+    compiled = torch.compile(model, backend="aot_eager")
+    ext = extensions.KFLR()
+    with mb.routed(kron_groups="blocks"):
+        want = _eager(model, lossfunc, x, y, ext)
+        got = _compiled_steps(compiled, model, lossfunc, x, y, ext, steps=2)
+    for g in got:
+        _assert_equal(g, want)
+    assert traces(compiled) == 1
+    # outside the block: another key, BackPACK's own mapping, which lacks adaptive
+    # pooling; the trace stops (warned) and the eager step raises BackPACK's error
+    with pytest.warns(RuntimeWarning, match="runs eagerly"):
+        with pytest.raises(NotImplementedError, match="AdaptiveAvgPool2d"):
+            mb.step(compiled, lossfunc, x, y, ext)
+    assert traces(compiled) == 1
