@@ -191,6 +191,18 @@ def test_inductor_float32():
     assert stream.tiles_by.graphs and not stream.tiles_by.refused
 
 
+def test_tiles_compile_with_the_trunks_inductor_options_first():
+    """The step options lie beneath the trunk's own: ``reorder_for_locality`` off
+    unless the trunk's options set it; another backend as it is."""
+    trunk = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+    tiles = StreamingCNN(torch.compile(trunk), 16).tiles_by
+    assert tiles.backend.config["reorder_for_locality"] is False
+    own = torch.compile(trunk, options={"reorder_for_locality": True})
+    assert StreamingCNN(own, 16).tiles_by.backend.config["reorder_for_locality"] is True
+    other = StreamingCNN(torch.compile(trunk, backend="aot_eager"), 16).tiles_by.backend
+    assert other.compiler_name == "aot_eager" and not hasattr(other, "config")
+
+
 def test_compiled_model_around_the_stream_breaks_once():
     """``torch.compile`` around a model holding a StreamingCNN: one graph break at the
     streamed trunk (which runs as its trunk was given), the head compiled, ``.grad``

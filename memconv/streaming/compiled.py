@@ -13,7 +13,9 @@ the module the compiled one wraps, and runs each tile's work as a compiled graph
    operations (inputs: its reads; outputs: its results and the pieces it writes),
    the forward pass's tile and the backward pass's (the recomputation, autograd's
    backward and memconv's weight VJPs) each. The graph is compiled with the trunk's
-   own backend, mode and options (``fullgraph=True, dynamic=False``).
+   own backend, mode and options, with inductor's reordering for locality off unless
+   those options set it (:data:`memconv._torch.STEP_INDUCTOR_OPTIONS`, as for a traced
+   per-sample step: a backward tile's graph holds a forward and a backward pass).
 3. Later tiles of that kind gather their reads, call the compiled graph and store
    what it returns: none of the tile's operations run from Python.
 
@@ -46,6 +48,7 @@ from .._torch import (
     compile_graph,
     first_line,
     make_fx_real,
+    step_backend,
 )
 from .passes import TileRunner
 from .tileio import DIRECT, RecordIO, ReplayIO, TileRecord
@@ -99,7 +102,9 @@ class CompiledTiles:
         module: the trunk the compiled module wraps (the graphs read its parameters and
             buffers in place).
         backend: the compiler backend the trunk was compiled with
-            (:func:`memconv._torch.compile_backend`).
+            (:func:`memconv._torch.compile_backend`); the tiles compile with it, and
+            with inductor's :data:`memconv._torch.STEP_INDUCTOR_OPTIONS` beneath its
+            own options (:func:`memconv._torch.step_backend`).
 
     Attributes:
         records: ``{(pass key, tile): TileRecord}``.
@@ -110,7 +115,8 @@ class CompiledTiles:
 
     def __init__(self, module: nn.Module, backend):
         self.module = module
-        self.backend = backend
+        # a tile's graph holds a forward and a backward pass, as a traced step's does
+        self.backend = step_backend(backend)
         self.records: dict = {}
         self.graphs: dict = {}
         self.refused: dict = {}
