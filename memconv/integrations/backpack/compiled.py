@@ -60,7 +60,8 @@ def run(model: nn.Module, lossfunc, inputs, targets, extensions: tuple, *, state
     ``routed()`` block), part of the graph's key."""
     check(model, inputs, targets, extensions)
     inner = compiled_inner(model)
-    params = [p for p in (inner or model).parameters() if p.requires_grad]
+    module = model if inner is None else inner  # a Sequential of no layers is falsy
+    params = [p for p in module.parameters() if p.requires_grad]
     fields = [e.savefield for e in extensions]
     if inner is None:
         loss = _eager(model, lossfunc, inputs, targets, extensions)
@@ -78,13 +79,15 @@ def run(model: nn.Module, lossfunc, inputs, targets, extensions: tuple, *, state
             inner,
         )
         loss = _apply(params, fields, result)
-    _check_fields(inner or model, params, fields)
+    _check_fields(module, params, fields)
     return loss
 
 
 def traces(model: nn.Module) -> int:
-    """How many graphs :func:`memconv.integrations.backpack.step` has traced for the ``torch.compile``'d ``model``."""
-    steps = _steps.get(compiled_inner(model) or model)
+    """How many graphs :func:`memconv.integrations.backpack.step` has traced for the
+    ``torch.compile``'d ``model``."""
+    inner = compiled_inner(model)
+    steps = _steps.get(model if inner is None else inner)
     return 0 if steps is None else steps.traces
 
 
