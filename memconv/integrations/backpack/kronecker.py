@@ -46,11 +46,10 @@ from backpack.extensions.secondorder.hbp.hbpbase import HBPBaseModule
 from backpack.extensions.secondorder.hbp.linear import HBPLinear
 from backpack.utils.errors import batch_norm_raise_error_if_train
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from ..._checks import KFAC_APPROXIMATIONS, KRON_GROUPS, check_budget, check_choice
 from ...conv.kronecker import block_diagonal, input_factor, output_factor
-from ...strategies.geometry import conv_spec
+from ...strategies.geometry import conv_function, conv_spec, conv_transpose_function
 from .extensions import DERIVATIVES, _tied
 from .naming import describe
 
@@ -159,10 +158,6 @@ class AdaptiveAvgPoolDerivatives(AdaptiveAvgPoolNDDerivatives):
         return both.reshape(math.prod(in_shape), math.prod(in_shape))
 
 
-_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
-
-
 def _per_axis(value, dims: int) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
 
@@ -185,13 +180,13 @@ class AvgPoolDerivatives(AvgPoolNDDerivatives):
     # BackPACK's private helpers (name-mangled), the only place its kernel is made
     def _AvgPoolNDDerivatives__apply_jacobian_of(self, module, mat: Tensor) -> Tensor:
         weight, stride, _, padding = self._geometry(module, mat)
-        return _CONV[self.N](mat, weight, stride=stride, padding=padding)
+        return conv_function(self.N)(mat, weight, stride=stride, padding=padding)
 
     def _AvgPoolNDDerivatives__apply_jacobian_t_of(self, module, mat: Tensor) -> Tensor:
         weight, stride, kernel, padding = self._geometry(module, mat)
         sizes = zip(module.input0.shape[2:], mat.shape[2:], stride, padding, kernel)
         extra = [i - ((o - 1) * s - 2 * p + k) for i, o, s, p, k in sizes]
-        return _CONV_TRANSPOSE[self.N](
+        return conv_transpose_function(self.N)(
             mat, weight, stride=stride, padding=padding, output_padding=extra
         )
 
