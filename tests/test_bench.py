@@ -609,3 +609,16 @@ def test_kfac_summary_divides_each_engine_by_the_references_of_its_own_round():
     assert cells[-1] == "0.5 s + 70.0 s, 0.5 s + 70.0 s"
     assert "allcnnc (V = 10, N = 8):" in out and "resnet18 (V = 10, N = 8):" in out
     assert "| model | pricing |" not in out  # no operation counts given
+
+
+def test_benchmark_backend_is_cudagraphs_only_on_cuda_without_triton(monkeypatch):
+    import importlib.util
+
+    from memconv.bench.options import benchmark_backend
+
+    assert benchmark_backend("cpu") == "inductor"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert benchmark_backend("cpu") == "inductor"
+    assert benchmark_backend("cuda") == "cudagraphs"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    assert benchmark_backend("cuda:0") == "inductor"

@@ -7,8 +7,16 @@ extension with memconv's Kronecker module extensions, curvlinops' KFACLinearOper
 three steps after a warm-up step, and the allocator's peak increase over the step
 (torch.cuda.max_memory_allocated), engines taking turns in one process.
 
+``--compiled`` adds the compiled rows: the plain step of ``torch.compile(model)``
+(``plain-compiled``) and memconv's KFAC step on the compiled extended model,
+``memconv.integrations.backpack.step(torch.compile(model), ...)`` (``memconv-compiled``),
+each after two warm-up steps (the trace, then the compilation; their seconds are the
+row's ``first_s``). The backend: ``--backend``, by default inductor where triton
+imports and ``cudagraphs`` where it does not (on the CPU: inductor).
+
     OUT=/some/folder python3 tools/gpu-curvature.py --budget 140 --wheels wheels
     OUT=/tmp/x python3 tools/gpu-curvature.py --device cpu --quick     # dry run
+    OUT=/some/folder python3 tools/gpu-curvature.py --compiled --budget 400 --wheels wheels
 
 The machine's python3 needs torch (CUDA); the peers' pure-Python wheels are unpacked
 from --wheels (fetch them where a registry is):
@@ -55,6 +63,8 @@ def main(argv=None) -> int:
     parser.add_argument("--wheels", default="wheels")
     parser.add_argument("--quick", action="store_true", help="batch 2, V=10, one timed step")
     parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--compiled", action="store_true", help="add the compiled rows")
+    parser.add_argument("--backend", help="torch.compile's backend of the compiled rows")
     args = parser.parse_args(argv)
     if not args.out:
         parser.error("set OUT (or --out) to the folder the results go to")
@@ -63,6 +73,8 @@ def main(argv=None) -> int:
     _unpack(args.wheels)
     import torch
 
+    from memconv.bench.kfac import _step as compiled_stepper
+    from memconv.bench.options import benchmark_backend
     from memconv.bench.second_order import _stepper, all_cnn_c
 
     out = Path(args.out)
@@ -76,6 +88,9 @@ def main(argv=None) -> int:
         torch.backends.cudnn.allow_tf32 = False
     classes, batches, repeats = (10, (2,), 1) if args.quick else (100, (8, 128), 3)
     engines = ("plain", "backpack", "memconv", "curvlinops")
+    if args.compiled:
+        engines += ("plain-compiled", "memconv-compiled")
+    backend = args.backend or benchmark_backend(args.device)
     rows = []
     log = open(out / "curvature-cuda.jsonl", "w")
 
@@ -89,16 +104,24 @@ def main(argv=None) -> int:
         y = torch.randint(0, classes, (batch,), device=device)
         for engine in engines:
             row = {"model": "allcnnc", "classes": classes, "batch": batch, "engine": engine}
-            row["extension"] = "plain" if engine == "plain" else "KFAC"
+            row["extension"] = "plain" if engine.startswith("plain") else "KFAC"
             if time.perf_counter() - start > args.budget:
                 row["skipped"] = "past the time budget"
             else:
                 try:
                     torch.manual_seed(0)
                     model = all_cnn_c(classes).to(device)
-                    step = _stepper(engine, row["extension"], "allcnnc", model)
-                    step(x, y)  # warm-up
+                    if engine.endswith("compiled"):
+                        row["backend"] = backend
+                        name = engine.replace("memconv", "kfac")
+                        step = compiled_stepper(name, "allcnnc", model, backend)
+                    else:
+                        step = _stepper(engine, row["extension"], "allcnnc", model)
+                    first = time.perf_counter()
+                    for _ in range(2 if engine.endswith("compiled") else 1):  # warm-up
+                        step(x, y)
                     sync()
+                    row["first_s"] = time.perf_counter() - first
                     base = torch.cuda.memory_allocated(device) if cuda else 0
                     if cuda:
                         torch.cuda.reset_peak_memory_stats(device)
@@ -126,12 +149,14 @@ def main(argv=None) -> int:
     ]
     for batch in batches:
         case = [r for r in rows if r["batch"] == batch]
-        plain = next((r for r in case if r["engine"] == "plain" and "time_s" in r), None)
+        timed = {r["engine"]: r for r in case if "time_s" in r}
         for r in case:
             if "time_s" not in r:
                 lines.append(f"N={batch} {r['engine']}: {r.get('error') or r.get('skipped')}")
                 continue
-            ratio = f" ({r['time_s'] / plain['time_s']:.2f}x plain)" if plain else ""
+            base = "plain-compiled" if r["engine"].endswith("compiled") else "plain"
+            plain = timed.get(base)
+            ratio = f" ({r['time_s'] / plain['time_s']:.2f}x {base})" if plain else ""
             memory = f", +{r['peak_alloc_mib']:.0f} MiB" if "peak_alloc_mib" in r else ""
             lines.append(f"N={batch} {r['engine']}: {r['time_s'] * 1e3:.1f} ms{ratio}{memory}")
     (out / "curvature-cuda.txt").write_text("\n".join(lines) + "\n")

@@ -11,10 +11,20 @@ peak above the state before (MiB), the top-level ATen operations of one step and
 gradient from the conventional step's. Lightstream 1.0.7 runs beside them where it
 imports (its wheel and lightning's are not needed otherwise).
 
+``--compiled`` adds the compiled rows: ``conventional compiled`` (the trunk
+``torch.compile``'d) and ``memconv compiled`` (``StreamingCNN(torch.compile(trunk),
+tile)``: each kind of tile's forward and backward work one compiled graph), with
+``--backend`` (by default inductor where triton imports, ``cudagraphs`` where it does
+not). Their first steps (the eager step that records the tiles, the traces, the
+compilations) are the row's ``first_s``; their operations count the compiled kernels too.
+On two CPU cores the dry run's compiled rows take about 7 minutes a tile size (tile 64:
+16 tiles, 412 s of first steps).
+
 Usage (the lead's GPU run; each row stops being started once the budget is spent):
 
     python3 tools/gpu-streaming.py --out "$OUT" --budget 150
     python3 tools/gpu-streaming.py --device cpu --quick --out /tmp/dry   # the dry run
+    python3 tools/gpu-streaming.py --out "$OUT" --budget 400 --compiled --only resnet18-trunk
 
 Writes ``gpu-streaming.jsonl`` (one JSON record per row, as it goes) and ``log.txt`` into
 the output folder.
@@ -43,8 +53,11 @@ def models(quick: bool):
 
     resnet = classifier("resnet18")
     if quick:  # a narrow ResNet-18-style trunk: the dry run checks the script, not speed
-        trunk = resnet_trunk(18, width=8, layers=(1, 1, 1, 1))
-        resnet = (trunk, nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 2)))
+        # (16 channels wide: at 8, torch 2.13's inductor aborts its compiled backward on
+        # the CPU, "double free or corruption", in the downsampling convolution's)
+        trunk = resnet_trunk(18, width=16, layers=(1, 1, 1, 1))
+        head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 2))
+        resnet = (trunk, head)
     net = streaming_net()
     sides = (256, 512) if quick else (4096, 8192)
     rows = [("resnet18-trunk", sides[0], resnet[0], resnet[1])]
@@ -58,9 +71,13 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def step_fn(kind: str, trunk, head, tile):
-    """A training step ``f(x, y)`` of ``kind``: conventional, memconv or lightstream."""
+def step_fn(kind: str, trunk, head, tile, backend=None):
+    """A training step ``f(x, y)`` of ``kind``: conventional, memconv or lightstream;
+    ``kind`` ending in `` compiled``: the trunk ``torch.compile``'d with ``backend``."""
     loss = nn.CrossEntropyLoss()
+    if kind.endswith(" compiled"):
+        trunk = torch.compile(trunk, backend=backend)
+        kind = kind.removesuffix(" compiled")
     if kind == "conventional":
         return lambda x, y: loss(head(trunk(x)), y).backward()
     if kind == "memconv":
@@ -88,18 +105,20 @@ def step_fn(kind: str, trunk, head, tile):
 
 
 def operations(fn) -> int:
-    """Top-level ATen operations of one call (host side)."""
+    """Top-level ATen operations of one call (host side), and the compiled kernels
+    (inductor's C++ kernels, named where its kernel profiling is on, and its triton
+    kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    events = [e for e in prof.events() if e.name.startswith("aten::")]
-    return sum(
-        1 for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")
-    )
+    aten = [e for e in prof.events() if e.name.startswith("aten::")]
+    kernels = [e for e in prof.events() if "cpp_fused" in e.name or e.name.startswith("triton_")]
+    top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    return len(top) + len(kernels)
 
 
-def measure(kind, name, side, trunk, head, tile, device, ref, repeats):
+def measure(kind, name, side, trunk, head, tile, device, ref, repeats, backend=None):
     from memconv.bench.measure import median_time
 
     trunk, head = copy.deepcopy(trunk).to(device), copy.deepcopy(head).to(device)
@@ -107,15 +126,18 @@ def measure(kind, name, side, trunk, head, tile, device, ref, repeats):
     x = torch.rand(1, 3, side, side, device=device)
     y = torch.tensor([1], device=device)
     params = list(trunk.parameters()) + list(head.parameters())
-    fn = step_fn(kind, trunk, head, tile)
+    fn = step_fn(kind, trunk, head, tile, backend)
 
     def once():
         for p in params:
             p.grad = None
         fn(x, y)
 
-    once()
+    first = time.perf_counter()
+    for _ in range(3 if kind == "memconv compiled" else 1):  # record, trace, compile
+        once()
     sync(device)
+    first = time.perf_counter() - first
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -140,6 +162,8 @@ def measure(kind, name, side, trunk, head, tile, device, ref, repeats):
         "alloc_mib": peak,
         "ops": ops,
         "ops_per_tile": ops / tiles,
+        "first_s": first,
+        "backend": backend if kind.endswith(" compiled") else None,
         "grad_rel_err": err,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
     }
@@ -152,6 +176,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--budget", type=float, default=150.0, help="seconds for everything")
     parser.add_argument("--quick", action="store_true", help="small images (a dry run)")
+    parser.add_argument("--compiled", action="store_true", help="add the compiled rows")
+    parser.add_argument("--backend", help="torch.compile's backend of the compiled rows")
+    parser.add_argument("--only", nargs="+", help="these trunks only (resnet18-trunk, ...)")
     args = parser.parse_args(argv)
     start = time.time()
     device = torch.device(args.device)
@@ -165,20 +192,33 @@ def main(argv=None) -> int:
         log.flush()
 
     say(f"torch {torch.__version__}, device {device}, budget {args.budget:.0f} s")
+    from memconv.bench.options import benchmark_backend
+
     tiles = (64, 128) if args.quick else (1024, 2048)
     repeats = 1 if args.quick else 3
+    backend = args.backend or benchmark_backend(args.device)
+    if args.compiled:  # inductor's C++ kernels named in the profile, to be counted
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True
     for name, side, trunk, head in models(args.quick):
+        if args.only and name not in args.only:
+            continue
         ref = None
         runs = [("conventional", None)] + [
             (k, t) for t in tiles for k in ("memconv", "lightstream")
         ]
+        if args.compiled:
+            runs += [("conventional compiled", None)] + [("memconv compiled", t) for t in tiles]
         for kind, tile in runs:
             spent = time.time() - start
             if spent > args.budget * 0.8:
                 say(f"budget: {spent:.0f} s spent, {name} {side} {kind} {tile} not started")
                 continue
             try:
-                row, grads = measure(kind, name, side, trunk, head, tile, device, ref, repeats)
+                row, grads = measure(
+                    kind, name, side, trunk, head, tile, device, ref, repeats, backend
+                )
                 if kind == "conventional":
                     ref = grads
             except ImportError as err:

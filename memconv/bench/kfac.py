@@ -181,13 +181,15 @@ def gemm_rate(side: int = GEMM_SIDE, repeats: int = 3) -> float:
     return side**3 / best
 
 
-def _step(engine: str, model_name: str, net: nn.Module):
-    """``step(x, y)``: one forward and backward pass of the engine."""
+def _step(engine: str, model_name: str, net: nn.Module, backend: str | None = None):
+    """``step(x, y)``: one forward and backward pass of the engine (the compiled ones
+    with ``torch.compile``'s ``backend``, inductor where ``None``)."""
     from backpack import backpack, extend, extensions
 
     loss_fn = nn.CrossEntropyLoss()
+    options = {"backend": backend} if backend else {}
     if engine in ("plain", "plain-compiled"):
-        run = torch.compile(net) if engine == "plain-compiled" else net
+        run = torch.compile(net, **options) if engine == "plain-compiled" else net
 
         def plain(x, y):
             net.zero_grad(set_to_none=True)
@@ -211,7 +213,7 @@ def _step(engine: str, model_name: str, net: nn.Module):
                 if module_ext is not None:
                     ext.set_module_extension(cls, module_ext, overwrite=True)
     loss_fn = extend(loss_fn)
-    compiled = torch.compile(model) if engine == "kfac-compiled" else None
+    compiled = torch.compile(model, **options) if engine == "kfac-compiled" else None
 
     def kfac(x, y):
         model.zero_grad(set_to_none=True)

@@ -210,6 +210,17 @@ def strict_float32(device: str) -> None:
         torch.backends.cudnn.allow_tf32 = False
 
 
+def benchmark_backend(device: str) -> str:
+    """``torch.compile``'s backend for a benchmark's compiled rows on ``device``:
+    inductor, except on a CUDA device whose Python lacks triton (inductor's GPU code
+    generator), where it is ``"cudagraphs"`` (the step captured as CUDA graphs)."""
+    import torch
+
+    if torch.device(device).type != "cuda" or importlib.util.find_spec("triton"):
+        return "inductor"
+    return "cudagraphs"
+
+
 def device_record(device: str) -> dict:
     """The device a run measures on: its type, its name (the card's, for CUDA) and, on
     CUDA, whether TF32 is on for matrix products and convolutions (it changes float32
