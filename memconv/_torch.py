@@ -204,13 +204,19 @@ def compile_backend(model):
     return backend if callable(backend) else "inductor"
 
 
-#: Inductor options a traced per-sample step (one graph of a forward and a backward
-#: pass) compiles with where the model's own options leave them unset: inductor's
-#: reordering for locality moves kernels next to the ones sharing their inputs, which
-#: across such a graph keeps buffers alive far past their last use (torchvision's
-#: ResNet-18 with GroupNorm, batch 64, on the CPU: allocator peak 232 MiB with it, 166
-#: MiB without, the step's time the same).
-STEP_INDUCTOR_OPTIONS = {"reorder_for_locality": False}
+#: Inductor options a traced per-sample step or a streamed tile (one graph of a forward
+#: and a backward pass) compiles with where the model's own options leave them unset:
+#:
+#: - ``reorder_for_locality``: inductor's reordering moves kernels next to the ones
+#:   sharing their inputs, which across such a graph keeps buffers alive far past their
+#:   last use (torchvision's ResNet-18 with GroupNorm, batch 64, on the CPU: allocator
+#:   peak 232 MiB with it, 166 MiB without, the step's time the same).
+#: - ``layout_optimization``: on the CPU inductor turns a graph with convolutions to
+#:   channels-last, but such a graph's reads and writes (a tile's halos and sent
+#:   gradients, a step's per-sample gradients) keep the layout they were traced with,
+#:   and the kernels between the two layouts transpose element by element, unvectorised
+#:   (docs/compiling.md and docs/streaming.md give the steps' times with and without).
+STEP_INDUCTOR_OPTIONS = {"reorder_for_locality": False, "layout_optimization": False}
 
 
 def step_backend(backend):

@@ -473,16 +473,18 @@ def test_a_traced_step_keeps_to_batched_strategies():
 
 def test_a_traced_step_compiles_with_the_models_inductor_options_first():
     """Inductor's step options lie beneath the model's: a mode's options and the
-    model's own settings are kept, ``reorder_for_locality`` is off unless the model
-    sets it; another backend is passed as it is."""
+    model's own settings are kept, ``reorder_for_locality`` and ``layout_optimization``
+    are off unless the model sets them; another backend is passed as it is."""
     from memconv._torch import STEP_INDUCTOR_OPTIONS, compile_backend, step_backend
 
     model = nn.Linear(2, 2)
     tuned = step_backend(compile_backend(torch.compile(model, mode="max-autotune-no-cudagraphs")))
     assert tuned.config["max_autotune"] and not tuned.config["reorder_for_locality"]
+    assert not tuned.config["layout_optimization"]
     assert step_backend("inductor").config == STEP_INDUCTOR_OPTIONS
-    own = torch.compile(model, options={"reorder_for_locality": True})
-    assert step_backend(compile_backend(own)).config["reorder_for_locality"] is True
+    own = torch.compile(model, options={"reorder_for_locality": True, "layout_optimization": True})
+    config = step_backend(compile_backend(own)).config
+    assert config["reorder_for_locality"] is True and config["layout_optimization"] is True
     assert step_backend("aot_eager") == "aot_eager"
 
 
