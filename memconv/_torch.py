@@ -206,23 +206,47 @@ def compile_backend(model):
 
 #: Inductor options a traced per-sample step or a streamed tile (one graph of a forward
 #: and a backward pass) compiles with where the model's own options leave them unset:
-#:
-#: - ``reorder_for_locality``: inductor's reordering moves kernels next to the ones
-#:   sharing their inputs, which across such a graph keeps buffers alive far past their
-#:   last use (torchvision's ResNet-18 with GroupNorm, batch 64, on the CPU: allocator
-#:   peak 232 MiB with it, 166 MiB without, the step's time the same).
-#: - ``layout_optimization``: on the CPU inductor turns a graph with convolutions to
-#:   channels-last, but such a graph's reads and writes (a tile's halos and sent
-#:   gradients, a step's per-sample gradients) keep the layout they were traced with,
-#:   and the kernels between the two layouts transpose element by element, unvectorised
-#:   (docs/compiling.md and docs/streaming.md give the steps' times with and without).
-STEP_INDUCTOR_OPTIONS = {"reorder_for_locality": False, "layout_optimization": False}
+#: inductor's reordering for locality moves kernels next to the ones sharing their
+#: inputs, which across such a graph keeps buffers alive far past their last use
+#: (torchvision's ResNet-18 with GroupNorm, batch 64, on the CPU: allocator peak 232 MiB
+#: with it, 166 MiB without, the step's time the same).
+STEP_INDUCTOR_OPTIONS = {"reorder_for_locality": False}
 
 
-def step_backend(backend):
-    """The backend a traced per-sample step compiles with: inductor (``"inductor"`` or
-    a model's inductor with its mode and options) with :data:`STEP_INDUCTOR_OPTIONS`
-    beneath the model's own options; any other backend as it is."""
+def graph_inductor_options(graph) -> dict:
+    """Inductor options for one traced graph (a ``torch.fx.GraphModule`` of ATen
+    operations), beneath :data:`STEP_INDUCTOR_OPTIONS` and the model's own options.
+
+    ``layout_optimization`` is off where the graph's convolutions are all dense: on the
+    CPU inductor turns a graph with convolutions to channels-last, but a traced graph's
+    reads and writes (a tile's halos and sent gradients, the activations a step's
+    per-sample norms read) keep the layout they were traced with, and the kernels
+    between the two layouts transpose element by element, unvectorised. Where a
+    convolution is depthwise (``groups`` equal to its input channels, as in ConvNeXt's
+    blocks), inductor's channels-last layout is kept: there it is the faster one.
+    docs/compiling.md and docs/streaming.md give the steps' times either way."""
+    convolutions = [
+        node
+        for node in graph.graph.nodes
+        if node.op == "call_function" and node.target is torch.ops.aten.convolution.default
+    ]
+    if not convolutions or any(_depthwise(node) for node in convolutions):
+        return {}
+    return {"layout_optimization": False}
+
+
+def _depthwise(node) -> bool:
+    value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    groups = node.args[8] if len(node.args) > 8 else 1
+    return value is not None and groups > 1 and groups == value.shape[1]
+
+
+def step_backend(backend, graph=None):
+    """The backend a traced per-sample step or a tile's graph compiles with: inductor
+    (``"inductor"`` or a model's inductor with its mode and options) with
+    :data:`STEP_INDUCTOR_OPTIONS` and, given the traced ``graph``,
+    :func:`graph_inductor_options` beneath the model's own options; any other backend
+    as it is."""
     wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
     if wrapper is None:
         return backend
@@ -233,7 +257,8 @@ def step_backend(backend):
     from torch._inductor import config
 
     known = config.get_config_copy()
-    options = {k: v for k, v in STEP_INDUCTOR_OPTIONS.items() if k in known}
+    chosen = {**STEP_INDUCTOR_OPTIONS, **(graph_inductor_options(graph) if graph else {})}
+    options = {k: v for k, v in chosen.items() if k in known}
     return wrapper(None, {**options, **backend.config}, backend.dynamic)
 
 

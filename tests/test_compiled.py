@@ -473,19 +473,40 @@ def test_a_traced_step_keeps_to_batched_strategies():
 
 def test_a_traced_step_compiles_with_the_models_inductor_options_first():
     """Inductor's step options lie beneath the model's: a mode's options and the
-    model's own settings are kept, ``reorder_for_locality`` and ``layout_optimization``
-    are off unless the model sets them; another backend is passed as it is."""
+    model's own settings are kept, ``reorder_for_locality`` is off unless the model
+    sets it; another backend is passed as it is."""
     from memconv._torch import STEP_INDUCTOR_OPTIONS, compile_backend, step_backend
 
     model = nn.Linear(2, 2)
     tuned = step_backend(compile_backend(torch.compile(model, mode="max-autotune-no-cudagraphs")))
     assert tuned.config["max_autotune"] and not tuned.config["reorder_for_locality"]
-    assert not tuned.config["layout_optimization"]
     assert step_backend("inductor").config == STEP_INDUCTOR_OPTIONS
-    own = torch.compile(model, options={"reorder_for_locality": True, "layout_optimization": True})
-    config = step_backend(compile_backend(own)).config
-    assert config["reorder_for_locality"] is True and config["layout_optimization"] is True
+    own = torch.compile(model, options={"reorder_for_locality": True})
+    assert step_backend(compile_backend(own)).config["reorder_for_locality"] is True
     assert step_backend("aot_eager") == "aot_eager"
+
+
+@pytest.mark.parametrize(
+    "layers, expected",
+    [
+        ((nn.Conv2d(4, 4, 3), nn.Conv2d(4, 4, 3, groups=2)), {"layout_optimization": False}),
+        ((nn.Conv2d(4, 4, 3), nn.Conv2d(4, 4, 3, groups=4)), {}),  # depthwise: kept
+        ((nn.Flatten(), nn.Linear(256, 2)), {}),  # no convolution
+    ],
+)
+def test_a_graph_of_dense_convolutions_compiles_without_inductors_channels_last(layers, expected):
+    """Inductor's layout optimisation is off for a traced graph whose convolutions are
+    all dense, kept where one is depthwise or none is there; the model's own option
+    wins."""
+    from memconv._torch import compile_backend, graph_inductor_options, make_fx_real, step_backend
+
+    model = nn.Sequential(*layers)
+    graph = make_fx_real(lambda x: model(x).sum(), (torch.randn(1, 4, 8, 8),))
+    assert graph_inductor_options(graph) == expected
+    config = step_backend("inductor", graph).config
+    assert config.get("layout_optimization", True) is expected.get("layout_optimization", True)
+    own = torch.compile(model, options={"layout_optimization": True})
+    assert step_backend(compile_backend(own), graph).config["layout_optimization"] is True
 
 
 def test_a_cuda_graph_backends_outputs_are_copied_before_they_become_grads():

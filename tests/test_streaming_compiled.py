@@ -192,16 +192,13 @@ def test_inductor_float32():
 
 
 def test_tiles_compile_with_the_trunks_inductor_options_first():
-    """The step options lie beneath the trunk's own: ``reorder_for_locality`` and
-    ``layout_optimization`` off unless the trunk's options set them; another backend
-    as it is."""
+    """The step options lie beneath the trunk's own: ``reorder_for_locality`` off
+    unless the trunk's options set it; another backend as it is."""
     trunk = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
     tiles = StreamingCNN(torch.compile(trunk), 16).tiles_by
     assert tiles.backend.config["reorder_for_locality"] is False
-    assert tiles.backend.config["layout_optimization"] is False
-    own = torch.compile(trunk, options={"reorder_for_locality": True, "layout_optimization": True})
-    config = StreamingCNN(own, 16).tiles_by.backend.config
-    assert config["reorder_for_locality"] is True and config["layout_optimization"] is True
+    own = torch.compile(trunk, options={"reorder_for_locality": True})
+    assert StreamingCNN(own, 16).tiles_by.backend.config["reorder_for_locality"] is True
     other = StreamingCNN(torch.compile(trunk, backend="aot_eager"), 16).tiles_by.backend
     assert other.compiler_name == "aot_eager" and not hasattr(other, "config")
 

@@ -195,7 +195,7 @@ class TracedSteps:
             check_random(graph)
         leaves = held["leaves"]
         constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, Tensor)}
-        backend = step_backend(backend)
+        backend = step_backend(backend, graph)
         compiled = torch.compile(graph, backend=backend, fullgraph=True, dynamic=False)
         entry = TracedGraph(
             graph,

@@ -103,8 +103,9 @@ class CompiledTiles:
             buffers in place).
         backend: the compiler backend the trunk was compiled with
             (:func:`memconv._torch.compile_backend`); the tiles compile with it, and
-            with inductor's :data:`memconv._torch.STEP_INDUCTOR_OPTIONS` beneath its
-            own options (:func:`memconv._torch.step_backend`).
+            with inductor's :data:`memconv._torch.STEP_INDUCTOR_OPTIONS` and each
+            graph's :func:`memconv._torch.graph_inductor_options` beneath its own
+            options (:func:`memconv._torch.step_backend`).
 
     Attributes:
         records: ``{(pass key, tile): TileRecord}``.
@@ -115,7 +116,8 @@ class CompiledTiles:
 
     def __init__(self, module: nn.Module, backend):
         self.module = module
-        # a tile's graph holds a forward and a backward pass, as a traced step's does
+        # a tile's graph holds a forward and a backward pass, as a traced step's does;
+        # the options that depend on the graph are added as each is traced
         self.backend = step_backend(backend)
         self.records: dict = {}
         self.graphs: dict = {}
@@ -197,7 +199,7 @@ class CompiledTiles:
         self.traces += 1
         check_constants(graph, self.module)
         check_random(graph)
-        compiled = compile_graph(graph, list(reads), self.backend)
+        compiled = compile_graph(graph, list(reads), step_backend(self.backend, graph))
         present = [t is not None for t in held["results"]]
         logger.info(
             "memconv: traced a %s tile of %s (%d nodes, %.2f s)",
