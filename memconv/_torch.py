@@ -217,28 +217,26 @@ def graph_inductor_options(graph) -> dict:
     """Inductor options for one traced graph (a ``torch.fx.GraphModule`` of ATen
     operations), beneath :data:`STEP_INDUCTOR_OPTIONS` and the model's own options.
 
-    ``layout_optimization`` is off where the graph's convolutions are all dense: on the
-    CPU inductor turns a graph with convolutions to channels-last, but a traced graph's
-    reads and writes (a tile's halos and sent gradients, the activations a step's
+    ``layout_optimization`` is off where the graph's convolutions are all dense and on
+    the CPU: there inductor turns a graph with convolutions to channels-last, but a
+    traced graph's reads and writes (a tile's halos and sent gradients, the activations a step's
     per-sample norms read) keep the layout they were traced with, and the kernels
     between the two layouts transpose element by element, unvectorised. Where a
     convolution is depthwise (``groups`` equal to its input channels, as in ConvNeXt's
-    blocks), inductor's channels-last layout is kept: there it is the faster one.
-    docs/compiling.md and docs/streaming.md give the steps' times either way."""
+    blocks), inductor's channels-last layout is kept: there it is the faster one. On
+    other devices inductor's own choice stands (it weighs the layout per graph there,
+    and nothing here was measured on them). docs/compiling.md and docs/streaming.md
+    give the CPU steps' times either way."""
     convolutions = [
-        node
+        (node.args[0].meta.get("val"), node.args[8])  # the input, the groups
         for node in graph.graph.nodes
         if node.op == "call_function" and node.target is torch.ops.aten.convolution.default
     ]
-    if not convolutions or any(_depthwise(node) for node in convolutions):
+    if not convolutions or any(x is None or x.device.type != "cpu" for x, _ in convolutions):
+        return {}
+    if any(groups > 1 and groups == x.shape[1] for x, groups in convolutions):  # depthwise
         return {}
     return {"layout_optimization": False}
-
-
-def _depthwise(node) -> bool:
-    value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-    groups = node.args[8] if len(node.args) > 8 else 1
-    return value is not None and groups > 1 and groups == value.shape[1]
 
 
 def step_backend(backend, graph=None):
@@ -257,7 +255,8 @@ def step_backend(backend, graph=None):
     from torch._inductor import config
 
     known = config.get_config_copy()
-    chosen = {**STEP_INDUCTOR_OPTIONS, **(graph_inductor_options(graph) if graph else {})}
+    graph_options = graph_inductor_options(graph) if graph is not None else {}
+    chosen = {**STEP_INDUCTOR_OPTIONS, **graph_options}
     options = {k: v for k, v in chosen.items() if k in known}
     return wrapper(None, {**options, **backend.config}, backend.dynamic)
 

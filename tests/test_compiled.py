@@ -509,6 +509,16 @@ def test_a_graph_of_dense_convolutions_compiles_without_inductors_channels_last(
     assert step_backend(compile_backend(own), graph).config["layout_optimization"] is True
 
 
+def test_a_graph_off_the_cpu_keeps_inductors_layout_choice():
+    """Only the CPU's graphs lose inductor's channels-last layout: elsewhere (here the
+    meta device, standing for a GPU) inductor's own choice stands."""
+    from memconv._torch import graph_inductor_options, make_fx_real
+
+    conv = nn.Conv2d(4, 4, 3, device="meta")
+    graph = make_fx_real(lambda x: conv(x).sum(), (torch.randn(1, 4, 8, 8, device="meta"),))
+    assert graph_inductor_options(graph) == {}
+
+
 def test_a_cuda_graph_backends_outputs_are_copied_before_they_become_grads():
     """A CUDA graph's outputs live in memory its next replay overwrites: a traced step
     compiled by such a backend copies them, so that ``.grad`` accumulated over steps
