@@ -152,7 +152,7 @@ def test_clipped_sum_of_a_compiled_model_is_the_eager_one(name):
     assert traced.traces == 1 and not traced.refused
     (graph,) = traced.graphs.values()
     assert graph.calls == 2  # steps 3 and 4: the first probes and plans, the second traces
-    assert counters["stats"]["unique_graphs"] == 1  # one graph, compiled once
+    assert counters["aot_autograd"]["total"] == 1  # one graph, compiled once
     assert not counters["graph_break"]
     assert not counters["recompiles"]
 
@@ -185,7 +185,7 @@ def test_plain_functions_keep_the_compiled_step_per_model():
         c = (1.0 / norms).clamp(max=1.0)
         want = {k: torch.einsum("n,n...->...", c, v) for k, v in ref.items()}
         assert_close(got, want, TOL)
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["aot_autograd"]["total"] == 1
 
 
 def test_a_new_shape_or_option_traces_again_and_the_old_graph_is_kept():
@@ -204,6 +204,54 @@ def test_a_new_shape_or_option_traces_again_and_the_old_graph_is_kept():
     assert step._prepared.traced.traces == 2
     ref = memconv.per_sample_norms(model, nn.CrossEntropyLoss(), x, y)
     assert_close(got, ref, TOL)
+
+
+def test_inputs_of_other_strides_trace_again():
+    """The compiled code is specialised to its inputs' strides: the same shape in
+    another layout (channels-last, a transposed view) gets its own graph, equal to the
+    eager step, and the first graph is kept."""
+    torch.manual_seed(0)
+    model, _ = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    x, y = _batch((3, 8, 8), seed=0)
+    model[0] = nn.Conv2d(3, 4, 3, padding=1).double()
+    layouts = [
+        x,
+        x.contiguous(memory_format=torch.channels_last),
+        x.transpose(2, 3).contiguous().transpose(2, 3),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for inputs in layouts:
+            for _ in range(3):
+                got = step.per_sample_norms(inputs, y)
+            assert_close(got, memconv.per_sample_norms(model, loss_fn, x, y), TOL)
+    assert step._prepared.traced.traces == 3
+    assert counters["aot_autograd"]["total"] == 3
+
+
+def test_targets_that_are_not_a_tensor_run_eagerly_with_a_warning():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), _ListLoss())
+    x = torch.randn(4, 3, dtype=torch.float64)
+    y = [0, 1, 1, 0]
+    step.per_sample_norms(x, y)
+    with pytest.warns(RuntimeWarning, match="targets are a list, not a tensor"):
+        got = step.per_sample_norms(x, y)
+    ref = memconv.per_sample_norms(model, _ListLoss(), x, y)
+    assert_close(got, ref, TOL)
+    assert step._prepared.traced.traces == 0
+
+
+class _ListLoss(nn.Module):
+    """Cross-entropy of targets given as a list of class indices."""
+
+    def forward(self, logits, targets):
+        index = torch.tensor(targets, device=logits.device)
+        return nn.functional.cross_entropy(logits, index)
 
 
 def test_inductor_compiles_the_step():
@@ -382,7 +430,7 @@ def test_padded_poisson_batches_keep_one_compiled_graph():
         assert_close(got_norms[mask], ref_norms, TOL)
         assert torch.equal(got_norms[~mask], torch.zeros(8 - real, dtype=got_norms.dtype))
     assert step._prepared.traced.traces == 1
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    assert counters["aot_autograd"]["total"] == 1 and not counters["recompiles"]
 
 
 def test_dropout_in_training_mode_is_refused_not_compiled():

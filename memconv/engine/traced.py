@@ -8,8 +8,12 @@ gradients) — into one graph of ATen operations (``torch.fx``'s ``make_fx``, wh
 autograd, hooks and memconv's Python while it records), and hands that graph to the
 model's own compiler backend (``torch.compile`` with the backend, mode and options the
 model was compiled with, inductor with :data:`memconv._torch.STEP_INDUCTOR_OPTIONS`
-beneath them; Dynamo sees one graph without a break). Later calls with the
-same plan, shapes and options run the compiled graph and none of memconv's Python.
+beneath them). The backend takes the graph directly, as Dynamo hands a backend its
+graphs (:func:`memconv._torch.compile_graph`): Dynamo does not read the graph's Python
+again, so there is no guard, graph break or recompilation, and no Dynamo frame around
+each call (on a small model that frame cost as much as the compiled step itself).
+Later calls with the same plan, shapes, strides and options run the compiled graph
+and none of memconv's Python.
 
 Exactness: the graph records the very operations the eager walk runs; float64 results
 equal the eager ones to rounding (the compiler may reorder sums). What a trace cannot
@@ -19,7 +23,9 @@ keep is refused, never baked in silently:
   control flow in the model): the trace stops there;
 - a tensor the step reads from outside its inputs that is not one of the model's
   parameters or buffers (a value of an earlier step would be frozen into the graph);
-- a compiler error or graph break.
+- inputs or targets that are not tensors (a list of targets): the graph's inputs are
+  tensors, and a value held elsewhere would be frozen into it;
+- a compiler error.
 
 Each refusal warns once per model and reason, naming it, and that call and the next
 ones of the same plan run eagerly (the numbers are the eager path's).
@@ -41,6 +47,7 @@ from .._torch import (
     check_constants,
     check_hooks,
     check_random,
+    compile_graph,
     first_line,
     graph_owned_outputs,
     make_fx_real,
@@ -55,10 +62,11 @@ logger = logging.getLogger(__name__)
 
 
 def tensor_key(t) -> tuple:
-    """What a traced graph depends on of a tensor besides its values."""
+    """What a traced graph depends on of a tensor besides its values (its compiled
+    code is specialised to the shape and the strides)."""
     if not isinstance(t, Tensor):
         return (type(t).__name__,)
-    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.is_contiguous())
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
 
 @dataclass
@@ -181,6 +189,9 @@ class TracedSteps:
             return [v for v in leaves if isinstance(v, Tensor)]
 
         check_hooks(model, self.hooks)
+        for name, value in (("inputs", batch.inputs), ("targets", batch.targets)):
+            if not isinstance(value, Tensor):  # the graph's inputs are tensors
+                raise NotTraceable(f"the {name} are a {type(value).__name__}, not a tensor")
         start = time.perf_counter()
         try:
             graph = make_fx_real(step, (batch.inputs, batch.targets, *extra))
@@ -196,7 +207,7 @@ class TracedSteps:
         leaves = held["leaves"]
         constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, Tensor)}
         backend = step_backend(backend, graph)
-        compiled = torch.compile(graph, backend=backend, fullgraph=True, dynamic=False)
+        compiled = compile_graph(graph, [batch.inputs, batch.targets, *extra], backend)
         entry = TracedGraph(
             graph,
             compiled,
