@@ -222,21 +222,31 @@ def graph_inductor_options(graph) -> dict:
     traced graph's reads and writes (a tile's halos and sent gradients, the activations a step's
     per-sample norms read) keep the layout they were traced with, and the kernels
     between the two layouts transpose element by element, unvectorised. Where a
-    convolution is depthwise (``groups`` equal to its input channels, as in ConvNeXt's
-    blocks), inductor's channels-last layout is kept: there it is the faster one. On
+    convolution is depthwise (one input and one output channel per group, as in
+    ConvNeXt's blocks; not the grouped convolutions of memconv's per-sample weight
+    gradients, the samples as groups), inductor's channels-last layout is kept: there it is the faster one. On
     other devices inductor's own choice stands (it weighs the layout per graph there,
     and nothing here was measured on them). docs/compiling.md and docs/streaming.md
     give the CPU steps' times either way."""
     convolutions = [
-        (node.args[0].meta.get("val"), node.args[8])  # the input, the groups
+        (node.args[1].meta.get("val"), node.args[8])  # the weight, the groups
         for node in graph.graph.nodes
         if node.op == "call_function" and node.target is torch.ops.aten.convolution.default
     ]
-    if not convolutions or any(x is None or x.device.type != "cpu" for x, _ in convolutions):
+    if not convolutions or any(w is None or w.device.type != "cpu" for w, _ in convolutions):
         return {}
-    if any(groups > 1 and groups == x.shape[1] for x, groups in convolutions):  # depthwise
+    if any(_depthwise(w, groups) for w, groups in convolutions):
         return {}
     return {"layout_optimization": False}
+
+
+def _depthwise(weight: Tensor, groups: int) -> bool:
+    """Whether a convolution of weight ``[C_out, C_in/G, *k]`` is depthwise: one input
+    and one output channel per group. A per-sample weight gradient taken as a grouped
+    convolution (the samples as groups, each with ``C_out`` channels) is not: its
+    input ``[1, N·C_in, ...]`` has as many channels per group as the layer, and its
+    weight more than one channel per group."""
+    return groups > 1 and weight.shape[1] == 1 and weight.shape[0] == groups
 
 
 def step_backend(backend, graph=None):

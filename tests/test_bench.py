@@ -300,6 +300,22 @@ def test_steps_table_runs_at_tiny_repeats(tmp_path):
         steps.fill("no block", "x")
 
 
+def test_compiled_steps_table_runs_every_engine_compiled(tmp_path):
+    """`python -m memconv.bench.steps --compiled` on the MLP row, one timed round after
+    the compiling ones: every compiled engine runs (none "fails") into its own block."""
+    from memconv.bench import steps
+
+    page = tmp_path / "page.md"
+    page.write_text("<!-- steps-compiled:table -->\nold\n<!-- /steps-compiled:table -->\n")
+    args = ["--compiled", "--repeats", "1", "--warmup", "3", "--rows", "1"]
+    assert steps.main([*args, "--markdown", str(page)]) == 0
+    text = page.read_text()
+    assert "old" not in text and "fails" not in text
+    assert all(column in text for column, _ in steps.COMPILED)
+    with pytest.raises(SystemExit):  # memconv's third call compiles: warm-up below it
+        steps.main(["--compiled", "--warmup", "2"])
+
+
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("case", CASES[1:3], ids=IDS[1:3])
 def test_every_per_layer_engine_agrees_with_torch_func_per_layer_clipping(case):

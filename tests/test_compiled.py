@@ -557,6 +557,35 @@ def test_a_graph_of_dense_convolutions_compiles_without_inductors_channels_last(
     assert step_backend(compile_backend(own), graph).config["layout_optimization"] is True
 
 
+def test_a_traced_per_sample_steps_grouped_convolutions_are_not_depthwise():
+    """The traced DP step of a dense CNN holds memconv's per-sample weight gradients as
+    grouped convolutions (the samples as groups, one channel per group at the input):
+    they are no depthwise layer, so the graph compiles without channels-last; a
+    depthwise layer of the model keeps it."""
+    from memconv._torch import graph_inductor_options
+
+    def traced(model):
+        step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), nn.MSELoss())
+        x, y = torch.randn(5, 1, 8, 8), torch.randn(5, 2)
+        for _ in range(2):
+            step.clip_and_accumulate(x, y, max_norm=1.0)
+        (entry,) = step._prepared.traced.graphs.values()
+        groups = [
+            n.args[8]
+            for n in entry.graph.graph.nodes
+            if n.target is torch.ops.aten.convolution.default
+        ]
+        return graph_inductor_options(entry.graph), groups
+
+    dense = [nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3)]
+    tail = [nn.Flatten(), nn.Linear(64, 2)]
+    options, groups = traced(nn.Sequential(*dense, *tail))
+    assert 5 in groups  # the samples as groups
+    assert options == {"layout_optimization": False}
+    options, _ = traced(nn.Sequential(*dense, nn.Conv2d(4, 4, 3, padding=1, groups=4), *tail))
+    assert options == {}
+
+
 def test_a_graph_off_the_cpu_keeps_inductors_layout_choice():
     """Only the CPU's graphs lose inductor's channels-last layout: elsewhere (here the
     meta device, standing for a GPU) inductor's own choice stands."""

@@ -10,7 +10,10 @@ milliseconds per step. Run it as::
     python -m memconv.bench.steps --repeats 30 --markdown docs/benchmarks.md
 
 which refills the block between ``<!-- steps:table -->`` and ``<!-- /steps:table -->``
-of the page.
+of the page. With ``--compiled`` it times the compiled engines instead (a
+``torch.compile``'d model's step, ``torch.compile`` of torch.func's ``vmap(grad)`` step
+with and without the clipped sum, :class:`memconv.PrivateStep` of a ``torch.compile``'d
+model) into the ``steps-compiled:table`` block; their warm-up rounds compile.
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ from .report import fill_block
 
 #: Engines, in table order: (column, setup(model, loss) -> step(x, y)).
 ENGINES: list[tuple[str, Callable]] = []
+#: The compiled engines (``--compiled``), in table order: each compiles with
+#: ``torch.compile``'s defaults (inductor) what its eager counterpart runs.
+COMPILED: list[tuple[str, Callable]] = []
 
 
-def engine(column: str):
+def engine(column: str, compiled: bool = False):
     def register(setup):
-        ENGINES.append((column, setup))
+        (COMPILED if compiled else ENGINES).append((column, setup))
         return setup
 
     return register
@@ -65,6 +71,46 @@ def _torch_func(model, loss):
 
     def step(x, y):
         return grads({k: p.detach() for k, p in _trainable(model).items()}, x, y)
+
+    return step
+
+
+def _clipped(grads: dict, max_norm: float) -> dict:
+    """The clipped sum of per-sample gradients ``{name: [N, ...]}``, as a torch.func
+    user writes DP-SGD's step (Opacus' clip factor ``min(1, C / (‖g‖ + 1e-6))``)."""
+    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], 1).norm(dim=1)
+    factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return {k: torch.einsum("n,n...->...", factors, g) for k, g in grads.items()}
+
+
+@engine("compiled autograd step", compiled=True)
+def _autograd_compiled(model, loss):
+    return _autograd(torch.compile(model), loss)
+
+
+@engine("torch.compile(vmap(grad))", compiled=True)
+def _torch_func_compiled(model, loss):
+    return torch.compile(_torch_func(model, loss))
+
+
+@engine("torch.compile(vmap(grad) + clipped sum)", compiled=True)
+def _torch_func_clip_compiled(model, loss):
+    grads = _torch_func(model, loss)
+    return torch.compile(lambda x, y: _clipped(grads(x, y), 1.0))
+
+
+@engine("PrivateStep(compiled model).per_sample_grads", compiled=True)
+def _step_grads_compiled(model, loss):
+    return memconv.PrivateStep(torch.compile(model), loss).per_sample_grads
+
+
+@engine("PrivateStep(compiled model).clip_and_accumulate", compiled=True)
+def _step_clip_compiled(model, loss):
+    private = memconv.PrivateStep(torch.compile(model), loss)
+
+    def step(x, y):
+        model.zero_grad(set_to_none=True)
+        return private.clip_and_accumulate(x, y, max_norm=1.0)
 
     return step
 
@@ -243,11 +289,18 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 def measure(
-    build, n: int, repeats: int, warmup: int, engines=None, clock: str = "wall"
+    build,
+    n: int,
+    repeats: int,
+    warmup: int,
+    engines=None,
+    clock: str = "wall",
+    compiled: bool = False,
 ) -> dict[str, float | str]:
     """Median milliseconds per step of each engine on one model and batch size (by
     ``clock``, a key of :data:`CLOCKS`); an engine whose step raises gets ``"fails:
-    <error>"`` and is not run again."""
+    <error>"`` and is not run again. ``compiled``: the engines of :data:`COMPILED`
+    (their first calls, in the warm-up rounds, compile) instead of :data:`ENGINES`."""
     now = CLOCKS[clock]
     torch.manual_seed(0)
     model, shape = build()
@@ -256,7 +309,7 @@ def measure(
     loss = nn.CrossEntropyLoss(reduction="sum")
     steps = {  # each its own copy: Opacus' hooks stay on its own
         column: setup(copy.deepcopy(model), loss)
-        for column, setup in ENGINES
+        for column, setup in (COMPILED if compiled else ENGINES)
         if engines is None or column in engines
     }
     times: dict[str, list[float]] = {c: [] for c in steps}
@@ -292,9 +345,10 @@ def table(results: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def fill(page: str, text: str) -> str:
-    """``page`` with the block ``<!-- steps:table -->…<!-- /steps:table -->`` refilled."""
-    return fill_block(page, "steps:table", text)
+def fill(page: str, text: str, block: str = "steps:table") -> str:
+    """``page`` with the block ``<!-- steps:table -->…<!-- /steps:table -->`` (or
+    ``block``'s) refilled."""
+    return fill_block(page, block, text)
 
 
 def main(argv=None) -> int:
@@ -309,18 +363,26 @@ def main(argv=None) -> int:
         default="wall",
         help="time each step by the wall clock (default) or the thread's CPU time",
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="the compiled engines (torch.compile of each), into the steps-compiled:table "
+        "block; the warm-up rounds compile (at least 3 for memconv's: probe, trace, compile)",
+    )
     parser.add_argument("--json", help="write the medians to this file")
     parser.add_argument("--markdown", help="refill the steps:table block of this page")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--repeats and --threads must be positive, --warmup not negative")
+    if args.compiled and args.warmup < 3:
+        parser.error("--compiled needs --warmup 3 or more (memconv's third call compiles)")
     torch.set_num_threads(args.threads)
     rows = ROWS
     if args.rows:
         rows = [ROWS[int(i) - 1] for i in args.rows.split(",")]
     results = []
     for label, build, n in rows:
-        ms = measure(build, n, args.repeats, args.warmup, clock=args.clock)
+        ms = measure(build, n, args.repeats, args.warmup, clock=args.clock, compiled=args.compiled)
         results.append((label, ms))
         shown = (f"{c} {v}" if isinstance(v, str) else f"{c} {v:.2f} ms" for c, v in ms.items())
         print(f"{label}: " + ", ".join(shown), flush=True)
@@ -334,12 +396,14 @@ def main(argv=None) -> int:
     print(text + note)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": dict(results), "repeats": args.repeats}, f, indent=1)
+            record = {"rows": dict(results), "repeats": args.repeats, "compiled": args.compiled}
+            json.dump(record, f, indent=1)
     if args.markdown:
         with open(args.markdown) as f:
             page = f.read()
         with open(args.markdown, "w") as f:
-            f.write(fill(page, text + note))
+            block = "steps-compiled:table" if args.compiled else "steps:table"
+            f.write(fill(page, text + note, block))
     return 0
 
 
