@@ -54,6 +54,19 @@ def _tv_resnet():  # in-place ReLU, ``out += identity``, BatchNorm in eval mode
     return models.TVResNet((1, 1, 1, 1), num_classes=5, width=4)
 
 
+def _wide_cnn():
+    """A 32-channel 3×3 layer, whose input factor the CPU's prices take in row blocks."""
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 5),
+    )
+
+
 def _setup_model(build, side=8, seed=0):
     torch.manual_seed(seed)
     net = build().double().eval()
@@ -314,22 +327,41 @@ def test_float64_average_pooling_under_kflr():
             assert fa.dtype == torch.float64 and rel_err(fa.float(), fb) < 1e-5
 
 
-def test_the_input_factor_is_one_operation_of_the_traced_graph():
-    """Each convolution's KFAC input factor enters the graph as one custom operator,
-    its in-place products and mirroring inside, not functionalised into copies."""
+@pytest.mark.parametrize("pricing", ["cpu", "cuda"])
+def test_the_input_factor_in_row_blocks_is_one_operation_of_the_traced_graph(pricing):
+    """A convolution's KFAC input factor taken in row blocks enters the graph as one
+    custom operator, its in-place products and mirroring inside, not functionalised
+    into copies; one taken in one product per slab enters as its products (a compiler
+    fuses the slabs' copies). The CPU's prices take row blocks on the wider layer, the
+    CUDA calibration's one product on both; the compiled step equals the eager one
+    either way."""
+    from memconv.conv.kronecker import expand_plan
     from memconv.integrations.backpack.compiled import _steps
+    from memconv.strategies import costs
 
-    model, lossfunc, x, y = _setup_model(_pooled_cnn)
-    compiled = torch.compile(model, backend="aot_eager")
-    with mb.installed(extensions.KFAC()) as ext:
-        mb.step(compiled, lossfunc, x, y, ext)
+    model, lossfunc, x, y = _setup_model(_wide_cnn, side=16)
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    inputs = []
+    hooks = [c.register_forward_hook(lambda m, a, out: inputs.append(a[0])) for c in convs]
+    model(x)
+    for h in hooks:
+        h.remove()
+    with costs.using("cpu", costs.calibration(pricing)):
+        chunks = [expand_plan(c, a).chunks for c, a in zip(convs, inputs)]
+        with mb.installed(extensions.KFAC()) as ext:
+            compiled = torch.compile(model, backend="aot_eager")
+            eager = [_eager(model, lossfunc, x, y, ext)]
+            got = _compiled_steps(compiled, model, lossfunc, x, y, ext, steps=2)
+    for g in got:
+        _assert_equal(g, eager[0])
     (entry,) = _steps[model].graphs.values()
     targets = [node.target for node in entry.graph.graph.nodes if node.op == "call_function"]
     factor = torch.ops.memconv.expand_input_factor.default
-    convolutions = sum(isinstance(m, nn.Conv2d) for m in model.modules())
-    assert targets.count(factor) == convolutions == 2
+    assert targets.count(factor) == sum(c > 1 for c in chunks)
+    assert (max(chunks) > 1) == (pricing == "cpu")
     aten = torch.ops.aten
-    assert aten.baddbmm.default not in targets and aten.baddbmm_.default not in targets
+    products = targets.count(aten.bmm.default) + targets.count(aten.baddbmm.default)
+    assert products >= sum(c == 1 for c in chunks)
 
 
 def test_a_routed_block_traces_its_own_graph_and_routes_it():

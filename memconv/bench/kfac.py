@@ -30,13 +30,20 @@ extensions, :func:`memconv.integrations.backpack.install`), ``kfac-reduce`` (the
 with ``kfac_approx="reduce"``) and ``backpack`` (BackPACK 1.7.1's ``KFAC`` alone); with
 ``--engines``, also ``plain-compiled`` (the plain step of ``torch.compile(model)``),
 ``kfac-compiled`` (:func:`memconv.integrations.backpack.step` on the compiled extended
-model) and ``curvlinops`` (curvlinops' ``KFACLinearOperator``, one Monte-Carlo sample,
+model), ``kfac-reduce-compiled`` (the same with ``kfac_approx="reduce"``) and ``curvlinops`` (curvlinops' ``KFACLinearOperator``, one Monte-Carlo sample,
 its factors of the convolution and Linear weights). Each process records its two
 warm-up steps' times (a compiled engine's trace and first compilation); ``--model
 resnet18`` times the CIFAR ResNet-18 in eval mode instead of All-CNN-C::
 
     python -m memconv.bench.kfac --engines plain,plain-compiled,kfac,kfac-compiled,curvlinops \
         --no-op-counts --repeats 2 [--model resnet18]
+
+``--launches`` counts the host launches of one step of each engine instead, each in a
+fresh process (top-level ATen operations plus inductor's compiled kernels, kernel
+profiling on: a compiled step's launches)::
+
+    python -m memconv.bench.kfac --launches --no-op-counts \
+        --engines plain,kfac,kfac-reduce,plain-compiled,kfac-compiled,kfac-reduce-compiled
 
 The **operation counts** (:func:`memconv.bench.ops.count`: top-level ATen operations
 of one step, a plain step's and a KFAC step's, on All-CNN-C and the CIFAR ResNet-18 in
@@ -66,7 +73,13 @@ from .second_order import MODELS, RESIDUAL
 #: The engines of the floor's table (the default run).
 FLOOR_ENGINES = ("plain", "kfac", "kfac-reduce", "backpack")
 #: Every engine: the floor's, and the compiled steps against curvlinops' KFAC.
-ENGINES = (*FLOOR_ENGINES, "plain-compiled", "kfac-compiled", "curvlinops")
+ENGINES = (
+    *FLOOR_ENGINES,
+    "plain-compiled",
+    "kfac-compiled",
+    "kfac-reduce-compiled",
+    "curvlinops",
+)
 #: Each model's classes V.
 CLASSES = {"allcnnc": 100, "resnet18": 10}
 #: The side of the square matrices whose product measures the GEMM rate.
@@ -207,13 +220,13 @@ def _step(engine: str, model_name: str, net: nn.Module, backend: str | None = No
     else:
         model = mb.extend(net, use_converter=model_name in RESIDUAL)
         ext = mb.install(ext)
-        if engine == "kfac-reduce":
+        if engine.startswith("kfac-reduce"):
             for cls in {type(m) for m in model.modules()}:
                 module_ext = module_extension(ext, cls, kfac_approx="reduce")
                 if module_ext is not None:
                     ext.set_module_extension(cls, module_ext, overwrite=True)
     loss_fn = extend(loss_fn)
-    compiled = torch.compile(model, **options) if engine == "kfac-compiled" else None
+    compiled = torch.compile(model, **options) if engine.endswith("-compiled") else None
 
     def kfac(x, y):
         model.zero_grad(set_to_none=True)
@@ -291,6 +304,29 @@ def measure(engine: str, model: str, classes: int, batch: int, steps: int = 5) -
     }
 
 
+def launches(engine: str, model: str, classes: int, batch: int, pricing: str = "cpu") -> dict:
+    """The host launches of one step of ``engine`` in this (fresh) process
+    (:func:`memconv.bench.ops.count`'s ``launches``: top-level ATen operations plus
+    inductor's compiled kernels, kernel profiling on), after three warm-up steps (a
+    compiled engine's trace and first compilation among them), one thread; memconv's
+    products priced by ``pricing``'s calibration (``"cuda"``: the products per slab a
+    GPU's prices choose, counted on the CPU)."""
+    if pricing != "cpu":
+        with costs.using("cpu", costs.calibration(pricing)):
+            return launches(engine, model, classes, batch)
+    import torch._inductor.config as inductor_config
+
+    from .ops import count
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    inductor_config.cpp.enable_kernel_profile = True  # the kernels, named, for the count
+    net, x, y = _inputs(model, classes, batch)
+    step = _step(engine, model, net)
+    counted = count(lambda: step(x, y), warmup=3)
+    return {k: counted[k] for k in ("top_level", "compiled_kernels", "launches")}
+
+
 def operation_counts(model: str, classes: int, batch: int, pricing: str = "cpu") -> dict:
     """Top-level ATen operations of one plain step, one memconv KFAC step and one of
     BackPACK's ``KFAC`` alone (:func:`memconv.bench.ops.count`; ``None`` where it
@@ -328,6 +364,15 @@ def run(args) -> list[dict]:
             emit({"record": "ops", **case, "pricing": pricing, **counts})
     classes = CLASSES[args.model]
     case = {"model": args.model, "classes": classes, "batch": args.batch}
+    if args.launches:
+        for engine in args.engines:
+            call = {"engine": engine, **case, "pricing": args.pricing}
+            config = {"call": "memconv.bench.kfac:launches", "args": call}
+            counted = run_in_subprocess(config, timeout=900)
+            emit(
+                {"record": "launches", "engine": engine, **case, "pricing": args.pricing, **counted}
+            )
+        return rows
     for repeat in range(0 if args.counts else args.repeats):
         for engine in args.engines:
             call = {"engine": engine, **case, "steps": args.steps}
@@ -354,6 +399,9 @@ def summary(rows: list[dict]) -> str:
                 f"| {r['model']} | {r['pricing']} | {r['plain']} | {r['kfac']} | {ratio:.1f}× "
                 f"| {theirs} |"
             )
+    counted = [r for r in rows if r.get("record") == "launches" and "error" not in r]
+    if counted:
+        lines += [_launch_table(counted), ""]
     times = [r for r in rows if r.get("record") == "time" and "error" not in r]
     for model in dict.fromkeys(r["model"] for r in times):
         lines += [_time_table([r for r in times if r["model"] == model]), ""]
@@ -406,6 +454,27 @@ def _time_table(times: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _launch_table(counted: list[dict]) -> str:
+    """One model's engines: host launches of one step, and their multiple of the plain
+    step's (an eager engine) or of the compiled plain step's (a compiled one)."""
+    by_engine = {r["engine"]: r for r in counted}
+    lines = [
+        f"{counted[0]['model']} (V = {counted[0]['classes']}, N = {counted[0]['batch']}, "
+        f"{counted[0].get('pricing', 'cpu')} prices):",
+        "",
+        "| engine | top-level operations | compiled kernels | launches | / plain step |",
+        "|---|---|---|---|---|",
+    ]
+    for r in counted:
+        ref = by_engine.get("plain-compiled" if r["engine"].endswith("compiled") else "plain")
+        ratio = f"{r['launches'] / ref['launches']:.2f}×" if ref else "–"
+        lines.append(
+            f"| {r['engine']} | {r['top_level']} | {r['compiled_kernels']} | "
+            f"{r['launches']} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
 def _span(values: list[float]) -> str:
     """The median of the per-repeat ratios and their range."""
     if not values:
@@ -436,6 +505,18 @@ def main(argv=None) -> int:
         "--layers", action="store_true", help="print the per-layer floor and plans only"
     )
     parser.add_argument("--counts", action="store_true", help="the operation counts only")
+    parser.add_argument(
+        "--launches",
+        action="store_true",
+        help="the host launches of one step of each engine (compiled kernels included), "
+        "each in a fresh process, instead of the times",
+    )
+    parser.add_argument(
+        "--pricing",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="--launches: memconv's products priced by this device's calibration",
+    )
     args = parser.parse_args(argv)
     if args.layers:
         print(layer_table(batch=args.batch))

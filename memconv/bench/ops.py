@@ -91,7 +91,10 @@ def count(fn, warmup: int = 2, *, by_name: bool = False) -> dict:
     Returns:
         ``{"top_level": ATen operations no other ATen operation called, "kernels": those
         of them that run a kernel (not in :data:`NO_KERNEL`), "all": every ATen
-        operation, "host_syncs": aten::_local_scalar_dense events}`` (and ``"names":
+        operation, "host_syncs": aten::_local_scalar_dense events, "compiled_kernels":
+        inductor's generated kernels called (seen where inductor's
+        ``cpp.enable_kernel_profile`` was on when they compiled; 0 otherwise),
+        "launches": top-level operations plus compiled kernels}`` (and ``"names":
         {name: top-level count}``).
     """
     for _ in range(warmup):
@@ -101,11 +104,14 @@ def count(fn, warmup: int = 2, *, by_name: bool = False) -> dict:
     events = [e for e in prof.events() if e.name.startswith("aten::")]
     top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
     syncs = sum(e.name == "aten::_local_scalar_dense" for e in events)
+    compiled = sum("cpp_fused" in e.name or e.name.startswith("triton_") for e in prof.events())
     out = {
         "top_level": len(top),
         "kernels": sum(e.name not in NO_KERNEL for e in top),
         "all": len(events),
         "host_syncs": syncs,
+        "compiled_kernels": compiled,
+        "launches": len(top) + compiled,
     }
     if by_name:
         names: dict[str, int] = {}

@@ -249,8 +249,11 @@ def input_factor(
     check_chunks(chunks, most_chunks(p.source.shape[1] // p.groups, math.prod(p.kernel_size)))
     if kfac_approx == "reduce":
         factor = _reduce_factor(p)
+    elif (plan := _plan(p, memory_budget, chunks, warn=True)).chunks == 1:
+        # one product per slab, no block written in place: a traced graph takes these
+        # few operations as they are, and a compiler fuses the slabs' copies
+        factor = _expand_factor(p, plan)
     else:
-        plan = _plan(p, memory_budget, chunks, warn=True)
         factor = _expand_op(
             p.source,
             p.kernel_size,
@@ -380,8 +383,8 @@ def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool)
         views = math.ceil(n / samples) * (samples < n) + slabs * (3 + (rows < t1))
         if cc == 1 and slabs == 1:
             return 4 + views + 3 * p.flipped
-        if cc == 1:
-            return 3 + views + 2 * slabs + 3 * p.flipped
+        if cc == 1:  # the first slab's product makes the accumulator
+            return 2 + views + 2 * slabs + 3 * p.flipped
         # the accumulator's row blocks; each slab's transpose, row blocks and
         # products; the column blocks and the mirroring copies
         return 5 + cc + views + slabs * (2 * cc + 1) + 4 * (cc - 1) + 3 * p.flipped
@@ -482,8 +485,7 @@ def _expand_factor(p: Patches, plan: FactorPlan) -> Tensor:
         out = torch.bmm(z, z.mT)
         del z
     elif plan.chunks == 1:
-        out = p.source.new_empty(g, size, size)  # the first slab's product writes it
-        _each_slab(p, plan, lambda z, beta: out.baddbmm_(z, z.mT, beta=beta))
+        out = _summed_products(p, plan)
     else:
         bounds = _bounds(size, plan.chunks)
         out = p.source.new_empty(g, size, size)  # written by the first slab and the mirror
@@ -502,6 +504,23 @@ def _expand_factor(p: Patches, plan: FactorPlan) -> Tensor:
         kernel = tuple(range(2, 2 + dims))
         out = out.view(shape).flip((*kernel, *(i + dims + 1 for i in kernel))).view_as(out)
     return out.div_(n)
+
+
+def _summed_products(p: Patches, plan: FactorPlan) -> Tensor:
+    """Σ z zᵀ over the slabs of the plan, one product each: the first slab's ``bmm``
+    makes the accumulator, the others add into it whole (``baddbmm_``, no block of it
+    written), which a compiler keeps as products (no zero fill, no uninitialised
+    memory read)."""
+    out: list[Tensor] = []
+
+    def add(z: Tensor, beta: float) -> None:
+        if out:
+            out[0].baddbmm_(z, z.mT)
+        else:
+            out.append(torch.bmm(z, z.mT))
+
+    _each_slab(p, plan, add)
+    return out[0]
 
 
 def _slab(p: Patches, part: Tensor) -> Tensor:
