@@ -484,7 +484,7 @@ def _span(values: list[float]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="append the rows to this JSON Lines file")
+    parser.add_argument("--json", help="write the rows to this JSON Lines file (overwritten)")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per engine")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per process")
     parser.add_argument("--batch", type=int, default=8)
