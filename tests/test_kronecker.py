@@ -622,3 +622,27 @@ def test_kfac_floor_counts_each_term():
     assert got["input_factor"] == 3 * 16 * 18 * 19 // 2 + 3 * 4 * 4 * 5 // 2
     assert got["output_factor"] == 3 * 4 * 5 // 2 + 3 * 6 * 7 // 2
     assert got["total"] == 16485 and got["plain"] == 7776
+
+
+def test_a_traced_plan_counts_one_product_per_slab_as_its_launches():
+    """While a compiled step is traced, an input factor of one product per slab enters
+    the graph as its copies (fused) and products: its plan counts two launches a slab,
+    where the eager plan counts every view and copy; c > 1 (the custom operator, run
+    as it is) counts the same either way."""
+    from memconv._torch import make_fx_real
+
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    x = torch.randn(4, 8, 8, 8)
+    budget = 3 * 8 * 9 * 64 * 4  # three samples' patches: two slabs
+    eager = {c: expand_plan(conv, x, memory_budget=budget, chunks=c) for c in (1, 3)}
+    traced = {}
+
+    def trace(x):
+        for c in (1, 3):
+            traced[c] = expand_plan(conv, x, memory_budget=budget, chunks=c)
+        return x.sum()
+
+    make_fx_real(trace, (x,))
+    assert eager[1].slabs == traced[1].slabs == 2
+    assert traced[1].operations == 2 * traced[1].slabs < eager[1].operations
+    assert traced[3] == eager[3]

@@ -76,7 +76,7 @@ from .._checks import (
     check_conv_input,
     check_conv_module,
 )
-from .._torch import opaque
+from .._torch import opaque, tracing
 from ..strategies.costs import operations_time, time_coefficients
 from ..strategies.geometry import ConvSpec, conv_spec, span, spec_of, torch_pad_argument
 
@@ -221,7 +221,10 @@ def input_factor(
             time, ``per_flop · multiply-adds + per_op · operations`` priced by the
             input's device type (:mod:`memconv.strategies.costs`, the
             ``"ghost-offsets"`` products' ``per_flop``): on a CPU, where arithmetic
-            dominates, the most; on a launch-bound GPU a few.
+            dominates, the most; on a launch-bound GPU a few. While a compiled step
+            is traced, c = 1's operations are its launches in the compiled graph (a
+            product and a fused copy per slab), c > 1's those of the custom operator
+            that runs them as they are.
         spec: the layer's :func:`memconv.strategies.geometry.conv_spec`, read by the
             caller in the same call (BackPACK's module extension reads it once per
             layer call); None: read here.
@@ -378,7 +381,11 @@ def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool)
         entries = sum((b - a) * (width - a) for a, b in zip(bounds, bounds[1:]))
         return entries * g * positions
 
+    traced = tracing()
+
     def operations(cc: int) -> int:  # as _expand_factor and _each_slab issue them
+        if cc == 1 and traced:  # a compiled graph's launches: a product and a copy a slab
+            return 2 * slabs + 3 * p.flipped
         # the window views and one copy of each slab
         views = math.ceil(n / samples) * (samples < n) + slabs * (3 + (rows < t1))
         if cc == 1 and slabs == 1:
