@@ -224,8 +224,8 @@ def graph_inductor_options(graph) -> dict:
     between the two layouts transpose element by element, unvectorised. Where a
     convolution is depthwise (one input and one output channel per group, as in
     ConvNeXt's blocks; not the grouped convolutions of memconv's per-sample weight
-    gradients, the samples as groups), inductor's channels-last layout is kept: there it is the faster one. On
-    other devices inductor's own choice stands (it weighs the layout per graph there,
+    gradients, the samples as groups), inductor's channels-last layout is kept: there
+    it is the faster one. On other devices inductor's own choice stands (it weighs the layout per graph there,
     and nothing here was measured on them). docs/compiling.md and docs/streaming.md
     give the CPU steps' times either way."""
     convolutions = [

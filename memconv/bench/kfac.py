@@ -30,8 +30,9 @@ extensions, :func:`memconv.integrations.backpack.install`), ``kfac-reduce`` (the
 with ``kfac_approx="reduce"``) and ``backpack`` (BackPACK 1.7.1's ``KFAC`` alone); with
 ``--engines``, also ``plain-compiled`` (the plain step of ``torch.compile(model)``),
 ``kfac-compiled`` (:func:`memconv.integrations.backpack.step` on the compiled extended
-model), ``kfac-reduce-compiled`` (the same with ``kfac_approx="reduce"``) and ``curvlinops`` (curvlinops' ``KFACLinearOperator``, one Monte-Carlo sample,
-its factors of the convolution and Linear weights). Each process records its two
+model), ``kfac-reduce-compiled`` (the same with ``kfac_approx="reduce"``) and
+``curvlinops`` (curvlinops' ``KFACLinearOperator``, one Monte-Carlo sample, its
+factors of the convolution and Linear weights). Each process records its two
 warm-up steps' times (a compiled engine's trace and first compilation); ``--model
 resnet18`` times the CIFAR ResNet-18 in eval mode instead of All-CNN-C::
 

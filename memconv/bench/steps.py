@@ -377,7 +377,10 @@ def main(argv=None) -> int:
         "block; the warm-up rounds compile (at least 3 for memconv's: probe, trace, compile)",
     )
     parser.add_argument("--json", help="write the medians to this file")
-    parser.add_argument("--markdown", help="refill the steps:table block of this page")
+    parser.add_argument(
+        "--markdown",
+        help="refill the steps:table block (--compiled: steps-compiled:table) of this page",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--repeats and --threads must be positive, --warmup not negative")

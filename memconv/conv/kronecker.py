@@ -388,8 +388,6 @@ def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool)
             return 2 * slabs + 3 * p.flipped
         # the window views and one copy of each slab
         views = math.ceil(n / samples) * (samples < n) + slabs * (3 + (rows < t1))
-        if cc == 1 and slabs == 1:
-            return 4 + views + 3 * p.flipped
         if cc == 1:  # the first slab's product makes the accumulator
             return 2 + views + 2 * slabs + 3 * p.flipped
         # the accumulator's row blocks; each slab's transpose, row blocks and
@@ -487,11 +485,7 @@ def _expand_factor(p: Patches, plan: FactorPlan) -> Tensor:
     cg = c // g
     dims = len(p.kernel_size)
     size = math.prod(p.kernel_size) * cg
-    if plan.chunks == 1 and plan.slabs == 1:
-        z = _slab(p, _windows(p))
-        out = torch.bmm(z, z.mT)
-        del z
-    elif plan.chunks == 1:
+    if plan.chunks == 1:
         out = _summed_products(p, plan)
     else:
         bounds = _bounds(size, plan.chunks)
@@ -520,7 +514,7 @@ def _summed_products(p: Patches, plan: FactorPlan) -> Tensor:
     memory read)."""
     out: list[Tensor] = []
 
-    def add(z: Tensor, beta: float) -> None:
+    def add(z: Tensor, _beta: float) -> None:
         if out:
             out[0].baddbmm_(z, z.mT)
         else:

@@ -6,9 +6,9 @@ the same plan traces the whole walk — the forward pass, the backward pass, eve
 layer rule's per-sample work (norms, clip factors, clipped sums, per-sample
 gradients) — into one graph of ATen operations (``torch.fx``'s ``make_fx``, which runs
 autograd, hooks and memconv's Python while it records), and hands that graph to the
-model's own compiler backend (``torch.compile`` with the backend, mode and options the
-model was compiled with, inductor with :data:`memconv._torch.STEP_INDUCTOR_OPTIONS`
-beneath them). The backend takes the graph directly, as Dynamo hands a backend its
+model's own compiler backend (the backend, mode and options the model was compiled
+with; inductor with :data:`memconv._torch.STEP_INDUCTOR_OPTIONS` beneath them). The
+backend takes the graph directly, as Dynamo hands a backend its
 graphs (:func:`memconv._torch.compile_graph`): Dynamo does not read the graph's Python
 again, so there is no guard, graph break or recompilation, and no Dynamo frame around
 each call (on a small model that frame cost as much as the compiled step itself).
