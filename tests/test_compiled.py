@@ -326,12 +326,15 @@ def test_a_tensor_from_outside_the_model_is_refused_not_frozen():
     assert_close(got, memconv.per_sample_norms(model, loss_fn, x, y), TOL)
 
 
-def test_parameters_updated_in_place_are_read_by_the_compiled_graph():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_parameters_updated_in_place_are_read_by_the_compiled_graph(backend):
+    """The backend takes the traced graph directly (no Dynamo): the model's parameters
+    are the graph's inputs, read at each call, never constants folded into its code."""
     torch.manual_seed(0)
     model, shape = _tiny_cnn()
     model = model.double()
     loss_fn = nn.CrossEntropyLoss()
-    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    step = memconv.PrivateStep(torch.compile(model, backend=backend), loss_fn)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     x, y = _batch(shape)
     for _ in range(4):
