@@ -45,9 +45,10 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
+
+from fresh_processes import run_each
 
 CASES = {
     "cifar-resnet18-gn": 32,
@@ -258,27 +259,12 @@ def main() -> int:
         return 0
     if args.options:
         os.environ["CPU_COMPILED_STEP_OPTIONS"] = args.options
-    records, failed = [], 0
-    for case in args.cases:
-        for engine in args.engines:
-            cmd = [sys.executable, __file__, "--worker", case, engine, "--tree", tree]
-            cmd += ["--batch", str(args.batch), "--threads", str(args.threads)]
-            cmd += ["--run", str(args.run), "--device", args.device]
-            cmd += ["--mode", args.mode] if args.mode else []
-            cmd += ["--backend", args.backend] if args.backend else []
-            cmd += ["--mask"] if args.mask else []
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                print(out.stderr[-3000:], file=sys.stderr)
-                failed += 1
-                continue
-            record = json.loads(out.stdout.strip().splitlines()[-1])
-            record["load_average"] = os.getloadavg()[0]
-            print(json.dumps(record), flush=True)
-            records.append(record)
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+    options = ["--batch", str(args.batch), "--threads", str(args.threads)]
+    options += ["--run", str(args.run), "--device", args.device]
+    options += ["--mode", args.mode] if args.mode else []
+    options += ["--backend", args.backend] if args.backend else []
+    options += ["--mask"] if args.mask else []
+    records, failed = run_each(__file__, args.cases, args.engines, tree, options, args.json)
     print(run_table(records) if args.run else table(records))
     return 1 if failed else 0
 

@@ -23,9 +23,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from fresh_processes import run_each
 
 CASES = ("resnet18", "convnext-tiny")
 ENGINES = ("conventional", "conventional compiled", "streamed", "streamed compiled")
@@ -142,25 +143,11 @@ def main() -> int:
     if args.worker:
         print(json.dumps(worker(tree, *args.worker, args)))
         return 0
-    commit = subprocess.run(
-        ["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    records = []
-    for case in args.cases:
-        for engine in args.engines:
-            cmd = [sys.executable, __file__, "--worker", case, engine, "--tree", tree]
-            cmd += ["--side", str(args.side), "--tile", str(args.tile)]
-            cmd += ["--threads", str(args.threads), "--repeats", str(args.repeats)]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                print(out.stderr[-3000:], file=sys.stderr)
-                continue
-            record = json.loads(out.stdout.strip().splitlines()[-1])
-            record["commit"] = commit
-            print(json.dumps(record), flush=True)
-            records.append(record)
+    options = ["--side", str(args.side), "--tile", str(args.tile)]
+    options += ["--threads", str(args.threads), "--repeats", str(args.repeats)]
+    records, failed = run_each(__file__, args.cases, args.engines, tree, options)
     print(table(records))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
