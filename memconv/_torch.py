@@ -10,6 +10,8 @@ what it stands for in torch's public terms.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
@@ -46,6 +48,7 @@ __all__ = [
     "storage_key",
     "storage_ptr",
     "storage_weakref",
+    "pytree_builder",
     "tree_flatten",
     "tree_unflatten",
     "version",
@@ -328,6 +331,28 @@ def tracing() -> bool:
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
     return get_proxy_mode() is not None
+
+
+def pytree_builder(spec) -> Callable:
+    """``build(leaves) -> pytree``: ``tree_unflatten`` of ``spec`` (a ``TreeSpec``) from
+    an iterator of its leaves, in order, made once: dicts, lists and tuples are built
+    directly, other nodes by ``tree_unflatten`` of their part (a traced step's result,
+    rebuilt at every call)."""
+    if spec.is_leaf():
+        return next
+    children = spec.children() if callable(getattr(spec, "children", None)) else None
+    if children is None:
+        children = spec.children_specs  # (torch before 2.6)
+    parts = [pytree_builder(c) for c in children]
+    if spec.type is dict:
+        keys = list(spec.context)
+        return lambda leaves: {k: part(leaves) for k, part in zip(keys, parts)}
+    if spec.type is list:
+        return lambda leaves: [part(leaves) for part in parts]
+    if spec.type is tuple:
+        return lambda leaves: tuple([part(leaves) for part in parts])
+    n = spec.num_leaves
+    return lambda leaves: tree_unflatten([next(leaves) for _ in range(n)], spec)
 
 
 def make_fx_real(fn, args: tuple):

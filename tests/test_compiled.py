@@ -626,3 +626,30 @@ def test_a_cuda_graph_backends_outputs_are_copied_before_they_become_grads():
     (entry,) = compiled._prepared.traced.graphs.values()
     assert entry.copy_outputs and entry.calls == 2
     assert graph_owned_outputs("cudagraphs") and not graph_owned_outputs("aot_eager")
+
+
+def test_the_traced_result_is_rebuilt_as_tree_unflatten_builds_it():
+    """The result's structure, rebuilt at each compiled call by a builder made once:
+    dicts (key order kept), lists, tuples, a named tuple and an ``OrderedDict`` (by
+    ``tree_unflatten``), constants in their places."""
+    from collections import OrderedDict, namedtuple
+
+    from memconv._torch import pytree_builder, tree_flatten, tree_unflatten
+    from memconv.engine.traced import TracedGraph
+
+    Pair = namedtuple("Pair", "a b")
+    t = [torch.full((1,), float(i)) for i in range(7)]
+    tree = (
+        {"z": t[0], "a": [t[1], {"q": t[2]}]},
+        [Pair(t[3], 2.5), OrderedDict(b=t[4], a=t[5])],
+        (None, "x", t[6]),
+    )
+    leaves, spec = tree_flatten(tree)
+    assert repr(pytree_builder(spec)(iter(leaves))) == repr(tree_unflatten(leaves, spec))
+    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+    constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
+    graph = TracedGraph(None, lambda *xs: list(xs), spec, constants, 0.0)
+    got = graph(tuple(tensors))
+    assert repr(got) == repr(tree) and list(got[0]) == ["z", "a"]
+    assert type(got[1][0]) is Pair and type(got[1][1]) is OrderedDict
+    assert graph.calls == 1 and graph.compile_seconds is not None

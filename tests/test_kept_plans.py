@@ -114,6 +114,50 @@ def test_a_changed_model_gives_a_fresh_calls_numbers(change):
     assert kept(model).probes == probes + 1
 
 
+def _group_sums(model, ref, groups: dict, max_norm: dict):
+    """The clipped sums by group thresholds, from the loop's per-sample gradients."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    sq = {}
+    for n in names:
+        sq[groups[n]] = sq.get(groups[n], 0) + ref[n].flatten(1).pow(2).sum(1)
+    c = {g: torch.clamp(max_norm[g] / v.sqrt(), max=1.0) for g, v in sq.items()}
+    return {n: torch.einsum("n,n...->...", c[groups[n]], ref[n]) for n in names}
+
+
+def test_the_kept_grouping_follows_the_model_groups_and_thresholds():
+    """The grouping kept between calls is made again when the model, ``groups`` or
+    ``max_norm`` change; a mapping changed in place by its owner is read again."""
+    model, loss_fn = cnn(), nn.CrossEntropyLoss()
+    x, y = data()
+
+    def check(groups, max_norm):
+        model.zero_grad(set_to_none=True)
+        norms = memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=max_norm, groups=groups)
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        of = groups if isinstance(groups, dict) else {n: n.rpartition(".")[0] for n in names}
+        group_names = sorted(set(of[n] for n in names))
+        assert sorted(norms) == group_names  # no group of a frozen parameter
+        limits = max_norm if isinstance(max_norm, dict) else {g: max_norm for g in group_names}
+        want = _group_sums(model, loop_reference(model, loss_fn, x, y), of, limits)
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                assert torch.allclose(p.grad, want[n], rtol=TOL, atol=1e-12), n
+            else:
+                assert p.grad is None, n
+
+    check("layer", 0.5)
+    check("layer", 0.05)  # another threshold
+    model[5].weight.requires_grad_(False)
+    model[5].bias.requires_grad_(False)  # the last layer's group is gone
+    check("layer", 0.05)
+    model[5].weight.requires_grad_(True)
+    model[5].bias.requires_grad_(True)
+    mapping = {n: "a" for n, _ in model.named_parameters()}
+    check(mapping, {"a": 0.5})
+    mapping["5.weight"] = mapping["5.bias"] = "b"  # changed in place between calls
+    check(mapping, {"a": 0.5, "b": 0.02})
+
+
 def test_another_save_memory_block_and_dtype_give_fresh_numbers():
     model, loss_fn = cnn(), nn.CrossEntropyLoss()
     x, y = data()

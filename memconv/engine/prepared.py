@@ -55,6 +55,7 @@ import contextlib
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from torch import Tensor, nn
@@ -249,6 +250,7 @@ class Prepared:
         self.reused = False
         self._checked = None  # (model state, settings)
         self._model_key = None
+        self._derived: dict = {}  # name -> (key, value), for the model last checked
         self._probe_key = None
         self._profile: Profile | None = None
         self._axes: list | None = None
@@ -265,11 +267,14 @@ class Prepared:
         self.backend = None  # the compiler backend of a torch.compile'd model
         self.traced = TracedSteps()
         self._serial: dict = {}  # task -> the number of the plan kept for it
+        self._budgeted = None  # (plan, budget, the plan with that budget)
+        self._call: CallPlan | None = None  # the last call's
 
     def forget(self) -> None:
         """Drop the probe and plan: the next call makes new ones."""
         self._checked = self._probe_key = self._profile = self._axes = self._plan = None
         self._plans = {}
+        self._derived = {}
         self._walks = None
         self.traced.forget()
 
@@ -339,9 +344,12 @@ class Prepared:
         self.backend = compile_backend(model)
         model = unwrap_compiled(model)
         state = _ModelState(model)
-        if self._checked != (state, settings):
+        if self._checked is not None and self._checked == (state, settings):
+            state = self._checked[0]  # the kept record: later comparisons are by identity
+        else:
             check_per_sample_model(model, settings=settings)
             self._checked = (state, settings)
+            self._derived = {}
             self._trainable = state.trainable()
             self._streams = model_streams(model)
             if self.backend is not None and self._streams:
@@ -354,6 +362,18 @@ class Prepared:
                 )
         self._model_key = state
         return model
+
+    def derived(self, name: str, key, make: Callable):
+        """``make()``, a value derived from the model last checked (:meth:`check_model`)
+        and from ``key`` (hashable, compared by ``==``), kept under ``name`` while the
+        model, its settings and ``key`` stay the same (a grouping of the parameters, for
+        instance: worked out again only when the model changed)."""
+        kept = self._derived.get(name)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        value = make()
+        self._derived[name] = (key, value)
+        return value
 
     def trainable(self) -> dict:
         """``{name: parameter}`` of the trainable parameters of the model last checked
@@ -390,8 +410,21 @@ class Prepared:
             self._serial[request.task] = self.plans
         plan = self._plan
         if budget is not None and plan.memory_budget != budget:
-            plan = replace(plan, memory_budget=budget)
-        return CallPlan(
+            budgeted = self._budgeted  # (plan, budget, the plan with that budget)
+            if budgeted is None or budgeted[0] is not plan or budgeted[1] != budget:
+                self._budgeted = budgeted = (plan, budget, replace(plan, memory_budget=budget))
+            plan = budgeted[2]
+        last = self._call
+        if (  # the last call's record where all it holds is the same (most steps)
+            last is not None
+            and last.plan is plan
+            and last.loss is self._loss
+            and last.axes is self._axes
+            and last.kept is self._walks
+            and last.request == request
+        ):
+            return last
+        self._call = CallPlan(
             request=request,
             plan=plan,
             guard=guards(request.memory_budget, plan if budget is not None else None),
@@ -402,6 +435,7 @@ class Prepared:
             params=self._params,
             kept=self._walks,
         )
+        return self._call
 
     def _budget(self, request: Request, device, kept: bool):
         """The call's budget in bytes (None: none): an ``"available"`` budget read again

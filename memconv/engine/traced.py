@@ -51,9 +51,9 @@ from .._torch import (
     first_line,
     graph_owned_outputs,
     make_fx_real,
+    pytree_builder,
     step_backend,
     tree_flatten,
-    tree_unflatten,
 )
 from .probes import ProbeMismatch
 from .request import Batch
@@ -96,22 +96,28 @@ class TracedGraph:
     compile_seconds: float | None = None
     calls: int = 0
     copy_outputs: bool = False
+    build: Callable = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.build = pytree_builder(self.spec)  # made once, not at every call
 
     def __call__(self, tensors: tuple[Tensor, ...]):
-        start = time.perf_counter()
+        if self.compile_seconds is None:
+            start = time.perf_counter()
         with torch.no_grad():  # the graph holds its backward pass as operations
             outputs = self.compiled(*tensors)
-            if self.copy_outputs:
-                outputs = [t.clone() for t in outputs]
-            outputs = iter(outputs)
+        if self.copy_outputs:
+            outputs = [t.clone() for t in outputs]
         if self.compile_seconds is None:
             self.compile_seconds = time.perf_counter() - start
         self.calls += 1
-        leaves = [
-            self.constants[i] if i in self.constants else next(outputs)
-            for i in range(self.spec.num_leaves)
-        ]
-        return tree_unflatten(leaves, self.spec)
+        if self.constants:
+            outputs = iter(outputs)
+            outputs = [
+                self.constants[i] if i in self.constants else next(outputs)
+                for i in range(self.spec.num_leaves)
+            ]
+        return self.build(iter(outputs))
 
 
 @dataclass

@@ -34,11 +34,12 @@ from .groups import (
     Grouping,
     OnePass,
     all_finite,
-    assert_finite_on_device,
+    assert_flag_on_device,
     clip_factors,
     ensure_finite,
+    finite_flag,
+    kept_grouping,
     masked,
-    resolve_groups,
 )
 from .norms import add_into, gather_norms, group_norms, joined, squared
 
@@ -153,32 +154,35 @@ def clip_with(prepared: Prepared, given: Batch, *, max_norm, groups="all", **opt
     caller = "memconv.clip_and_accumulate"
     checked = check_call(prepared, given, task="clip", caller=caller, unwrap=True, **options)
     request, batch, ddp, mask = checked
-    grouping = resolve_groups(batch.model, groups, max_norm)
+    grouping = kept_grouping(prepared, batch.model, groups, max_norm)
     params = prepared.trainable()
     if request.n == 0:
         accumulate(params, {}, ddp)
         zero = given.inputs.new_zeros(0, dtype=torch.float32)
         return joined(grouping, [{g: zero for g in grouping.members}])
+    padded = mask is not None
     if prepared.streams:  # one sample at a time: its norm from its gradient, gathered
         with activate(request.settings):
             total, parts = _clip_sample_by_sample(batch, params, grouping, mask)
-        route = None
+        flag = results_flag(parts, _checked_sums(total, None, padded))
     else:
 
         def walk(cp, b, *more):  # ``more``: the mask, where there is one
-            return _clipped_sums(cp, b, grouping, params, *more)
+            total, parts = _clipped_sums(cp, b, grouping, params, *more)
+            # the finiteness of what is checked, in the step (a compiled one's graph)
+            sums = _checked_sums(total, cp.plan.clip_route, padded)
+            return total, parts, results_flag(parts, sums)
 
         options = (grouping.kind, tuple(grouping.of.items()), tuple(grouping.max_norm.items()))
         extra = () if mask is None else (mask,)
-        total, parts = prepared.run_walk(batch, request, walk, options=options, extra=extra)
-        route = prepared.plan.clip_route
-    checked_sums = total if route == "two-pass" or mask is not None else {}
+        total, parts, flag = prepared.run_walk(batch, request, walk, options=options, extra=extra)
     if prepared.backend is not None and given.inputs.device.type != "cpu":
         # a compiled step on a GPU: checked there, the host does not wait
-        norms = [v for part in parts for v in part.values()]
-        assert_finite_on_device(norms + list(checked_sums.values()), request.caller)
-    else:
-        ensure_finite_results(parts, checked_sums, request.caller, padded=mask is not None)
+        assert_flag_on_device(flag, request.caller)
+    elif flag is not None and not bool(flag):  # the call's one host synchronisation
+        route = None if prepared.streams else prepared.plan.clip_route
+        sums = _checked_sums(total, route, padded)
+        ensure_finite_results(parts, sums, request.caller, padded=padded)
     accumulate(params, total, ddp)
     return joined(grouping, parts)
 
@@ -194,6 +198,19 @@ def _clipped_sums(cp: CallPlan, batch: Batch, grouping: Grouping, params: dict, 
     return total, [
         clip_part(part, cp, grouping, params, total, _rows(mask, part.rows)) for part in parts
     ]
+
+
+def _checked_sums(total: dict, route, padded: bool) -> dict:
+    """The clipped sums whose finiteness is checked before ``.grad``: the two-pass
+    route's (from torch's own backward), and every route's with a ``sample_mask``."""
+    return total if route == "two-pass" or padded else {}
+
+
+def results_flag(parts: list[dict], sums: dict) -> Tensor | None:
+    """:func:`memconv.tasks.groups.finite_flag` of the norms of ``parts`` (``{group: [m]}``
+    per micro-batch) and of ``sums``: what :func:`ensure_finite_results` checks, as a
+    tensor (no host synchronisation)."""
+    return finite_flag([v for part in parts for v in part.values()] + list(sums.values()))
 
 
 def _rows(mask: Tensor | None, rows: slice) -> Tensor | None:

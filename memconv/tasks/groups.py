@@ -56,16 +56,24 @@ def masked(values: Tensor, sample_mask: Tensor | None) -> Tensor:
     )
 
 
-def all_finite(tensors: list[Tensor]) -> bool:
-    """Whether every element of every tensor is finite: one host synchronisation
-    whatever the number of tensors (their largest magnitudes, one operation for all of
-    them, then one check)."""
+def finite_flag(tensors: list[Tensor]) -> Tensor | None:
+    """Whether every element of every tensor is finite, as a one-element bool tensor on
+    their device (no host synchronisation: a compiled step computes it in its graph), or
+    None where no tensor has an element (their largest magnitudes, one operation for all
+    of them, then one check)."""
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
-        return True
+        return None
     if len(tensors) == 1:
-        return bool(torch.isfinite(tensors[0]).all())
-    return bool(torch.isfinite(torch.stack(max_abs_each(tensors))).all())
+        return torch.isfinite(tensors[0]).all()
+    return torch.isfinite(torch.stack(max_abs_each(tensors))).all()
+
+
+def all_finite(tensors: list[Tensor]) -> bool:
+    """Whether every element of every tensor is finite: one host synchronisation
+    whatever the number of tensors (:func:`finite_flag`, then one read)."""
+    flag = finite_flag(tensors)
+    return flag is None or bool(flag)
 
 
 def assert_finite_on_device(tensors: list[Tensor], caller: str) -> None:
@@ -74,10 +82,14 @@ def assert_finite_on_device(tensors: list[Tensor], caller: str) -> None:
     GPU, whose host must not wait for the step. A non-finite value fails the device's
     next synchronisation (a CUDA device-side assertion, which ends the process's CUDA
     context: never a silent NaN in ``.grad``); the samples are not named."""
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
+    assert_flag_on_device(finite_flag(tensors), caller)
+
+
+def assert_flag_on_device(flag: Tensor | None, caller: str) -> None:
+    """:func:`assert_finite_on_device` of a :func:`finite_flag` already computed (in a
+    compiled step's graph); None (no values) passes."""
+    if flag is None:
         return
-    flag = torch.isfinite(torch.stack(max_abs_each(tensors))).all()
     assert_on_device(
         flag,
         f"{caller}: a per-sample gradient norm or clipped sum is not finite (NaN or inf); "
@@ -189,6 +201,18 @@ def resolve_groups(model: nn.Module, groups, max_norm=None) -> Grouping:
     if max_norm is None:
         return Grouping(kind, of, members)
     return Grouping(kind, of, members, check_thresholds(max_norm, members))
+
+
+def kept_grouping(prepared, model: nn.Module, groups, max_norm=None) -> Grouping:
+    """:func:`resolve_groups`, kept by ``prepared`` (a
+    :class:`memconv.engine.prepared.Prepared` that has just checked ``model``) while the
+    model is unchanged and ``groups`` is a named grouping and ``max_norm`` None or one
+    number (a mapping, which its owner may change between calls, is checked every
+    call)."""
+    if not (isinstance(groups, str) and (max_norm is None or type(max_norm) in (int, float))):
+        return resolve_groups(model, groups, max_norm)
+    key = (groups, max_norm)  # (a bool is no number here: True would equal 1)
+    return prepared.derived("grouping", key, lambda: resolve_groups(model, groups, max_norm))
 
 
 def _small_grads(call) -> bool:

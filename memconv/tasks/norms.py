@@ -25,7 +25,7 @@ from ..engine.prepared import CallPlan, Prepared, kept_for
 from ..engine.request import Batch
 from ..layers import RuleSettings
 from .arguments import check_call
-from .groups import ALL, Grouping, OnePass, ensure_finite, masked, resolve_groups
+from .groups import ALL, Grouping, OnePass, ensure_finite, kept_grouping, masked
 
 
 class NormGatherer:
@@ -242,7 +242,7 @@ def norms_with(prepared: Prepared, given: Batch, *, per_parameter=False, groups=
     caller = "memconv.per_sample_norms"
     checked = check_call(prepared, given, task="norms", caller=caller, unwrap=True, **options)
     request, batch, mask = checked.request, checked.batch, checked.sample_mask
-    grouping = resolve_groups(batch.model, groups)
+    grouping = kept_grouping(prepared, batch.model, groups)
     if per_parameter and grouping.kind != "all":
         raise ValueError("per_parameter=True is groups='parameter'; pass one of them")
     params = prepared.trainable()
