@@ -74,10 +74,17 @@ def make_model(seed: int) -> nn.Module:
     """The CNN, initialised from ``seed`` (the same weights for both paths)."""
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(32 * 4 * 4, 10),
-    )  # fmt: skip
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.GroupNorm(4, 16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.GroupNorm(4, 32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 10),
+    )
 
 
 def poisson_loader(x, y, batch_size: int, seed: int):
@@ -127,11 +134,16 @@ def run_opacus(args, data) -> dict:
     loader, _ = poisson_loader(x_train, y_train, args.batch_size, args.seed)
     engine = PrivacyEngine(accountant="rdp")
     module, dp_optimizer, dp_loader = engine.make_private(
-        module=model, optimizer=optimizer, data_loader=loader,
-        noise_multiplier=args.noise_multiplier, max_grad_norm=args.max_grad_norm,
-        poisson_sampling=True, grad_sample_mode="hooks", loss_reduction="mean",
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        noise_multiplier=args.noise_multiplier,
+        max_grad_norm=args.max_grad_norm,
+        poisson_sampling=True,
+        grad_sample_mode="hooks",
+        loss_reduction="mean",
         noise_generator=torch.Generator().manual_seed(args.seed + 1),
-    )  # fmt: skip
+    )
     criterion = nn.CrossEntropyLoss()
 
     def step(xb, yb):

@@ -90,10 +90,16 @@ class BasicBlock(nn.Module):
 
 
 model = nn.Sequential(
-    nn.Conv2d(1, 16, 3, padding=1, bias=False), nn.GroupNorm(4, 16), nn.ReLU(inplace=True),
-    nn.MaxPool2d(2), BasicBlock(16, 16), BasicBlock(16, 32),
-    nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(32 * 4 * 4, 10),
-)  # fmt: skip
+    nn.Conv2d(1, 16, 3, padding=1, bias=False),
+    nn.GroupNorm(4, 16),
+    nn.ReLU(inplace=True),
+    nn.MaxPool2d(2),
+    BasicBlock(16, 16),
+    BasicBlock(16, 32),
+    nn.AdaptiveAvgPool2d(4),
+    nn.Flatten(),
+    nn.Linear(32 * 4 * 4, 10),
+)
 for block in (model[4], model[5]):  # torchvision's zero_init_residual=True
     nn.init.zeros_(block.bn2.weight)
 optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -105,10 +111,16 @@ loader = DataLoader(TensorDataset(images[train], labels[train]), batch_size=64)
 
 engine = PrivacyEngine()
 model, optimizer, loader = mo.make_private_with_epsilon(
-    engine, module=model, optimizer=optimizer, data_loader=loader,
-    target_epsilon=EPSILON, target_delta=DELTA, epochs=EPOCHS, max_grad_norm=1.0,
+    engine,
+    module=model,
+    optimizer=optimizer,
+    data_loader=loader,
+    target_epsilon=EPSILON,
+    target_delta=DELTA,
+    epochs=EPOCHS,
+    max_grad_norm=1.0,
     memory_budget=None,  # a small model: one pass, no memory planning per step
-)  # fmt: skip
+)
 print(f"noise multiplier {optimizer.noise_multiplier:.2f} for ε = {EPSILON} in {EPOCHS} epochs")
 
 criterion = nn.CrossEntropyLoss()

@@ -135,7 +135,7 @@ DERIVATIVES_CONV_TRANSPOSE = [
             stride=2,
             dilation=2,
         ),
-    ),  # fmt: skip
+    ),
     (
         (1, 3, 8, 8),
         2,
@@ -154,7 +154,7 @@ DERIVATIVES_CONV_TRANSPOSE = [
             dilation=2,
             stride=2,
         ),
-    ),  # fmt: skip
+    ),
     ((1, 3, 3, 4, 4), 3, dict(in_channels=3, out_channels=6, kernel_size=2, padding=2, stride=4)),
     ((3, 2, 3, 7, 7), 3, dict(in_channels=2, out_channels=3, kernel_size=2, padding=1)),
     # non-default hyper-parameters

@@ -40,9 +40,13 @@ def batch(size=6):
 def clip_model():
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"), nn.GroupNorm(2, 4), nn.ReLU(),
-        nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4 * 4 * 4, 3),
-    ).double()  # fmt: skip
+        nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, groups=2),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    ).double()
 
 
 def stream_layers():
@@ -93,16 +97,23 @@ def _private_step(rank, x, y):
     model = DPDDP(clip_model())
     loader = DataLoader(TensorDataset(x, y), batch_size=4)  # sample rate 1/2: 4 per step
     m, opt, _ = mo.make_private(
-        PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=PRIVATE["lr"]),
-        data_loader=loader, noise_multiplier=PRIVATE["sigma"], max_grad_norm=MAX_NORM,
-        poisson_sampling=False, noise_generator=torch.Generator().manual_seed(PRIVATE["seed"]),
-    )  # fmt: skip
+        PrivacyEngine(),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=PRIVATE["lr"]),
+        data_loader=loader,
+        noise_multiplier=PRIVATE["sigma"],
+        max_grad_norm=MAX_NORM,
+        poisson_sampling=False,
+        noise_generator=torch.Generator().manual_seed(PRIVATE["seed"]),
+    )
     r = SPLITS["halves"][rank]
     opt.zero_grad()
     nn.CrossEntropyLoss()(m(x[r]), y[r]).backward()
     opt.step()
-    return {"optimizer": type(opt).__name__, "params": {
-        n: p.detach().clone() for n, p in model.module.named_parameters()}}  # fmt: skip
+    return {
+        "optimizer": type(opt).__name__,
+        "params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
+    }
 
 
 def _grads(model):
@@ -121,9 +132,12 @@ def run(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     _use_loopback()
     dist.init_process_group(
-        "gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD,
+        "gloo",
+        init_method=f"file://{out}/store",
+        rank=rank,
+        world_size=WORLD,
         timeout=timedelta(seconds=60),
-    )  # fmt: skip
+    )
     try:
         result = {"clip": {}, "after": {}}
         x, y = batch()
@@ -160,9 +174,14 @@ def run(rank: int, out: str) -> None:
                 plan = memconv.plan(model.module, x[r], task="clip", clip_route=route)
                 counted.clear()
                 norms = memconv.clip_and_accumulate(
-                    model, loss_sum, x[r], y[r], max_norm=MAX_NORM, clip_route=route,
+                    model,
+                    loss_sum,
+                    x[r],
+                    y[r],
+                    max_norm=MAX_NORM,
+                    clip_route=route,
                     memory_budget=plan.smallest_budget,
-                )  # fmt: skip
+                )
                 result["budget"][route] = (_grads(model.module), norms, list(counted))
         finally:
             passes.backward_walk = walk

@@ -27,9 +27,13 @@ def test_step_for_step_as_opacus():
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
     loss_fn = nn.CrossEntropyLoss()
     opt = opacus.AdaClipDPOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=1.0, expected_batch_size=8,
-        loss_reduction="sum", generator=torch.Generator().manual_seed(5), **KW,
-    )  # fmt: skip
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        max_grad_norm=1.0,
+        expected_batch_size=8,
+        loss_reduction="sum",
+        generator=torch.Generator().manual_seed(5),
+        **KW,
+    )
     state = AdaptiveClipping(max_norm=1.0, **KW)
     gen = torch.Generator().manual_seed(5)
     params = list(model.parameters())

@@ -273,9 +273,13 @@ def test_forward_outside_the_block_warns():
 def test_per_sample_grads_engine(strategy):
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=2),
-        nn.ConvTranspose2d(4, 2, 2, stride=2), nn.Flatten(), nn.Linear(2 * 8 * 8, 3),
-    ).double()  # fmt: skip
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, groups=2),
+        nn.ConvTranspose2d(4, 2, 2, stride=2),
+        nn.Flatten(),
+        nn.Linear(2 * 8 * 8, 3),
+    ).double()
     x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
     y = torch.randint(0, 3, (4,))
     loss_fn = nn.CrossEntropyLoss()

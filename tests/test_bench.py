@@ -161,20 +161,52 @@ def test_report_renders_tables_and_targets_from_records(tmp_path):
     path = tmp_path / "clip.jsonl"
     config = {"model": "resnet18-gn", "batch": 64, "side": 32}
     lines = [
-        {"record": "run", "mode": "matrix", "task": "clip", "command": "memconv bench --task clip",
-         "machine": {"cpu": "x", "threads": 2, "torch": "t", "memconv": "m", "python": "p"},
-         "started": "2025-01-01T00:00:00+00:00", "plot": None},
-        {"record": "row", "task": "clip", "case": "resnet18-gn", "config": config,
-         "engine": "non-private", "peak_rss_mib": 400.0, "peak_alloc_mib": 380.0, "time_s": 2.0,
-         "result_mib": 42.6},
-        {"record": "row", "task": "clip", "case": "resnet18-gn", "config": config,
-         "engine": "torch.func", "peak_rss_mib": 9000.0, "peak_alloc_mib": 8800.0, "time_s": 9.0,
-         "result_mib": 42.6, "deviation": 0.0},
-        {"record": "row", "task": "clip", "case": "resnet18-gn", "config": config,
-         "engine": "memconv:auto", "peak_rss_mib": 440.0, "peak_alloc_mib": 420.0, "time_s": 4.0,
-         "result_mib": 42.6, "deviation": 1e-7},
+        {
+            "record": "run",
+            "mode": "matrix",
+            "task": "clip",
+            "command": "memconv bench --task clip",
+            "machine": {"cpu": "x", "threads": 2, "torch": "t", "memconv": "m", "python": "p"},
+            "started": "2025-01-01T00:00:00+00:00",
+            "plot": None,
+        },
+        {
+            "record": "row",
+            "task": "clip",
+            "case": "resnet18-gn",
+            "config": config,
+            "engine": "non-private",
+            "peak_rss_mib": 400.0,
+            "peak_alloc_mib": 380.0,
+            "time_s": 2.0,
+            "result_mib": 42.6,
+        },
+        {
+            "record": "row",
+            "task": "clip",
+            "case": "resnet18-gn",
+            "config": config,
+            "engine": "torch.func",
+            "peak_rss_mib": 9000.0,
+            "peak_alloc_mib": 8800.0,
+            "time_s": 9.0,
+            "result_mib": 42.6,
+            "deviation": 0.0,
+        },
+        {
+            "record": "row",
+            "task": "clip",
+            "case": "resnet18-gn",
+            "config": config,
+            "engine": "memconv:auto",
+            "peak_rss_mib": 440.0,
+            "peak_alloc_mib": 420.0,
+            "time_s": 4.0,
+            "result_mib": 42.6,
+            "deviation": 1e-7,
+        },
         {"record": "done", "elapsed_s": 120.0},
-    ]  # fmt: skip
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     sections = render(read_records([str(path)]))
     assert (
@@ -226,10 +258,22 @@ def test_bench_quick_smoke(tmp_path):
         files.append(str(out))
     out, plot = tmp_path / "sweep.jsonl", tmp_path / "sweep.png"
     proc = _memconv(
-        "bench", "--sweep", "batch", "--range", "2,4", "--cases", "seed-28",
-        "--engines", "autograd,torch.func,memconv:auto", "--repeats", "1",
-        "--json", str(out), "--plot", str(plot),
-    )  # fmt: skip
+        "bench",
+        "--sweep",
+        "batch",
+        "--range",
+        "2,4",
+        "--cases",
+        "seed-28",
+        "--engines",
+        "autograd,torch.func,memconv:auto",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+        "--plot",
+        str(plot),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sweep = [r for r in read_records([str(out)]) if r["record"] == "sweep"]
     assert {(r["value"], r["engine"]) for r in sweep} == {
@@ -262,8 +306,17 @@ def test_a_probe_stopped_over_the_limit_returns_at_once():
     from memconv.bench.largest import probe_config
     from memconv.bench.runner import run_in_subprocess
 
-    base = {"case": "seed-28", "model": "seed", "batch": 8, "side": 28, "data": "random",
-            "task": "grads", "engine": "torch.func", "device": "cpu", "max_norm": 1.0}  # fmt: skip
+    base = {
+        "case": "seed-28",
+        "model": "seed",
+        "batch": 8,
+        "side": 28,
+        "data": "random",
+        "task": "grads",
+        "engine": "torch.func",
+        "device": "cpu",
+        "max_norm": 1.0,
+    }
     config = probe_config(base, 512, limit_mib=20.0)  # stops at 30 MiB, after the warm-up
     start = time.perf_counter()
     result = run_in_subprocess(config, timeout=100)
@@ -373,10 +426,13 @@ def test_zoo_models_per_sample_grads_and_clipping_equal_torch_func(case):
     max_norm = norms.min().item() * 1.01  # one sample unclipped, one clipped
     clipped = ENGINES["clip"]["memconv:default"].run(model, x, y, max_norm=max_norm)
     assert max_rel_deviation(clipped, clip_sum(reference, max_norm)) < 1e-10
-    assert max_rel_deviation(
-        ENGINES["clip"]["torch.func"].run(model, x, y, max_norm=max_norm),
-        clip_sum(reference, max_norm),
-    ) == 0  # fmt: skip
+    assert (
+        max_rel_deviation(
+            ENGINES["clip"]["torch.func"].run(model, x, y, max_norm=max_norm),
+            clip_sum(reference, max_norm),
+        )
+        == 0
+    )
 
 
 def test_zoo_models_are_written_as_their_libraries_write_them():
@@ -409,23 +465,45 @@ def test_report_renders_the_models_table_apart(tmp_path):
     from memconv.bench.report import render
 
     config = {"model": "nf-resnet26", "batch": 64, "side": 64}
-    head = {"record": "run", "mode": "matrix", "command": "memconv bench --table models",
-            "machine": {"cpu": "x", "threads": 2, "torch": "t", "memconv": "m", "python": "p"},
-            "started": "2025-01-01T00:00:00+00:00", "plot": None, "table": "models"}  # fmt: skip
+    head = {
+        "record": "run",
+        "mode": "matrix",
+        "command": "memconv bench --table models",
+        "machine": {"cpu": "x", "threads": 2, "torch": "t", "memconv": "m", "python": "p"},
+        "started": "2025-01-01T00:00:00+00:00",
+        "plot": None,
+        "table": "models",
+    }
 
     def row(task, engine, rss, alloc, time, **more):
-        return {"record": "row", "task": task, "case": "nf-resnet26", "config": config,
-                "engine": engine, "peak_rss_mib": rss, "peak_alloc_mib": alloc, "time_s": time,
-                "result_mib": 53.3, "params": 13_966_674, **more}  # fmt: skip
+        return {
+            "record": "row",
+            "task": task,
+            "case": "nf-resnet26",
+            "config": config,
+            "engine": engine,
+            "peak_rss_mib": rss,
+            "peak_alloc_mib": alloc,
+            "time_s": time,
+            "result_mib": 53.3,
+            "params": 13_966_674,
+            **more,
+        }
 
     clip = [
         {**head, "task": "clip"},
         row("clip", "torch.func", 9000.0, 8000.0, 10.0, deviation=0.0),
         row("clip", "non-private", 400.0, 300.0, 2.0),
         row("clip", "memconv:default", 440.0, 330.0, 2.5, deviation=1e-7),
-        {"record": "row", "task": "clip", "case": "nf-resnet26", "config": config,
-         "engine": "opacus-ghost", "error": "RuntimeError: in-place"},
-    ]  # fmt: skip
+        {
+            "record": "row",
+            "task": "clip",
+            "case": "nf-resnet26",
+            "config": config,
+            "engine": "opacus-ghost",
+            "error": "RuntimeError: in-place",
+        },
+    ]
     grads = [
         {**head, "task": "grads"},
         row("grads", "torch.func", 9000.0, 8000.0, 10.0),

@@ -117,11 +117,26 @@ def test_terminal_tables_fit_100_columns_without_markdown():
 
     config = {"model": "seed", "batch": 64, "side": 28, "data": "digits"}
     rows = [
-        {"engine": e, "peak_rss_mib": 1234.0, "peak_alloc_mib": 1200.0, "time_s": 0.123,
-         "result_mib": 113.0, "deviation": 1e-7}
+        {
+            "engine": e,
+            "peak_rss_mib": 1234.0,
+            "peak_alloc_mib": 1200.0,
+            "time_s": 0.123,
+            "result_mib": 113.0,
+            "deviation": 1e-7,
+        }
         for e in ("autograd", "torch.func", "memconv:standard", "memconv:auto")
-    ] + [{"engine": "memconv:budget", "memory_budget_mib": 160.0, "peak_rss_mib": 150.0,
-          "peak_alloc_mib": 140.0, "time_s": 0.3, "result_mib": 113.0, "deviation": 1e-7}]  # fmt: skip
+    ] + [
+        {
+            "engine": "memconv:budget",
+            "memory_budget_mib": 160.0,
+            "peak_rss_mib": 150.0,
+            "peak_alloc_mib": 140.0,
+            "time_s": 0.3,
+            "result_mib": 113.0,
+            "deviation": 1e-7,
+        }
+    ]
     markdown = format_case("grads", config, rows)
     assert "**" in markdown and "|---" in markdown  # files keep Markdown
     text = terminal(markdown)
@@ -145,11 +160,20 @@ def test_a_users_report_shows_no_project_targets(tmp_path, capsys):
     path = tmp_path / "clip.jsonl"
     config = {"model": "resnet18-gn", "batch": 64, "side": 32}
     rows = [
-        {"record": "row", "task": "clip", "case": "resnet18-gn", "config": config,
-         "engine": e, "peak_rss_mib": m, "peak_alloc_mib": m, "time_s": t, "result_mib": 42.6,
-         "deviation": 0.0}
+        {
+            "record": "row",
+            "task": "clip",
+            "case": "resnet18-gn",
+            "config": config,
+            "engine": e,
+            "peak_rss_mib": m,
+            "peak_alloc_mib": m,
+            "time_s": t,
+            "result_mib": 42.6,
+            "deviation": 0.0,
+        }
         for e, m, t in (("non-private", 400.0, 2.0), ("memconv:auto", 440.0, 4.0))
-    ]  # fmt: skip
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert cli.main(["bench", "--report", str(path)]) == 0
     out = capsys.readouterr().out
@@ -218,8 +242,19 @@ def test_bench_without_a_needed_package_stops_before_measuring(monkeypatch, caps
     measured = []
     monkeypatch.setattr(bench_mod, "matrix", lambda *a: measured.append(a) or 0)
     with pytest.raises(SystemExit):
-        cli.main(["bench", "--task", "grads", "--cases", "seed-28", "--engines", "autograd",
-                  "--data", "digits"])  # fmt: skip
+        cli.main(
+            [
+                "bench",
+                "--task",
+                "grads",
+                "--cases",
+                "seed-28",
+                "--engines",
+                "autograd",
+                "--data",
+                "digits",
+            ]
+        )
     assert f"{missing}: pip install 'memconv[bench]'" in capsys.readouterr().err
     assert not measured
 

@@ -29,14 +29,22 @@ LAYERS = [
     (1, 4, 6, 3, 11, dict(stride=2, padding=1), False),
     (1, 4, 4, 3, 9, dict(groups=4, dilation=2, padding="same", padding_mode="circular"), False),
     (2, 3, 6, 3, 9, dict(padding=1, padding_mode="reflect"), False),
-    (2, 4, 6, (3, 2), (9, 8), dict(stride=(2, 1), dilation=(1, 2), groups=2, padding="valid"), False),
+    (
+        2,
+        4,
+        6,
+        (3, 2),
+        (9, 8),
+        dict(stride=(2, 1), dilation=(1, 2), groups=2, padding="valid"),
+        False,
+    ),
     (2, 6, 6, 3, 8, dict(groups=6, padding=1), False),  # depthwise
     (2, 4, 4, 4, 8, dict(padding="same", padding_mode="replicate"), False),
     (3, 2, 4, 3, 5, dict(padding=1, groups=2), False),
     (3, 4, 2, 2, 4, dict(stride=2), False),
     (2, 4, 3, 3, 5, dict(stride=2, padding=1, output_padding=1), True),
     (1, 4, 4, 3, 6, dict(groups=2, dilation=2), True),
-]  # fmt: skip
+]
 
 
 def layer_model(case):
@@ -109,10 +117,17 @@ def test_adds_to_existing_grad_like_backward():
 def test_linear_with_and_without_sequence_axis_and_normalisation(route):
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 4),  # [N, L, 6] → [N, L, 4]
-        nn.Flatten(), nn.Linear(4 * 5, 6), nn.Unflatten(1, (2, 3)), nn.GroupNorm(2, 2),
-        nn.Flatten(), nn.Linear(6, 3),
-    ).double()  # fmt: skip
+        nn.Linear(6, 8),
+        nn.LayerNorm(8),
+        nn.GELU(),
+        nn.Linear(8, 4),  # [N, L, 6] → [N, L, 4]
+        nn.Flatten(),
+        nn.Linear(4 * 5, 6),
+        nn.Unflatten(1, (2, 3)),
+        nn.GroupNorm(2, 2),
+        nn.Flatten(),
+        nn.Linear(6, 3),
+    ).double()
     x, y = torch.randn(4, 5, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
     loss_fn = nn.CrossEntropyLoss()
     per, norms = reference(model, loss_fn, x, y)
@@ -120,9 +135,14 @@ def test_linear_with_and_without_sequence_axis_and_normalisation(route):
     for clip_route in CLIP_ROUTES:
         model.zero_grad()
         memconv.clip_and_accumulate(
-            model, loss_fn, x, y, max_norm=norms.min().item(), norm_route=route,
+            model,
+            loss_fn,
+            x,
+            y,
+            max_norm=norms.min().item(),
+            norm_route=route,
             clip_route=clip_route,
-        )  # fmt: skip
+        )
         expected = clipped(per, norms, norms.min().item())
         for name, p in model.named_parameters():
             assert rel_err(p.grad, expected[name]) < TOL, (clip_route, name)
@@ -148,7 +168,7 @@ GHOST_LAYERS = LAYERS + [
     (1, 3, 5, (1,), 10, dict(stride=2, padding=2, groups=1), False),
     (2, 3, 4, 2, 8, dict(stride=2), False),  # a patch embedding: stride = kernel
     (3, 2, 4, (1, 3, 1), (4, 6, 5), dict(stride=(2, 1, 3), padding=(0, 1, 0)), False),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["whole", "tiled"])
@@ -273,9 +293,14 @@ def conv_configs(draw):
     span = [d * (kk - 1) + 1 for d, kk in zip(dilation, k)]
     size = tuple(s + draw(st.integers(0, 3)) for s in span)
     return (
-        dims, groups * draw(st.integers(1, 2)), groups * draw(st.integers(1, 2)), k, size,
-        dict(stride=stride, padding=padding, dilation=dilation, groups=groups), False,
-    )  # fmt: skip
+        dims,
+        groups * draw(st.integers(1, 2)),
+        groups * draw(st.integers(1, 2)),
+        k,
+        size,
+        dict(stride=stride, padding=padding, dilation=dilation, groups=groups),
+        False,
+    )
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -285,9 +310,14 @@ def test_hypothesis_norms_and_clipped_sums(case, route, clip_route):
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     per, norms = reference(model, loss_fn, x, y)
     got = memconv.clip_and_accumulate(
-        model, loss_fn, x, y, max_norm=norms.median().item(), norm_route=route,
+        model,
+        loss_fn,
+        x,
+        y,
+        max_norm=norms.median().item(),
+        norm_route=route,
         clip_route=clip_route,
-    )  # fmt: skip
+    )
     assert rel_err(got, norms) < TOL
     expected = clipped(per, norms, norms.median().item())
     for name, p in model.named_parameters():
@@ -300,7 +330,7 @@ def streamed_model(dtype=torch.float64):
     torch.manual_seed(0)
     layers = nn.Sequential(
         nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 4, 3, groups=2)
-    ).to(dtype)  # fmt: skip
+    ).to(dtype)
     head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).to(dtype)
     return nn.Sequential(StreamingCNN(layers, tile_size=16), head), nn.Sequential(layers, head)
 
@@ -359,9 +389,13 @@ def test_reentrant_checkpointing_warns():
 def _pre_hooked_model():
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 4), nn.Tanh(),
+        nn.Conv2d(2, 3, 3),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(3 * 4 * 4, 4),
+        nn.Tanh(),
         nn.Linear(4, 3),
-    ).double()  # fmt: skip
+    ).double()
     model[5].register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))  # scales the input
     model[0].register_forward_pre_hook(lambda m, args, kw: ((args[0] + 1,), kw), with_kwargs=True)
     model[0].register_forward_hook(lambda m, args, out: out * 2)  # and the output

@@ -60,8 +60,10 @@ def _autograd_diagonal(module, x, s):
     out = []
     for n in range(x.shape[0]):
         y = module(x[n : n + 1])
-        rows = [torch.autograd.grad(y, module.weight, s[v, n : n + 1], retain_graph=True)[0]
-                for v in range(s.shape[0])]  # fmt: skip
+        rows = [
+            torch.autograd.grad(y, module.weight, s[v, n : n + 1], retain_graph=True)[0]
+            for v in range(s.shape[0])
+        ]
         out.append(torch.stack(rows).square().sum(0))
     return torch.stack(out)
 

@@ -105,9 +105,15 @@ def test_every_grouping_against_the_loop(which, clip_route, budget):
         )
         model.zero_grad(set_to_none=True)
         got = memconv.clip_and_accumulate(
-            model, loss_fn, x, y, max_norm=max_norm, groups=groups, clip_route=clip_route,
+            model,
+            loss_fn,
+            x,
+            y,
+            max_norm=max_norm,
+            groups=groups,
+            clip_route=clip_route,
             memory_budget=budget,
-        )  # fmt: skip
+        )
         if groups == "all":
             got, got_norms = {"all": got}, {"all": got_norms}
         assert set(got) == set(norms) == set(got_norms)
@@ -152,9 +158,15 @@ def test_groups_within_layers_take_one_pass(groups, monkeypatch):
     for clip_route in ("book-keeping", "two-pass"):
         model.zero_grad(set_to_none=True)
         memconv.clip_and_accumulate(
-            model, loss_fn, x, y, max_norm=max_norm, groups=groups, clip_route=clip_route,
+            model,
+            loss_fn,
+            x,
+            y,
+            max_norm=max_norm,
+            groups=groups,
+            clip_route=clip_route,
             memory_budget=None,
-        )  # fmt: skip
+        )
         for name, p in model.named_parameters():
             assert rel_err(p.grad, sums[name]) < TOL, (clip_route, name)
     assert kept == [({}, [], {})]  # book-keeping's call: nothing deferred
@@ -322,10 +334,13 @@ def test_per_parameter_thresholds_step_as_opacus_per_layer():
     names = [n for n, _ in model.named_parameters()]
     thresholds = dict(zip(names, [0.3, 0.1, 0.5, 0.2]))
     opt = opacus.DPPerLayerOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.7,
-        max_grad_norm=list(thresholds.values()), expected_batch_size=6, loss_reduction="sum",
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        noise_multiplier=0.7,
+        max_grad_norm=list(thresholds.values()),
+        expected_batch_size=6,
+        loss_reduction="sum",
         generator=torch.Generator().manual_seed(9),
-    )  # fmt: skip
+    )
     x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
     per = loop_reference(model, loss_fn, x, y)
     for n, p in model.named_parameters():

@@ -128,16 +128,93 @@ def _geometries():
     for i, (shape, dims, kwargs) in enumerate(DERIVATIVES_CONV_TRANSPOSE):
         out.append((f"bp-convT-{i}", CONV_TRANSPOSES[dims], kwargs, shape))
     held_out = [
-        ("circular-1d", nn.Conv1d, dict(in_channels=3, out_channels=4, kernel_size=3, padding=2, padding_mode="circular", dilation=2), (2, 3, 9)),
-        ("reflect-2d", nn.Conv2d, dict(in_channels=2, out_channels=3, kernel_size=3, padding=1, padding_mode="reflect", stride=2), (2, 2, 7, 6)),
-        ("replicate-3d", nn.Conv3d, dict(in_channels=2, out_channels=2, kernel_size=2, padding=1, padding_mode="replicate"), (2, 2, 3, 4, 3)),
-        ("same-even-2d", nn.Conv2d, dict(in_channels=3, out_channels=2, kernel_size=(2, 4), padding="same", dilation=(1, 2)), (2, 3, 6, 7)),
-        ("depthwise-2d", nn.Conv2d, dict(in_channels=4, out_channels=8, kernel_size=3, padding=1, groups=4), (3, 4, 6, 6)),
-        ("groups-3d", nn.Conv3d, dict(in_channels=4, out_channels=6, kernel_size=(1, 2, 2), stride=(1, 2, 1), groups=2), (2, 4, 2, 5, 4)),
-        ("convT-outpad-2d", nn.ConvTranspose2d, dict(in_channels=3, out_channels=2, kernel_size=3, stride=2, padding=1, output_padding=1), (2, 3, 4, 5)),
-        ("convT-groups-1d", nn.ConvTranspose1d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=3, dilation=2, padding=2, groups=2), (2, 4, 5)),
-        ("convT-3d", nn.ConvTranspose3d, dict(in_channels=2, out_channels=3, kernel_size=2, stride=(2, 1, 2), output_padding=(1, 0, 0)), (2, 2, 2, 3, 2)),
-    ]  # fmt: skip
+        (
+            "circular-1d",
+            nn.Conv1d,
+            dict(
+                in_channels=3,
+                out_channels=4,
+                kernel_size=3,
+                padding=2,
+                padding_mode="circular",
+                dilation=2,
+            ),
+            (2, 3, 9),
+        ),
+        (
+            "reflect-2d",
+            nn.Conv2d,
+            dict(
+                in_channels=2,
+                out_channels=3,
+                kernel_size=3,
+                padding=1,
+                padding_mode="reflect",
+                stride=2,
+            ),
+            (2, 2, 7, 6),
+        ),
+        (
+            "replicate-3d",
+            nn.Conv3d,
+            dict(in_channels=2, out_channels=2, kernel_size=2, padding=1, padding_mode="replicate"),
+            (2, 2, 3, 4, 3),
+        ),
+        (
+            "same-even-2d",
+            nn.Conv2d,
+            dict(
+                in_channels=3, out_channels=2, kernel_size=(2, 4), padding="same", dilation=(1, 2)
+            ),
+            (2, 3, 6, 7),
+        ),
+        (
+            "depthwise-2d",
+            nn.Conv2d,
+            dict(in_channels=4, out_channels=8, kernel_size=3, padding=1, groups=4),
+            (3, 4, 6, 6),
+        ),
+        (
+            "groups-3d",
+            nn.Conv3d,
+            dict(in_channels=4, out_channels=6, kernel_size=(1, 2, 2), stride=(1, 2, 1), groups=2),
+            (2, 4, 2, 5, 4),
+        ),
+        (
+            "convT-outpad-2d",
+            nn.ConvTranspose2d,
+            dict(
+                in_channels=3, out_channels=2, kernel_size=3, stride=2, padding=1, output_padding=1
+            ),
+            (2, 3, 4, 5),
+        ),
+        (
+            "convT-groups-1d",
+            nn.ConvTranspose1d,
+            dict(
+                in_channels=4,
+                out_channels=6,
+                kernel_size=3,
+                stride=3,
+                dilation=2,
+                padding=2,
+                groups=2,
+            ),
+            (2, 4, 5),
+        ),
+        (
+            "convT-3d",
+            nn.ConvTranspose3d,
+            dict(
+                in_channels=2,
+                out_channels=3,
+                kernel_size=2,
+                stride=(2, 1, 2),
+                output_padding=(1, 0, 0),
+            ),
+            (2, 2, 2, 3, 2),
+        ),
+    ]
     return out + held_out
 
 
@@ -294,7 +371,17 @@ def test_chunks_chosen_by_the_device_prices():
 
 
 def test_input_factor_equals_torch_unfold():
-    layer = _layer(nn.Conv2d, dict(in_channels=3, out_channels=2, kernel_size=(3, 2), stride=(2, 1), padding=(1, 2), dilation=(2, 1)))  # fmt: skip
+    layer = _layer(
+        nn.Conv2d,
+        dict(
+            in_channels=3,
+            out_channels=2,
+            kernel_size=(3, 2),
+            stride=(2, 1),
+            padding=(1, 2),
+            dilation=(2, 1),
+        ),
+    )
     x = torch.randn(3, 3, 8, 7, dtype=torch.float64)
     u = F.unfold(x, (3, 2), dilation=(2, 1), padding=(1, 2), stride=(2, 1))
     assert rel_err(input_factor(layer, x), torch.einsum("nit,njt->ij", u, u) / 3) < TOL
@@ -397,7 +484,11 @@ def test_backpack_kronecker(case, name):
 
 
 def test_kfac_reduce_through_backpack():
-    model = _model(nn.Conv2d, dict(in_channels=2, out_channels=3, kernel_size=3, padding=1, groups=1), (3, 2, 5, 5))  # fmt: skip
+    model = _model(
+        nn.Conv2d,
+        dict(in_channels=2, out_channels=3, kernel_size=3, padding=1, groups=1),
+        (3, 2, 5, 5),
+    )
     x = torch.randn(3, 2, 5, 5, dtype=torch.float64)
     y = torch.randint(0, 5, (3,))
     got = _run(model, x, y, "KFLR", memconv_exts=True, kfac_approx="reduce")
@@ -418,7 +509,9 @@ def test_memconv_modules_and_adaptive_pool():
         ).double()
 
     for name in KRONECKER:
-        got = _run(net(memconv.modules.Conv2d, nn.AdaptiveAvgPool2d(2)), x, y, name, memconv_exts=True)  # fmt: skip
+        got = _run(
+            net(memconv.modules.Conv2d, nn.AdaptiveAvgPool2d(2)), x, y, name, memconv_exts=True
+        )
         average = nn.Conv2d(4, 4, 3, stride=3, groups=4, bias=False).double()
         average.weight.data.fill_(1 / 9)
         average.weight.requires_grad_(False)
@@ -490,8 +583,12 @@ def test_batch_norm_in_eval():
     see the exact backpropagated square root."""
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 16, 5)
-    ).double()  # fmt: skip
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.BatchNorm2d(3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(3 * 16, 5),
+    ).double()
     with torch.no_grad():
         model[1].running_mean.uniform_(-1, 1)
         model[1].running_var.uniform_(0.5, 2)

@@ -27,9 +27,12 @@ LAYERS = {
     "depthwise": (nn.Conv2d(64, 64, 3, padding=1, groups=64), (8, 64, 32, 32)),
     "conv1d": (nn.Conv1d(32, 64, 5, padding=2), (16, 32, 512)),
     "conv3d": (nn.Conv3d(16, 32, 3, padding=1), (4, 16, 8, 12, 12)),
-    "transposed": (nn.ConvTranspose2d(64, 32, 3, stride=2, padding=1, output_padding=1), (8, 64, 16, 16)),
+    "transposed": (
+        nn.ConvTranspose2d(64, 32, 3, stride=2, padding=1, output_padding=1),
+        (8, 64, 16, 16),
+    ),
     "reflect": (nn.Conv2d(16, 32, 3, padding=1, padding_mode="reflect"), (16, 16, 32, 32)),
-}  # fmt: skip
+}
 
 
 def measured_extra(module, x, g, **kwargs) -> float:

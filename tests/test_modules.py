@@ -192,10 +192,20 @@ def test_per_sample_grads_default_is_auto(problem, strategy_calls):
 
 def test_per_sample_grads_batchnorm_eval_and_frozen_layers():
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 3, 3),
-        nn.LayerNorm([3, 4, 4]), nn.Flatten(), nn.Dropout(0.5), nn.Linear(48, 2),
-    ).double().eval()  # fmt: skip
+    model = (
+        nn.Sequential(
+            nn.Conv2d(2, 4, 3),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Conv2d(4, 3, 3),
+            nn.LayerNorm([3, 4, 4]),
+            nn.Flatten(),
+            nn.Dropout(0.5),
+            nn.Linear(48, 2),
+        )
+        .double()
+        .eval()
+    )
     model[0].weight.requires_grad_(False)
     x = torch.randn(4, 2, 8, 8, dtype=torch.float64)
     y = torch.randn(4, 2, dtype=torch.float64)
@@ -307,9 +317,13 @@ def test_instance_norm_with_inplace_activation():
     """MONAI's BasicUNet blocks: affine InstanceNorm followed by ReLU(inplace=True)."""
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1), nn.InstanceNorm2d(4, affine=True), nn.ReLU(inplace=True),
-        nn.Conv2d(4, 2, 3, padding=1), nn.InstanceNorm2d(2, affine=True), nn.LeakyReLU(inplace=True),
-    ).double()  # fmt: skip
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.InstanceNorm2d(4, affine=True),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(4, 2, 3, padding=1),
+        nn.InstanceNorm2d(2, affine=True),
+        nn.LeakyReLU(inplace=True),
+    ).double()
     x, y = (
         torch.randn(3, 2, 6, 6, dtype=torch.float64),
         torch.randn(3, 2, 6, 6, dtype=torch.float64),
@@ -332,10 +346,12 @@ def test_empty_batch_on_every_path():
     torch.manual_seed(0)
     model = memconv.convert(
         nn.Sequential(
-            nn.Conv2d(3, 4, 3), nn.ConvTranspose2d(4, 2, 2, stride=2), nn.Flatten(),
+            nn.Conv2d(3, 4, 3),
+            nn.ConvTranspose2d(4, 2, 2, stride=2),
+            nn.Flatten(),
             nn.Linear(2 * 24 * 24, 5),
         ).double()
-    )  # fmt: skip
+    )
     for strategy in STRATEGIES:
         model.zero_grad()
         with memconv.save_memory(strategy), memconv.per_sample():

@@ -48,7 +48,15 @@ LAYERS = [
     (1, 4, 6, 3, 11, dict(stride=2, padding=1), False),
     (1, 4, 4, 3, 9, dict(groups=4, dilation=2, padding="same", padding_mode="circular"), False),
     (2, 3, 6, 3, 8, dict(padding=1, padding_mode="reflect"), False),
-    (2, 4, 6, (3, 2), (9, 8), dict(stride=(2, 1), dilation=(1, 2), groups=2, padding="valid"), False),
+    (
+        2,
+        4,
+        6,
+        (3, 2),
+        (9, 8),
+        dict(stride=(2, 1), dilation=(1, 2), groups=2, padding="valid"),
+        False,
+    ),
     (2, 6, 6, 3, 8, dict(groups=6, padding=1), False),  # depthwise
     (2, 4, 4, 4, 8, dict(padding="same", padding_mode="replicate"), False),
     (3, 2, 4, 3, 5, dict(padding=1, groups=2, padding_mode="circular"), False),
@@ -56,7 +64,7 @@ LAYERS = [
     (2, 4, 3, 3, 5, dict(stride=2, padding=1, output_padding=1), True),
     (1, 4, 4, 3, 6, dict(groups=2, dilation=2), True),
     (3, 2, 2, 2, 3, dict(stride=2, groups=2), True),
-]  # fmt: skip
+]
 
 
 def case_id(case):
@@ -226,9 +234,13 @@ def test_norm_sampler_of_memconv_classes_within_the_block_budget(bridge, sq_norm
 def small_cnn():
     torch.manual_seed(3)
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1, padding_mode="reflect"), nn.GroupNorm(2, 4), nn.ReLU(),
-        nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4 * 4 * 4, 3),
-    ).double()  # fmt: skip
+        nn.Conv2d(1, 4, 3, padding=1, padding_mode="reflect"),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, groups=2),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    ).double()
 
 
 def dp_batch():
@@ -243,12 +255,17 @@ def opacus_dp_step(mode, sigma, max_norm, seed):
     x, y = dp_batch()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     out = PrivacyEngine(accountant="rdp").make_private(
-        module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x, y), 8),
-        noise_multiplier=sigma, max_grad_norm=max_norm, loss_reduction="sum",
-        poisson_sampling=False, grad_sample_mode=mode,
+        module=model,
+        optimizer=optimizer,
+        data_loader=DataLoader(TensorDataset(x, y), 8),
+        noise_multiplier=sigma,
+        max_grad_norm=max_norm,
+        loss_reduction="sum",
+        poisson_sampling=False,
+        grad_sample_mode=mode,
         noise_generator=torch.Generator().manual_seed(seed),
         criterion=nn.CrossEntropyLoss(reduction="sum"),
-    )  # fmt: skip
+    )
     if mode == "ghost":
         module, dp_optimizer, criterion, _ = out
     else:

@@ -40,9 +40,14 @@ class ScaledStdConv2d(nn.Conv2d):
 
     def forward(self, x):
         weight = F.batch_norm(
-            self.weight.reshape(1, self.out_channels, -1), None, None,
-            weight=(self.gain * self.scale).view(-1), training=True, momentum=0.0, eps=self.eps,
-        ).reshape_as(self.weight)  # fmt: skip
+            self.weight.reshape(1, self.out_channels, -1),
+            None,
+            None,
+            weight=(self.gain * self.scale).view(-1),
+            training=True,
+            momentum=0.0,
+            eps=self.eps,
+        ).reshape_as(self.weight)
         return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
@@ -67,9 +72,15 @@ class BatchNormAct2d(nn.BatchNorm2d):
 
     def forward(self, x):
         x = F.batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias,
-            self.training, self.momentum, self.eps,
-        )  # fmt: skip
+            x,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            self.training,
+            self.momentum,
+            self.eps,
+        )
         return F.relu(x)
 
 
@@ -152,9 +163,13 @@ def build(name):
         model = nn.Sequential(nn.Conv2d(2, 4, 1), ConvNeXtBlock(4), *_head(4, 4))
     elif name == "rms_instance":
         model = nn.Sequential(
-            nn.Conv2d(2, 4, 3, padding=1), InstanceNorm2d(4, affine=True), nn.Flatten(),
-            nn.Linear(64, 6), RMSNorm(6, eps=1e-6), nn.Linear(6, 3),
-        )  # fmt: skip
+            nn.Conv2d(2, 4, 3, padding=1),
+            InstanceNorm2d(4, affine=True),
+            nn.Flatten(),
+            nn.Linear(64, 6),
+            RMSNorm(6, eps=1e-6),
+            nn.Linear(6, 3),
+        )
         with torch.no_grad():
             model[1].weight.uniform_(0.5, 1.5)
             model[4].weight.uniform_(0.5, 1.5)

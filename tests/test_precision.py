@@ -25,9 +25,13 @@ DEVICES = [("cpu", torch.bfloat16)] + (
 def make(device, dtype=torch.float32):
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
-        nn.ConvTranspose2d(8, 4, 2, stride=2), nn.Flatten(), nn.Linear(4 * 16 * 16, 5),
-    ).to(device=device, dtype=dtype)  # fmt: skip
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.GroupNorm(2, 8),
+        nn.ReLU(),
+        nn.ConvTranspose2d(8, 4, 2, stride=2),
+        nn.Flatten(),
+        nn.Linear(4 * 16 * 16, 5),
+    ).to(device=device, dtype=dtype)
 
 
 def batch(device, dtype=torch.float32):

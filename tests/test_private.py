@@ -63,8 +63,16 @@ class BatchNormAct2d(nn.BatchNorm2d):
         self.act = nn.ReLU(inplace=True)
 
     def forward(self, x):
-        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                         self.training, self.momentum, self.eps)  # fmt: skip
+        x = F.batch_norm(
+            x,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            self.training,
+            self.momentum,
+            self.eps,
+        )
         return self.act(self.drop(x))
 
 
@@ -79,36 +87,54 @@ class ScaledStdConv2d(nn.Conv2d):
         self.eps = eps
 
     def forward(self, x):
-        w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None,
-                         weight=(self.gain * self.scale).reshape(-1), training=True,
-                         momentum=0.0, eps=self.eps).reshape_as(self.weight)  # fmt: skip
+        w = F.batch_norm(
+            self.weight.reshape(1, self.out_channels, -1),
+            None,
+            None,
+            weight=(self.gain * self.scale).reshape(-1),
+            training=True,
+            momentum=0.0,
+            eps=self.eps,
+        ).reshape_as(self.weight)
         return F.conv2d(x, w, self.bias, self.stride, self.padding)
 
 
 def resnet():
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.GroupNorm(2, 4), nn.ReLU(inplace=True),
-        BasicBlock(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3),
-    )  # fmt: skip
+        nn.Conv2d(1, 4, 3, padding=1, bias=False),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(inplace=True),
+        BasicBlock(4),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    )
 
 
 def bn_act():
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), BatchNormAct2d(4), nn.Conv2d(4, 4, 3),
-        nn.Flatten(), nn.Linear(4 * 4 * 4, 3),
-    )  # fmt: skip
+        nn.Conv2d(1, 4, 3, padding=1),
+        BatchNormAct2d(4),
+        nn.Conv2d(4, 4, 3),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )
 
 
 def nf_net():
     return nn.Sequential(
-        ScaledStdConv2d(1, 4, 3, padding=1), nn.ReLU(inplace=True), ScaledStdConv2d(4, 4, 3),
-        nn.Flatten(), nn.Linear(4 * 4 * 4, 3),
-    )  # fmt: skip
+        ScaledStdConv2d(1, 4, 3, padding=1),
+        nn.ReLU(inplace=True),
+        ScaledStdConv2d(4, 4, 3),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )
 
 
 def vit():
-    return VisionTransformer(img_size=6, patch_size=2, in_chans=1, num_classes=3, embed_dim=8,
-                             depth=2, num_heads=2)  # fmt: skip
+    return VisionTransformer(
+        img_size=6, patch_size=2, in_chans=1, num_classes=3, embed_dim=8, depth=2, num_heads=2
+    )
 
 
 MODELS = {"resnet": resnet, "nf": nf_net, "vit": vit}
@@ -142,10 +168,17 @@ def private_step(model, x, y, *, clip_route=None, loss_reduction="mean"):
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine = PrivacyEngine()
     m, opt, _ = mo.make_private(
-        engine, module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=SIGMA,
-        max_grad_norm=C, poisson_sampling=False, clip_route=clip_route,
-        noise_generator=torch.Generator().manual_seed(SEED), loss_reduction=loss_reduction,
-    )  # fmt: skip
+        engine,
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        noise_multiplier=SIGMA,
+        max_grad_norm=C,
+        poisson_sampling=False,
+        clip_route=clip_route,
+        noise_generator=torch.Generator().manual_seed(SEED),
+        loss_reduction=loss_reduction,
+    )
     opt.zero_grad()
     loss = nn.CrossEntropyLoss(reduction=loss_reduction)(m(x), y)
     loss.backward()
@@ -161,8 +194,9 @@ def test_one_step_equals_the_hand_built_step(name, clip_route):
     ref = copy.deepcopy(model)
     x, y = data(N)
     m, opt, _ = private_step(model, x, y, clip_route=clip_route)
-    norms = reference_step(ref, nn.CrossEntropyLoss(), x, y, max_norm=C, sigma=SIGMA, lr=LR,
-                           batch_size=N, seed=SEED)  # fmt: skip
+    norms = reference_step(
+        ref, nn.CrossEntropyLoss(), x, y, max_norm=C, sigma=SIGMA, lr=LR, batch_size=N, seed=SEED
+    )
     assert (norms > C).any() and (norms < C).any() or (norms > C).all()  # clipping acts
     assert torch.allclose(m.last_norms, norms, rtol=TOL, atol=0)
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -180,8 +214,17 @@ def test_sum_reduction_and_a_fixed_norm_act_layer():
     ref = copy.deepcopy(model)
     x, y = data(N)
     private_step(model, x, y, loss_reduction="sum")
-    reference_step(ref, nn.CrossEntropyLoss(reduction="sum"), x, y, max_norm=C, sigma=SIGMA,
-                   lr=LR, batch_size=1, seed=SEED)  # fmt: skip
+    reference_step(
+        ref,
+        nn.CrossEntropyLoss(reduction="sum"),
+        x,
+        y,
+        max_norm=C,
+        sigma=SIGMA,
+        lr=LR,
+        batch_size=1,
+        seed=SEED,
+    )
     for p, q in zip(model.parameters(), ref.parameters()):
         assert (p - q).abs().max().item() <= TOL * q.abs().max().item()
 
@@ -189,9 +232,14 @@ def test_sum_reduction_and_a_fixed_norm_act_layer():
 def test_norm_act_layer_is_refused_in_training_mode_and_named():
     model = bn_act().double()
     with pytest.raises(ValueError, match=r"BatchNormAct2d|BatchNorm"):
-        mo.make_private(PrivacyEngine(), module=model, data_loader=DataLoader(TensorDataset(*data())),
-                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                        noise_multiplier=1.0, max_grad_norm=1.0)  # fmt: skip
+        mo.make_private(
+            PrivacyEngine(),
+            module=model,
+            data_loader=DataLoader(TensorDataset(*data())),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
 
 
 def test_epsilon_after_k_steps_equals_opacus_own():
@@ -201,13 +249,22 @@ def test_epsilon_after_k_steps_equals_opacus_own():
     ours, theirs = PrivacyEngine(), PrivacyEngine()
     torch.manual_seed(0)
     model = resnet().double()
-    m, opt, dl = mo.make_private(ours, module=model, data_loader=loader, noise_multiplier=1.1,
-                                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                 max_grad_norm=1.0)  # fmt: skip
+    m, opt, dl = mo.make_private(
+        ours,
+        module=model,
+        data_loader=loader,
+        noise_multiplier=1.1,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        max_grad_norm=1.0,
+    )
     plain = nn.Linear(36, 3).double()
-    pm, popt, pdl = theirs.make_private(module=plain, data_loader=loader, noise_multiplier=1.1,
-                                        optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
-                                        max_grad_norm=1.0)  # fmt: skip
+    pm, popt, pdl = theirs.make_private(
+        module=plain,
+        data_loader=loader,
+        noise_multiplier=1.1,
+        optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
+        max_grad_norm=1.0,
+    )
     assert type(dl).__name__ == type(pdl).__name__ == "DPDataLoader"
     for _ in range(k):
         xb, yb = next(iter(dl))
@@ -227,14 +284,25 @@ def test_make_private_with_epsilon_picks_opacus_noise():
     loader = DataLoader(TensorDataset(x, y), batch_size=4)
     model = resnet().double()
     _, opt, _ = mo.make_private_with_epsilon(
-        PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=loader, target_epsilon=3.0, target_delta=1e-5, epochs=2, max_grad_norm=1.0,
-    )  # fmt: skip
+        PrivacyEngine(),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader,
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=2,
+        max_grad_norm=1.0,
+    )
     plain = nn.Linear(36, 3)
     _, popt, _ = PrivacyEngine().make_private_with_epsilon(
-        module=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1), data_loader=loader,
-        target_epsilon=3.0, target_delta=1e-5, epochs=2, max_grad_norm=1.0,
-    )  # fmt: skip
+        module=plain,
+        optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
+        data_loader=loader,
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=2,
+        max_grad_norm=1.0,
+    )
     assert opt.noise_multiplier == popt.noise_multiplier > 0
 
 
@@ -242,10 +310,14 @@ def test_empty_poisson_batch_gives_a_noise_only_step():
     torch.manual_seed(0)
     model = resnet().double()
     m, opt, _ = mo.make_private(
-        PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(*data()), batch_size=4), noise_multiplier=1.0,
-        max_grad_norm=1.0, noise_generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+        PrivacyEngine(),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(*data()), batch_size=4),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        noise_generator=torch.Generator().manual_seed(0),
+    )
     before = [p.detach().clone() for p in model.parameters()]
     x, y = data(0)
     opt.zero_grad()
@@ -259,10 +331,13 @@ def test_accumulating_two_batches_raises():
     torch.manual_seed(0)
     model = resnet().double()
     m, opt, _ = mo.make_private(
-        PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(*data()), batch_size=4), noise_multiplier=1.0,
+        PrivacyEngine(),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(*data()), batch_size=4),
+        noise_multiplier=1.0,
         max_grad_norm=1.0,
-    )  # fmt: skip
+    )
     x, y = data(4)
     nn.CrossEntropyLoss()(m(x), y).backward()
     with pytest.raises(RuntimeError, match="zero_grad"):
@@ -285,9 +360,13 @@ def test_accumulating_two_batches_raises():
 )
 def test_bad_arguments_raise_before_any_work(kwargs, error, match):
     model = resnet()
-    args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                data_loader=DataLoader(TensorDataset(*data())), noise_multiplier=1.0,
-                max_grad_norm=1.0)  # fmt: skip
+    args = dict(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(*data())),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
     args.update(kwargs)
     with pytest.raises(error, match=match):
         mo.make_private(PrivacyEngine(), **args)
@@ -330,9 +409,13 @@ def test_eval_mode_runs_the_model_as_it_is():
     torch.manual_seed(0)
     model = resnet().double()
     m, _, _ = mo.make_private(
-        PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(*data())), noise_multiplier=1.0, max_grad_norm=1.0,
-    )  # fmt: skip
+        PrivacyEngine(),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(*data())),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
     x, _ = data(4)
     m.eval()
     assert torch.equal(m(x), model(x))

@@ -31,9 +31,12 @@ TOL = 1e-10
 OPACUS_ATOL = 1e-5
 N, SIGMA, LR, SEED = 8, 0.7, 0.5, 11
 ADAPTIVE = dict(
-    target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipbound=10.0,
-    min_clipbound=0.001, unclipped_num_std=2.0,
-)  # fmt: skip
+    target_unclipped_quantile=0.5,
+    clipbound_learning_rate=0.2,
+    max_clipbound=10.0,
+    min_clipbound=0.001,
+    unclipped_num_std=2.0,
+)
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Secure RNG turned off"),
     pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
@@ -44,9 +47,12 @@ pytestmark = [
 def small():
     """A model Opacus' hooks run (no in-place operation)."""
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(),
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.Tanh(),
+        nn.Flatten(),
         nn.Linear(144, 3),
-    )  # fmt: skip
+    )
 
 
 def loader():
@@ -60,20 +66,32 @@ def sgd(model, reverse=False):
 
 def ours(model, clipping, max_grad_norm, reverse=False, **kwargs):
     return mo.make_private(
-        PrivacyEngine(), module=model, optimizer=sgd(model, reverse),
-        data_loader=loader(), noise_multiplier=SIGMA, max_grad_norm=max_grad_norm,
-        poisson_sampling=False, clipping=clipping,
-        noise_generator=torch.Generator().manual_seed(SEED), **kwargs,
-    )  # fmt: skip
+        PrivacyEngine(),
+        module=model,
+        optimizer=sgd(model, reverse),
+        data_loader=loader(),
+        noise_multiplier=SIGMA,
+        max_grad_norm=max_grad_norm,
+        poisson_sampling=False,
+        clipping=clipping,
+        noise_generator=torch.Generator().manual_seed(SEED),
+        **kwargs,
+    )
 
 
 def theirs(model, clipping, max_grad_norm, reverse=False, **kwargs):
     return PrivacyEngine().make_private(
-        module=model, optimizer=sgd(model, reverse),
-        data_loader=loader(), noise_multiplier=SIGMA, max_grad_norm=max_grad_norm,
-        poisson_sampling=False, clipping=clipping, grad_sample_mode="hooks",
-        noise_generator=torch.Generator().manual_seed(SEED), **kwargs,
-    )  # fmt: skip
+        module=model,
+        optimizer=sgd(model, reverse),
+        data_loader=loader(),
+        noise_multiplier=SIGMA,
+        max_grad_norm=max_grad_norm,
+        poisson_sampling=False,
+        clipping=clipping,
+        grad_sample_mode="hooks",
+        noise_generator=torch.Generator().manual_seed(SEED),
+        **kwargs,
+    )
 
 
 def batch(step):
@@ -229,8 +247,12 @@ def test_per_layer_accounting_is_opacus_own():
     b = copy.deepcopy(a)
     engine_a, engine_b = PrivacyEngine(), PrivacyEngine()
     thresholds = per_layer_thresholds(a)
-    common = dict(noise_multiplier=1.1, max_grad_norm=thresholds, clipping="per_layer",
-                  data_loader=DataLoader(TensorDataset(*data()), batch_size=4))  # fmt: skip
+    common = dict(
+        noise_multiplier=1.1,
+        max_grad_norm=thresholds,
+        clipping="per_layer",
+        data_loader=DataLoader(TensorDataset(*data()), batch_size=4),
+    )
     ma, oa, la = mo.make_private(
         engine_a, module=a, optimizer=torch.optim.SGD(a.parameters(), lr=0.1), **common
     )
@@ -246,19 +268,27 @@ def test_per_layer_accounting_is_opacus_own():
 def test_make_private_with_epsilon_takes_per_layer_thresholds():
     model = resnet().double()
     thresholds = per_layer_thresholds(model)
-    common = dict(data_loader=DataLoader(TensorDataset(*data()), batch_size=4),
-                  target_epsilon=3.0, target_delta=1e-5, epochs=2, max_grad_norm=thresholds,
-                  clipping="per_layer")  # fmt: skip
+    common = dict(
+        data_loader=DataLoader(TensorDataset(*data()), batch_size=4),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=2,
+        max_grad_norm=thresholds,
+        clipping="per_layer",
+    )
     _, opt, _ = mo.make_private_with_epsilon(
-        PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        PrivacyEngine(),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         **common,
-    )  # fmt: skip
+    )
     plain = small().double()
     plain_thresholds = thresholds[: len(list(plain.parameters()))]
     _, popt, _ = PrivacyEngine().make_private_with_epsilon(
-        module=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
+        module=plain,
+        optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
         **{**common, "max_grad_norm": plain_thresholds},
-    )  # fmt: skip
+    )
     assert opt.noise_multiplier == popt.noise_multiplier > 0
     assert opt.max_grad_norms == thresholds
 
@@ -266,21 +296,28 @@ def test_make_private_with_epsilon_takes_per_layer_thresholds():
 BAD = [
     (dict(clipping="per_layer", max_grad_norm=1.0), TypeError, "list of thresholds"),
     (dict(clipping="per_layer", max_grad_norm=[1.0] * 3), ValueError, "3 thresholds"),
-    (dict(clipping="per_layer", max_grad_norm=[1.0, 1.0, 0.0] + [1.0] * 8), ValueError,
-     r"max_grad_norm\[2\]"),
-    (dict(clipping="per_layer", max_grad_norm=[1.0, math.nan] + [1.0] * 9), ValueError,
-     r"max_grad_norm\[1\]"),
+    (
+        dict(clipping="per_layer", max_grad_norm=[1.0, 1.0, 0.0] + [1.0] * 8),
+        ValueError,
+        r"max_grad_norm\[2\]",
+    ),
+    (
+        dict(clipping="per_layer", max_grad_norm=[1.0, math.nan] + [1.0] * 9),
+        ValueError,
+        r"max_grad_norm\[1\]",
+    ),
     (dict(clipping="per_layer", max_grad_norm=["1"] * 11), TypeError, r"max_grad_norm\[0\]"),
     (dict(clipping="adaptive", target_unclipped_quantile=0.5), ValueError, "unclipped_num_std"),
-    (dict(clipping="adaptive", **{**ADAPTIVE, "unclipped_num_std": 0.2}), ValueError,
-     r"2 \* unclipped_num_std"),
-    (dict(clipping="adaptive", **{**ADAPTIVE, "min_clipbound": 20.0}), ValueError,
-     "max_clipbound"),
+    (
+        dict(clipping="adaptive", **{**ADAPTIVE, "unclipped_num_std": 0.2}),
+        ValueError,
+        r"2 \* unclipped_num_std",
+    ),
+    (dict(clipping="adaptive", **{**ADAPTIVE, "min_clipbound": 20.0}), ValueError, "max_clipbound"),
     (dict(clipping="adaptive", max_grad_norm=[1.0], **ADAPTIVE), ValueError, "max_grad_norm"),
-    (dict(clipping="flat", target_unclipped_quantile=0.5), ValueError,
-     "target_unclipped_quantile"),
+    (dict(clipping="flat", target_unclipped_quantile=0.5), ValueError, "target_unclipped_quantile"),
     (dict(clipping="group"), ValueError, "clipping='group'"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("kwargs, error, match", BAD)
@@ -288,9 +325,13 @@ def test_bad_arguments_raise_before_any_work(kwargs, error, match):
     model = resnet()
     assert len(list(model.parameters())) == 11
     engine = PrivacyEngine()
-    args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                data_loader=DataLoader(TensorDataset(*data())), noise_multiplier=1.0,
-                max_grad_norm=1.0)  # fmt: skip
+    args = dict(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(*data())),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
     args.update(kwargs)
     with pytest.raises(error, match=match):
         mo.make_private(engine, **args)
@@ -301,6 +342,12 @@ def test_per_layer_needs_every_trainable_parameter_in_the_optimizer():
     model = resnet()
     head = list(model.parameters())[-2:]
     with pytest.raises(ValueError, match=r"'0.weight'.*not in optimizer"):
-        mo.make_private(PrivacyEngine(), module=model, optimizer=torch.optim.SGD(head, lr=0.1),
-                        data_loader=DataLoader(TensorDataset(*data())), noise_multiplier=1.0,
-                        max_grad_norm=[1.0, 1.0], clipping="per_layer")  # fmt: skip
+        mo.make_private(
+            PrivacyEngine(),
+            module=model,
+            optimizer=torch.optim.SGD(head, lr=0.1),
+            data_loader=DataLoader(TensorDataset(*data())),
+            noise_multiplier=1.0,
+            max_grad_norm=[1.0, 1.0],
+            clipping="per_layer",
+        )

@@ -20,10 +20,13 @@ def model():
     torch.manual_seed(0)
     return memconv.convert(
         nn.Sequential(
-            nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.ConvTranspose2d(4, 2, 2, stride=2),
-            nn.Flatten(), nn.Linear(2 * 12 * 12, 3),
+            nn.Conv2d(2, 4, 3, padding=1),
+            nn.ReLU(),
+            nn.ConvTranspose2d(4, 2, 2, stride=2),
+            nn.Flatten(),
+            nn.Linear(2 * 12 * 12, 3),
         ).double()
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture

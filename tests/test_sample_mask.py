@@ -31,17 +31,24 @@ MASK = torch.tensor([True, False, True, True, False, True, False, True])
 
 def gn_net():
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
-        nn.Flatten(), nn.Linear(4 * 6 * 6, 3),
-    )  # fmt: skip
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 3),
+    )
 
 
 def resnet():
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.GroupNorm(2, 4), nn.ReLU(inplace=True),
+        nn.Conv2d(1, 4, 3, padding=1, bias=False),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(inplace=True),
         TVBasicBlock(4, 4, norm_layer=lambda c: nn.GroupNorm(2, c)),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3),
-    )  # fmt: skip
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    )
 
 
 MODELS = {"gn": gn_net, "resnet": resnet}
@@ -300,14 +307,26 @@ def private_step(model, x, y, mask=None, *, clipping="flat", clip_route=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     extra = {}
     if clipping == "adaptive":
-        extra = dict(target_unclipped_quantile=0.5, clipbound_learning_rate=0.2,
-                     max_clipbound=10.0, min_clipbound=0.01, unclipped_num_std=2.0)  # fmt: skip
+        extra = dict(
+            target_unclipped_quantile=0.5,
+            clipbound_learning_rate=0.2,
+            max_clipbound=10.0,
+            min_clipbound=0.01,
+            unclipped_num_std=2.0,
+        )
     m, opt, _ = mo.make_private(
-        PrivacyEngine(), module=model, optimizer=optimizer,
-        data_loader=DataLoader(data, batch_size=4), noise_multiplier=SIGMA, max_grad_norm=C,
-        poisson_sampling=False, noise_generator=torch.Generator().manual_seed(SEED),
-        clipping=clipping, clip_route=clip_route, **extra,
-    )  # fmt: skip
+        PrivacyEngine(),
+        module=model,
+        optimizer=optimizer,
+        data_loader=DataLoader(data, batch_size=4),
+        noise_multiplier=SIGMA,
+        max_grad_norm=C,
+        poisson_sampling=False,
+        noise_generator=torch.Generator().manual_seed(SEED),
+        clipping=clipping,
+        clip_route=clip_route,
+        **extra,
+    )
     opt.zero_grad()
     out = m(x) if mask is None else m(x, sample_mask=mask)
     nn.CrossEntropyLoss()(out, y).backward()

@@ -43,9 +43,14 @@ class ScaledStdConv2d(nn.Conv2d):
 
     def forward(self, x):
         weight = F.batch_norm(
-            self.weight.reshape(1, self.out_channels, -1), None, None,
-            weight=(self.gain * self.scale).view(-1), training=True, momentum=0.0, eps=self.eps,
-        ).reshape_as(self.weight)  # fmt: skip
+            self.weight.reshape(1, self.out_channels, -1),
+            None,
+            None,
+            weight=(self.gain * self.scale).view(-1),
+            training=True,
+            momentum=0.0,
+            eps=self.eps,
+        ).reshape_as(self.weight)
         return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
@@ -58,9 +63,13 @@ class StdConv2d(nn.Conv2d):
 
     def forward(self, x):
         weight = F.batch_norm(
-            self.weight.reshape(1, self.out_channels, -1), None, None,
-            training=True, momentum=0.0, eps=self.eps,
-        ).reshape_as(self.weight)  # fmt: skip
+            self.weight.reshape(1, self.out_channels, -1),
+            None,
+            None,
+            training=True,
+            momentum=0.0,
+            eps=self.eps,
+        ).reshape_as(self.weight)
         return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
@@ -74,9 +83,15 @@ class StdLinear(nn.Linear):
 
     def forward(self, x):
         weight = F.batch_norm(
-            self.weight.view(1, self.out_features, -1), None, None, self.gain, None, True,
-            0.0, 1e-4,
-        ).view_as(self.weight)  # fmt: skip
+            self.weight.view(1, self.out_features, -1),
+            None,
+            None,
+            self.gain,
+            None,
+            True,
+            0.0,
+            1e-4,
+        ).view_as(self.weight)
         return F.linear(x, weight, self.bias)
 
 
@@ -124,9 +139,13 @@ class Biased(StdConv2d):
 
     def forward(self, x):
         weight = F.batch_norm(
-            self.weight.reshape(1, self.out_channels, -1), None, None, bias=self.shift,
-            training=True, eps=1e-5,
-        ).reshape_as(self.weight)  # fmt: skip
+            self.weight.reshape(1, self.out_channels, -1),
+            None,
+            None,
+            bias=self.shift,
+            training=True,
+            eps=1e-5,
+        ).reshape_as(self.weight)
         return F.conv2d(x, weight, None, padding=self.padding)
 
 
@@ -142,13 +161,13 @@ BUILDERS = {
         nn.ReLU(),
         StdConv2d(6, 4, 3, padding=1, groups=2),
         *_head(4),
-    ),  # fmt: skip
+    ),
     "large_eps": lambda: nn.Sequential(
         ScaledStdConv2d(2, 4, 3, padding=1, eps=1e-1),
         nn.ReLU(),
         StdConv2d(4, 4, 1, eps=1e-1),
         *_head(4),
-    ),  # fmt: skip
+    ),
     "linear": lambda: nn.Sequential(nn.Flatten(), StdLinear(32, 6), nn.Tanh(), nn.Linear(6, 3)),
     "strided": lambda: nn.Sequential(ScaledStdConv2d(2, 4, 3, stride=2, padding=1), *_head(4, 2)),
     "dilated": lambda: nn.Sequential(
@@ -284,9 +303,12 @@ def test_modified_in_place_is_not_trusted():
     class Touched(StdConv2d):
         def forward(self, x):
             weight = F.batch_norm(
-                self.weight.reshape(1, self.out_channels, -1), None, None, training=True,
+                self.weight.reshape(1, self.out_channels, -1),
+                None,
+                None,
+                training=True,
                 eps=1e-5,
-            )  # fmt: skip
+            )
             weight.mul_(1.5)
             return F.conv2d(x, weight.reshape_as(self.weight), None, padding=self.padding)
 

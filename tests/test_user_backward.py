@@ -31,9 +31,11 @@ class Dropped(nn.Module):
     def __init__(self):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(inplace=True), nn.Dropout2d(0.2),
+            nn.Conv2d(3, 6, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Dropout2d(0.2),
             nn.Conv2d(6, 8, 3, stride=2),
-        )  # fmt: skip
+        )
         self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(8 * 3 * 3, 4))
 
     def forward(self, x):
@@ -94,9 +96,13 @@ def reversible():
         return InvertibleModuleWrapper(AdditiveCoupling(fm), num_bwd_passes=8)
 
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), block(), block(), nn.Flatten(), nn.Dropout(0.3),
+        nn.Conv2d(3, 4, 3, padding=1),
+        block(),
+        block(),
+        nn.Flatten(),
+        nn.Dropout(0.3),
         nn.Linear(4 * 8 * 8, 4),
-    )  # fmt: skip
+    )
 
 
 MODELS = {

@@ -67,28 +67,70 @@ DEFAULT_CASES = {
 }
 #: Engines the matrix runs on cases other than the seed CNN's (task grads).
 CORE_GRADS = (
-    "autograd", "torch.func", "expanded-weights", "opacus-hooks", "backpack-save-memory",
-    "memconv:shift", "memconv:rochette", "memconv:auto", BUDGET_ENGINE,
-    "memconv-modules:auto", "memconv-backpack:auto",
-)  # fmt: skip
+    "autograd",
+    "torch.func",
+    "expanded-weights",
+    "opacus-hooks",
+    "backpack-save-memory",
+    "memconv:shift",
+    "memconv:rochette",
+    "memconv:auto",
+    BUDGET_ENGINE,
+    "memconv-modules:auto",
+    "memconv-backpack:auto",
+)
 SWEEP_ENGINES = {
-    "grads": ("autograd", "torch.func", "opacus-hooks", "backpack-save-memory",
-              "memconv:auto", "memconv-modules:auto"),
-    "clip": ("non-private", "torch.func", "opacus-hooks", "opacus-ghost", "memconv:auto",
-             "memconv:two-pass"),
-    "clip-layer": ("non-private", "torch.func", "opacus-per-layer", "memconv:per-layer",
-                   "memconv:flat"),
-}  # fmt: skip
+    "grads": (
+        "autograd",
+        "torch.func",
+        "opacus-hooks",
+        "backpack-save-memory",
+        "memconv:auto",
+        "memconv-modules:auto",
+    ),
+    "clip": (
+        "non-private",
+        "torch.func",
+        "opacus-hooks",
+        "opacus-ghost",
+        "memconv:auto",
+        "memconv:two-pass",
+    ),
+    "clip-layer": (
+        "non-private",
+        "torch.func",
+        "opacus-per-layer",
+        "memconv:per-layer",
+        "memconv:flat",
+    ),
+}
 LARGEST_ENGINES = {
-    "grads": ("autograd", "torch.func", "opacus-hooks", "backpack-save-memory",
-              "memconv:auto", BUDGET_ENGINE, DEFAULT_ENGINE),
-    "clip": ("non-private", "torch.func", "opacus-hooks", "opacus-ghost", "memconv:auto",
-             "memconv:two-pass", BUDGET_ENGINE, DEFAULT_ENGINE),
+    "grads": (
+        "autograd",
+        "torch.func",
+        "opacus-hooks",
+        "backpack-save-memory",
+        "memconv:auto",
+        BUDGET_ENGINE,
+        DEFAULT_ENGINE,
+    ),
+    "clip": (
+        "non-private",
+        "torch.func",
+        "opacus-hooks",
+        "opacus-ghost",
+        "memconv:auto",
+        "memconv:two-pass",
+        BUDGET_ENGINE,
+        DEFAULT_ENGINE,
+    ),
     "clip-layer": ("non-private", "opacus-per-layer", "memconv:per-layer", "memconv:flat"),
-}  # fmt: skip
+}
 LARGEST_CASES = {
-    "grads": ("seed-112",), "clip": ("resnet18-gn", "seed-112"), "clip-layer": ("resnet18-gn",),
-}  # fmt: skip
+    "grads": ("seed-112",),
+    "clip": ("resnet18-gn", "seed-112"),
+    "clip-layer": ("resnet18-gn",),
+}
 #: ``--quick``: one small case and a few engines per task (a smoke test of about a minute).
 QUICK_CASES = {"grads": ("seed-28",), "clip": ("resnet18-gn",), "clip-layer": ("resnet18-gn",)}
 QUICK_ENGINES = {
@@ -566,9 +608,14 @@ def sweep(args, plan: dict) -> int:
                 if "error" in row or row.get("aborted"):
                     dropped[engine] = f"failed or over {SWEEP_ABORT_MIB / 1024:.0f} GiB at {value}"
             record = {
-                "record": "sweep", "task": args.task, "case": name, "sweep": args.sweep,
-                "value": value, "config": public, **row,
-            }  # fmt: skip
+                "record": "sweep",
+                "task": args.task,
+                "case": name,
+                "sweep": args.sweep,
+                "value": value,
+                "config": public,
+                **row,
+            }
             logger.info("%s %s=%d %s: %s", name, args.sweep, value, engine, _summary(row))
             out.write(record)
             rows.append(record)
@@ -606,9 +653,13 @@ def largest(args, plan: dict) -> int:
             public = _public(config)
             config["engine"] = engine
             meta = {
-                "task": args.task, "case": name, "config": public, "engine": engine,
-                "limit_mib": limit_mib, "container": bool(args.container),
-            }  # fmt: skip
+                "task": args.task,
+                "case": name,
+                "config": public,
+                "engine": engine,
+                "limit_mib": limit_mib,
+                "container": bool(args.container),
+            }
             e = get_engine(engine, args.task)
             if e.budget:
                 config["memory_budget"] = int(limit_mib * MiB)

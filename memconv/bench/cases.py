@@ -16,17 +16,40 @@ import torch
 #: engines of the table "Streaming the models people stream" (:mod:`memconv.bench.trunks`).
 STREAM_MODELS = ("stream-resnet18", "stream-resnet50", "stream-convnext-tiny")
 MODELS = (
-    "seed", "resnet18", "resnet18-gn", "wrn16-4-gn", "conv1d", "conv3d", "streaming-net",
-    "vit-tiny", "resnet18-tv-gn", "nf-resnet26", "convnext-atto", "opacus-mnist",
-    "vit-tiny-dropout", *STREAM_MODELS,
-)  # fmt: skip
+    "seed",
+    "resnet18",
+    "resnet18-gn",
+    "wrn16-4-gn",
+    "conv1d",
+    "conv3d",
+    "streaming-net",
+    "vit-tiny",
+    "resnet18-tv-gn",
+    "nf-resnet26",
+    "convnext-atto",
+    "opacus-mnist",
+    "vit-tiny-dropout",
+    *STREAM_MODELS,
+)
 #: Smallest side each model accepts (the seed CNN's four poolings need 27 pixels).
 MIN_SIDE = {
-    "seed": 27, "resnet18": 8, "resnet18-gn": 8, "wrn16-4-gn": 8, "conv1d": 8, "conv3d": 4,
-    "streaming-net": 64, "vit-tiny": 8, "resnet18-tv-gn": 8, "nf-resnet26": 8,
-    "convnext-atto": 32, "opacus-mnist": 28, "vit-tiny-dropout": 8, "stream-resnet18": 64,
-    "stream-resnet50": 64, "stream-convnext-tiny": 64,
-}  # fmt: skip
+    "seed": 27,
+    "resnet18": 8,
+    "resnet18-gn": 8,
+    "wrn16-4-gn": 8,
+    "conv1d": 8,
+    "conv3d": 4,
+    "streaming-net": 64,
+    "vit-tiny": 8,
+    "resnet18-tv-gn": 8,
+    "nf-resnet26": 8,
+    "convnext-atto": 32,
+    "opacus-mnist": 28,
+    "vit-tiny-dropout": 8,
+    "stream-resnet18": 64,
+    "stream-resnet50": 64,
+    "stream-convnext-tiny": 64,
+}
 #: The real data each model gets unless told otherwise.
 NATURAL_DATA = {
     "seed": "digits",
@@ -156,47 +179,132 @@ def _stream_cases() -> list[Case]:
 CASES: dict[str, Case] = {
     c.name: c
     for c in (
-        Case("seed-112", "seed", 32, 112, quick=(4, 56, None),
-             budget_mib={"grads": 400, "clip": 400},
-             summary="the CNN of BackPACK's save-memory example, on digits"),
-        Case("seed-28", "seed", 64, 28, quick=(4, 28, None), budget_mib={"grads": 160},
-             summary="the same CNN at 28x28, the main job's case"),
-        Case("resnet18-gn", "resnet18-gn", 64, 32, quick=(2, 16, None),
-             budget_mib={"clip": 300},
-             summary="CIFAR ResNet-18 with GroupNorm, 11.2 M parameters, on photo crops"),
-        Case("wrn16-4-gn", "wrn16-4-gn", 64, 32, quick=(2, 16, None),
-             summary="WideResNet-16-4 with GroupNorm, 2.75 M parameters (De et al. 2022's DP "
-                     "benchmark), on photo crops"),
-        Case("vit-tiny", "vit-tiny", 64, 32, quick=(2, 16, None),
-             summary="ViT-Tiny as timm writes it (patch 4, class token, position embedding), "
-                     "5.4 M parameters, on photo crops"),
-        Case("resnet18-tv-gn", "resnet18-tv-gn", 64, 64, quick=(2, 32, None),
-             summary="torchvision's resnet18 with GroupNorm(32, C) as written there (in-place "
-                     "ReLU, out += identity), 11.2 M parameters, on photo crops"),
-        Case("nf-resnet26", "nf-resnet26", 64, 64, quick=(2, 32, None),
-             summary="timm's nf_resnet26 (scaled weight-standardised convolutions, skip-init "
-                     "gains), 14.0 M parameters, on photo crops"),
-        Case("convnext-atto", "convnext-atto", 64, 64, quick=(2, 32, None),
-             summary="timm's convnext_atto (LayerNorm2d, layer scale), 3.4 M parameters, on "
-                     "photo crops"),
-        Case("resnet18-bn", "resnet18", 8, 64, quick=(2, 32, None),
-             summary="ImageNet-layout ResNet-18 with BatchNorm in eval mode, on photo crops"),
-        Case("conv1d", "conv1d", 32, 2048, quick=(4, 128, None),
-             summary="a small 1-D CNN on rows of photos"),
-        Case("conv3d", "conv3d", 8, 24, depth=16, quick=(2, 8, 4),
-             summary="a small 3-D CNN on stacks of shifted photo crops"),
-        Case("opacus-mnist", "opacus-mnist", 64, 28, quick=(4, 28, None),
-             summary="the small CNN of Opacus' examples/mnist.py as the script writes it, "
-                     "on digits"),
-        Case("vit-tiny-dropout", "vit-tiny-dropout", 64, 32, quick=(2, 16, None),
-             summary="ViT-Tiny with timm's dropout 0.1 (after the position embedding and in "
-                     "the MLPs), on photo crops"),
-        Case("streaming-4096", "streaming-net", 1, 4096, quick=(1, 128, None),
-             summary="StreamingCNN's example network on one 4096x4096 mosaic of the retina "
-                     "photograph (the memconv-streaming engine against autograd)"),
+        Case(
+            "seed-112",
+            "seed",
+            32,
+            112,
+            quick=(4, 56, None),
+            budget_mib={"grads": 400, "clip": 400},
+            summary="the CNN of BackPACK's save-memory example, on digits",
+        ),
+        Case(
+            "seed-28",
+            "seed",
+            64,
+            28,
+            quick=(4, 28, None),
+            budget_mib={"grads": 160},
+            summary="the same CNN at 28x28, the main job's case",
+        ),
+        Case(
+            "resnet18-gn",
+            "resnet18-gn",
+            64,
+            32,
+            quick=(2, 16, None),
+            budget_mib={"clip": 300},
+            summary="CIFAR ResNet-18 with GroupNorm, 11.2 M parameters, on photo crops",
+        ),
+        Case(
+            "wrn16-4-gn",
+            "wrn16-4-gn",
+            64,
+            32,
+            quick=(2, 16, None),
+            summary="WideResNet-16-4 with GroupNorm, 2.75 M parameters (De et al. 2022's DP "
+            "benchmark), on photo crops",
+        ),
+        Case(
+            "vit-tiny",
+            "vit-tiny",
+            64,
+            32,
+            quick=(2, 16, None),
+            summary="ViT-Tiny as timm writes it (patch 4, class token, position embedding), "
+            "5.4 M parameters, on photo crops",
+        ),
+        Case(
+            "resnet18-tv-gn",
+            "resnet18-tv-gn",
+            64,
+            64,
+            quick=(2, 32, None),
+            summary="torchvision's resnet18 with GroupNorm(32, C) as written there (in-place "
+            "ReLU, out += identity), 11.2 M parameters, on photo crops",
+        ),
+        Case(
+            "nf-resnet26",
+            "nf-resnet26",
+            64,
+            64,
+            quick=(2, 32, None),
+            summary="timm's nf_resnet26 (scaled weight-standardised convolutions, skip-init "
+            "gains), 14.0 M parameters, on photo crops",
+        ),
+        Case(
+            "convnext-atto",
+            "convnext-atto",
+            64,
+            64,
+            quick=(2, 32, None),
+            summary="timm's convnext_atto (LayerNorm2d, layer scale), 3.4 M parameters, on "
+            "photo crops",
+        ),
+        Case(
+            "resnet18-bn",
+            "resnet18",
+            8,
+            64,
+            quick=(2, 32, None),
+            summary="ImageNet-layout ResNet-18 with BatchNorm in eval mode, on photo crops",
+        ),
+        Case(
+            "conv1d",
+            "conv1d",
+            32,
+            2048,
+            quick=(4, 128, None),
+            summary="a small 1-D CNN on rows of photos",
+        ),
+        Case(
+            "conv3d",
+            "conv3d",
+            8,
+            24,
+            depth=16,
+            quick=(2, 8, 4),
+            summary="a small 3-D CNN on stacks of shifted photo crops",
+        ),
+        Case(
+            "opacus-mnist",
+            "opacus-mnist",
+            64,
+            28,
+            quick=(4, 28, None),
+            summary="the small CNN of Opacus' examples/mnist.py as the script writes it, on digits",
+        ),
+        Case(
+            "vit-tiny-dropout",
+            "vit-tiny-dropout",
+            64,
+            32,
+            quick=(2, 16, None),
+            summary="ViT-Tiny with timm's dropout 0.1 (after the position embedding and in "
+            "the MLPs), on photo crops",
+        ),
+        Case(
+            "streaming-4096",
+            "streaming-net",
+            1,
+            4096,
+            quick=(1, 128, None),
+            summary="StreamingCNN's example network on one 4096x4096 mosaic of the retina "
+            "photograph (the memconv-streaming engine against autograd)",
+        ),
         *_stream_cases(),
     )
-}  # fmt: skip
+}
 
 
 def build_model(name: str) -> torch.nn.Module:

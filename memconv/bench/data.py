@@ -24,9 +24,17 @@ SOURCE_SUMMARIES = {
     "random": "standard normal noise (no real image)",
 }
 PHOTOS = (
-    "astronaut", "camera", "coffee", "chelsea", "moon",
-    "brick", "grass", "gravel", "cell", "coins",
-)  # fmt: skip
+    "astronaut",
+    "camera",
+    "coffee",
+    "chelsea",
+    "moon",
+    "brick",
+    "grass",
+    "gravel",
+    "cell",
+    "coins",
+)
 
 
 def _check(n, side, channels, source):

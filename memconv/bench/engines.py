@@ -333,9 +333,15 @@ def memconv_clip_layer(**kwargs):
     def run(model, x, y, max_norm, memory_budget=None, **_):
         model.zero_grad(set_to_none=True)
         norms = memconv.clip_and_accumulate(
-            model, _loss(), x, y, max_norm=max_norm, groups="parameter",
-            memory_budget=memory_budget, **kwargs,
-        )  # fmt: skip
+            model,
+            _loss(),
+            x,
+            y,
+            max_norm=max_norm,
+            groups="parameter",
+            memory_budget=memory_budget,
+            **kwargs,
+        )
         out = {n: p.grad for n, p in model.named_parameters()}
         out[NORMS] = torch.stack([norms[n] for n in out], 1)
         model.zero_grad(set_to_none=True)
@@ -547,115 +553,260 @@ def lightstream(model, x, y, **_):
 # ---------------------------------------------------------------- registry
 def _grads_registry() -> list[Engine]:
     engines = [
-        Engine("autograd", "grads", autograd_sum, "plain loss.backward(): summed gradient only "
-               "(the floor)", per_sample=False),
+        Engine(
+            "autograd",
+            "grads",
+            autograd_sum,
+            "plain loss.backward(): summed gradient only (the floor)",
+            per_sample=False,
+        ),
         Engine("torch.func", "grads", torch_func, "torch.func.vmap(grad(loss)) (the reference)"),
-        Engine("expanded-weights", "grads", expanded_weights,
-               "torch's ExpandedWeights (call_for_per_sample_grads)"),
-        Engine("opacus-hooks", "grads", opacus(False), "Opacus GradSampleModule (hooks)",
-               requires="opacus"),
-        Engine("opacus-functorch", "grads", opacus(True),
-               "Opacus GradSampleModule with functorch for every layer", requires="opacus"),
-        Engine("backpack", "grads", backpack_default, "BackPACK BatchGrad (default weight VJP)",
-               requires="backpack"),
-        Engine("backpack-save-memory", "grads", backpack_save_memory,
-               "BackPACK BatchGrad inside weight_jac_t_save_memory(True)", requires="backpack"),
-        Engine("memconv-streaming", "grads", memconv_streaming,
-               "memconv.streaming.StreamingCNN over the trunk (or the leading local layers): "
-               "summed gradient only, tile by tile", per_sample=False),
-        Engine("lightstream", "grads", lightstream,
-               "Lightstream 1.0.7's StreamingCNN over the trunk, backward(image, grad): summed "
-               "gradient only (its own environment: --lightstream-python)", per_sample=False,
-               requires="lightstream"),
-    ]  # fmt: skip
+        Engine(
+            "expanded-weights",
+            "grads",
+            expanded_weights,
+            "torch's ExpandedWeights (call_for_per_sample_grads)",
+        ),
+        Engine(
+            "opacus-hooks",
+            "grads",
+            opacus(False),
+            "Opacus GradSampleModule (hooks)",
+            requires="opacus",
+        ),
+        Engine(
+            "opacus-functorch",
+            "grads",
+            opacus(True),
+            "Opacus GradSampleModule with functorch for every layer",
+            requires="opacus",
+        ),
+        Engine(
+            "backpack",
+            "grads",
+            backpack_default,
+            "BackPACK BatchGrad (default weight VJP)",
+            requires="backpack",
+        ),
+        Engine(
+            "backpack-save-memory",
+            "grads",
+            backpack_save_memory,
+            "BackPACK BatchGrad inside weight_jac_t_save_memory(True)",
+            requires="backpack",
+        ),
+        Engine(
+            "memconv-streaming",
+            "grads",
+            memconv_streaming,
+            "memconv.streaming.StreamingCNN over the trunk (or the leading local layers): "
+            "summed gradient only, tile by tile",
+            per_sample=False,
+        ),
+        Engine(
+            "lightstream",
+            "grads",
+            lightstream,
+            "Lightstream 1.0.7's StreamingCNN over the trunk, backward(image, grad): summed "
+            "gradient only (its own environment: --lightstream-python)",
+            per_sample=False,
+            requires="lightstream",
+        ),
+    ]
     for s in memconv.available_strategies():
         engines.append(
-            Engine(f"memconv:{s}", "grads", memconv_hooks(s),
-                   f"memconv.per_sample_grads(strategy={s!r})")
-        )  # fmt: skip
+            Engine(
+                f"memconv:{s}",
+                "grads",
+                memconv_hooks(s),
+                f"memconv.per_sample_grads(strategy={s!r})",
+            )
+        )
     engines.append(
-        Engine(DEFAULT_ENGINE, "grads", memconv_default_grads,
-               "memconv.per_sample_grads with default arguments (budget: the memory available)")
-    )  # fmt: skip
+        Engine(
+            DEFAULT_ENGINE,
+            "grads",
+            memconv_default_grads,
+            "memconv.per_sample_grads with default arguments (budget: the memory available)",
+        )
+    )
     engines.append(
-        Engine(STEP_ENGINE, "grads", memconv_step_grads(),
-               "memconv.PrivateStep(model, loss).per_sample_grads, made once (a training "
-               "loop's steady state: checks, probe and plan reused)")
-    )  # fmt: skip
+        Engine(
+            STEP_ENGINE,
+            "grads",
+            memconv_step_grads(),
+            "memconv.PrivateStep(model, loss).per_sample_grads, made once (a training "
+            "loop's steady state: checks, probe and plan reused)",
+        )
+    )
     engines.append(
-        Engine(BUDGET_ENGINE, "grads", memconv_hooks("auto"),
-               "memconv.per_sample_grads(strategy='auto', memory_budget=the case's budget)",
-               budget=True)
-    )  # fmt: skip
+        Engine(
+            BUDGET_ENGINE,
+            "grads",
+            memconv_hooks("auto"),
+            "memconv.per_sample_grads(strategy='auto', memory_budget=the case's budget)",
+            budget=True,
+        )
+    )
     for s in memconv.available_strategies():
         engines.append(
-            Engine(f"memconv-modules:{s}", "grads", memconv_modules(s),
-                   f"memconv's extended modules inside per_sample(), strategy {s!r}")
-        )  # fmt: skip
+            Engine(
+                f"memconv-modules:{s}",
+                "grads",
+                memconv_modules(s),
+                f"memconv's extended modules inside per_sample(), strategy {s!r}",
+            )
+        )
     for s in memconv.available_strategies():
         engines.append(
-            Engine(f"memconv-backpack:{s}", "grads", memconv_backpack(s),
-                   f"BackPACK BatchGrad through memconv, strategy {s!r}", requires="backpack")
-        )  # fmt: skip
+            Engine(
+                f"memconv-backpack:{s}",
+                "grads",
+                memconv_backpack(s),
+                f"BackPACK BatchGrad through memconv, strategy {s!r}",
+                requires="backpack",
+            )
+        )
     return engines
 
 
 def _clip_registry() -> list[Engine]:
     return [
-        Engine("non-private", "clip", non_private,
-               "plain loss.backward(), no clipping (the floor)", per_sample=False),
-        Engine("torch.func", "clip", torch_func_clip,
-               "torch.func vmap(grad) per-sample gradients, then clip and sum (the reference)"),
-        Engine("opacus-hooks", "clip", opacus_hooks_clip,
-               "Opacus GradSampleModule per-sample gradients, then clip and sum",
-               requires="opacus"),
-        Engine("opacus-ghost", "clip", opacus_ghost_clip,
-               "Opacus ghost clipping (GradSampleModuleFastGradientClipping): norms, then a "
-               "second backward pass", requires="opacus"),
-        Engine("memconv:auto", "clip", memconv_clip(),
-               "memconv.clip_and_accumulate, routes chosen per layer"),
-        Engine("memconv:ghost", "clip", memconv_clip(norm_route="ghost"),
-               "memconv.clip_and_accumulate(norm_route='ghost')"),
-        Engine("memconv:instantiate", "clip", memconv_clip(norm_route="instantiate"),
-               "memconv.clip_and_accumulate(norm_route='instantiate')"),
-        Engine("memconv:book-keeping", "clip", memconv_clip(clip_route="book-keeping"),
-               "memconv.clip_and_accumulate(clip_route='book-keeping')"),
-        Engine("memconv:two-pass", "clip", memconv_clip(clip_route="two-pass"),
-               "memconv.clip_and_accumulate(clip_route='two-pass')"),
-        Engine(BUDGET_ENGINE, "clip", memconv_clip(),
-               "memconv.clip_and_accumulate(memory_budget=the case's budget)", budget=True),
-        Engine(DEFAULT_ENGINE, "clip", memconv_default_clip,
-               "memconv.clip_and_accumulate with default arguments (budget: the memory "
-               "available)"),
-        Engine(STEP_ENGINE, "clip", memconv_step_clip(),
-               "memconv.PrivateStep(model, loss).clip_and_accumulate, made once (a training "
-               "loop's steady state: checks, probe and plan reused)"),
-        Engine("memconv-private", "clip", memconv_private_clip(),
-               "memconv's private-training path on Opacus (make_private's model, made "
-               "once): the forward pass recorded, its backward driven from the output "
-               "gradient"),
-        Engine("memconv:clipping", "clip", memconv_clipping_block(),
-               "with memconv.clipping(model, max_norm): criterion(model(x), y).backward() "
-               "(the block made once)"),
-    ]  # fmt: skip
+        Engine(
+            "non-private",
+            "clip",
+            non_private,
+            "plain loss.backward(), no clipping (the floor)",
+            per_sample=False,
+        ),
+        Engine(
+            "torch.func",
+            "clip",
+            torch_func_clip,
+            "torch.func vmap(grad) per-sample gradients, then clip and sum (the reference)",
+        ),
+        Engine(
+            "opacus-hooks",
+            "clip",
+            opacus_hooks_clip,
+            "Opacus GradSampleModule per-sample gradients, then clip and sum",
+            requires="opacus",
+        ),
+        Engine(
+            "opacus-ghost",
+            "clip",
+            opacus_ghost_clip,
+            "Opacus ghost clipping (GradSampleModuleFastGradientClipping): norms, then a "
+            "second backward pass",
+            requires="opacus",
+        ),
+        Engine(
+            "memconv:auto",
+            "clip",
+            memconv_clip(),
+            "memconv.clip_and_accumulate, routes chosen per layer",
+        ),
+        Engine(
+            "memconv:ghost",
+            "clip",
+            memconv_clip(norm_route="ghost"),
+            "memconv.clip_and_accumulate(norm_route='ghost')",
+        ),
+        Engine(
+            "memconv:instantiate",
+            "clip",
+            memconv_clip(norm_route="instantiate"),
+            "memconv.clip_and_accumulate(norm_route='instantiate')",
+        ),
+        Engine(
+            "memconv:book-keeping",
+            "clip",
+            memconv_clip(clip_route="book-keeping"),
+            "memconv.clip_and_accumulate(clip_route='book-keeping')",
+        ),
+        Engine(
+            "memconv:two-pass",
+            "clip",
+            memconv_clip(clip_route="two-pass"),
+            "memconv.clip_and_accumulate(clip_route='two-pass')",
+        ),
+        Engine(
+            BUDGET_ENGINE,
+            "clip",
+            memconv_clip(),
+            "memconv.clip_and_accumulate(memory_budget=the case's budget)",
+            budget=True,
+        ),
+        Engine(
+            DEFAULT_ENGINE,
+            "clip",
+            memconv_default_clip,
+            "memconv.clip_and_accumulate with default arguments (budget: the memory available)",
+        ),
+        Engine(
+            STEP_ENGINE,
+            "clip",
+            memconv_step_clip(),
+            "memconv.PrivateStep(model, loss).clip_and_accumulate, made once (a training "
+            "loop's steady state: checks, probe and plan reused)",
+        ),
+        Engine(
+            "memconv-private",
+            "clip",
+            memconv_private_clip(),
+            "memconv's private-training path on Opacus (make_private's model, made "
+            "once): the forward pass recorded, its backward driven from the output "
+            "gradient",
+        ),
+        Engine(
+            "memconv:clipping",
+            "clip",
+            memconv_clipping_block(),
+            "with memconv.clipping(model, max_norm): criterion(model(x), y).backward() "
+            "(the block made once)",
+        ),
+    ]
 
 
 def _clip_layer_registry() -> list[Engine]:
     return [
-        Engine("non-private", "clip-layer", non_private,
-               "plain loss.backward(), no clipping (the floor)", per_sample=False,
-               compared=False),
-        Engine("torch.func", "clip-layer", torch_func_clip_layer,
-               "torch.func vmap(grad) per-sample gradients, then each parameter clipped "
-               "and summed (the reference)"),
-        Engine("opacus-per-layer", "clip-layer", opacus_per_layer_clip,
-               "Opacus GradSampleModule per-sample gradients, each parameter clipped and "
-               "summed (clipping='per_layer')", requires="opacus"),
-        Engine("memconv:per-layer", "clip-layer", memconv_clip_layer(),
-               "memconv.clip_and_accumulate(groups='parameter'): one backward pass"),
-        Engine("memconv:flat", "clip-layer", memconv_clip(),
-               "memconv.clip_and_accumulate, flat clipping (not compared)", compared=False),
-    ]  # fmt: skip
+        Engine(
+            "non-private",
+            "clip-layer",
+            non_private,
+            "plain loss.backward(), no clipping (the floor)",
+            per_sample=False,
+            compared=False,
+        ),
+        Engine(
+            "torch.func",
+            "clip-layer",
+            torch_func_clip_layer,
+            "torch.func vmap(grad) per-sample gradients, then each parameter clipped "
+            "and summed (the reference)",
+        ),
+        Engine(
+            "opacus-per-layer",
+            "clip-layer",
+            opacus_per_layer_clip,
+            "Opacus GradSampleModule per-sample gradients, each parameter clipped and "
+            "summed (clipping='per_layer')",
+            requires="opacus",
+        ),
+        Engine(
+            "memconv:per-layer",
+            "clip-layer",
+            memconv_clip_layer(),
+            "memconv.clip_and_accumulate(groups='parameter'): one backward pass",
+        ),
+        Engine(
+            "memconv:flat",
+            "clip-layer",
+            memconv_clip(),
+            "memconv.clip_and_accumulate, flat clipping (not compared)",
+            compared=False,
+        ),
+    ]
 
 
 ENGINES: dict[str, dict[str, Engine]] = {

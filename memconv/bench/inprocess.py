@@ -171,25 +171,44 @@ def main(argv=None) -> int:
             out.flush()
             print(json.dumps(record), flush=True)
 
-        write({
-            "record": "run",
-            "mode": "inprocess",
-            "command": "python -m memconv.bench.inprocess " + command_line(argv).removeprefix("memconv "),
-            "machine": machine(),
-            "device": device_record(args.device),
-            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        })  # fmt: skip
+        write(
+            {
+                "record": "run",
+                "mode": "inprocess",
+                "command": "python -m memconv.bench.inprocess "
+                + command_line(argv).removeprefix("memconv "),
+                "machine": machine(),
+                "device": device_record(args.device),
+                "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
+        )
         longest = 0.0
         for task, case, batch, engines in rows:
             left = None if args.time_budget is None else args.time_budget - (_now() - started)
             if left is not None and left < 1.5 * longest:
-                write({"record": "skipped", "task": task, "case": case, "batch": batch,
-                       "why": f"about {1.5 * longest:.0f} s needed, {max(left, 0):.0f} s left"})  # fmt: skip
+                write(
+                    {
+                        "record": "skipped",
+                        "task": task,
+                        "case": case,
+                        "batch": batch,
+                        "why": f"about {1.5 * longest:.0f} s needed, {max(left, 0):.0f} s left",
+                    }
+                )
                 continue
             t0 = _now()
             deadline = None if args.time_budget is None else started + args.time_budget
-            run_row(task, case, batch, engines, device, args.repeats, write,
-                    quick=args.quick, deadline=deadline)  # fmt: skip
+            run_row(
+                task,
+                case,
+                batch,
+                engines,
+                device,
+                args.repeats,
+                write,
+                quick=args.quick,
+                deadline=deadline,
+            )
             longest = max(longest, _now() - t0)
     return 0
 

@@ -43,8 +43,14 @@ def probe_config(base: dict, n: int, limit_mib: float, container: bool = False) 
     ``limit_mib`` when ``container``: then the RSS alone is measured, and the kernel
     stops a probe that passes the limit)."""
     if container:
-        return {**base, "batch": n, "alloc": False, "repeats": 0, "out": None,
-                "cgroup_limit_mib": limit_mib}  # fmt: skip
+        return {
+            **base,
+            "batch": n,
+            "alloc": False,
+            "repeats": 0,
+            "out": None,
+            "cgroup_limit_mib": limit_mib,
+        }
     return {
         **base,
         "batch": n,

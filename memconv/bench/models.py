@@ -255,9 +255,12 @@ class ViTBlock(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         # timm's Mlp: fc1, act, drop, fc2, drop (its proj_drop_rate)
         self.mlp = nn.Sequential(
-            nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(drop), nn.Linear(hidden, dim),
+            nn.Linear(dim, hidden),
+            nn.GELU(),
             nn.Dropout(drop),
-        )  # fmt: skip
+            nn.Linear(hidden, dim),
+            nn.Dropout(drop),
+        )
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -279,8 +282,17 @@ class VisionTransformer(nn.Module):
             (timm's ``drop_rate`` and ``proj_drop_rate``).
     """
 
-    def __init__(self, img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=192,
-                 depth=12, num_heads=3, drop_rate=0.0):  # fmt: skip
+    def __init__(
+        self,
+        img_size=32,
+        patch_size=4,
+        in_chans=3,
+        num_classes=10,
+        embed_dim=192,
+        depth=12,
+        num_heads=3,
+        drop_rate=0.0,
+    ):
         super().__init__()
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
@@ -528,21 +540,46 @@ class ScaledStdConv2d(nn.Conv2d):
         gain_init: the gain's initial value.
     """
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=None,
-                 dilation=1, groups=1, bias=True, gamma=1.0, eps=1e-6, gain_init=1.0):  # fmt: skip
+    def __init__(
+        self,
+        in_channels,
+        out_channels,
+        kernel_size,
+        stride=1,
+        padding=None,
+        dilation=1,
+        groups=1,
+        bias=True,
+        gamma=1.0,
+        eps=1e-6,
+        gain_init=1.0,
+    ):
         if padding is None:
             padding = _get_padding(kernel_size, stride, dilation)
-        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
-                         dilation=dilation, groups=groups, bias=bias)  # fmt: skip
+        super().__init__(
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            groups=groups,
+            bias=bias,
+        )
         self.gain = nn.Parameter(torch.full((self.out_channels, 1, 1, 1), gain_init))
         self.scale = gamma * self.weight[0].numel() ** -0.5  # gamma * 1 / sqrt(fan-in)
         self.eps = eps
 
     def forward(self, x):
         weight = nn.functional.batch_norm(
-            self.weight.reshape(1, self.out_channels, -1), None, None,
-            weight=(self.gain * self.scale).view(-1), training=True, momentum=0.0, eps=self.eps,
-        ).reshape_as(self.weight)  # fmt: skip
+            self.weight.reshape(1, self.out_channels, -1),
+            None,
+            None,
+            weight=(self.gain * self.scale).view(-1),
+            training=True,
+            momentum=0.0,
+            eps=self.eps,
+        ).reshape_as(self.weight)
         return nn.functional.conv2d(
             x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups
         )
@@ -584,8 +621,17 @@ class NormFreeBlock(nn.Module):
         conv_layer: ``conv_layer(c_in, c_out, k, ...)`` (a :class:`ScaledStdConv2d`).
     """
 
-    def __init__(self, in_chs, out_chs, stride=1, alpha=0.2, beta=1.0, bottle_ratio=0.25,
-                 skipinit=False, conv_layer=ScaledStdConv2d):  # fmt: skip
+    def __init__(
+        self,
+        in_chs,
+        out_chs,
+        stride=1,
+        alpha=0.2,
+        beta=1.0,
+        bottle_ratio=0.25,
+        skipinit=False,
+        conv_layer=ScaledStdConv2d,
+    ):
         super().__init__()
         mid_chs = _make_divisible(out_chs * bottle_ratio, 8)
         self.alpha, self.beta = alpha, beta
@@ -638,8 +684,7 @@ class NormFreeNet(nn.Module):
         skipinit: blocks with a learned scalar gain on the residual branch.
     """
 
-    def __init__(self, depths=(2, 2, 2, 2), num_classes=10, in_chans=3, alpha=0.2,
-                 skipinit=False):  # fmt: skip
+    def __init__(self, depths=(2, 2, 2, 2), num_classes=10, in_chans=3, alpha=0.2, skipinit=False):
         super().__init__()
         from functools import partial
 
@@ -653,9 +698,17 @@ class NormFreeNet(nn.Module):
             blocks = []
             for block_idx in range(depth):
                 blocks.append(
-                    NormFreeBlock(prev_chs, width, stride if block_idx == 0 else 1, alpha,
-                                  1.0 / expected_var**0.5, 0.25, skipinit, conv_layer)
-                )  # fmt: skip
+                    NormFreeBlock(
+                        prev_chs,
+                        width,
+                        stride if block_idx == 0 else 1,
+                        alpha,
+                        1.0 / expected_var**0.5,
+                        0.25,
+                        skipinit,
+                        conv_layer,
+                    )
+                )
                 if block_idx == 0:
                     expected_var = 1.0  # reset after the first block of each stage
                 expected_var += alpha**2
@@ -776,8 +829,7 @@ class ConvNeXt(nn.Module):
         in_chans: input channels.
     """
 
-    def __init__(self, depths=(3, 3, 9, 3), dims=(96, 192, 384, 768), num_classes=10,
-                 in_chans=3):  # fmt: skip
+    def __init__(self, depths=(3, 3, 9, 3), dims=(96, 192, 384, 768), num_classes=10, in_chans=3):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(in_chans, dims[0], 4, stride=4), LayerNorm2d(dims[0]))
         prev, stages = dims[0], []

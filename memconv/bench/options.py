@@ -146,9 +146,13 @@ DATA_PACKAGES = {"digits": "sklearn", "photos": "skimage"}
 
 
 def check_dependencies(
-    engines=(), *, plot: bool = False, measure: bool = True, table: bool = True,
+    engines=(),
+    *,
+    plot: bool = False,
+    measure: bool = True,
+    table: bool = True,
     data: str | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Raise before a long run if a needed optional package is missing.
 
     Args:

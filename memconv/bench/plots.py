@@ -61,9 +61,12 @@ def plot_cases(groups: list[tuple[str, dict, list[dict]]], path: str) -> None:
         return
     heights = [0.9 + 0.22 * len(rows) for _, _, rows in groups]
     fig, axes = plt.subplots(
-        len(groups), 2, figsize=(11, sum(heights) + 0.4), squeeze=False,
+        len(groups),
+        2,
+        figsize=(11, sum(heights) + 0.4),
+        squeeze=False,
         gridspec_kw={"height_ratios": heights},
-    )  # fmt: skip
+    )
     for (task, config, rows), (ax_m, ax_t) in zip(groups, axes):
         _bars(ax_m, rows, task, "peak_alloc_mib", "allocator peak (MiB)", rss=True)
         timed = [r for r in rows if r.get("time_s")]
@@ -107,8 +110,16 @@ def plot_sweep(rows: list[dict], path: str) -> None:
                 continue
             xs, ys = zip(*points)
             style = "--" if engine == FLOOR[task] else "-"
-            ax.plot(xs, ys, style, marker=markers[i % len(markers)], color=cmap(i % 10),
-                    label=engine, linewidth=1.6, markersize=5)  # fmt: skip
+            ax.plot(
+                xs,
+                ys,
+                style,
+                marker=markers[i % len(markers)],
+                color=cmap(i % 10),
+                label=engine,
+                linewidth=1.6,
+                markersize=5,
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks(values)
@@ -124,8 +135,9 @@ def plot_sweep(rows: list[dict], path: str) -> None:
     )
     fig.suptitle(f"{first['case']} ({task}), {fixed}", fontsize=10)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8,
-               frameon=False)  # fmt: skip
+    fig.legend(
+        handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8, frameon=False
+    )
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -19,9 +19,19 @@ from .cases import CASES, LABELS, describe, shape_of
 from .engines import BUDGET_ENGINE, DEFAULT_ENGINE, FLOOR, REFERENCE, STEP_ENGINE
 
 SECTIONS = (
-    "commands", "machine", "grads", "cost-model", "clip", "clip-layer", "budget", "targets",
-    "largest", "sweeps", "models", "streaming",
-)  # fmt: skip
+    "commands",
+    "machine",
+    "grads",
+    "cost-model",
+    "clip",
+    "clip-layer",
+    "budget",
+    "targets",
+    "largest",
+    "sweeps",
+    "models",
+    "streaming",
+)
 #: Per-layer clipping in one backward pass against the non-private step: the cases
 #: (the ViT-tiny's once :mod:`memconv.bench.cases` has it), and the largest ratios of
 #: peak memory and time.
@@ -101,7 +111,7 @@ def terminal(text: str) -> str:
                 tablefmt="simple",
                 colalign=aligns or None,
                 disable_numparse=True,
-            )  # fmt: skip
+            )
         )
         block.clear()
 
@@ -168,19 +178,32 @@ def format_case(task: str, config: dict, rows: list[dict]) -> str:
             f"= {_fmt(floor_rss)} MiB RSS, {_fmt(floor_alloc)} MiB allocator)"
         )
         columns = [
-            "engine", "peak RSS increase (MiB)", "allocator peak (MiB)", "time (s)",
-            "result (MiB)", "RSS / floor", "allocator / floor", "time / torch.func",
-            "time / autograd", "max rel. deviation from torch.func",
-        ]  # fmt: skip
+            "engine",
+            "peak RSS increase (MiB)",
+            "allocator peak (MiB)",
+            "time (s)",
+            "result (MiB)",
+            "RSS / floor",
+            "allocator / floor",
+            "time / torch.func",
+            "time / autograd",
+            "max rel. deviation from torch.func",
+        ]
     else:
         floor_rss = floor["peak_rss_mib"] if floor else None
         floor_alloc = floor["peak_alloc_mib"] if floor else None
         head = f"**{describe(config)}** (clip; ratios to the non-private step)"
         columns = [
-            "engine", "peak RSS increase (MiB)", "allocator peak (MiB)", "time (s)",
-            "RSS / non-private", "allocator / non-private", "time / non-private",
-            "time / torch.func", "max rel. deviation from torch.func",
-        ]  # fmt: skip
+            "engine",
+            "peak RSS increase (MiB)",
+            "allocator peak (MiB)",
+            "time (s)",
+            "RSS / non-private",
+            "allocator / non-private",
+            "time / non-private",
+            "time / torch.func",
+            "max rel. deviation from torch.func",
+        ]
     lines = [
         head,
         "",
@@ -674,8 +697,11 @@ def format_models(records: list[dict]) -> str:
             if r is None or "error" in r or "skipped" in r:
                 cells += [_why(r) if r else "-", "", ""]
             else:
-                cells += [_fmt(r["peak_rss_mib"]), _fmt(r["peak_alloc_mib"]),
-                          _fmt(r["time_s"], ".3f")]  # fmt: skip
+                cells += [
+                    _fmt(r["peak_rss_mib"]),
+                    _fmt(r["peak_alloc_mib"]),
+                    _fmt(r["time_s"], ".3f"),
+                ]
         good = ours is not None and ours.get("time_s") and ref.get("time_s")
         cells.append(_ratio(ours["time_s"], ref["time_s"]) if good else "-")
         cells.append(_fmt(ours.get("deviation"), ".1e", "n/a") if ours else "-")
@@ -705,8 +731,10 @@ def model_targets(records: list[dict]) -> list[str]:
     for case in dict.fromkeys(case for _, case, _ in by):
         name = LABELS.get(CASES[case].model, case)
         floor = by.get(("clip", case, "non-private"))
-        for engine, what in ((DEFAULT_ENGINE, "clip_and_accumulate (defaults)"),
-                             (STEP_ENGINE, "PrivateStep.clip_and_accumulate")):  # fmt: skip
+        for engine, what in (
+            (DEFAULT_ENGINE, "clip_and_accumulate (defaults)"),
+            (STEP_ENGINE, "PrivateStep.clip_and_accumulate"),
+        ):
             ours = by.get(("clip", case, engine))
             good = [r for r in (floor, ours) if r and "error" not in r and "skipped" not in r]
             if len(good) == 2 and floor.get("peak_alloc_mib"):
@@ -723,8 +751,10 @@ def model_targets(records: list[dict]) -> list[str]:
                     line += f"; time ≤ {time:.2f} × non-private: {t:.2f} × ({_verdict(t <= time)})"
                 out.append(line)
         ref = by.get(("grads", case, "torch.func"))
-        for engine, what in ((DEFAULT_ENGINE, "per-sample gradients"),
-                             (STEP_ENGINE, "PrivateStep.per_sample_grads")):  # fmt: skip
+        for engine, what in (
+            (DEFAULT_ENGINE, "per-sample gradients"),
+            (STEP_ENGINE, "PrivateStep.per_sample_grads"),
+        ):
             ours = by.get(("grads", case, engine))
             if ref and ours and ref.get("time_s") and ours.get("time_s"):
                 q = ours["time_s"] / ref["time_s"]

@@ -116,9 +116,14 @@ def run_in_subprocess(
     ):
         join = (lambda: cgroup.join()) if limit else None
         proc = subprocess.Popen(
-            command, stdout=out, stderr=err, text=True, env=env, start_new_session=True,
+            command,
+            stdout=out,
+            stderr=err,
+            text=True,
+            env=env,
+            start_new_session=True,
             preexec_fn=join,
-        )  # fmt: skip
+        )
         timed_out = False
         try:
             proc.wait(timeout=timeout)

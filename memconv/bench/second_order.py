@@ -198,9 +198,14 @@ def _stepper(engine: str, extension: str, model_name: str, model: nn.Module):
 
         def curvlinops_kfac(x, y):
             op = KFACLinearOperator(
-                model, loss_fn, params, [(x, y)], check_deterministic=False,
-                fisher_type=CURVLINOPS_FISHER[extension], kfac_approx="expand",
-            )  # fmt: skip
+                model,
+                loss_fn,
+                params,
+                [(x, y)],
+                check_deterministic=False,
+                fisher_type=CURVLINOPS_FISHER[extension],
+                kfac_approx="expand",
+            )
             op.compute_kronecker_factors()
             factors = [*op._input_covariances.values(), *op._gradient_covariances.values()]
             return sum(_mib(f) for f in factors)
@@ -372,7 +377,7 @@ def table(rows: list[dict]) -> str:
     lines = [
         "| model | V | N | extension | plain backward | BackPACK | memconv | memconv / BackPACK: RSS, alloc, alloc − result, time | curvlinops |",
         "|---|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     keys = []
     for r in rows:
         key = (r["model"], r["classes"], r["batch"], r["extension"])

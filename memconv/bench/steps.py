@@ -181,10 +181,15 @@ def mlp():
 def small_cnn():
     """1×28×28: conv 16, pool, conv 32, global pool, linear."""
     model = nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
         nn.Linear(32, 10),
-    )  # fmt: skip
+    )
     return model, (1, 28, 28)
 
 
@@ -193,14 +198,22 @@ def tanh_cnn():
 
     def block(c_in, c_out):
         return [
-            nn.Conv2d(c_in, c_out, 3, padding=1), nn.Tanh(),
-            nn.Conv2d(c_out, c_out, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
-        ]  # fmt: skip
+            nn.Conv2d(c_in, c_out, 3, padding=1),
+            nn.Tanh(),
+            nn.Conv2d(c_out, c_out, 3, padding=1),
+            nn.Tanh(),
+            nn.MaxPool2d(2),
+        ]
 
     model = nn.Sequential(
-        *block(3, 32), *block(32, 64), *block(64, 128), nn.Flatten(),
-        nn.Linear(128 * 4 * 4, 128), nn.Tanh(), nn.Linear(128, 10),
-    )  # fmt: skip
+        *block(3, 32),
+        *block(32, 64),
+        *block(64, 128),
+        nn.Flatten(),
+        nn.Linear(128 * 4 * 4, 128),
+        nn.Tanh(),
+        nn.Linear(128, 10),
+    )
     return model, (3, 32, 32)
 
 

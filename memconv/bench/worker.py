@@ -98,9 +98,11 @@ def run(config: dict) -> dict:
     figures: dict = {}
     if engine.budget:
         chosen = memconv.plan(
-            model, x, task="grads" if engine.task == "grads" else "clip",
+            model,
+            x,
+            task="grads" if engine.task == "grads" else "clip",
             memory_budget=options["memory_budget"],
-        )  # fmt: skip
+        )
         figures["plan"] = {
             "micro_batch": chosen.micro_batch,
             "micro_batches": chosen.micro_batches,
