@@ -436,6 +436,38 @@ def test_padded_poisson_batches_keep_one_compiled_graph():
     assert counters["aot_autograd"]["total"] == 1 and not counters["recompiles"]
 
 
+def test_compiled_norms_of_padded_batches_and_their_finiteness_check():
+    """``per_sample_norms`` of a compiled model: the padded samples' norms (the mask an
+    input of the graph), per parameter and by group, equal the unpadded batch's; one
+    graph per kind of result; a real sample's NaN norm, flagged in the graph, raises
+    naming that sample."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    kinds = [{}, {"per_parameter": True}, {"groups": "layer"}]
+    for i, real in enumerate([5, 3, 6, 2]):
+        x, y = _batch(shape, n=8, seed=i)
+        mask = torch.arange(8) < real
+        x[~mask] = float("nan")  # padding: never read
+        for kind in kinds:
+            got = step.per_sample_norms(x, y, sample_mask=mask, **kind)
+            ref = memconv.per_sample_norms(model, loss_fn, x[mask], y[mask], **kind)
+            if isinstance(got, torch.Tensor):
+                got, ref = {"": got}, {"": ref}
+            assert got.keys() == ref.keys()
+            for k in got:
+                assert_close(got[k][:real], ref[k], TOL)
+                assert torch.equal(got[k][real:], torch.zeros(8 - real, dtype=got[k].dtype))
+    assert step._prepared.traced.traces == len(kinds)
+    x, y = _batch(shape, n=8, seed=9)
+    x[4] = float("nan")
+    with pytest.raises(RuntimeError, match="sample\\(s\\) 4 is not finite"):
+        step.per_sample_norms(x, y, sample_mask=torch.ones(8, dtype=torch.bool))
+    assert step._prepared.traced.traces == len(kinds)  # the compiled graph ran
+
+
 def test_dropout_in_training_mode_is_refused_not_compiled():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 2)).double()

@@ -25,7 +25,7 @@ from ..engine.prepared import CallPlan, Prepared, kept_for
 from ..engine.request import Batch
 from ..layers import RuleSettings
 from .arguments import check_call
-from .groups import ALL, Grouping, OnePass, ensure_finite, kept_grouping, masked
+from .groups import ALL, Grouping, OnePass, ensure_finite, finite_flag, kept_grouping, masked
 
 
 class NormGatherer:
@@ -254,24 +254,39 @@ def norms_with(prepared: Prepared, given: Batch, *, per_parameter=False, groups=
                 ({name: squared(g.unsqueeze(0)) for name, g in grads.items()}, slice(i, i + 1))
                 for i, grads in sample_by_sample(batch, params)
             ]
+        out, checked, flag = _finished(parts, grouping, params, per_parameter, mask)
     else:
 
-        def walk(cp, b):
-            return [(part.visitor.result(cp.params), part.rows) for part in gather_norms(b, cp)]
+        def walk(cp, b, *more):  # ``more``: the mask, where there is one
+            parts = [(part.visitor.result(cp.params), part.rows) for part in gather_norms(b, cp)]
+            return _finished(parts, grouping, params, per_parameter, *more)
 
-        parts = prepared.run_walk(batch, request, walk)
+        options = (grouping.kind, tuple(grouping.of.items()), per_parameter)
+        extra = () if mask is None else (mask,)
+        out, checked, flag = prepared.run_walk(batch, request, walk, options=options, extra=extra)
+    if flag is not None and not bool(flag):  # the call's one host synchronisation
+        ensure_finite(checked, request.caller)  # raises, naming the samples
+    return out
+
+
+def _finished(parts: list, grouping: Grouping, params: dict, per_parameter: bool, mask=None):
+    """``(result, the norms checked, their finiteness flag)`` from the micro-batches'
+    ``(squared norms {name: [m]}, rows)``: the result as :func:`per_sample_norms` returns
+    it, a padded sample's entries 0 (``mask``: the bool mask ``[N]`` of the real samples,
+    or None); the flag a one-element tensor (:func:`memconv.tasks.groups.finite_flag`,
+    computed in the step: in a compiled step's graph)."""
     if grouping.kind != "all":
         out = {
             g: masked(_cat([grouping.norm(g, sq, _len(rows)) for sq, rows in parts]), mask)
             for g in grouping.members
         }
-        ensure_finite(list(out.values()), request.caller)
-        return out
+        checked = list(out.values())
+        return out, checked, finite_flag(checked)
     total = masked(_cat([total_sq(sq, _len(rows)) for sq, rows in parts]).sqrt(), mask)
-    ensure_finite(total, request.caller)
+    out = total
     if per_parameter:
-        return {name: masked(_cat([sq[name] for sq, _ in parts]).sqrt(), mask) for name in params}
-    return total
+        out = {name: masked(_cat([sq[name] for sq, _ in parts]).sqrt(), mask) for name in params}
+    return out, [total], finite_flag([total])
 
 
 def _cat(parts: list[Tensor]) -> Tensor:
