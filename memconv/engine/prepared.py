@@ -365,9 +365,9 @@ class Prepared:
 
     def derived(self, name: str, key, make: Callable):
         """``make()``, a value derived from the model last checked (:meth:`check_model`)
-        and from ``key`` (hashable, compared by ``==``), kept under ``name`` while the
-        model, its settings and ``key`` stay the same (a grouping of the parameters, for
-        instance: worked out again only when the model changed)."""
+        and from ``key`` (compared by ``==``: immutable values only), kept under
+        ``name`` while the model, its settings and ``key`` stay the same (a grouping of
+        the parameters, for instance: worked out again only when the model changed)."""
         kept = self._derived.get(name)
         if kept is not None and kept[0] == key:
             return kept[1]

@@ -86,6 +86,8 @@ class TracedGraph:
         copy_outputs: the backend's outputs live in memory its next call overwrites (a
             CUDA graph's, :func:`memconv._torch.graph_owned_outputs`): each is copied
             before it is returned, as it may become a ``.grad`` kept across steps.
+        build: rebuilds the result from the leaves in order
+            (:func:`memconv._torch.pytree_builder` of ``spec``, made once).
     """
 
     graph: nn.Module
