@@ -364,6 +364,29 @@ def test_the_input_factor_in_row_blocks_is_one_operation_of_the_traced_graph(pri
     assert products >= sum(c == 1 for c in chunks)
 
 
+def test_a_step_after_a_stopped_backward_pass_starts_without_its_quantities():
+    """A backward pass that stops midway (BackPACK's error at a layer it has no rule
+    for) leaves quantities in the extension object, keyed by tensor addresses; the next
+    step starts without them, so a reused address cannot add a stale quantity to a
+    new one, and the same error comes again, not one of chance."""
+    model, lossfunc, x, y = _setup_model(_pooled_cnn)
+    ext = extensions.KFLR()
+    with pytest.raises(NotImplementedError, match="AdaptiveAvgPool2d"):
+        mb.step(model, lossfunc, x, y, ext)
+    assert ext.saved_quantities._saved_quantities  # left by the stopped pass
+    seen = []
+    hook = next(model.children()).register_forward_pre_hook(
+        lambda m, args: seen.append(len(ext.saved_quantities._saved_quantities))
+    )
+    try:
+        for _ in range(3):
+            with pytest.raises(NotImplementedError, match="AdaptiveAvgPool2d"):
+                mb.step(model, lossfunc, x, y, ext)
+    finally:
+        hook.remove()
+    assert seen == [0, 0, 0]
+
+
 def test_a_routed_block_traces_its_own_graph_and_routes_it():
     """Inside ``routed()`` the extension objects are installed when the step's block
     opens (laplace-torch's way): the trace records memconv's module extensions, and

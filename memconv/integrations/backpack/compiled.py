@@ -110,7 +110,14 @@ def check(model, inputs, targets, extensions) -> None:
 
 def _eager(model, lossfunc, inputs, targets, extensions) -> Tensor:
     from backpack import backpack
+    from backpack.extensions.saved_quantities import SavedQuantities
 
+    for ext in extensions:
+        # a step is a fresh backward pass: BackPACK keys the quantities it passes back
+        # by the reference tensor's address (data_ptr), so one left by a backward pass
+        # that stopped midway (a refused trace, an error) would meet a new tensor at a
+        # reused address, and be accumulated into it, as chance has it
+        ext.saved_quantities = SavedQuantities()
     with backpack(*extensions):
         loss = lossfunc(model(inputs), targets)
         loss.backward()
