@@ -87,226 +87,110 @@ class Step:
     gpu: tuple[str, ...] | None = None
 
 
+def _argv(options: str) -> tuple[str, ...]:
+    """A step's options, written as on the command line (no option holds a space)."""
+    return tuple(options.split())
+
+
 STEPS = (
     Step(
         "clip",
-        ("--task", "clip", "--cases", "resnet18-gn,seed-112"),
-        (
-            "--task",
-            "clip",
-            "--quick",
-            "--cases",
-            "resnet18-gn",
-            "--engines",
-            "non-private,memconv:auto",
-        ),
+        _argv("--task clip --cases resnet18-gn,seed-112"),
+        _argv("--task clip --quick --cases resnet18-gn --engines non-private,memconv:auto"),
         plot=True,
-        gpu=(
-            "--task",
-            "clip",
-            "--cases",
-            "resnet18-gn",
-            "--batch-size",
-            "256",
-            "--engines",
-            "non-private,torch.func,opacus-ghost,memconv:default,memconv:step",
+        gpu=_argv(
+            "--task clip --cases resnet18-gn --batch-size 256 --engines "
+            "non-private,torch.func,opacus-ghost,memconv:default,memconv:step"
         ),
     ),
     Step(
         "clip-more",
-        ("--task", "clip", "--cases", "wrn16-4-gn,conv1d,conv3d"),
-        (
-            "--task",
-            "clip",
-            "--quick",
-            "--cases",
-            "wrn16-4-gn",
-            "--engines",
-            "non-private,memconv:auto",
-        ),
+        _argv("--task clip --cases wrn16-4-gn,conv1d,conv3d"),
+        _argv("--task clip --quick --cases wrn16-4-gn --engines non-private,memconv:auto"),
     ),
     Step(
         "grads",
-        ("--task", "grads", "--cases", "seed-112,seed-28", "--engines", GRADS_ENGINES),
-        (
-            "--task",
-            "grads",
-            "--quick",
-            "--cases",
-            "seed-28",
-            "--engines",
-            "torch.func,memconv:auto",
-        ),
+        _argv(f"--task grads --cases seed-112,seed-28 --engines {GRADS_ENGINES}"),
+        _argv("--task grads --quick --cases seed-28 --engines torch.func,memconv:auto"),
         plot=True,
-        gpu=(
-            "--task",
-            "grads",
-            "--cases",
-            "seed-112",
-            "--batch-size",
-            "256",
-            "--engines",
-            "autograd,torch.func,opacus-hooks,memconv:step",
+        gpu=_argv(
+            "--task grads --cases seed-112 --batch-size 256 --engines "
+            "autograd,torch.func,opacus-hooks,memconv:step"
         ),
     ),
     Step(
         "grads-more",
-        ("--task", "grads", "--cases", "resnet18-gn,conv1d,conv3d"),
-        ("--task", "grads", "--quick", "--cases", "conv1d", "--engines", "torch.func,memconv:auto"),
+        _argv("--task grads --cases resnet18-gn,conv1d,conv3d"),
+        _argv("--task grads --quick --cases conv1d --engines torch.func,memconv:auto"),
     ),
     Step(
         "largest-grads",
-        (
-            "--task",
-            "grads",
-            "--largest-batch",
-            "--engines",
-            "autograd,torch.func,opacus-hooks,memconv:auto,memconv:budget",
+        _argv(
+            "--task grads --largest-batch --engines "
+            "autograd,torch.func,opacus-hooks,memconv:auto,memconv:budget"
         ),
-        (
-            "--task",
-            "grads",
-            "--largest-batch",
-            "--quick",
-            "--cases",
-            "seed-28",
-            "--engines",
-            "memconv:auto",
-            "--limit-gib",
-            "0.05",
-            "--max-batch",
-            "8",
+        _argv(
+            "--task grads --largest-batch --quick --cases seed-28 --engines "
+            "memconv:auto --limit-gib 0.05 --max-batch 8"
         ),
     ),
     Step(
         "largest-clip",
-        (
-            "--task",
-            "clip",
-            "--largest-batch",
-            "--cases",
-            "resnet18-gn",
-            "--engines",
-            "non-private,opacus-ghost,memconv:auto,memconv:budget",
+        _argv(
+            "--task clip --largest-batch --cases resnet18-gn --engines "
+            "non-private,opacus-ghost,memconv:auto,memconv:budget"
         ),
-        (
-            "--task",
-            "clip",
-            "--largest-batch",
-            "--quick",
-            "--cases",
-            "resnet18-gn",
-            "--engines",
-            "memconv:auto",
-            "--limit-gib",
-            "0.05",
-            "--max-batch",
-            "8",
+        _argv(
+            "--task clip --largest-batch --quick --cases resnet18-gn --engines "
+            "memconv:auto --limit-gib 0.05 --max-batch 8"
         ),
     ),
     Step(
         "streaming",
-        ("--task", "grads", "--cases", "streaming-4096", "--engines", "autograd,memconv-streaming"),
-        (
-            "--task",
-            "grads",
-            "--quick",
-            "--cases",
-            "streaming-4096",
-            "--engines",
-            "autograd,memconv-streaming",
-        ),
-        gpu=(
-            "--task",
-            "grads",
-            "--cases",
-            "streaming-4096",
-            "--engines",
-            "autograd,memconv-streaming",
-        ),
+        _argv("--task grads --cases streaming-4096 --engines autograd,memconv-streaming"),
+        _argv("--task grads --quick --cases streaming-4096 --engines autograd,memconv-streaming"),
+        gpu=_argv("--task grads --cases streaming-4096 --engines autograd,memconv-streaming"),
     ),
     Step(
         "sweep-batch",
-        ("--sweep", "batch", "--range", "8,32,128,512"),
-        ("--sweep", "batch", "--quick", "--range", "2,4", "--engines", "autograd,memconv:auto"),
+        _argv("--sweep batch --range 8,32,128,512"),
+        _argv("--sweep batch --quick --range 2,4 --engines autograd,memconv:auto"),
         plot=True,
-        gpu=(
-            "--sweep",
-            "batch",
-            "--task",
-            "clip",
-            "--cases",
-            "resnet18-gn",
-            "--range",
-            "64,1024",
-            "--engines",
-            "non-private,memconv:step",
+        gpu=_argv(
+            "--sweep batch --task clip --cases resnet18-gn --range 64,1024 --engines "
+            "non-private,memconv:step"
         ),
     ),
     Step(
         "sweep-side",
-        ("--sweep", "side", "--range", "28,56,112,224"),
-        ("--sweep", "side", "--quick", "--range", "28,56", "--engines", "autograd,memconv:auto"),
+        _argv("--sweep side --range 28,56,112,224"),
+        _argv("--sweep side --quick --range 28,56 --engines autograd,memconv:auto"),
         plot=True,
     ),
     Step(
         "models",
-        (
-            "--task",
-            "clip",
-            "--table",
-            "models",
-            "--cases",
-            MODEL_CASES,
-            "--engines",
-            "non-private,memconv:default,memconv:step,opacus-ghost,torch.func",
+        _argv(
+            f"--task clip --table models --cases {MODEL_CASES} --engines "
+            "non-private,memconv:default,memconv:step,opacus-ghost,torch.func"
         ),
-        (
-            "--task",
-            "clip",
-            "--table",
-            "models",
-            "--quick",
-            "--cases",
-            "convnext-atto",
-            "--engines",
-            "non-private,memconv:default",
+        _argv(
+            "--task clip --table models --quick --cases convnext-atto --engines "
+            "non-private,memconv:default"
         ),
-        gpu=(
-            "--task",
-            "clip",
-            "--table",
-            "models",
-            "--cases",
-            "nf-resnet26,vit-tiny",
-            "--batch-size",
-            "256",
-            "--engines",
-            "non-private,memconv:step,opacus-ghost,torch.func",
+        gpu=_argv(
+            "--task clip --table models --cases nf-resnet26,vit-tiny --batch-size 256 "
+            "--engines non-private,memconv:step,opacus-ghost,torch.func"
         ),
     ),
     Step(
         "models-grads",
-        (
-            "--task",
-            "grads",
-            "--table",
-            "models",
-            "--cases",
-            MODEL_CASES,
-            "--engines",
-            "torch.func,memconv:default,memconv:step",
+        _argv(
+            f"--task grads --table models --cases {MODEL_CASES} --engines "
+            "torch.func,memconv:default,memconv:step"
         ),
-        (
-            "--task",
-            "grads",
-            "--table",
-            "models",
-            "--quick",
-            "--cases",
-            "convnext-atto",
-            "--engines",
-            "torch.func,memconv:default",
+        _argv(
+            "--task grads --table models --quick --cases convnext-atto --engines "
+            "torch.func,memconv:default"
         ),
     ),
 )
