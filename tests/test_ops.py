@@ -25,30 +25,9 @@ import memconv
 import memconv.engine.calls
 import memconv.engine.passes
 import memconv.engine.walk
+from memconv.bench.models import ScaledStdConv2d  # timm's, as timm writes it
 
 TOL = 1e-9
-
-
-class ScaledStdConv2d(nn.Conv2d):
-    """timm's scaled weight-standardised convolution with a gain (NF-ResNets)."""
-
-    def __init__(self, cin, cout, k, stride=1, padding=0, gamma=1.0, eps=1e-6):
-        super().__init__(cin, cout, k, stride=stride, padding=padding)
-        self.gain = nn.Parameter(torch.full((cout, 1, 1, 1), 1.0))
-        self.scale = gamma * self.weight[0].numel() ** -0.5
-        self.eps = eps
-
-    def forward(self, x):
-        weight = F.batch_norm(
-            self.weight.reshape(1, self.out_channels, -1),
-            None,
-            None,
-            weight=(self.gain * self.scale).view(-1),
-            training=True,
-            momentum=0.0,
-            eps=self.eps,
-        ).reshape_as(self.weight)
-        return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
 class LayerNorm2d(nn.LayerNorm):

@@ -23,7 +23,7 @@ opacus = pytest.importorskip("opacus")
 from opacus import PrivacyEngine  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from memconv.bench.models import VisionTransformer  # noqa: E402
+from memconv.bench.models import ScaledStdConv2d, VisionTransformer  # noqa: E402
 from memconv.integrations import opacus as mo  # noqa: E402
 
 TOL = 1e-10
@@ -76,29 +76,6 @@ class BatchNormAct2d(nn.BatchNorm2d):
         return self.act(self.drop(x))
 
 
-class ScaledStdConv2d(nn.Conv2d):
-    """timm's ScaledStdConv2d: the weight standardised per output channel (by
-    ``F.batch_norm``), times a gain."""
-
-    def __init__(self, c_in, c_out, k, padding=0, eps=1e-6):
-        super().__init__(c_in, c_out, k, padding=padding)
-        self.gain = nn.Parameter(torch.ones(c_out, 1, 1, 1))
-        self.scale = (c_in * k * k) ** -0.5
-        self.eps = eps
-
-    def forward(self, x):
-        w = F.batch_norm(
-            self.weight.reshape(1, self.out_channels, -1),
-            None,
-            None,
-            weight=(self.gain * self.scale).reshape(-1),
-            training=True,
-            momentum=0.0,
-            eps=self.eps,
-        ).reshape_as(self.weight)
-        return F.conv2d(x, w, self.bias, self.stride, self.padding)
-
-
 def resnet():
     return nn.Sequential(
         nn.Conv2d(1, 4, 3, padding=1, bias=False),
@@ -125,7 +102,7 @@ def nf_net():
     return nn.Sequential(
         ScaledStdConv2d(1, 4, 3, padding=1),
         nn.ReLU(inplace=True),
-        ScaledStdConv2d(4, 4, 3),
+        ScaledStdConv2d(4, 4, 3, padding=0),
         nn.Flatten(),
         nn.Linear(4 * 4 * 4, 3),
     )

@@ -25,33 +25,23 @@ import memconv
 import memconv.conv.ghost
 import memconv.engine.calls
 import memconv.engine.walk
+from memconv.bench import models
 from memconv.conv.norm_routes import grad_channel_stats
 from memconv.layers import standardise
 
 TOL = 1e-9
 
 
-class ScaledStdConv2d(nn.Conv2d):
-    """timm's ``ScaledStdConv2d`` (as in :mod:`memconv.bench.models`): standardised per
-    output channel, scaled by ``gamma / sqrt(fan_in)`` and a learned ``gain``."""
+class ScaledStdConv2d(models.ScaledStdConv2d):
+    """timm's ``ScaledStdConv2d`` (:mod:`memconv.bench.models`' copy) with its gains
+    spread over [0.5, 1.5], so that a gain applied to the wrong channel shows."""
 
     def __init__(self, cin, cout, k, stride=1, padding=0, groups=1, gamma=1.0, eps=1e-6):
-        super().__init__(cin, cout, k, stride=stride, padding=padding, groups=groups)
-        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, cout).reshape(cout, 1, 1, 1))
-        self.scale = gamma * self.weight[0].numel() ** -0.5
-        self.eps = eps
-
-    def forward(self, x):
-        weight = F.batch_norm(
-            self.weight.reshape(1, self.out_channels, -1),
-            None,
-            None,
-            weight=(self.gain * self.scale).view(-1),
-            training=True,
-            momentum=0.0,
-            eps=self.eps,
-        ).reshape_as(self.weight)
-        return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        super().__init__(
+            cin, cout, k, stride=stride, padding=padding, groups=groups, gamma=gamma, eps=eps
+        )
+        with torch.no_grad():
+            self.gain.copy_(torch.linspace(0.5, 1.5, cout).reshape(cout, 1, 1, 1))
 
 
 class StdConv2d(nn.Conv2d):
