@@ -366,11 +366,13 @@ def test_non_finite_norm_of_a_compiled_step_raises_before_grad():
 
 
 def test_the_device_side_check_needs_no_host_read():
-    from memconv.tasks.groups import assert_finite_on_device
+    from memconv.tasks.groups import assert_flag_on_device, finite_flag
 
-    assert_finite_on_device([torch.ones(3), torch.zeros(0)], "memconv.clip_and_accumulate")
+    caller = "memconv.clip_and_accumulate"
+    assert_flag_on_device(finite_flag([torch.ones(3), torch.zeros(0)]), caller)
+    assert_flag_on_device(finite_flag([torch.zeros(0)]), caller)  # nothing to check
     with pytest.raises(RuntimeError):  # on the CPU the assertion fails at once
-        assert_finite_on_device([torch.tensor([1.0, float("inf")])], "memconv.clip_and_accumulate")
+        assert_flag_on_device(finite_flag([torch.tensor([1.0, float("inf")])]), caller)
 
 
 def test_a_compiled_step_function_breaks_its_graph_once_at_memconv():

@@ -76,18 +76,13 @@ def all_finite(tensors: list[Tensor]) -> bool:
     return flag is None or bool(flag)
 
 
-def assert_finite_on_device(tensors: list[Tensor], caller: str) -> None:
-    """:func:`ensure_finite` without a host synchronisation: the check runs on the
-    tensors' device (:func:`memconv._torch.assert_on_device`), for a compiled step on a
-    GPU, whose host must not wait for the step. A non-finite value fails the device's
+def assert_flag_on_device(flag: Tensor | None, caller: str) -> None:
+    """:func:`ensure_finite` without a host synchronisation, of a :func:`finite_flag`
+    (computed in a compiled step's graph; None, no values, passes): the check runs on
+    the flag's device (:func:`memconv._torch.assert_on_device`), for a compiled step on
+    a GPU, whose host must not wait for the step. A non-finite value fails the device's
     next synchronisation (a CUDA device-side assertion, which ends the process's CUDA
     context: never a silent NaN in ``.grad``); the samples are not named."""
-    assert_flag_on_device(finite_flag(tensors), caller)
-
-
-def assert_flag_on_device(flag: Tensor | None, caller: str) -> None:
-    """:func:`assert_finite_on_device` of a :func:`finite_flag` already computed (in a
-    compiled step's graph); None (no values) passes."""
     if flag is None:
         return
     assert_on_device(
