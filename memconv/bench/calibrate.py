@@ -7,9 +7,10 @@ the strategies', the ghost norms' two methods, the instantiating norm route's sq
 them has the shared per-operation term (``"operation"``: seconds per tensor
 operation, times the operations the computation issues). The command
 
-1. builds a grid of convolution layers (the benchmark models' shapes, N = 16 and 64;
+1. builds a grid of convolution layers (the benchmark models' shapes, N = 8, 16 and 64;
    ``--quick``: three small ones) and, for each model on each layer, times the
-   computation (median of ``--repeats`` calls, CUDA-synchronised on a GPU) and
+   computation (median of ``--repeats`` calls, CUDA-synchronised on a GPU; the
+   fastest of ``--rounds`` rounds over the layer's computations in turn) and
    measures its allocator-level peak (``torch.cuda.max_memory_allocated`` on CUDA,
    the PyTorch profiler's allocation events on the CPU);
 2. reads each feature ``f_j`` off the model itself, by pricing the layer with the
@@ -40,7 +41,7 @@ import json
 import logging
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -51,7 +52,15 @@ from ..conv import norm_routes as norms
 from ..strategies import NO_OPTIONS, Options, Problem, costs, get_strategy
 from ..strategies.geometry import ConvGeometry, Operands
 from .measure import MiB, median_time, peak_allocated
-from .options import check_device, command_line, machine, non_negative_int, positive_float
+from .options import (
+    check_device,
+    command_line,
+    last_level_cache,
+    machine,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from .runner import JsonLines
 
 logger = logging.getLogger("memconv")
@@ -93,10 +102,17 @@ class Layer:
 
 
 _SHAPES = (
+    # the small 28x28 CNN of the step benchmarks (and Opacus' MNIST example's sizes)
+    ("small-first", _geom(2, 1, 16, 3, p=1), (28, 28)),
+    ("small-3x3", _geom(2, 16, 32, 3, p=1), (14, 14)),
+    # Opacus' MNIST example (SampleConvNet): an 8x8 kernel at stride 2, then a 4x4
+    ("mnist-8x8-s2", _geom(2, 1, 16, 8, s=2, p=3), (28, 28)),
+    ("mnist-4x4-s2", _geom(2, 16, 32, 4, s=2), (13, 13)),
     ("seed-first", _geom(2, 1, 32, 3, p=1), (56, 56)),
     ("seed-3x3", _geom(2, 32, 64, 3, p=1), (28, 28)),
     ("resnet-stem", _geom(2, 3, 64, 3, p=1), (32, 32)),
     ("resnet-3x3-64", _geom(2, 64, 64, 3, p=1), (16, 16)),
+    ("resnet-3x3-128", _geom(2, 128, 128, 3, p=1), (16, 16)),
     ("resnet-3x3-s2", _geom(2, 128, 256, 3, s=2, p=1), (16, 16)),
     ("resnet-1x1-s2", _geom(2, 256, 512, 1, s=2), (8, 8)),
     ("resnet-3x3-512", _geom(2, 512, 512, 3, p=1), (4, 4)),
@@ -110,8 +126,8 @@ _SHAPES = (
     ("conv1d-strided", _geom(1, 32, 64, 5, s=2, p=2), (512,)),
     ("conv3d", _geom(3, 16, 32, 3, p=1), (8, 12, 12)),
 )
-#: The default grid: layers of the benchmark models and odd kinds, N = 16 and 64.
-GRID = tuple(Layer(f"{name}/N={n}", g, size, n) for n in (16, 64) for name, g, size in _SHAPES)
+#: The default grid: layers of the benchmark models and odd kinds, N = 8, 16 and 64.
+GRID = tuple(Layer(f"{name}/N={n}", g, size, n) for n in (8, 16, 64) for name, g, size in _SHAPES)
 #: ``--quick``: three small layers (a smoke test of seconds).
 QUICK_GRID = (
     Layer("3x3/N=4", _geom(2, 8, 16, 3, p=1), (12, 12), 4),
@@ -136,7 +152,9 @@ class Job:
             strategy's).
         variant: which way of the model's computation runs, where it has several
             (``"windows=reduction"`` or ``"windows=accumulated"`` for
-            ``"ghost-positions"``), else ``""``.
+            ``"ghost-positions"``; ``"summed"`` for a strategy's VJP summed over the
+            batch, the conventional gradient), else ``""`` (a strategy's per-sample
+            VJP).
     """
 
     model: str
@@ -183,23 +201,30 @@ def jobs(layer: Layer, device, models=None, *, run: bool = True) -> list[Job]:
     def runner(fn):
         return fn if run else None
 
+    summed = replace(problem, per_sample=False)
     for name in STRATEGIES:
         strategy = get_strategy(name)
+        # the per-sample VJP first: a record without a variant is one of it
+        for p, variant, nbytes in (
+            (problem, "", per_sample),
+            (summed, "summed", per_sample // layer.n),
+        ):
 
-        def vjp(s=strategy):
-            x, g, _ = operands.get()
-            return s.vjp(x, g, geom, per_sample=True, options=NO_OPTIONS)
+            def vjp(s=strategy, p=p):
+                x, g, _ = operands.get()
+                return s.vjp(x, g, geom, per_sample=p.per_sample, options=NO_OPTIONS)
 
-        out.append(
-            Job(
-                name,
-                layer,
-                runner(vjp),
-                lambda s=strategy: s.time(problem, NO_OPTIONS),
-                lambda s=strategy: s.memory(problem, NO_OPTIONS),
-                per_sample,
+            out.append(
+                Job(
+                    name,
+                    layer,
+                    runner(vjp),
+                    lambda s=strategy, p=p: s.time(p, NO_OPTIONS),
+                    lambda s=strategy, p=p: s.memory(p, NO_OPTIONS),
+                    nbytes,
+                    variant=variant,
+                )
             )
-        )
     # the positions method with each way of summing its windows, so that the fit sees
     # what the strided reduction costs beyond the accumulated windows
     ways = [("positions", w) for w in ghost.WINDOWS] + [("offsets", None)]
@@ -256,9 +281,11 @@ def jobs(layer: Layer, device, models=None, *, run: bool = True) -> list[Job]:
     return [j for j in out if models is None or j.model in models]
 
 
-def measure(job: Job, device: torch.device, repeats: int) -> dict:
-    """Median seconds and temporaries' bytes of one job, with its predictions."""
-    seconds = median_time(job.run, repeats, device) if repeats else None
+def measure(job: Job, device: torch.device, repeats: int, seconds: float | None = None) -> dict:
+    """Median seconds and temporaries' bytes of one job, with its predictions
+    (``seconds``: timed already, see :func:`layer_times`)."""
+    if seconds is None and repeats:
+        seconds = median_time(job.run, repeats, device)
     peak, result = peak_allocated(job.run, device)  # the profiler's overhead after the timing
     del result
     record = {
@@ -274,6 +301,21 @@ def measure(job: Job, device: torch.device, repeats: int) -> dict:
     if job.predict_memory is not None:
         record["predicted_bytes"] = int(job.predict_memory())
     return record
+
+
+def layer_times(job_list: list[Job], device: torch.device, repeats: int, rounds: int):
+    """Each job's median seconds of ``repeats`` calls, in ``rounds`` rounds over the
+    layer's jobs in turn, the fastest round kept (a list, in ``job_list``'s order).
+
+    A layer's first calls run slower than its later ones (fresh pages of its
+    operands' and results' allocations, other jobs' interference): on this CPU one
+    layer's unfold took 2.8 ms in its first round and 0.8–1.0 ms after. As ``timeit``
+    keeps its fastest repeat, the fit takes the fastest round."""
+    best = [math.inf] * len(job_list)
+    for _ in range(rounds):
+        for i, job in enumerate(job_list):
+            best[i] = min(best[i], median_time(job.run, repeats, device))
+    return best
 
 
 # ----------------------------------------------------------------- the fit
@@ -510,6 +552,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="timed calls per measurement, the median is fitted (default: 5)",
     )
     parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=2,
+        metavar="K",
+        help="rounds of --repeats calls over each layer's computations in turn; the "
+        "fastest round's median is fitted (default: 2)",
+    )
+    parser.add_argument(
         "--json", metavar="PATH", help="write every measurement to PATH as JSON Lines"
     )
     parser.add_argument(
@@ -610,15 +660,17 @@ def main(args) -> int:
         if args.calibration:
             data = costs.check(json.loads(Path(args.calibration).read_text()), args.calibration)
         return _check(grid, device, data, args.tolerance, out)
-    base = costs.calibration(device.type)
+    base = _with_cache(costs.calibration(device.type), last_level_cache(device))
     fitted = _fitted_models(args)
     records, job_list = [], []
     wanted = args.layers.split(",") if getattr(args, "layers", None) else None
     layers = [layer for layer in grid if wanted is None or any(w in layer.name for w in wanted)]
     for i, layer in enumerate(layers):
         logger.info("[%d/%d] %s", i + 1, len(layers), layer.name)
-        for job in jobs(layer, device, models=_measured_models(fitted, args)):
-            record = measure(job, device, args.repeats)
+        layer_jobs = jobs(layer, device, models=_measured_models(fitted, args))
+        times = layer_times(layer_jobs, device, args.repeats, getattr(args, "rounds", 2))
+        for job, seconds in zip(layer_jobs, times):
+            record = measure(job, device, args.repeats, seconds)
             out.write(record)
             records.append(record)
             job_list.append(job)
@@ -678,9 +730,10 @@ def _refit(args) -> int:
             continue
         known.append(record)
         job_list.append(job)
-    base = costs.calibration(device_type)
-    data = fit(known, job_list, device_type, base, fitted)
     machine_of_run = run.get("machine", {})
+    cache = machine_of_run.get("cache_bytes") if device_type == "cpu" else None
+    base = _with_cache(costs.calibration(device_type), cache)
+    data = fit(known, job_list, device_type, base, fitted)
     if fitted is not None:
         grid = f"{len(job_list)} measurements of {len({j.layer.name for j in job_list})} layers"
         refit = {**run, "command": command_line(getattr(args, "argv", None))}
@@ -704,6 +757,13 @@ def _refit(args) -> int:
     _log_residuals(data)
     logger.info("wrote %s", args.out)
     return 0
+
+
+def _with_cache(base: dict, cache: int | None) -> dict:
+    """``base`` with the fitting machine's last-level cache (bytes) where it is known:
+    the spilled-traffic features (``"unfold"``'s ``per_element_spilled``) are read off
+    the models with it, and the written calibration records it."""
+    return base if cache is None else {**_copy(base), "cache_bytes": int(cache)}
 
 
 def _fitted_models(args) -> list[str] | None:

@@ -242,6 +242,33 @@ def device_record(device: str) -> dict:
     }
 
 
+def last_level_cache(device) -> int | None:
+    """The last-level cache of ``device`` in bytes (a CPU's highest cache level as
+    Linux's sysfs lists it for the first core; a CUDA device's L2), or None where it
+    is not known."""
+    from pathlib import Path
+
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        return int(size) or None
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    levels = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if size[-1:] in units and size[:-1].isdigit():
+            levels[level] = int(size[:-1]) * units[size[-1]]
+        elif size.isdigit():
+            levels[level] = int(size)
+    return levels[max(levels)] if levels else None
+
+
 def machine() -> dict:
     """CPU model, threads and versions, for the JSON records."""
     import platform
@@ -257,9 +284,11 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     gpu = {"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}
+    cache = last_level_cache(torch.device("cpu"))
     return {
         **gpu,
         "cpu": cpu,
+        **({"cache_bytes": cache} if cache else {}),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "memconv": memconv.__version__,

@@ -18,8 +18,13 @@ once. Tensors on the ``"meta"`` device (shape-only predictions) use the CPU file
 without a warning.
 
 The file's layout: ``{"device": ..., "fitted": {...}, "time": {model: {coefficient:
-seconds}}, "memory": {model: {"scale": factor}}}``; :data:`TIME_MODELS` lists each
-time model's coefficients in the order the model multiplies them.
+seconds}}, "memory": {model: {"scale": factor}}, "cache_bytes": bytes}``;
+:data:`TIME_MODELS` lists each time model's coefficients in the order the model
+multiplies them. ``cache_bytes`` (optional) is the last-level cache of the machine the
+file was fitted on (the CPU's L3, a GPU's L2): a model whose working set outgrows it
+pays a second, "spilled" rate per element moved (``"unfold"``: ``per_element_spilled``,
+its unfolded input read from memory rather than from the cache). Without it no
+working set spills.
 """
 
 from __future__ import annotations
@@ -39,7 +44,14 @@ TIME_MODELS: dict[str, tuple[str, ...]] = {
     "operation": ("per_op",),
     "standard": ("per_flop", "per_element", "per_call"),
     "rochette": ("per_flop", "per_element", "per_call"),
-    "unfold": ("per_flop", "per_element", "per_call"),
+    "unfold": (
+        "per_flop",
+        "per_element",
+        "per_call",
+        "per_element_spilled",
+        "per_flop_summed",
+        "per_element_summed",
+    ),
     "shift": ("per_flop", "per_element", "per_flop_depthwise"),
     "loop": (
         "per_flop_native",
@@ -96,6 +108,9 @@ def check(data: dict, source: str) -> dict:
         got = data.get("memory", {}).get(model)
         if not isinstance(got, dict) or set(got) != {"scale"}:
             raise ValueError(f"{source}: memory model {model!r} needs a 'scale'")
+    cache = data.get("cache_bytes")
+    if cache is not None and (type(cache) is not int or cache < 0):
+        raise ValueError(f"{source}: 'cache_bytes' is an int >= 0, got {cache!r}")
     values = [v for m in data["time"].values() for v in m.values()]
     values += [m["scale"] for m in data["memory"].values()]
     for v in values:
@@ -140,6 +155,12 @@ def time_coefficients(model: str, device_type: str = FALLBACK) -> tuple[float, .
     """A time model's coefficients (seconds per unit), in :data:`TIME_MODELS` order."""
     got = calibration(device_type)["time"][model]
     return tuple(got[name] for name in TIME_MODELS[model])
+
+
+def cache_bytes(device_type: str = FALLBACK) -> int | None:
+    """The last-level cache (bytes) of the machine ``device_type``'s calibration was
+    fitted on; None where the file records none (no working set spills)."""
+    return calibration(device_type).get("cache_bytes")
 
 
 def operations_time(operations: int, device_type: str = FALLBACK) -> float:
