@@ -18,7 +18,7 @@ Usage::
 
 A calibration file written by an older memconv lacks coefficients the current models
 read; they are filled in as the CPU file's defaults say (``"unfold"``: no spilled
-traffic, the summed product at the per-sample rates).
+traffic, the summed product at the per-sample rates; ``"shift"``: no spilled traffic).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ STRATEGIES = ("standard", "rochette", "unfold", "shift")
 #: Shapes beyond the grid's: held out of the fit.
 EXTRA = (
     ("seed-conv1-112", _geom(2, 1, 32, 3, p=1), (112, 112)),
-    ("resnet-3x3-64-32", _geom(2, 64, 64, 3, p=1), (32, 32)),
+    ("tanh-cnn-3x3-32", _geom(2, 32, 32, 3, p=1), (32, 32)),
     ("conv1d-7", _geom(1, 16, 32, 7, p=3), (2048,)),
 )
 
@@ -99,6 +99,7 @@ def _complete(data: dict) -> dict:
     unfold.setdefault("per_element_spilled", 0.0)
     unfold.setdefault("per_flop_summed", unfold["per_flop"])
     unfold.setdefault("per_element_summed", unfold["per_element"])
+    data["time"]["shift"].setdefault("per_element_spilled", 0.0)
     return data
 
 

@@ -112,6 +112,10 @@ _SHAPES = (
     ("seed-3x3", _geom(2, 32, 64, 3, p=1), (28, 28)),
     ("resnet-stem", _geom(2, 3, 64, 3, p=1), (32, 32)),
     ("resnet-3x3-64", _geom(2, 64, 64, 3, p=1), (16, 16)),
+    # CIFAR ResNet-18's first stage, and 32 channels on 64x64 maps (the tanh CNN's first
+    # block at N = 256 moves as much): operands past the last-level cache at N = 64
+    ("resnet-3x3-64-32", _geom(2, 64, 64, 3, p=1), (32, 32)),
+    ("3x3-32-64px", _geom(2, 32, 32, 3, p=1), (64, 64)),
     ("resnet-3x3-128", _geom(2, 128, 128, 3, p=1), (16, 16)),
     ("resnet-3x3-s2", _geom(2, 128, 256, 3, s=2, p=1), (16, 16)),
     ("resnet-1x1-s2", _geom(2, 256, 512, 1, s=2), (8, 8)),

@@ -22,9 +22,9 @@ seconds}}, "memory": {model: {"scale": factor}}, "cache_bytes": bytes}``;
 :data:`TIME_MODELS` lists each time model's coefficients in the order the model
 multiplies them. ``cache_bytes`` (optional) is the last-level cache of the machine the
 file was fitted on (the CPU's L3, a GPU's L2): a model whose working set outgrows it
-pays a second, "spilled" rate per element moved (``"unfold"``: ``per_element_spilled``,
-its unfolded input read from memory rather than from the cache). Without it no
-working set spills.
+pays a second, "spilled" rate per element moved (``per_element_spilled``: ``"unfold"``'s
+unfolded input, ``"shift"``'s operands re-read per kernel offset, from memory rather
+than from the cache). Without it no working set spills.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ TIME_MODELS: dict[str, tuple[str, ...]] = {
         "per_flop_summed",
         "per_element_summed",
     ),
-    "shift": ("per_flop", "per_element", "per_flop_depthwise"),
+    "shift": ("per_flop", "per_element", "per_flop_depthwise", "per_element_spilled"),
     "loop": (
         "per_flop_native",
         "per_flop_native_3d",
