@@ -163,6 +163,16 @@ def cache_bytes(device_type: str = FALLBACK) -> int | None:
     return calibration(device_type).get("cache_bytes")
 
 
+def spilled_time(model: str, working_bytes: float, traffic: float, device_type: str) -> float:
+    """Seconds a time model adds when its working set (``working_bytes``) outgrows the
+    calibration's last-level cache: ``traffic`` elements at the model's
+    ``per_element_spilled`` rate; 0.0 where it fits or no cache is recorded."""
+    cache = cache_bytes(device_type)
+    if cache is None or working_bytes <= cache:
+        return 0.0
+    return calibration(device_type)["time"][model]["per_element_spilled"] * traffic
+
+
 def operations_time(operations: int, device_type: str = FALLBACK) -> float:
     """Seconds ``operations`` tensor operations cost on ``device_type`` besides their
     arithmetic (the shared ``"operation"`` model's ``per_op``)."""

@@ -31,7 +31,7 @@ from .base import (
     padded_size,
     register_strategy,
 )
-from .costs import cache_bytes, operations_time, scale_memory, time_coefficients
+from .costs import operations_time, scale_memory, spilled_time, time_coefficients
 from .geometry import ConvGeometry, torch_pad_argument
 
 
@@ -154,17 +154,14 @@ class Shift:
         operands = n * (geom.in_channels + geom.out_channels) * length + copies
         relayout = problem.relayout(dense=False)  # read and written once more
         traffic = geom.kernel_numel * operands + problem.per_sample_elements() + 2 * relayout
-        per_flop, per_element, flop_depthwise, per_spilled = time_coefficients(
-            "shift", problem.device
-        )
+        per_flop, per_element, flop_depthwise, _ = time_coefficients("shift", problem.device)
         time = linear_time((per_flop, per_element, 0.0), problem.flops(), traffic, 0)
         # per chunk: its operands, and a strided view and a product per kernel offset
         chunks = math.ceil(problem.n / chunk_size(problem, options, problem.into))
         # a chunk's operands, read once per kernel offset, larger than the last-level
         # cache: each offset's products read them from memory again
-        cache = cache_bytes(problem.device)
-        if cache is not None and operands / chunks * problem.itemsize > cache:
-            time += per_spilled * traffic
+        working = operands / chunks * problem.itemsize
+        time += spilled_time("shift", working, traffic, problem.device)
         kk = geom.kernel_numel
         if _flat_ok(geom):  # one window view, an unbind per row of offsets
             k = geom.kernel_size

@@ -23,7 +23,7 @@ from .base import (
     padded_size,
     register_strategy,
 )
-from .costs import cache_bytes, operations_time, scale_memory, time_rates
+from .costs import operations_time, scale_memory, spilled_time, time_rates
 from .geometry import ConvGeometry
 
 
@@ -106,13 +106,10 @@ class Unfold:
         else:  # the einsum's product contracts over N·T: a shape with rates of its own
             flop, element = rates["per_flop_summed"], rates["per_element_summed"]
         time = linear_time((flop, element, rates["per_call"]), problem.flops(), traffic, calls)
-        per_spilled = rates["per_element_spilled"]
         # an unfolded input larger than the last-level cache is written to and read
         # back from memory: each element moved costs more (measured on the CPU: a
         # 3x3 layer of 64 channels at 32x32 took 4.3 ms at N = 8, 21 ms at N = 16)
-        cache = cache_bytes(problem.device)
-        if cache is not None and working * problem.itemsize > cache:
-            time += per_spilled * traffic
+        time += spilled_time("unfold", working * problem.itemsize, traffic, problem.device)
         ops = 6 + (1 if any(geom.padding) else 0)
         return time + operations_time(ops, problem.device)
 
