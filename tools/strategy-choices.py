@@ -26,33 +26,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from memconv.bench import calibrate
 from memconv.bench.calibrate import _geom
+from memconv.bench.measure import median_time
 from memconv.strategies import NO_OPTIONS, Problem, costs, get_strategy
 
 STRATEGIES = ("standard", "rochette", "unfold", "shift")
+CPU = torch.device("cpu")
 #: Shapes beyond the grid's: held out of the fit.
 EXTRA = (
     ("seed-conv1-112", _geom(2, 1, 32, 3, p=1), (112, 112)),
     ("tanh-cnn-3x3-32", _geom(2, 32, 32, 3, p=1), (32, 32)),
     ("conv1d-7", _geom(1, 16, 32, 7, p=3), (2048,)),
 )
-
-
-def _timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure(repeats: int, batches) -> list[dict]:
@@ -74,7 +64,7 @@ def measure(repeats: int, batches) -> list[dict]:
                         def run(st=st, x=x, g=g, geom=geom, per_sample=per_sample):
                             return st.vjp(x, g, geom, per_sample=per_sample, options=NO_OPTIONS)
 
-                        best[s] = min(best[s], _timed(run, repeats))
+                        best[s] = min(best[s], median_time(run, repeats, CPU))
                 rows.append(
                     {
                         "layer": f"{name}/N={n}",
