@@ -6,7 +6,7 @@ code a MemCNN user would have written on its names). :func:`build` unpacks them 
 folder beside a package ``memcnn`` whose modules (``memcnn``, ``memcnn.models.revop``,
 ``memcnn.models.additive``, ``memcnn.models.affine``) import memconv.reversible's
 names: MemCNN's code runs as it is, only the import resolves elsewhere. Two things
-differ from the wheel, both named here:
+differ from the wheel, and one thing is added, all named here:
 
 - ``test_amp.py`` is left out: it imports torchvision (which memconv never imports) and
   downloads CIFAR-10;
@@ -14,7 +14,16 @@ differ from the wheel, both named here:
   was emptied (``storage().size() == 0``) is set aside: memconv releases an input by
   dropping its references (the memory goes when nobody holds the tensor, and a tensor
   other code still reads stays correct) rather than by emptying its storage in place.
-  Its other branch, that a kept input is kept whole, still runs.
+  Its other branch, that a kept input is kept whole, still runs;
+- a ``conftest.py`` beside the package seeds torch's global generator with
+  :data:`SEED` before the tests are collected. MemCNN's tests build modules at import
+  (``test_revop.py``'s parametrised couplings) from that generator, and the torch
+  installed here starts it from a different seed in each process. One coupling,
+  ``AffineCoupling`` with ``AffineAdapterNaive``, is then nearly singular for some
+  seeds, and its 16 ``test_invertible_module_wrapper_fwd_bwd`` cases fail their
+  ``is_invertible_module(atol=1e-4)`` with MemCNN itself as through memconv (seed 3:
+  16 failed, both). :data:`SEED` is the fixed seed earlier torch releases started the
+  generator from, so every run builds the same modules.
 
 ``get_device_states``/``set_device_states``, MemCNN's copies of torch's helpers, are
 torch's (``torch.utils.checkpoint``).
@@ -41,6 +50,16 @@ LEFT_OUT = {"test_amp.py": "imports torchvision and downloads CIFAR-10"}
 #: The emptied-storage assertion of ``test_revop.py`` and what replaces it.
 EMPTIED = "        return var.storage().size() == 0\n"
 SET_ASIDE = "        return True  # set aside: memconv releases by dropping references\n"
+
+#: The seed of torch's global generator for MemCNN's tests (torch's fixed default seed
+#: before it was drawn per process).
+SEED = 67280421310721
+SEEDING = f"""\"\"\"Added by memconv's tests/memcnn_suite.py: one seed for the modules MemCNN's
+tests build at import.\"\"\"
+import torch
+
+torch.manual_seed({SEED})
+"""
 
 SHIMS = {
     "memcnn/__init__.py": f'''"""MemCNN's names, resolved to memconv.reversible's."""
@@ -107,6 +126,7 @@ def build(wheel: Path, dest: Path, through_memconv: bool = True) -> Path:
                 target = dest / name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(archive.read(name))
+    (dest / "conftest.py").write_text(SEEDING)
     if through_memconv:
         for name, text in SHIMS.items():
             (dest / name).write_text(text)

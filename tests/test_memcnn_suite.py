@@ -5,8 +5,9 @@ in ``wheels/``; skipped with the reason where the registry cannot be reached) sh
 tests; :mod:`memcnn_suite` unpacks them beside a package ``memcnn`` that imports
 memconv.reversible's names at MemCNN's module paths, and runs them in a fresh pytest
 process. Only the assertion that an input's storage was emptied is set aside (memconv
-releases by dropping references; see :mod:`memcnn_suite`), and ``test_amp.py`` is left
-out (torchvision, CIFAR-10). Every test that passes with MemCNN must pass through memconv.
+releases by dropping references; see :mod:`memcnn_suite`), ``test_amp.py`` is left
+out (torchvision, CIFAR-10), and torch's global generator is seeded before the tests
+build their modules. Every test that passes with MemCNN must pass through memconv.
 """
 
 from __future__ import annotations
@@ -34,6 +35,21 @@ def wheel():
 def _run(wheel, folder, through_memconv: bool) -> dict[str, str]:
     tests = memcnn_suite.build(wheel, folder, through_memconv)
     return memcnn_suite.run(tests, folder / "report.xml")
+
+
+def test_built_suite_seeds_the_global_generator(wheel, tmp_path):
+    """MemCNN's tests build their modules at import from torch's global generator: the
+    built folder's ``conftest.py`` seeds it, or a nearly singular coupling fails their
+    inversion test in some processes (with MemCNN itself too)."""
+    tests = memcnn_suite.build(wheel, tmp_path, through_memconv=True)
+    conftest = tests.parents[2] / "conftest.py"
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(0)
+        exec(compile(conftest.read_text(), str(conftest), "exec"), {})
+        assert torch.initial_seed() == memcnn_suite.SEED
+    finally:
+        torch.random.set_rng_state(state)
 
 
 def test_memcnn_suite_through_memconv(wheel, tmp_path):
