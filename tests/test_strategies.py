@@ -165,6 +165,33 @@ def test_noncontiguous_and_channels_last(strategy):
     assert rel_err(memconv.weight_vjp(m, x_cl, g_t, strategy=strategy), ref) < TOL
 
 
+@pytest.mark.parametrize("per_sample", [True, False])
+def test_shift_pads_a_channels_last_depthwise_input_once(per_sample):
+    """ConvNeXt's blocks hand their 7x7 depthwise convolution a channels-last input and
+    output gradient: ``"shift"`` is exact there, and pads each into one contiguous
+    buffer (no second, channels-last padded copy beside it: 12 % of ConvNeXt-atto's
+    DP step's allocator peak at batch 64)."""
+    from memconv.bench.measure import peak_allocated
+
+    m, x, g = conv_case(2, 8, 16, 16, 7, 24, padding=3, groups=16, seed=1)
+    ref = reference_weight_grads(m, x, g)
+    if not per_sample:
+        ref = ref.sum(0)
+    cl = torch.channels_last
+    x_cl, g_cl = x.contiguous(memory_format=cl), g.contiguous(memory_format=cl)
+    assert x_cl.stride(1) == 1 and g_cl.stride(1) == 1
+
+    def vjp(a, b):
+        return memconv.weight_vjp(m, a, b, strategy="shift", per_sample=per_sample)
+
+    assert rel_err(vjp(x_cl, g_cl), ref) < TOL
+    peaks = [
+        peak_allocated(lambda a=a, b=b: vjp(a, b), torch.device("cpu"))[0]
+        for a, b in ((x, g), (x_cl, g_cl))
+    ]
+    assert peaks[1] <= peaks[0] * 1.01, peaks
+
+
 def test_registry_is_open(strategy_calls):
     """A new strategy is one registered object: auto and streaming consider it."""
     from memconv.strategies import base

@@ -211,6 +211,22 @@ def _extra_rows(geom: ConvGeometry, padded: tuple[int, ...]) -> int:
     return -(-spill // row[0])
 
 
+def _padded_contiguous(t: Tensor, pairs: list) -> Tensor:
+    """``t`` (``[n, C, *spatial]``) zero-padded by ``(before, after)`` per spatial axis
+    (first axis first), in a contiguous tensor: ``F.pad`` (one operation), except where
+    the channels are ``t``'s innermost axis (channels-last, as ConvNeXt's blocks hand
+    their depthwise convolution): ``F.pad`` keeps that layout, and a contiguous copy of
+    its result would be a second padded buffer alive beside it, so a zeroed buffer and
+    one copy into it instead."""
+    if not (t.shape[1] > 1 and t.stride(1) == 1 and numel(t.shape[2:]) > 1):
+        out = F.pad(t, torch_pad_argument(pairs))
+        return out if out.is_contiguous() else out.contiguous()
+    lead, size = t.shape[: t.dim() - len(pairs)], t.shape[t.dim() - len(pairs) :]
+    out = t.new_zeros((*lead, *(lo + s + hi for (lo, hi), s in zip(pairs, size))))
+    out[(Ellipsis, *(slice(lo, lo + s) for (lo, _), s in zip(pairs, size)))] = t
+    return out
+
+
 def _flat_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
     """Stride-1 case: windows of the padded input (one padded copy), no copy per offset."""
     n, c = x.shape[:2]
@@ -219,15 +235,13 @@ def _flat_operands(x: Tensor, g: Tensor, geom: ConvGeometry):
     extra = _extra_rows(geom, tuple(p))
     pairs = [(pp, pp) for pp in geom.padding]
     pairs[0] = (pairs[0][0], pairs[0][1] + extra)
-    xp = F.pad(x, torch_pad_argument(pairs))  # [n, C_in, p_0 + extra, *p[1:]]
-    if not xp.is_contiguous():  # (a channels-last input stays channels-last)
-        xp = xp.contiguous()
+    xp = _padded_contiguous(x, pairs)  # [n, C_in, p_0 + extra, *p[1:]]
     p[0] += extra
     row = [numel(p[i + 1 :]) for i in range(geom.dims)]  # flat stride of each axis
     length = t[0] * row[0]  # window: T_0 rows of the padded grid
     plane = numel(p)
     # the output gradient on the padded grid's rows (zeros past each row's T positions)
-    grid = F.pad(g, torch_pad_argument([(0, 0)] + [(0, q - s) for q, s in zip(p[1:], t[1:])]))
+    grid = _padded_contiguous(g, [(0, 0)] + [(0, q - s) for q, s in zip(p[1:], t[1:])])
     gm = grid.reshape(n, geom.groups, geom.out_per_group, length)
     cg = geom.in_per_group
     # every offset's window at once, the kernel axes first: [*k, n, G, L, C_in/G]
