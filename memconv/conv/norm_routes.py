@@ -42,6 +42,7 @@ from ..strategies.base import cost_model, fastest_that_fits, numel
 from ..strategies.costs import operations_time, time_coefficients
 from ..strategies.geometry import Operands, conv_spec
 from . import ghost
+from .contract import contract
 from .grads import weight_grad
 from .settings import DEFAULT_SETTINGS, Settings
 
@@ -61,13 +62,14 @@ def sq_norms(t: Tensor) -> Tensor:
     round-off near one unit in the last place where a long dot product or
     ``linalg.vector_norm``'s accumulation lose digits. Either way one temporary of
     ``t``'s size at most (the squares, or a contiguous copy), part of the routes'
-    memory models.
+    memory models. (While a compiled step is traced, the dot product is the squares'
+    sum, one reduction kernel: :func:`memconv.conv.contract.contract`.)
     """
     if t.dim() == 1:
         return t.square()
     if math.prod(t.shape[1:]) <= DOT_LENGTH and t.dim() <= 8:
         axes = "abcdefg"[: t.dim() - 1]
-        return torch.einsum(f"n{axes},n{axes}->n", t, t)
+        return contract(f"n{axes},n{axes}->n", t, t)
     return t.square().sum(tuple(range(1, t.dim())))
 
 
@@ -407,7 +409,7 @@ def grad_channel_stats(grads: Tensor, w_hat: Tensor) -> tuple[Tensor, Tensor, Te
     g = grads.reshape(grads.shape[0], w_hat.shape[0], -1)
     if g.dtype != w_hat.dtype:
         g = g.to(w_hat.dtype)
-    return g.square().sum(-1), g.sum(-1), torch.einsum("nck,ck->nc", g, w_hat)
+    return g.square().sum(-1), g.sum(-1), contract("nck,ck->nc", g, w_hat)
 
 
 _CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -479,12 +481,12 @@ def conv_channel_stats(
         xs, gs = rows_of(x, rows, n), rows_of(g, rows, n)
         m = xs.shape[0]
         y = conv(xs, kernel, None, groups=geom.groups, **geometry)
-        hats = torch.einsum("nc...,nc...->nc", y, gs)
+        hats = contract("nc...,nc...->nc", y, gs)
         del y
         summed = xs.reshape(m, geom.groups, -1, *xs.shape[2:]).sum(2)
         filtered = conv(summed, box, None, groups=geom.groups, **geometry).flatten(2)
         grouped = gs.reshape(m, geom.groups, geom.out_per_group, -1)
-        ones = torch.einsum("ngot,ngt->ngo", grouped, filtered).flatten(1)
+        ones = contract("ngot,ngt->ngo", grouped, filtered).flatten(1)
         parts.append((ones, hats))
     ones, hats = _joined(parts)
     return tuple(v if v.dtype == w_hat.dtype else v.to(w_hat.dtype) for v in (sq, ones, hats))

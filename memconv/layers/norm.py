@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..conv.contract import contract
 from ..conv.norm_routes import kept_chunk
 from .base import LayerRule, RuleSettings, register, rule_settings, trainable
 from .operations import BoundOp, bind_args, new_layer, register_op, with_params
@@ -68,7 +69,7 @@ def _product_sum(g: Tensor, xhat: Tensor, axes: tuple[int, ...]) -> Tensor:
         return g * xhat
     letters = "abcdefghijklmnopqrstuvwxyz"[: g.dim()]
     kept = "".join(c for i, c in enumerate(letters) if i not in axes)
-    return torch.einsum(f"{letters},{letters}->{kept}", g, xhat)
+    return contract(f"{letters},{letters}->{kept}", g, xhat)
 
 
 def _samples_per_chunk(sample_bytes: int, n: int, rs: RuleSettings) -> int:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._torch import version as _version
+from ..conv.contract import contract
 from .norm import BATCH_NORM_ARGS, BATCH_NORM_DEFAULTS
 from .operations import bind_args
 
@@ -211,6 +212,6 @@ def weight_grads(grads: Tensor, form: Form) -> tuple[Tensor, Tensor]:
     g = grads.reshape(n, c, -1).to(form.w_hat.dtype)
     k = g.shape[-1]
     ones = g.sum(-1, keepdim=True)
-    hat = torch.einsum("nck,ck->nc", g, form.w_hat)
+    hat = contract("nck,ck->nc", g, form.w_hat)
     out = g - ones / k - (hat / k)[..., None] * form.w_hat
     return out.mul_(form.scale[:, None]).reshape(grads.shape), hat

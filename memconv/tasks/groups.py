@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from .._checks import check_groups, check_thresholds
 from .._torch import assert_on_device, max_abs_each
+from ..conv.contract import contract
 from ..conv.norm_routes import at_least_float32, sq_norms
 
 #: The named groupings ``groups=`` takes (besides a mapping).
@@ -221,7 +222,7 @@ def _small_grads(call) -> bool:
 
 def _weighted(c: Tensor, grads: Tensor) -> Tensor:
     """``Σₙ cₙ·gradsₙ`` (one contraction)."""
-    return torch.einsum("n,n...->...", c if c.dtype == grads.dtype else c.to(grads.dtype), grads)
+    return contract("n,n...->...", c if c.dtype == grads.dtype else c.to(grads.dtype), grads)
 
 
 class OnePass:

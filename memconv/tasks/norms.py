@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .._checks import AVAILABLE
 from .._torch import not_traced, storage_key
+from ..conv.contract import contract
 from ..conv.norm_routes import at_least_float32, float32_or_wider, sq_norms
 from ..conv.settings import activate
 from ..engine.calls import LayerCall, Scales
@@ -140,7 +141,7 @@ class NormGatherer:
         for full in list(self.grads):
             grads = self.grads.pop(full)
             factor = scales[id(c[full])].cast(grads.dtype)
-            add_into(total, full, torch.einsum("n,n...->...", factor, grads))
+            add_into(total, full, contract("n,n...->...", factor, grads))
         while self.io:
             call = self.io.pop(0)
             factors = {id(c[full]): c[full] for full in call.params.values()}
