@@ -396,19 +396,247 @@ def test_a_compiled_step_function_breaks_its_graph_once_at_memconv():
     assert sum(breaks.values()) == 1 and "disable" in next(iter(breaks))
 
 
-def test_recorded_blocks_say_that_a_compiled_model_runs_eagerly():
+def test_the_recording_block_says_that_a_compiled_model_runs_eagerly():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
     compiled = torch.compile(model, backend="aot_eager")
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
     with pytest.warns(RuntimeWarning, match="runs them eagerly"):
+        with memconv.recording(compiled) as rec:
+            nn.functional.cross_entropy(compiled(x), y).backward()
+    ref = memconv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    assert_close(rec.grads, ref, TOL)
+
+
+def _clipping_block_steps(name, n_steps=4, backend="aot_eager", **options):
+    """``n_steps`` steps of ``memconv.clipping`` around the user's forward and backward
+    pass of the compiled model, a new block each step, each against the eager
+    ``clip_and_accumulate`` of the uncompiled model on the same batch; returns the
+    pairs ``((grads, norms), (grads, norms))`` and the compiled model."""
+    torch.manual_seed(0)
+    model, shape = MODELS[name]()
+    model = model.double()
+    compiled = torch.compile(model, backend=backend)
+    loss_fn = nn.CrossEntropyLoss()
+    pairs = []
+    for i in range(n_steps):
+        x, y = _batch(shape, seed=i)
+        model.zero_grad(set_to_none=True)
+        with memconv.clipping(compiled, max_norm=0.5, **options) as clip:
+            loss_fn(compiled(x), y).backward()
+        got = (_grads(model), clip.norms)
+        model.zero_grad(set_to_none=True)
+        ref_norms = memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=0.5, **options)
+        pairs.append((got, (_grads(model), ref_norms)))
+    return pairs, compiled
+
+
+def _block_traced(compiled):
+    from memconv.engine.prepared import kept_for_blocks
+
+    return kept_for_blocks(compiled).traced
+
+
+@pytest.mark.parametrize("name", ["tiny-cnn", "tv-resnet", "convnext", "vit", "nf-resnet", "lora"])
+def test_the_clipping_block_runs_a_compiled_model_in_two_compiled_halves(name):
+    """The user's forward pass runs the traced step's forward half, compiled, and their
+    ``loss.backward()`` its backward half: one trace (the second step's), two graphs
+    compiled once, the clipped sum and norms equal to the eager ones in float64."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no step falls back to eager
+        pairs, compiled = _clipping_block_steps(name)
+    for got, ref in pairs:
+        assert_close(got[0], ref[0], TOL)
+        assert_close(got[1], ref[1], TOL)
+    traced = _block_traced(compiled)
+    assert traced.traces == 1 and not traced.refused and not traced.graphs
+    (split,) = traced.splits.values()
+    assert split.calls == 2  # steps 3 and 4: the first probes and plans, the second traces
+    assert counters["aot_autograd"]["total"] == 2  # the two halves, each compiled once
+    assert not counters["graph_break"] and not counters["recompiles"]
+
+
+@pytest.mark.parametrize("options", [{"groups": "layer"}, {"clip_route": "two-pass"}])
+def test_the_compiled_clipping_block_by_group_and_in_two_passes(options):
+    pairs, compiled = _clipping_block_steps("tv-resnet", **options)
+    for got, ref in pairs:
+        assert_close(got[0], ref[0], TOL)
+        assert_close(got[1], ref[1], TOL)
+    assert _block_traced(compiled).traces == 1
+    assert counters["aot_autograd"]["total"] == 2
+
+
+def test_inductor_compiles_the_clipping_blocks_halves():
+    pairs, compiled = _clipping_block_steps("tiny-cnn", backend="inductor")
+    for got, ref in pairs:
+        assert_close(got[0], ref[0], 1e-9)
+        assert_close(got[1], ref[1], 1e-9)
+    assert next(iter(_block_traced(compiled).splits.values())).calls == 2
+
+
+def test_the_compiled_clipping_block_checks_the_norms_and_serves_other_calls():
+    """A real sample's NaN norm raises from the compiled halves, naming the sample,
+    with ``.grad`` unchanged; a call without gradients inside the block runs the
+    compiled model as it is."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    compiled = torch.compile(model, backend="aot_eager")
+    loss_fn = nn.CrossEntropyLoss()
+    for i in range(3):
+        x, y = _batch(shape, seed=i)
+        with memconv.clipping(compiled, max_norm=0.5):
+            loss_fn(compiled(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    x, y = _batch(shape, seed=7)
+    with memconv.clipping(compiled, max_norm=0.5):
+        with torch.no_grad():
+            assert torch.equal(compiled(x), model(x))
+        x[2] = float("nan")
+        with pytest.raises(RuntimeError, match="sample\\(s\\) 2 is not finite"):
+            loss_fn(compiled(x), y).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert next(iter(_block_traced(compiled).splits.values())).calls == 2
+
+
+def test_a_recorded_step_that_draws_random_numbers_warns_and_stays_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 2)).double()
+    compiled = torch.compile(model, backend="aot_eager")
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    with memconv.clipping(compiled, max_norm=1.0):
+        nn.functional.cross_entropy(compiled(x), y).backward()
+    with pytest.warns(RuntimeWarning, match="draws random numbers"):
         with memconv.clipping(compiled, max_norm=1.0):
             nn.functional.cross_entropy(compiled(x), y).backward()
-    got = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    ref = memconv.clip_and_accumulate(model, nn.CrossEntropyLoss(), x, y, max_norm=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        with memconv.clipping(compiled, max_norm=1.0) as clip:
+            torch.manual_seed(5)
+            out = compiled(x)
+            nn.functional.cross_entropy(out, y).backward()
+    got = _grads(model)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)  # the same dropout mask: the eager path recorded the user's
+    ref_norms = memconv.clip_and_accumulate(model, nn.CrossEntropyLoss(), x, y, max_norm=1.0)
     assert_close(got, _grads(model), TOL)
-    assert ref.shape == (4,)
+    assert_close(clip.norms, ref_norms, TOL)
+    assert not _block_traced(compiled).splits
+
+
+def test_a_compiler_error_in_the_blocks_halves_warns_and_runs_eagerly():
+    def failing(graph, example_inputs):
+        raise RuntimeError("no code for this graph")
+
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    compiled = torch.compile(model, backend=failing)
+    loss_fn = nn.CrossEntropyLoss()
+    for i in range(4):
+        x, y = _batch(shape, seed=i)
+        model.zero_grad(set_to_none=True)
+        if i == 2:  # the first call of the compiled forward half
+            with pytest.warns(RuntimeWarning, match="the compiler failed: RuntimeError: no code"):
+                with memconv.clipping(compiled, max_norm=0.5) as clip:
+                    loss_fn(compiled(x), y).backward()
+        else:
+            with memconv.clipping(compiled, max_norm=0.5) as clip:
+                loss_fn(compiled(x), y).backward()
+        got = _grads(model)
+        model.zero_grad(set_to_none=True)
+        ref = memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=0.5)
+        assert_close(got, _grads(model), TOL)
+        assert_close(clip.norms, ref, TOL)
+    assert not _block_traced(compiled).splits
+
+
+def test_make_private_keeps_a_compiled_model_compiled_over_padded_poisson_batches():
+    """Opacus' call on a compiled model, batches of varying Poisson size padded to one
+    physical size: one trace, two graphs compiled once, no recompilation; each step's
+    parameters equal the eager private step's on the unpadded batch."""
+    pytest.importorskip("opacus")
+    import copy
+
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from memconv.integrations import opacus as mo
+
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    ref = copy.deepcopy(model)
+
+    def private(m, module):
+        data = TensorDataset(torch.randn(16, *shape, dtype=torch.float64), torch.zeros(16).long())
+        return mo.make_private(
+            PrivacyEngine(),
+            module=module,
+            optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=4),
+            noise_multiplier=0.0,
+            max_grad_norm=0.3,
+            poisson_sampling=False,
+        )[:2]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus' secure-RNG notice
+        pm, opt = private(model, torch.compile(model, backend="aot_eager"))
+        rm, ropt = private(ref, ref)
+    g = torch.Generator().manual_seed(1)
+    loss_fn = nn.CrossEntropyLoss()
+    for i, real in enumerate([5, 2, 7, 4, 6]):
+        x, y = _batch(shape, n=8, seed=i)
+        mask = torch.zeros(8, dtype=torch.bool)
+        mask[torch.randperm(8, generator=g)[:real]] = True
+        x[~mask] = float("nan")  # padding: never read
+        opt.zero_grad()
+        loss_fn(pm(x, sample_mask=mask), torch.where(mask, y, 0)).backward()
+        opt.step()
+        ropt.zero_grad()
+        loss_fn(rm(x[mask]), y[mask]).backward()
+        ropt.step()
+        assert_close(dict(model.named_parameters()), dict(ref.named_parameters()), TOL)
+        assert_close(pm.last_norms[mask], rm.last_norms, TOL)
+    traced = pm._clipping._prepared.traced
+    assert traced.traces == 1 and [s.calls for s in traced.splits.values()] == [3]
+    assert counters["aot_autograd"]["total"] == 2 and not counters["recompiles"]
+
+
+def test_a_step_is_cut_into_halves_that_run_its_operations_in_order():
+    """``split_at_targets``: the forward half returns the output and what the backward
+    half reads (an in-place change of a forward value read later included); together
+    they give the whole graph's results. An output computed after the targets are
+    read is refused."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memconv.engine.traced import NotTraceable, split_at_targets
+
+    def step(x, t, w):
+        h = x @ w
+        a = h.relu()
+        h.mul_(2.0)  # in place, after ``a`` read ``h``
+        out = a + h
+        loss = (out * t).sum()
+        return [loss * h.sum(), (t * a).sum(), out]
+
+    args = (torch.randn(3, 4), torch.randn(3, 5), torch.randn(4, 5))
+    graph = make_fx(step)(*args)
+    forward, backward, saved = split_at_targets(graph)
+    output, *kept = forward(args[0], args[2])
+    assert len(kept) == saved
+    ref = step(*[a.clone() for a in args])
+    assert torch.equal(output, ref[2])
+    for got, want in zip(backward(*kept, args[1]), ref[:2]):
+        assert torch.equal(got, want)
+
+    def late(x, t, w):
+        return [((x @ w) * t).sum(), (x @ w).relu()]
+
+    with pytest.raises(NotTraceable, match="after the output gradient"):
+        split_at_targets(make_fx(late)(*args))
 
 
 def test_padded_poisson_batches_keep_one_compiled_graph():

@@ -8,11 +8,17 @@ each in a fresh process, alternating within the round:
 - ``non-private``: ``loss_fn(model(x), y).backward()``;
 - ``non-private compiled``: the same with ``torch.compile(model)`` (inductor);
 - ``memconv``: ``PrivateStep(model, loss_fn).clip_and_accumulate(x, y, max_norm=1.0)``;
-- ``memconv compiled``: the same with ``PrivateStep(torch.compile(model), loss_fn)``.
+- ``memconv compiled``: the same with ``PrivateStep(torch.compile(model), loss_fn)``;
+- ``memconv block`` and ``memconv block compiled``: the user's own step in the
+  clipping block, ``with memconv.clipping(model, max_norm=1.0):
+  loss_fn(model(x), y).backward()`` (a new block each step, as a training loop opens
+  it), on the model and on ``torch.compile(model)``; with ``--mask``, the block's
+  wrapper form ``clip.forward(x, sample_mask=mask)``, as Opacus' ``make_private`` calls
+  it.
 
 Each process times its first calls until the steady state (a compiled non-private
-step: its first call; memconv compiled: its first three, the eager plan, the trace
-and the compilation) as "first seconds", then the median of three calls (wall time
+step: its first call; memconv compiled and memconv block compiled: their first three,
+the eager plan, the trace and the compilation) as "first seconds", then the median of three calls (wall time
 and the process's CPU time), the allocator-level peak of one call, the host launches
 of one call (the profiler's top-level ATen operations plus the compiled kernels,
 inductor's kernel profiling on), and the process's peak RSS. Each process compiles
@@ -57,7 +63,14 @@ CASES = {
     "vit-tiny": 32,
     "nf-resnet26": 64,
 }
-ENGINES = ("non-private", "non-private compiled", "memconv", "memconv compiled")
+ENGINES = (
+    "non-private",
+    "non-private compiled",
+    "memconv",
+    "memconv compiled",
+    "memconv block",
+    "memconv block compiled",
+)
 
 
 def _launches(fn) -> int:
@@ -119,11 +132,19 @@ def worker(tree: str, case: str, engine: str, args) -> dict:
     elif compile_options:
         kwargs["options"] = compile_options
     run = torch.compile(model, **kwargs) if compiled else model
+    block = engine.startswith("memconv block")
     step = memconv.PrivateStep(run, loss) if engine.startswith("memconv") else None
+    reduction = "sum" if args.mask else "mean"
+    wrapper = memconv.clipping(run, max_norm=1.0, loss_reduction=reduction) if block else None
 
     def call():
         model.zero_grad(set_to_none=True)
-        if step is None and mask is None:
+        if block and mask is None:
+            with memconv.clipping(run, max_norm=1.0):
+                loss(run(x), y).backward()
+        elif block:  # the wrapper form, a padded batch (Opacus' private module)
+            loss(wrapper.forward(x, sample_mask=mask), y).backward()
+        elif step is None and mask is None:
             loss(run(x), y).backward()
         elif step is None:  # the padded samples' losses masked out
             losses = nn.functional.cross_entropy(run(x), y, reduction="none")
@@ -149,7 +170,7 @@ def worker(tree: str, case: str, engine: str, args) -> dict:
             "step_s": statistics.median(times),
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
-    warm = 3 if engine == "memconv compiled" else 1
+    warm = 3 if engine in ("memconv compiled", "memconv block compiled") else 1
     start = time.perf_counter()
     for _ in range(warm):
         call()
@@ -178,7 +199,19 @@ def worker(tree: str, case: str, engine: str, args) -> dict:
         "launches": launches,
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    if step is not None and engine.endswith("compiled"):
+    if block and compiled:
+        from memconv.engine.prepared import kept_for_blocks
+
+        traced = kept_for_blocks(run).traced
+        record["traces"] = traced.traces
+        record["refused"] = list(traced.refused.values())
+        split = next(iter(traced.splits.values()), None)
+        if split is not None:
+            record["nodes"] = len(split.forward_graph.graph.nodes) + len(
+                split.backward_graph.graph.nodes
+            )
+            record["trace_s"] = split.trace_seconds
+    elif step is not None and engine.endswith("compiled"):
         traced = step._prepared.traced
         record["traces"] = traced.traces
         record["refused"] = list(traced.refused.values())

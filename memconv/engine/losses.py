@@ -125,6 +125,13 @@ def batched(loss_fn, output, targets) -> Tensor | None:
     on the shape; such losses, and every other, take :func:`vectorised` or the loop.
     The loss's attributes are read on every call.
     """
+    if isinstance(loss_fn, OutputKeepingLoss):
+        if type(output) is not Tensor or type(targets) is not Tensor:
+            return None
+        if output.shape != targets.shape or not output.is_floating_point():
+            return None
+        loss_fn.output = output
+        return linear_losses(output, targets)
     settings = _settings(loss_fn)
     if settings is None or type(output) is not Tensor or type(targets) is not Tensor:
         return None
@@ -214,6 +221,22 @@ def linear_loss(output: Tensor, target: Tensor) -> Tensor:
     The per-sample loss of a pass whose backward the user's ``loss.backward()`` starts
     (:class:`memconv.engine.passes.UserPass`)."""
     return (output * target).sum()
+
+
+class OutputKeepingLoss:
+    """:func:`linear_loss`, keeping the model output it was last given in one batched
+    call (:func:`batched` takes it as :func:`linear_losses`): a recorded pass's traced
+    step returns the model's output from it (:mod:`memconv.tasks.recorded`).
+
+    Attributes:
+        output: the output ``[N, ...]`` of the last batched call, or None.
+    """
+
+    def __init__(self):
+        self.output: Tensor | None = None
+
+    def __call__(self, output: Tensor, target: Tensor) -> Tensor:
+        return linear_loss(output, target)
 
 
 def linear_losses(output: Tensor, targets: Tensor) -> Tensor:

@@ -312,13 +312,7 @@ class Prepared:
             cp = self.call_plan(batch, request)
             if self.backend is None or not self.reused:
                 return walk(cp, batch, *extra)
-            key = (
-                request.task,
-                self._serial.get(request.task),
-                request.key(),
-                options,
-                *(tensor_key(t) for t in (batch.inputs, batch.targets, *extra)),
-            )
+            key = self.step_key(request, options, (batch.inputs, batch.targets, *extra))
             return self.traced.run(
                 key,
                 lambda b, *more: walk(cp, b, *more),
@@ -329,6 +323,18 @@ class Prepared:
             )
 
         return self.run(call)
+
+    def step_key(self, request: Request, options, tensors) -> tuple:
+        """What a traced step of ``request`` depends on besides its tensors' values:
+        the task and its plan, ``options`` (hashable), the tensors' shapes, strides,
+        dtypes and devices (:func:`memconv.engine.traced.tensor_key`)."""
+        return (
+            request.task,
+            self._serial.get(request.task),
+            request.key(),
+            options,
+            *(tensor_key(t) for t in tensors),
+        )
 
     @property
     def plan(self) -> Plan | None:
@@ -493,6 +499,26 @@ class Prepared:
 #: The attribute of a model under which the plain functions keep its :class:`Prepared`.
 KEPT_ATTRIBUTE = "_memconv_prepared"
 _kept_lock = threading.Lock()
+
+
+#: The attribute of a model under which the recorded blocks keep its :class:`Prepared`.
+BLOCK_ATTRIBUTE = "_memconv_block_prepared"
+
+
+def kept_for_blocks(model: nn.Module) -> Prepared:
+    """The :class:`Prepared` the recorded blocks on ``model`` (:mod:`memconv.tasks.recorded`)
+    share from one block to the next, kept on the model as :func:`kept_for`'s (so that a
+    block opened at every step reuses the probe, the plan and a compiled model's traced
+    step); a fresh one where the model takes no attributes."""
+    kept = getattr(model, "__dict__", {}).get(BLOCK_ATTRIBUTE)
+    if isinstance(kept, _Kept):
+        return kept.prepared
+    kept = _Kept()
+    try:
+        model.__dict__[BLOCK_ATTRIBUTE] = kept
+    except (AttributeError, TypeError):
+        pass
+    return kept.prepared
 
 
 class _Kept:

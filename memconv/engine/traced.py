@@ -122,6 +122,154 @@ class TracedGraph:
         return self.build(iter(outputs))
 
 
+def split_at_targets(graph: nn.Module) -> tuple[nn.Module, nn.Module, int]:
+    """A traced step ``graph(inputs, targets, *extra) -> [*leaves, output]`` cut before
+    its first operation that reads the targets, into two graphs run one after the
+    other:
+
+    - the forward half, ``(inputs, *extra) -> [output, *saved]``: every operation
+      before the cut, in their order (the model's forward pass, which must end before
+      the cut: ``output`` is the model's output);
+    - the backward half, ``(*saved, targets) -> leaves``: the operations from the cut
+      on, in their order, reading what they need of the forward half from ``saved``
+      and the model's parameters and buffers as the whole graph does.
+
+    Both halves together run the whole graph's operations in its order, so the
+    results are the same (in-place operations included).
+
+    Returns:
+        ``(forward, backward, saved)``: the two ``torch.fx.GraphModule`` and the number
+        of saved tensors.
+
+    Raises:
+        NotTraceable: the output is computed after an operation reading the targets (a
+            batch walked in several micro-batches), or nothing reads the targets.
+    """
+    nodes = list(graph.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    targets = placeholders[1]
+    out_node = nodes[-1]
+    *leaves, output = out_node.args[0]
+    cut = next((i for i, n in enumerate(nodes) if targets in n.all_input_nodes), None)
+    if cut is None or out_node is nodes[cut]:
+        raise NotTraceable("the step does not read the output gradient")
+    before = set(nodes[:cut]) - {targets}
+    if output not in before:
+        raise NotTraceable("the model's output is computed after the output gradient is read")
+    after = [n for n in nodes[cut:] if n.op not in ("placeholder", "output")]
+    saved: list = []
+    for n in [*after, out_node]:
+        reads = n.all_input_nodes if n is not out_node else leaves
+        for a in reads:
+            if a in before and a.op != "get_attr" and a not in saved:
+                saved.append(a)
+
+    forward = torch.fx.Graph()
+    env: dict = {}
+    for n in nodes[:cut]:
+        if n is targets:
+            continue
+        env[n] = forward.node_copy(n, lambda a: env[a])
+    forward.output([env[output], *(env[a] for a in saved)])
+
+    backward = torch.fx.Graph()
+    env = {}
+    for a in saved:
+        env[a] = backward.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    env[targets] = backward.placeholder(targets.name)
+    env[targets].meta = dict(targets.meta)
+
+    def lookup(a):
+        if a not in env:  # a parameter or buffer read by the forward half too
+            env[a] = backward.node_copy(a, lambda b: env[b])
+        return env[a]
+
+    for n in after:
+        env[n] = backward.node_copy(n, lookup)
+    backward.output([lookup(a) if isinstance(a, torch.fx.Node) else a for a in leaves])
+    halves = (torch.fx.GraphModule(graph, forward), torch.fx.GraphModule(graph, backward))
+    return (*halves, len(saved))
+
+
+@dataclass
+class SplitStep:
+    """A traced step in two compiled halves (:func:`split_at_targets`): the forward
+    half runs at the model's call, the backward half once the output gradient (the
+    targets) is known.
+
+    Attributes:
+        forward_graph, backward_graph: the two halves (``torch.fx.GraphModule``).
+        forward_compiled: ``forward_graph`` compiled by the model's backend.
+        backend: that backend (the backward half compiles at its first call, on the
+            layout of the tensors the compiled forward half returned).
+        spec, constants: the step's result's pytree structure and its leaves that are
+            not tensors, by position (as :class:`TracedGraph`).
+        copy_outputs: as :class:`TracedGraph`.
+        trace_seconds: seconds the trace took.
+        forwards: forward calls so far.
+        calls: backward calls so far.
+        failed: the compiler's error at the backward half's first call, or None: that
+            call and the later ones run the backward half uncompiled (its graph of ATen
+            operations, the same numbers), and :meth:`TracedSteps.refuse` says so.
+    """
+
+    forward_graph: nn.Module
+    backward_graph: nn.Module
+    forward_compiled: Callable
+    backend: object
+    spec: object
+    constants: dict[int, object]
+    copy_outputs: bool = False
+    trace_seconds: float = 0.0
+    forwards: int = 0
+    calls: int = 0
+    failed: str | None = None
+    backward_compiled: Callable | None = None
+    build: Callable = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.build = pytree_builder(self.spec)
+
+    def forward(self, tensors: tuple[Tensor, ...]) -> tuple[Tensor, list[Tensor]]:
+        """``(output, saved)`` of the forward half on ``(inputs, *extra)``."""
+        with torch.no_grad():
+            outputs = self.forward_compiled(*tensors)
+        if self.copy_outputs:
+            outputs = [t.clone() for t in outputs]
+        self.forwards += 1
+        return outputs[0], list(outputs[1:])
+
+    def backward(self, saved: list[Tensor], targets: Tensor):
+        """The step's result (its pytree) from the forward half's ``saved`` and the
+        targets."""
+        tensors = [*saved, targets]
+        if self.backward_compiled is None:
+            backend = step_backend(self.backend, self.backward_graph)
+            self.backward_compiled = compile_graph(self.backward_graph, tensors, backend)
+        with torch.no_grad():
+            if self.failed is not None:
+                outputs = self.backward_graph(*tensors)
+            else:
+                try:
+                    outputs = self.backward_compiled(*tensors)
+                except Exception as error:  # a compiler error at the first call
+                    if self.calls:
+                        raise
+                    self.failed = f"the compiler failed: {first_line(error)}"
+                    outputs = self.backward_graph(*tensors)
+        if self.copy_outputs and self.failed is None:
+            outputs = [t.clone() for t in outputs]
+        self.calls += 1
+        if self.constants:
+            outputs = iter(outputs)
+            outputs = [
+                self.constants[i] if i in self.constants else next(outputs)
+                for i in range(self.spec.num_leaves)
+            ]
+        return self.build(iter(outputs))
+
+
 @dataclass
 class TracedSteps:
     """The traced steps of one model (a :class:`memconv.engine.prepared.Prepared`'s, or
@@ -140,6 +288,7 @@ class TracedSteps:
     """
 
     graphs: dict = field(default_factory=dict)
+    splits: dict = field(default_factory=dict)
     refused: dict = field(default_factory=dict)
     traces: int = 0
     what: str = "per-sample step"
@@ -150,6 +299,7 @@ class TracedSteps:
     def forget(self) -> None:
         """Drop every traced step (a new probe or plan makes new ones)."""
         self.graphs.clear()
+        self.splits.clear()
         self.refused.clear()
 
     def run(self, key, walk: Callable, batch: Batch, extra: tuple, backend, model: nn.Module):
@@ -177,24 +327,76 @@ class TracedSteps:
             except Exception as error:  # a compiler error at the first call
                 if entry.calls:
                     raise
-                self._refuse(key, model, f"the compiler failed: {first_line(error)}")
+                self.refuse(key, model, f"the compiler failed: {first_line(error)}")
                 return walk(batch, *extra)
         try:
             entry, result = self._trace(walk, batch, extra, backend, model)
         except NotTraceable as error:
-            self._refuse(key, model, str(error))
+            self.refuse(key, model, str(error))
             return walk(batch, *extra)
         self.graphs[key] = entry
         return result
 
-    def _trace(self, walk, batch: Batch, extra: tuple, backend, model: nn.Module):
+    def trace_split(self, key, walk: Callable, batch: Batch, extra: tuple, backend, model):
+        """Trace ``walk(batch, *extra)`` as :meth:`run` does, cut it into its forward
+        and backward halves (:func:`split_at_targets`) and keep them under ``key``
+        (:attr:`splits`); where that is refused, keep the reason (:attr:`refused`) and
+        warn once. The traced step's result is discarded (the caller has its own).
+
+        ``batch.loss_fn`` is a :class:`memconv.engine.losses.OutputKeepingLoss`: the
+        model's output is read from it.
+        """
+        try:
+            graph, held, seconds = self._make_graph(walk, batch, extra, model, output=True)
+            forward, backward, _ = split_at_targets(graph)
+        except NotTraceable as error:
+            self.refuse(key, model, str(error))
+            return
+        except ProbeMismatch:  # the model's calls changed: the next call probes again
+            return
+        except Exception as error:  # noqa: BLE001 — not kept: the calls stay eager, warned
+            self.refuse(key, model, f"the trace failed: {first_line(error)}")
+            return
+        finally:
+            batch.loss_fn.output = None  # (held the traced output)
+        leaves = held["leaves"]
+        constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, Tensor)}
+        self.splits[key] = SplitStep(
+            forward,
+            backward,
+            compile_graph(forward, [batch.inputs, *extra], step_backend(backend, forward)),
+            backend,
+            held["spec"],
+            constants,
+            copy_outputs=graph_owned_outputs(backend),
+            trace_seconds=seconds,
+        )
+        logger.info(
+            "memconv: traced the %s of %s in two halves (%d and %d nodes, %.1f s)",
+            self.what,
+            type(model).__name__,
+            len(forward.graph.nodes),
+            len(backward.graph.nodes),
+            seconds,
+        )
+
+    def _make_graph(self, walk, batch: Batch, extra: tuple, model: nn.Module, output=False):
+        """``(graph, held, seconds)``: ``walk`` traced and checked; ``held``: its
+        result, the result's leaves and pytree spec. With ``output``, the graph's last
+        output is the model's output (read from the batch's loss)."""
         held: dict = {}
 
         def step(inputs, targets, *more):
             result = walk(replace(batch, inputs=inputs, targets=targets), *more)
             leaves, spec = tree_flatten(result)
             held.update(result=result, spec=spec, leaves=leaves)
-            return [v for v in leaves if isinstance(v, Tensor)]
+            tensors = [v for v in leaves if isinstance(v, Tensor)]
+            if output:
+                kept = batch.loss_fn.output
+                if kept is None:
+                    raise NotTraceable("the step gave the loss no output in one call")
+                tensors.append(kept)
+            return tensors
 
         check_hooks(model, self.hooks)
         for name, value in (("inputs", batch.inputs), ("targets", batch.targets)):
@@ -212,6 +414,10 @@ class TracedSteps:
         check_constants(graph, model)
         if not self.random:
             check_random(graph)
+        return graph, held, seconds
+
+    def _trace(self, walk, batch: Batch, extra: tuple, backend, model: nn.Module):
+        graph, held, seconds = self._make_graph(walk, batch, extra, model)
         leaves = held["leaves"]
         constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, Tensor)}
         backend = step_backend(backend, graph)
@@ -233,7 +439,8 @@ class TracedSteps:
         )
         return entry, held["result"]
 
-    def _refuse(self, key, model: nn.Module, reason: str) -> None:
+    def refuse(self, key, model: nn.Module, reason: str) -> None:
+        """Keep ``key``'s step eager from now on, for ``reason``; warn once per reason."""
         self.refused[key] = reason
         if reason in self._warned:
             return
@@ -251,10 +458,13 @@ class TracedSteps:
 
 __all__ = [
     "NotTraceable",
+    "SplitStep",
     "TracedGraph",
     "TracedSteps",
     "check_constants",
     "check_hooks",
     "check_random",
+    "first_line",
+    "split_at_targets",
     "tensor_key",
 ]

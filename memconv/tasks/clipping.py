@@ -166,25 +166,54 @@ def clip_with(prepared: Prepared, given: Batch, *, max_norm, groups="all", **opt
             total, parts = _clip_sample_by_sample(batch, params, grouping, mask)
         flag = results_flag(parts, _checked_sums(total, None, padded))
     else:
-
-        def walk(cp, b, *more):  # ``more``: the mask, where there is one
-            total, parts = _clipped_sums(cp, b, grouping, params, *more)
-            # the finiteness of what is checked, in the step (a compiled one's graph)
-            sums = _checked_sums(total, cp.plan.clip_route, padded)
-            return total, parts, results_flag(parts, sums)
-
+        walk = clipping_walk(grouping, params, padded)
         options = (grouping.kind, tuple(grouping.of.items()), tuple(grouping.max_norm.items()))
         extra = () if mask is None else (mask,)
         total, parts, flag = prepared.run_walk(batch, request, walk, options=options, extra=extra)
-    if prepared.backend is not None and given.inputs.device.type != "cpu":
-        # a compiled step on a GPU: checked there, the host does not wait
-        assert_flag_on_device(flag, request.caller)
-    elif flag is not None and not bool(flag):  # the call's one host synchronisation
-        route = None if prepared.streams else prepared.plan.clip_route
-        sums = _checked_sums(total, route, padded)
-        ensure_finite_results(parts, sums, request.caller, padded=padded)
+    check_step(
+        flag,
+        total,
+        parts,
+        caller=request.caller,
+        route=None if prepared.streams else prepared.plan.clip_route,
+        padded=padded,
+        on_device=prepared.backend is not None and given.inputs.device.type != "cpu",
+    )
     accumulate(params, total, ddp)
     return joined(grouping, parts)
+
+
+def clipping_walk(grouping: Grouping, params: dict, padded: bool):
+    """The walk of a clipping step, ``walk(cp, batch, *mask) -> (total, parts, flag)``:
+    the clipped sums ``{name: tensor}``, the norms ``[{group: [m]}]`` per micro-batch
+    (:func:`_clipped_sums`) and the finiteness flag of what :func:`check_step` checks,
+    computed in the step (a compiled step's graph). ``padded``: the batch has a
+    ``sample_mask`` (passed as the walk's one extra tensor)."""
+
+    def walk(cp, b, *more):
+        total, parts = _clipped_sums(cp, b, grouping, params, *more)
+        sums = _checked_sums(total, cp.plan.clip_route, padded)
+        return total, parts, results_flag(parts, sums)
+
+    return walk
+
+
+def check_step(flag, total: dict, parts: list, *, caller, route, padded, on_device) -> None:
+    """The finiteness check of a clipping step's results, before ``.grad``: with
+    ``on_device`` (a compiled step on a GPU) on the flag's device, the host does not
+    wait (:func:`memconv.tasks.groups.assert_flag_on_device`); otherwise the flag read
+    once, the call's one host synchronisation, and where it is False the samples or
+    sums looked for and named (:func:`ensure_finite_results`). ``route``: the plan's
+    clipping route (None: sample by sample).
+
+    Raises:
+        RuntimeError: as :func:`ensure_finite_results`.
+    """
+    if on_device:
+        assert_flag_on_device(flag, caller)
+    elif flag is not None and not bool(flag):
+        sums = _checked_sums(total, route, padded)
+        ensure_finite_results(parts, sums, caller, padded=padded)
 
 
 def _clipped_sums(cp: CallPlan, batch: Batch, grouping: Grouping, params: dict, mask=None):

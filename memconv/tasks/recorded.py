@@ -46,13 +46,21 @@ from .._checks import (
     check_sample_mask,
 )
 from ..conv.settings import use_block_settings
-from ..engine.losses import linear_loss
+from ..engine.losses import OutputKeepingLoss
 from ..engine.passes import UserPass
-from ..engine.prepared import CallPlan, Prepared, unwrap_compiled
+from ..engine.prepared import CallPlan, kept_for_blocks, unwrap_compiled
 from ..engine.request import Batch
+from ..engine.traced import SplitStep, first_line
 from ..layers import own_trainable
 from .arguments import check_call, zero_padded
-from .clipping import accumulate, clip_part, ensure_finite_results, one_pass
+from .clipping import (
+    accumulate,
+    check_step,
+    clip_part,
+    clipping_walk,
+    ensure_finite_results,
+    one_pass,
+)
 from .grads import RowWriter
 from .groups import resolve_groups
 from .norms import gatherer, joined, squared, total_sq
@@ -78,6 +86,26 @@ class Handoff(torch.autograd.Function):
         receive, ctx.receive = ctx.receive, None
         receive(grad_output)
         return None, None, None
+
+
+class CompiledCall:
+    """One call of a ``torch.compile``'d model run by the forward half of its traced
+    step (:class:`memconv.engine.traced.SplitStep`): what the backward half reads of it
+    is held until the backward pass (or :meth:`close`).
+
+    Attributes:
+        split: the traced step.
+        key: its key (:meth:`memconv.engine.prepared.Prepared.step_key`).
+        saved: the forward half's tensors the backward half reads.
+        cp: the call's plan.
+        n: the batch size.
+    """
+
+    def __init__(self, split: SplitStep, key, saved: list, cp: CallPlan, n: int):
+        self.split, self.key, self.saved, self.cp, self.n = split, key, saved, cp, n
+
+    def close(self) -> None:
+        self.saved = None
 
 
 class RecordedBackward:
@@ -106,6 +134,9 @@ class RecordedBackward:
     """
 
     task = "grads"
+    #: Whether a compiled model's calls run a traced step's two halves, compiled
+    #: (:meth:`_step_walk`); otherwise eagerly, with a warning.
+    compiles = False
 
     def __init__(
         self,
@@ -136,13 +167,18 @@ class RecordedBackward:
         self.loss_reduction = loss_reduction
         self.strategy, self.memory_budget = strategy, memory_budget
         self.norm_route, self.clip_route = norm_route, clip_route
-        self._prepared = Prepared()
+        self._prepared = kept_for_blocks(model)
+        self._loss = OutputKeepingLoss()  # the traced step's: the output read from it
         self._anchor = torch.empty(0, requires_grad=True)
         self._handles: list = []
         self._open: list = []  # (pass, its root call) of the calls under way
         self._waiting: set = set()  # passes recorded, their backward not yet run
         self._probing = False
         self._warned_compiled = False
+        self._to_trace: dict = {}  # pass -> (key, walk, extra): traced after its backward
+        self._ready = None  # the output of a compiled call for the model's swapped forward
+        self._forward = None  # a compiled model's own forward, while the block swaps it
+        self._model = unwrap_compiled(model)  # the module walked
 
     # ------------------------------------------------------------ the block
     def __enter__(self):
@@ -153,12 +189,33 @@ class RecordedBackward:
             model.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True),
         ]
+        if model is not unwrap_compiled(model):
+            # a compiled model's forward, bound before the hooks run, is swapped for the
+            # block: a call the compiled forward half serves returns its output
+            self._forward = (model.forward, "forward" in model.__dict__)
+            model.forward = self._swapped_forward
         return self
+
+    def _swapped_forward(self, *args, **kwargs):
+        ready, self._ready = self._ready, None
+        if ready is not None:
+            return ready
+        if self._open:  # a recorded call: the module the compiled model wraps, eagerly
+            return self._model(*args, **kwargs)
+        return self._forward[0](*args, **kwargs)
 
     def __exit__(self, kind, value, traceback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._forward is not None:
+            forward, own = self._forward
+            if own:
+                self.model.forward = forward
+            else:
+                del self.model.forward
+            self._forward = None
+        self._ready = None
         for upass, _ in self._open:
             upass.close()
         self._open = []
@@ -179,7 +236,13 @@ class RecordedBackward:
         if self._probing or self._open or not (module.training and torch.is_grad_enabled()):
             return None
         x = _one_input(args, kwargs, self.caller)
-        upass = self._pass(x)
+        cp = self._plan(x)
+        call = self._compiled_call(x, cp, None)
+        if call is not None:
+            call, self._ready = call
+            self._open.append((call, None))
+            return None
+        upass = self._pass(x, cp)
         root_call = (args, kwargs) if own_trainable(module) else None
         upass.start(x, root_call)
         self._open.append((upass, root_call))
@@ -191,7 +254,10 @@ class RecordedBackward:
         upass, root_call = self._open.pop()
         if output is None:  # the forward pass raised
             upass.close()
+            self._ready = None
             return None
+        if isinstance(upass, CompiledCall):
+            return self._hand_off(upass, output)
         out = upass.stop(output, root_call)
         return self._hand_off(upass, out)
 
@@ -222,17 +288,21 @@ class RecordedBackward:
         check_sample_mask(sample_mask, len(x), x.device)
         if sample_mask is not None:
             x = zero_padded(x, sample_mask)
-        upass = self._pass(x, sample_mask)
+        cp = self._plan(x)
+        call = self._compiled_call(x, cp, sample_mask)
+        if call is not None:
+            return self._hand_off(*call, sample_mask)
+        upass = self._pass(x, cp, sample_mask)
         return self._hand_off(upass, upass.forward(x), sample_mask)
 
-    def _pass(self, x: Tensor, sample_mask: Tensor | None = None) -> UserPass:
+    def _plan(self, x: Tensor) -> CallPlan:
         """Check the model and plan its pass on ``x`` (the probe, two forward passes of
         one and two samples, kept while the model and the input's shape do not change)."""
         self._probing = True  # the probe's calls of the model are not recorded
         try:
             checked = check_call(
                 self._prepared,
-                Batch(self.model, linear_loss, x, x),
+                Batch(self.model, self._loss, x, x),
                 task=self.task,
                 caller=self.caller,
                 strategy=self.strategy,
@@ -243,23 +313,74 @@ class RecordedBackward:
             cp = self._prepared.call_plan(checked.batch, checked.request)
         finally:
             self._probing = False
+        self._model = checked.batch.model  # (a compiled model's own module)
         if self._prepared.backend is not None and not self._warned_compiled:
-            self._warned_compiled = True
-            warnings.warn(
-                f"{self.caller}: the model is torch.compile'd, but this block records the "
-                "user's own forward and backward pass and runs them eagerly (the module "
-                "the compiled model wraps, same parameters). For a compiled step, use "
-                "memconv.PrivateStep or memconv.clip_and_accumulate with the compiled "
-                "model: they run the per-sample step as one compiled graph.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            self._warn_eager()
         if self.memory_budget is not None:
             cp = replace(cp, plan=replace(cp.plan, layer_budget=self.memory_budget))
-        return UserPass(cp, checked.batch.model, self._visitor(cp, len(x), sample_mask))
+        return cp
 
-    def _hand_off(self, upass: UserPass, out, sample_mask: Tensor | None = None) -> Tensor:
-        if not isinstance(out, Tensor) or out.dim() == 0 or len(out) != len(upass.inputs):
+    def _warn_eager(self) -> None:
+        """Warn once that a compiled model runs eagerly in this block (there is no
+        traced step of what it computes: :attr:`compiles`)."""
+        if self.compiles:
+            return
+        self._warned_compiled = True
+        warnings.warn(
+            f"{self.caller}: the model is torch.compile'd, but this block records the "
+            "user's own forward and backward pass and runs them eagerly (the module "
+            "the compiled model wraps, same parameters). For a compiled step, use "
+            "memconv.PrivateStep or memconv.clip_and_accumulate with the compiled "
+            "model: they run the per-sample step as one compiled graph.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+    def _pass(self, x: Tensor, cp: CallPlan, sample_mask: Tensor | None = None) -> UserPass:
+        """The recorded pass of the call on ``x`` under ``cp``; for a compiled model
+        whose step is to be traced, marked to be traced after its backward pass."""
+        upass = UserPass(cp, self._model, self._visitor(cp, len(x), sample_mask))
+        traced = self._traced_key(x, cp, sample_mask)
+        if traced is not None and traced[0] not in self._prepared.traced.refused:
+            self._to_trace[upass] = traced
+        return upass
+
+    def _traced_key(self, x: Tensor, cp: CallPlan, sample_mask) -> tuple | None:
+        """``(key, walk, extra)`` of the call's traced step, or None where it runs
+        eagerly: an uncompiled model, the first call of a probe, or no traced step of
+        what this block computes."""
+        prepared = self._prepared
+        if prepared.backend is None or not prepared.reused or not self.compiles:
+            return None
+        walk, options = self._step_walk(padded=sample_mask is not None)
+        extra = () if sample_mask is None else (sample_mask,)
+        options = (*options, self.memory_budget, self.loss_reduction)
+        return prepared.step_key(cp.request, options, (x, *extra)), walk, extra
+
+    def _compiled_call(self, x: Tensor, cp: CallPlan, sample_mask):
+        """``(call, output)`` of the forward half of the call's traced step
+        (:class:`CompiledCall`), or None where there is none yet (or none at all)."""
+        traced = self._traced_key(x, cp, sample_mask)
+        if traced is None:
+            return None
+        key, _, extra = traced
+        steps = self._prepared.traced
+        split = steps.splits.get(key)
+        if split is None:
+            return None
+        try:
+            output, saved = split.forward((x, *extra))
+        except Exception as error:  # a compiler error at the first call: eagerly
+            if split.forwards:
+                raise
+            del steps.splits[key]
+            steps.refuse(key, self._model, f"the compiler failed: {first_line(error)}")
+            return None
+        return CompiledCall(split, key, saved, cp, len(x)), output
+
+    def _hand_off(self, upass, out, sample_mask: Tensor | None = None) -> Tensor:
+        n = upass.n if isinstance(upass, CompiledCall) else len(upass.inputs)
+        if not isinstance(out, Tensor) or out.dim() == 0 or len(out) != n:
             upass.close()
             raise TypeError(
                 f"{self.caller}: the model must return one tensor [N, ...] (batch axis "
@@ -273,12 +394,25 @@ class RecordedBackward:
 
         return Handoff.apply(receive, self._anchor, out.detach())
 
-    def _backward(self, upass: UserPass, grad_output: Tensor, sample_mask=None) -> None:
-        n = len(upass.inputs)
+    def _backward(self, upass, grad_output: Tensor, sample_mask=None) -> None:
+        compiled = isinstance(upass, CompiledCall)
+        n = upass.n if compiled else len(upass.inputs)
         scale = n if self.loss_reduction == "mean" else 1
         targets = grad_output.detach() * scale
         if sample_mask is not None:  # the padded samples' output gradients dropped
             targets = zero_padded(targets, sample_mask)
+        if compiled:
+            try:
+                result = upass.split.backward(upass.saved, targets.contiguous())
+            finally:
+                upass.close()
+            if upass.split.failed is not None:  # computed uncompiled; eagerly from now on
+                steps = self._prepared.traced
+                steps.splits.pop(upass.key, None)
+                steps.refuse(upass.key, self._model, upass.split.failed)
+            self._finish_traced(upass.cp, result, sample_mask)
+            return
+        inputs, traced = upass.inputs, self._to_trace.pop(upass, None)
         try:
             with torch.enable_grad():  # a backward node's own backward runs without
                 keep = upass.cp.plan.clip_route == "two-pass"
@@ -286,12 +420,35 @@ class RecordedBackward:
                 self._finish(upass.cp, part, scale)
         finally:
             upass.close()
+        if traced is not None:  # the next calls run its two halves, compiled
+            key, walk, extra = traced
+            cp, model = upass.cp, self._model
+            batch = Batch(model, self._loss, inputs, targets.contiguous())
+            with torch.enable_grad():
+                self._prepared.traced.trace_split(
+                    key,
+                    lambda b, *more: walk(cp, b, *more),
+                    batch,
+                    extra,
+                    self._prepared.backend,
+                    model,
+                )
 
     # what each backward pass computes (subclasses)
     def _visitor(self, cp: CallPlan, n: int, sample_mask=None):
         raise NotImplementedError
 
     def _finish(self, cp: CallPlan, part, scale: int) -> None:
+        raise NotImplementedError
+
+    def _step_walk(self, padded: bool):
+        """``(walk, options)`` of the traced step of what each backward pass computes
+        (``walk(cp, batch, *extra)``, as :meth:`memconv.engine.prepared.Prepared.run_walk`
+        takes it; ``padded``: the batch has a ``sample_mask``, its one extra tensor),
+        where :attr:`compiles`."""
+        raise NotImplementedError
+
+    def _finish_traced(self, cp: CallPlan, result, sample_mask) -> None:
         raise NotImplementedError
 
 
@@ -309,6 +466,7 @@ class Clipping(RecordedBackward):
     """
 
     task = "clip"
+    compiles = True
 
     def __init__(self, model: nn.Module, *, max_norm, groups="all", caller: str, **options):
         super().__init__(model, caller=caller, **options)
@@ -335,9 +493,36 @@ class Clipping(RecordedBackward):
         padded = mask is not None
         sums = total if cp.plan.clip_route == "two-pass" or padded else {}
         ensure_finite_results([norms], sums, cp.request.caller, padded=padded)
-        self.sample_mask = mask
-        accumulate(params, total, None)
-        self.norms = joined(grouping, [norms])
+        self._deliver(total, joined(grouping, [norms]), mask)
+
+    def _step_walk(self, padded: bool):
+        grouping = self._grouping()
+        params = self._prepared.trainable()
+        options = (grouping.kind, tuple(grouping.of.items()), tuple(grouping.max_norm.items()))
+        return clipping_walk(grouping, params, padded), options
+
+    def _finish_traced(self, cp: CallPlan, result, sample_mask) -> None:
+        total, parts, flag = result
+        device = next(iter(total.values())).device if total else torch.device("cpu")
+        check_step(
+            flag,
+            total,
+            parts,
+            caller=cp.request.caller,
+            route=cp.plan.clip_route,
+            padded=sample_mask is not None,
+            on_device=device.type != "cpu",
+        )
+        self._deliver(total, joined(self._grouping(), parts), sample_mask)
+
+    def _grouping(self):
+        return resolve_groups(unwrap_compiled(self.model), self.groups, self.max_norm)
+
+    def _deliver(self, total: dict, norms, sample_mask) -> None:
+        """The backward pass's clipped sums added to ``.grad``, its norms kept."""
+        self.sample_mask = sample_mask
+        accumulate(self._prepared.trainable(), total, None)
+        self.norms = norms
 
 
 class Recording(RecordedBackward):

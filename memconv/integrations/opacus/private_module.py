@@ -59,10 +59,16 @@ class _PrivateClipping(Clipping):
         super().__init__(model, **options)
         self.adaptive = adaptive
 
-    def _finish(self, cp, part, scale):
+    @property
+    def compiles(self) -> bool:
+        # adaptive clipping moves the threshold at every step, which a traced step
+        # holds as a constant: a compiled model runs eagerly then (with a warning)
+        return self.adaptive is None
+
+    def _deliver(self, total, norms, sample_mask):
         params = list(self._prepared.trainable().values())
         _refuse_held_gradients(params)
-        super()._finish(cp, part, scale)
+        super()._deliver(total, norms, sample_mask)
         if self.adaptive is not None:
             self.adaptive.count(self.norms, self.sample_mask)
         _create_missing_grads(params)
