@@ -381,27 +381,65 @@ def compile_graph(graph, example_inputs: list, backend):
     return _LazyCompiled(graph, example_inputs, backend)
 
 
+def compile_graph_boxed(graph, example_inputs: list, backend):
+    """:func:`compile_graph` called with one list of tensors, ``compiled(tensors)``,
+    which the compiled code empties as it starts: each input is freed after its last
+    use inside the graph where the caller holds no other reference to it (the boxed
+    calling convention Dynamo gives compiled autograd's graphs, through
+    ``torch._dynamo.utils.GmWrapper``). For inductor and ``"aot_eager"``, whose AOT
+    Autograd takes that wrapper; any other backend is called as :func:`compile_graph`'s,
+    the list unpacked (its inputs live until the call returns)."""
+    return _LazyCompiled(graph, example_inputs, backend, boxed=_takes_boxed(backend))
+
+
+def _takes_boxed(backend) -> bool:
+    if isinstance(backend, str):
+        return backend in ("inductor", "aot_eager")
+    wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+    return wrapper is not None and isinstance(backend, wrapper)
+
+
 class _LazyCompiled:
-    def __init__(self, graph, example_inputs: list, backend):
-        self.graph, self.backend, self.fn = graph, backend, None
+    def __init__(self, graph, example_inputs: list, backend, boxed: bool = False):
+        self.graph, self.backend, self.fn, self.boxed = graph, backend, None, boxed
         self.example = [  # the inputs' layout, not their values (nothing kept alive)
             torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
             for t in example_inputs
         ]
 
+    def _compile(self):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        graph = self.graph
+        if type(graph.graph._codegen) is not torch.fx.graph.CodeGen:  # make_fx's pytree one
+            graph.graph._codegen = torch.fx.graph.CodeGen()
+            graph.recompile()
+        backend = self.backend
+        compiler = lookup_backend(backend) if isinstance(backend, str) else backend
+        if self.boxed:
+            from torch._dynamo.utils import GmWrapper
+
+            graph = GmWrapper(graph, lambda args: args)
+        self.fn = compiler(graph, self.example)
+        self.example = None
+
     def __call__(self, *tensors):
         if self.fn is None:
-            from torch._dynamo.backends.registry import lookup_backend
-
-            graph = self.graph
-            if type(graph.graph._codegen) is not torch.fx.graph.CodeGen:  # make_fx's pytree one
-                graph.graph._codegen = torch.fx.graph.CodeGen()
-                graph.recompile()
-            backend = self.backend
-            compiler = lookup_backend(backend) if isinstance(backend, str) else backend
-            self.fn = compiler(graph, self.example)
-            self.example = None
+            self._compile()
+        if self.boxed:  # (called unboxed: the caller keeps its references)
+            return self.fn(list(tensors))
         return self.fn(*tensors)
+
+    def call_boxed(self, tensors: list):
+        """The compiled graph on ``tensors``, which it empties (see
+        :func:`compile_graph_boxed`)."""
+        if self.fn is None:
+            self._compile()
+        if self.boxed:
+            return self.fn(tensors)
+        args = tuple(tensors)
+        tensors.clear()
+        return self.fn(*args)
 
 
 def opaque(name: str, schema: str, fake):

@@ -396,16 +396,28 @@ def test_a_compiled_step_function_breaks_its_graph_once_at_memconv():
     assert sum(breaks.values()) == 1 and "disable" in next(iter(breaks))
 
 
-def test_the_recording_block_says_that_a_compiled_model_runs_eagerly():
+@pytest.mark.parametrize("name", ["tv-resnet", "vit"])
+def test_the_recording_block_runs_a_compiled_model_in_two_compiled_halves(name):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    model, shape = MODELS[name]()
+    model = model.double()
     compiled = torch.compile(model, backend="aot_eager")
-    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
-    with pytest.warns(RuntimeWarning, match="runs them eagerly"):
-        with memconv.recording(compiled) as rec:
-            nn.functional.cross_entropy(compiled(x), y).backward()
-    ref = memconv.per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
-    assert_close(rec.grads, ref, TOL)
+    loss_fn = nn.CrossEntropyLoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no step falls back to eager
+        for i in range(4):
+            x, y = _batch(shape, seed=i)
+            model.zero_grad(set_to_none=True)
+            with memconv.recording(compiled) as rec:
+                loss_fn(compiled(x), y).backward()
+            summed = _grads(model)
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            assert_close(summed, _grads(model), TOL)  # .grad: the ordinary gradient
+            assert_close(rec.grads, memconv.per_sample_grads(model, loss_fn, x, y), TOL)
+    traced = _block_traced(compiled)
+    assert traced.traces == 1 and [s.calls for s in traced.splits.values()] == [2]
+    assert counters["aot_autograd"]["total"] == 2 and not counters["recompiles"]
 
 
 def _clipping_block_steps(name, n_steps=4, backend="aot_eager", **options):
@@ -602,6 +614,47 @@ def test_make_private_keeps_a_compiled_model_compiled_over_padded_poisson_batche
         assert_close(pm.last_norms[mask], rm.last_norms, TOL)
     traced = pm._clipping._prepared.traced
     assert traced.traces == 1 and [s.calls for s in traced.splits.values()] == [3]
+    assert counters["aot_autograd"]["total"] == 2 and not counters["recompiles"]
+
+
+def test_twenty_poisson_steps_of_a_compiled_private_model_compile_once():
+    """``make_private(..., poisson_sampling=True)`` on a compiled model, its loader's
+    Poisson batches padded to one size by ``FixedSizePoissonLoader``: 20 steps, one
+    trace, the two halves compiled once, no recompilation."""
+    pytest.importorskip("opacus")
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from memconv.integrations import opacus as mo
+
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    data = TensorDataset(torch.randn(64, *shape, dtype=torch.float64), torch.randint(0, 10, (64,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus' secure-RNG notice
+        private, optimizer, loader = mo.make_private(
+            PrivacyEngine(),
+            module=torch.compile(model, backend="aot_eager"),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+            data_loader=DataLoader(data, batch_size=8),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=True,
+        )
+    loss_fn = nn.CrossEntropyLoss()
+    steps = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no step falls back to eager
+        while steps < 20:
+            for x, y, mask in mo.FixedSizePoissonLoader(loader, batch_size=24):
+                optimizer.zero_grad()
+                loss_fn(private(x, sample_mask=mask), y).backward()
+                optimizer.step()
+                steps += 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    traced = private._clipping._prepared.traced
+    assert traced.traces == 1 and [s.calls for s in traced.splits.values()] == [steps - 2]
     assert counters["aot_autograd"]["total"] == 2 and not counters["recompiles"]
 
 

@@ -15,6 +15,12 @@ each call (on a small model that frame cost as much as the compiled step itself)
 Later calls with the same plan, shapes, strides and options run the compiled graph
 and none of memconv's Python.
 
+The recorded blocks (:mod:`memconv.tasks.recorded`), whose forward and backward passes
+are the user's two calls, trace their clipping step once the same way and cut the graph
+where the output gradient is first read (:func:`split_at_targets`): the compiled
+forward half runs at the model's call, the compiled backward half at the user's
+``loss.backward()`` (:class:`SplitStep`).
+
 Exactness: the graph records the very operations the eager walk runs; float64 results
 equal the eager ones to rounding (the compiler may reorder sums). What a trace cannot
 keep is refused, never baked in silently:
@@ -48,6 +54,7 @@ from .._torch import (
     check_hooks,
     check_random,
     compile_graph,
+    compile_graph_boxed,
     first_line,
     graph_owned_outputs,
     make_fx_real,
@@ -242,22 +249,27 @@ class SplitStep:
 
     def backward(self, saved: list[Tensor], targets: Tensor):
         """The step's result (its pytree) from the forward half's ``saved`` and the
-        targets."""
-        tensors = [*saved, targets]
+        targets. ``saved`` is emptied: the compiled backward half frees each saved
+        tensor after its last use (:func:`memconv._torch.compile_graph_boxed`), as
+        autograd frees what a node saved once the node has run."""
+        saved.append(targets)
+        tensors, saved = saved, None
         if self.backward_compiled is None:
             backend = step_backend(self.backend, self.backward_graph)
-            self.backward_compiled = compile_graph(self.backward_graph, tensors, backend)
+            self.backward_compiled = compile_graph_boxed(self.backward_graph, tensors, backend)
         with torch.no_grad():
             if self.failed is not None:
                 outputs = self.backward_graph(*tensors)
             else:
+                kept = None if self.calls else list(tensors)  # to run uncompiled on failure
                 try:
-                    outputs = self.backward_compiled(*tensors)
+                    outputs = self.backward_compiled.call_boxed(tensors)
                 except Exception as error:  # a compiler error at the first call
                     if self.calls:
                         raise
                     self.failed = f"the compiler failed: {first_line(error)}"
-                    outputs = self.backward_graph(*tensors)
+                    outputs = self.backward_graph(*kept)
+                del kept
         if self.copy_outputs and self.failed is None:
             outputs = [t.clone() for t in outputs]
         self.calls += 1

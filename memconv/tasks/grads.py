@@ -106,10 +106,10 @@ def grads_with(prepared: Prepared, given: Batch, **options):
     params = prepared.trainable()
     if request.n == 0 or prepared.streams:
         return _sample_by_sample(batch, params, request)
-    return prepared.run_walk(batch, request, lambda cp, b: _walked(cp, b, params))
+    return prepared.run_walk(batch, request, lambda cp, b: walked_grads(cp, b, params))
 
 
-def _walked(cp: CallPlan, batch: Batch, params: dict) -> dict[str, Tensor]:
+def walked_grads(cp: CallPlan, batch: Batch, params: dict) -> dict[str, Tensor]:
     """The per-sample gradients of every micro-batch of the plan, written into the result."""
     n = batch.n
     out: dict = {}

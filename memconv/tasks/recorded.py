@@ -26,6 +26,14 @@ axis, each depending on its own sample's output only (``CrossEntropyLoss``,
 ``MSELoss``, label smoothing, auxiliary terms per sample, ...). A loss that mixes the
 samples (a batch statistic of the outputs) cannot be told from its gradient: it is not
 detected, and the norms would be those of another loss.
+
+A ``torch.compile``'d model runs compiled: once the probe and plan are kept, one call
+runs recorded and then traces the block's whole step (:mod:`memconv.engine.traced`),
+cut where the output gradient is first read; later calls run the compiled forward half
+at the model's call and the compiled backward half from the node's backward
+(:class:`CompiledCall`). What a trace cannot keep runs recorded, eagerly, with a
+warning. The blocks on one model share their probe, plan and traced steps
+(:func:`memconv.engine.prepared.kept_for_blocks`).
 """
 
 from __future__ import annotations
@@ -61,7 +69,7 @@ from .clipping import (
     ensure_finite_results,
     one_pass,
 )
-from .grads import RowWriter
+from .grads import RowWriter, walked_grads
 from .groups import resolve_groups
 from .norms import gatherer, joined, squared, total_sq
 
@@ -216,6 +224,7 @@ class RecordedBackward:
                 del self.model.forward
             self._forward = None
         self._ready = None
+        self._to_trace.clear()
         for upass, _ in self._open:
             upass.close()
         self._open = []
@@ -402,8 +411,9 @@ class RecordedBackward:
         if sample_mask is not None:  # the padded samples' output gradients dropped
             targets = zero_padded(targets, sample_mask)
         if compiled:
+            saved, upass.saved = upass.saved, None  # the backward half frees them
             try:
-                result = upass.split.backward(upass.saved, targets.contiguous())
+                result = upass.split.backward(saved, targets.contiguous())
             finally:
                 upass.close()
             if upass.split.failed is not None:  # computed uncompiled; eagerly from now on
@@ -536,6 +546,7 @@ class Recording(RecordedBackward):
     """
 
     task = "grads"
+    compiles = True
 
     def __init__(self, model: nn.Module, *, caller: str, **options):
         super().__init__(model, caller=caller, **options)
@@ -554,12 +565,23 @@ class Recording(RecordedBackward):
         part.visitor.zero_rest()
         out = self._outs.pop(id(part.visitor))
         params = self._prepared.trainable()
-        grads = {name: out[name] for name in params}
-        n = len(part.losses)
+        self._deliver({name: out[name] for name in params}, len(part.losses))
+
+    def _step_walk(self, padded: bool):
+        params = self._prepared.trainable()
+        return (lambda cp, b, *mask: walked_grads(cp, b, params)), ()
+
+    def _finish_traced(self, cp: CallPlan, result, sample_mask) -> None:
+        self._deliver(result, cp.request.n)
+
+    def _deliver(self, grads: dict, n: int) -> None:
+        """The per-sample gradients and norms kept, their sum over the loss's reduction
+        added to ``.grad`` (what ``loss.backward()`` adds)."""
+        scale = n if self.loss_reduction == "mean" else 1
         sq = {k: squared(v) for k, v in grads.items()}
         self.grads = grads
         self.norms = total_sq(sq, n).sqrt()
-        # .grad: what loss.backward() adds (each sample's gradient over the reduction)
+        params = self._prepared.trainable()
         accumulate(params, {k: v.sum(0) / scale for k, v in grads.items()}, None)
 
 
