@@ -120,13 +120,18 @@ class TracedGraph:
         if self.compile_seconds is None:
             self.compile_seconds = time.perf_counter() - start
         self.calls += 1
-        if self.constants:
-            outputs = iter(outputs)
-            outputs = [
-                self.constants[i] if i in self.constants else next(outputs)
-                for i in range(self.spec.num_leaves)
-            ]
-        return self.build(iter(outputs))
+        return _result(outputs, self.constants, self.spec, self.build)
+
+
+def _result(outputs: list, constants: dict, spec, build: Callable):
+    """A traced step's result from its graph's outputs: the leaves that are not
+    tensors (``constants``, by position) put back, the pytree rebuilt."""
+    if constants:
+        outputs = iter(outputs)
+        outputs = [
+            constants[i] if i in constants else next(outputs) for i in range(spec.num_leaves)
+        ]
+    return build(iter(outputs))
 
 
 def split_at_targets(graph: nn.Module) -> tuple[nn.Module, nn.Module, int]:
@@ -273,13 +278,7 @@ class SplitStep:
         if self.copy_outputs and self.failed is None:
             outputs = [t.clone() for t in outputs]
         self.calls += 1
-        if self.constants:
-            outputs = iter(outputs)
-            outputs = [
-                self.constants[i] if i in self.constants else next(outputs)
-                for i in range(self.spec.num_leaves)
-            ]
-        return self.build(iter(outputs))
+        return _result(outputs, self.constants, self.spec, self.build)
 
 
 @dataclass
