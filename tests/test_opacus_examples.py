@@ -68,19 +68,23 @@ def _data(shape: tuple, n: int = 96) -> TensorDataset:
     return TensorDataset(x, torch.randint(0, 10, (n,), generator=g))
 
 
-def _run(make_private, example: str, *, mode: str, dropout: float = 0.0, physical=None):
-    """A few steps of the example, its ``make_private`` line calling ``make_private``."""
+def _run(
+    make_private, example: str, *, mode: str, dropout: float = 0.0, physical=None, compiled=False
+):
+    """A few steps of the example, its ``make_private`` line calling ``make_private``
+    (on ``torch.compile(model)`` with ``compiled``)."""
     torch.manual_seed(0)
     if example == "mnist":
         model, data, lr = SampleConvNet(dropout).double(), _data((1, 28, 28)), 0.1
     else:
         model, data, lr = convnet(10).double(), _data((3, 32, 32)), 0.05
+    base = model
     optimizer = optim.SGD(model.parameters(), lr=lr)
     train_loader = DataLoader(data, batch_size=32)
     privacy_engine = PrivacyEngine()
     out = make_private(
         privacy_engine,
-        module=model,
+        module=torch.compile(model, backend="aot_eager") if compiled else model,
         optimizer=optimizer,
         data_loader=train_loader,
         noise_multiplier=0.0,
@@ -100,8 +104,10 @@ def _run(make_private, example: str, *, mode: str, dropout: float = 0.0, physica
         mnist_train(model, "cpu", train_loader, optimizer, criterion)
     else:
         cifar10_train(model, train_loader, optimizer, "cpu", criterion)
-    inner = model._module if hasattr(model, "_module") else model
-    return {k: v.detach().clone() for k, v in inner.named_parameters()}, privacy_engine
+    if compiled:  # the private module ran the compiled halves
+        traced = model._clipping._prepared.traced
+        assert sum(s.calls for s in traced.splits.values()) > 0
+    return {k: v.detach().clone() for k, v in base.named_parameters()}, privacy_engine
 
 
 def _opacus(privacy_engine, **kwargs):
@@ -109,19 +115,21 @@ def _opacus(privacy_engine, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "example, mode, dropout, physical",
+    "example, mode, dropout, physical, compiled",
     [
-        ("mnist", "hooks", 0.0, None),
-        ("mnist", "hooks", 0.3, None),  # dropout: the mask of the one forward pass
-        ("mnist", "ghost", 0.0, None),
-        ("cifar10", "hooks", 0.0, None),
-        ("cifar10", "hooks", 0.0, 8),  # BatchMemoryManager: physical batches of 8
+        ("mnist", "hooks", 0.0, None, False),
+        ("mnist", "hooks", 0.3, None, False),  # dropout: the mask of the one forward pass
+        ("mnist", "ghost", 0.0, None, False),
+        ("cifar10", "hooks", 0.0, None, False),
+        ("cifar10", "hooks", 0.0, 8, False),  # BatchMemoryManager: physical batches of 8
+        # the script's model compiled: its physical batches of 8 run the compiled halves
+        ("cifar10", "hooks", 0.0, 8, True),
     ],
 )
-def test_the_example_gives_opacus_parameters(example, mode, dropout, physical):
+def test_the_example_gives_opacus_parameters(example, mode, dropout, physical, compiled):
     kwargs = dict(mode=mode, dropout=dropout, physical=physical)
     want, engine = _run(_opacus, example, **kwargs)
-    got, ours = _run(mo.make_private, example, **kwargs)
+    got, ours = _run(mo.make_private, example, compiled=compiled, **kwargs)
     for k in want:
         scale = want[k].abs().max()
         assert (got[k] - want[k]).abs().max() <= TOL * scale, k
