@@ -617,6 +617,62 @@ def test_make_private_keeps_a_compiled_model_compiled_over_padded_poisson_batche
     assert counters["aot_autograd"]["total"] == 2 and not counters["recompiles"]
 
 
+def test_adaptive_clipping_on_a_compiled_model_says_it_runs_eagerly():
+    pytest.importorskip("opacus")
+    import copy
+
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from memconv.integrations import opacus as mo
+
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    ref = copy.deepcopy(model)
+    data = TensorDataset(torch.randn(16, *shape, dtype=torch.float64), torch.zeros(16).long())
+    adaptive = dict(
+        target_unclipped_quantile=0.5,
+        clipbound_learning_rate=0.2,
+        max_clipbound=10.0,
+        min_clipbound=0.01,
+        unclipped_num_std=2.0,
+    )
+
+    def private(m, module):
+        return mo.make_private(
+            PrivacyEngine(),
+            module=module,
+            optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=4),
+            noise_multiplier=0.0,
+            max_grad_norm=0.3,
+            poisson_sampling=False,
+            clipping="adaptive",
+            noise_generator=torch.Generator().manual_seed(0),
+            **adaptive,
+        )[:2]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus' secure-RNG notice
+        pm, opt = private(model, torch.compile(model, backend="aot_eager"))
+        rm, ropt = private(ref, ref)
+    loss_fn = nn.CrossEntropyLoss()
+    for i in range(3):
+        x, y = _batch(shape, n=8, seed=i)
+        for m, o in ((pm, opt), (rm, ropt)):
+            o.zero_grad()
+            if m is pm and i == 0:
+                with pytest.warns(RuntimeWarning, match="adaptive clipping moves"):
+                    loss_fn(m(x), y).backward()
+            else:
+                loss_fn(m(x), y).backward()
+            o.step()
+        assert_close(dict(model.named_parameters()), dict(ref.named_parameters()), TOL)
+    assert opt.clipping.max_norm == pytest.approx(ropt.clipping.max_norm, rel=1e-12)
+    assert not pm._clipping._prepared.traced.traces
+
+
 def test_twenty_poisson_steps_of_a_compiled_private_model_compile_once():
     """``make_private(..., poisson_sampling=True)`` on a compiled model, its loader's
     Poisson batches padded to one size by ``FixedSizePoissonLoader``: 20 steps, one

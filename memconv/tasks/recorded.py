@@ -143,8 +143,10 @@ class RecordedBackward:
 
     task = "grads"
     #: Whether a compiled model's calls run a traced step's two halves, compiled
-    #: (:meth:`_step_walk`); otherwise eagerly, with a warning.
+    #: (:meth:`_step_walk`); otherwise eagerly, with a warning naming
+    #: :attr:`eager_reason`.
     compiles = False
+    eager_reason = "this block has no traced step"
 
     def __init__(
         self,
@@ -330,17 +332,15 @@ class RecordedBackward:
         return cp
 
     def _warn_eager(self) -> None:
-        """Warn once that a compiled model runs eagerly in this block (there is no
-        traced step of what it computes: :attr:`compiles`)."""
+        """Warn once that a compiled model runs eagerly in this block (where it has no
+        traced step: :attr:`compiles`, for :attr:`eager_reason`)."""
         if self.compiles:
             return
         self._warned_compiled = True
         warnings.warn(
-            f"{self.caller}: the model is torch.compile'd, but this block records the "
-            "user's own forward and backward pass and runs them eagerly (the module "
-            "the compiled model wraps, same parameters). For a compiled step, use "
-            "memconv.PrivateStep or memconv.clip_and_accumulate with the compiled "
-            "model: they run the per-sample step as one compiled graph.",
+            f"{self.caller}: the model is torch.compile'd, but {self.eager_reason}: each "
+            "step runs eagerly (the module the compiled model wraps, same parameters, "
+            "the same numbers).",
             RuntimeWarning,
             stacklevel=5,
         )
