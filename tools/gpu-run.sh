@@ -32,11 +32,15 @@
 # where the machine's Python lacks triton), one engine per process, into
 #   compiled.jsonl          one record per model and engine (first step, step, allocator
 #                           peak, launches), and its table in log.txt
+# BLOCKS=1 adds the engine "memconv block compiled": the private module's call on the
+# compiled model (the traced step's compiled halves, the mask an input of both), as
+# Opacus' make_private runs it.
 #
 # Environment: OUT (required); PYTHON (python3); WHEELS (wheels); GPU_TIME_BUDGET
 # (seconds for everything, 450: done within 8 minutes on one H100 or H200); DEVICE
 # (cuda; cpu with QUICK=1 is a dry run of seconds per step on any machine); STEPS
-# (all, or compiled); BACKEND (STEPS=compiled: inductor, or cudagraphs).
+# (all, or compiled); BACKEND (STEPS=compiled: inductor, or cudagraphs); BLOCKS
+# (STEPS=compiled: 1 adds the compiled private module).
 set -u
 OUT=${OUT:?set OUT to the folder the results go to}
 PY=${PYTHON:-python3}
@@ -105,8 +109,10 @@ if [ "$STEPS" = compiled ]; then
     compiled=(--batch 256 --mode reduce-overhead --cases convnext-atto vit-tiny nf-resnet26 cifar-resnet18-gn)
     [ -n "$QUICK" ] && compiled=(--batch 8 --backend aot_eager --cases convnext-atto)
     [ -n "$BACKEND" ] && [ -z "$QUICK" ] && compiled+=(--backend "$BACKEND")
+    engines=("non-private compiled" "memconv compiled")
+    [ -n "${BLOCKS:-}" ] && engines+=("memconv block compiled")
     run compiled "$(left)" "$PY" tools/cpu-compiled-step.py --device "$DEVICE" --mask "${compiled[@]}" \
-        --engines "non-private compiled" "memconv compiled" --json "$OUT/compiled.jsonl"
+        --engines "${engines[@]}" --json "$OUT/compiled.jsonl"
     log "done in $(($(date +%s) - START)) s"
     exit 0
 fi
