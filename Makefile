@@ -14,8 +14,11 @@ RUFF_PATHS := memconv tests examples docs/conf.py
 SPHINXOPTS ?= -W --keep-going -q
 MIN_PYTHON := 3.10
 
-# the interpreter PYTHON resolves to, and its version ("" if there is none)
-PYTHON_ID := $(shell $(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>/dev/null)
+# the interpreter PYTHON resolves to, and its version ("" if there is none): the real
+# file, so that `python3` in the activated venv (a link to the interpreter that made it)
+# names the same interpreter, and make run in the venv does not rebuild the venv with
+# its own link
+PYTHON_ID := $(shell $(PYTHON) -c 'import os, sys; print(os.path.realpath(sys.executable), sys.version.split()[0])' 2>/dev/null)
 
 .PHONY: install compare test memcnn-wheel backpack-sdist test-slow lint format docs docs-clean clean benchmarks benchmarks-report \
 	benchmarks-steps benchmarks-ops benchmarks-private benchmarks-models benchmarks-reversible \

@@ -537,6 +537,43 @@ def test_a_recorded_step_that_draws_random_numbers_warns_and_stays_eager():
     assert not _block_traced(compiled).splits
 
 
+@pytest.mark.parametrize("compiled_model", [False, True])
+def test_a_step_function_compiled_around_the_clipping_block(compiled_model):
+    """``torch.compile(step_fn)`` where ``step_fn`` opens the block around the user's
+    forward and backward pass: the block's calls run as memconv's, outside Dynamo (a
+    few graph breaks, none new after the first steps, no recompilation, no warning),
+    exact; a compiled model inside keeps its compiled halves."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    run = torch.compile(model, backend="aot_eager") if compiled_model else model
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step_fn(x, y):
+        with memconv.clipping(run, max_norm=0.5) as clip:
+            loss_fn(run(x), y).backward()
+        return clip.norms
+
+    step = torch.compile(step_fn, backend="aot_eager")
+    breaks = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(5):
+            x, y = _batch(shape, seed=i)
+            model.zero_grad(set_to_none=True)
+            norms = step(x, y)
+            got = _grads(model)
+            model.zero_grad(set_to_none=True)
+            ref = memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=0.5)
+            assert_close(got, _grads(model), TOL)
+            assert_close(norms, ref, TOL)
+            breaks.append(sum(counters["graph_break"].values()))
+    assert breaks[-1] <= 3 and breaks[-1] == breaks[2]
+    assert not counters["recompiles"]
+    if compiled_model:
+        assert [s.calls for s in _block_traced(run).splits.values()] == [3]
+
+
 def test_a_compiler_error_in_the_blocks_halves_warns_and_runs_eagerly():
     def failing(graph, example_inputs):
         raise RuntimeError("no code for this graph")

@@ -38,6 +38,7 @@ warning. The blocks on one model share their probe, plan and traced steps
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import replace
 
@@ -53,6 +54,7 @@ from .._checks import (
     check_route,
     check_sample_mask,
 )
+from .._torch import not_traced
 from ..conv.settings import use_block_settings
 from ..engine.losses import OutputKeepingLoss
 from ..engine.passes import UserPass
@@ -191,6 +193,7 @@ class RecordedBackward:
         self._model = unwrap_compiled(model)  # the module walked
 
     # ------------------------------------------------------------ the block
+    @not_traced
     def __enter__(self):
         if self._handles:
             raise RuntimeError(f"{self.caller}: this block is already open")
@@ -199,21 +202,24 @@ class RecordedBackward:
             model.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True),
         ]
-        if model is not unwrap_compiled(model):
-            # a compiled model's forward, bound before the hooks run, is swapped for the
-            # block: a call the compiled forward half serves returns its output
-            self._forward = (model.forward, "forward" in model.__dict__)
-            model.forward = self._swapped_forward
+        # the model's forward, bound before the hooks run, is swapped for the block: a
+        # call the compiled forward half serves returns its output, and a step function
+        # compiled around the block runs the model's calls as memconv's, eagerly
+        self._forward = (model.forward, "forward" in model.__dict__)
+        model.forward = self._swapped_forward
         return self
 
+    @not_traced
     def _swapped_forward(self, *args, **kwargs):
         ready, self._ready = self._ready, None
         if ready is not None:
             return ready
-        if self._open:  # a recorded call: the module the compiled model wraps, eagerly
+        if self._open and self._model is not self.model:
+            # a recorded call of a compiled model: the module it wraps, eagerly
             return self._model(*args, **kwargs)
         return self._forward[0](*args, **kwargs)
 
+    @not_traced
     def __exit__(self, kind, value, traceback):
         for handle in self._handles:
             handle.remove()
@@ -243,6 +249,7 @@ class RecordedBackward:
             )
         return False
 
+    @not_traced
     def _pre_hook(self, module, args, kwargs):
         if self._probing or self._open or not (module.training and torch.is_grad_enabled()):
             return None
@@ -259,6 +266,7 @@ class RecordedBackward:
         self._open.append((upass, root_call))
         return None
 
+    @not_traced
     def _post_hook(self, module, args, kwargs, output):
         if self._probing or not self._open:
             return None
@@ -273,6 +281,7 @@ class RecordedBackward:
         return self._hand_off(upass, out)
 
     # ------------------------------------------------------------ one pass
+    @not_traced
     def forward(self, x: Tensor, sample_mask: Tensor | None = None) -> Tensor:
         """Run the model on ``x`` recorded, its backward pass driven by memconv (the
         wrapper form of the block, for a module that calls the model itself).
@@ -396,12 +405,13 @@ class RecordedBackward:
                 f"first), got {type(out).__name__}"
             )
         self._waiting.add(upass)
-
-        def receive(grad_output):
-            self._waiting.discard(upass)
-            self._backward(upass, grad_output, sample_mask)
-
+        receive = functools.partial(self._receive, upass, sample_mask=sample_mask)
         return Handoff.apply(receive, self._anchor, out.detach())
+
+    @not_traced  # (called by autograd, in a step function Dynamo compiles too)
+    def _receive(self, upass, grad_output: Tensor, sample_mask=None) -> None:
+        self._waiting.discard(upass)
+        self._backward(upass, grad_output, sample_mask)
 
     def _backward(self, upass, grad_output: Tensor, sample_mask=None) -> None:
         compiled = isinstance(upass, CompiledCall)
@@ -614,6 +624,7 @@ def _is_parallel(model: nn.Module) -> bool:
     )
 
 
+@not_traced
 def clipping(
     model: nn.Module,
     *,
@@ -681,6 +692,7 @@ def clipping(
     )
 
 
+@not_traced
 def recording(
     model: nn.Module,
     *,
