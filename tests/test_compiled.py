@@ -751,6 +751,42 @@ def test_twenty_poisson_steps_of_a_compiled_private_model_compile_once():
     assert counters["aot_autograd"]["total"] == 2 and not counters["recompiles"]
 
 
+@pytest.mark.parametrize("how", ["PrivateStep", "block"])
+def test_batches_of_changing_size_run_eagerly_with_one_warning(how):
+    """A compiled model given batches whose size changes from call to call: each new
+    size is a new plan, which runs eagerly (no trace made for a key met once), with one
+    warning naming the remedy; a size that then repeats is traced and compiled again.
+    Exact throughout."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    compiled = torch.compile(model, backend="aot_eager")
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(compiled, loss_fn)
+    sizes = [8, 8, 8, 5, 8, 5, 8, 5, 8, 8, 8]
+    warned = []
+    for i, n in enumerate(sizes):
+        x, y = _batch(shape, n=n, seed=i)
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if how == "block":
+                with memconv.clipping(compiled, max_norm=0.5) as clip:
+                    loss_fn(compiled(x), y).backward()
+                norms = clip.norms
+            else:
+                norms = step.clip_and_accumulate(x, y, max_norm=0.5)
+        warned += [str(w.message) for w in caught if "needs a new plan" in str(w.message)]
+        got = _grads(model)
+        model.zero_grad(set_to_none=True)
+        ref = memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=0.5)
+        assert_close(got, _grads(model), TOL)
+        assert_close(norms, ref, TOL)
+    assert len(warned) == 1 and "sample_mask=" in warned[0]
+    traced = _block_traced(compiled) if how == "block" else step._prepared.traced
+    assert traced.traces == 2  # the first size's, and the last run of 8s'
+
+
 def test_a_step_is_cut_into_halves_that_run_its_operations_in_order():
     """``split_at_targets``: the forward half returns the output and what the backward
     half reads (an in-place change of a forward value read later included); together

@@ -266,6 +266,8 @@ class Prepared:
         self._reading = None  # (time, device, bytes) of the last "available" budget
         self.backend = None  # the compiler backend of a torch.compile'd model
         self.traced = TracedSteps()
+        self._seen: dict = {}  # the step keys of recent calls, oldest first
+        self._warned_plans = False
         self._serial: dict = {}  # task -> the number of the plan kept for it
         self._budgeted = None  # (plan, budget, the plan with that budget)
         self._call: CallPlan | None = None  # the last call's
@@ -310,9 +312,11 @@ class Prepared:
 
         def call():
             cp = self.call_plan(batch, request)
-            if self.backend is None or not self.reused:
+            if self.backend is None:
                 return walk(cp, batch, *extra)
             key = self.step_key(request, options, (batch.inputs, batch.targets, *extra))
+            if not self.seen_step(key) or not self.reused:
+                return walk(cp, batch, *extra)
             return self.traced.run(
                 key,
                 lambda b, *more: walk(cp, b, *more),
@@ -335,6 +339,18 @@ class Prepared:
             options,
             *(tensor_key(t) for t in tensors),
         )
+
+    def seen_step(self, key) -> bool:
+        """Whether a call with the step key ``key`` came before (among the last
+        :data:`KEPT_STEPS` keys), recording this call's. A compiled model's step is
+        traced at the second call of its key, compiled at the third: a key met once
+        (a batch of a size that does not come back) runs eagerly, traced for nothing."""
+        seen = key in self._seen
+        self._seen.pop(key, None)
+        self._seen[key] = None
+        while len(self._seen) > KEPT_STEPS:
+            del self._seen[next(iter(self._seen))]
+        return seen
 
     @property
     def plan(self) -> Plan | None:
@@ -410,6 +426,19 @@ class Prepared:
         kept_key, self._plan = self._plans.get(request.task, (None, None))
         budget = self._budget(request, device, kept=plan_key == kept_key)
         if plan_key != kept_key or not self._still_fits(budget, request):
+            if self.backend is not None and self.traced.traces and not self._warned_plans:
+                self._warned_plans = True
+                warnings.warn(
+                    f"{request.caller}: the torch.compile'd model's call needs a new plan "
+                    f"(a batch of {request.n} samples, or another budget or setting than "
+                    "its traced step's): each new plan runs eagerly and is traced and "
+                    "compiled again at its next calls, so batches whose size changes from "
+                    "call to call (Poisson sampling) never run compiled. Pad them to one "
+                    "size and pass sample_mask= (memconv.integrations.opacus."
+                    "FixedSizePoissonLoader).",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
             self._plan = make_plan(self._profile, request, budget=budget)
             self._plans[request.task] = (plan_key, self._plan)
             self.plans += 1
@@ -495,6 +524,9 @@ class Prepared:
             )
         )
 
+
+#: How many recent step keys :meth:`Prepared.seen_step` remembers.
+KEPT_STEPS = 16
 
 #: The attribute of a model under which the plain functions keep its :class:`Prepared`.
 KEPT_ATTRIBUTE = "_memconv_prepared"

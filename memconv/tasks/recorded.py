@@ -255,12 +255,13 @@ class RecordedBackward:
             return None
         x = _one_input(args, kwargs, self.caller)
         cp = self._plan(x)
-        call = self._compiled_call(x, cp, None)
+        traced = self._traced_key(x, cp, None)
+        call = self._compiled_call(x, cp, traced)
         if call is not None:
             call, self._ready = call
             self._open.append((call, None))
             return None
-        upass = self._pass(x, cp)
+        upass = self._pass(x, cp, traced)
         root_call = (args, kwargs) if own_trainable(module) else None
         upass.start(x, root_call)
         self._open.append((upass, root_call))
@@ -309,10 +310,11 @@ class RecordedBackward:
         if sample_mask is not None:
             x = zero_padded(x, sample_mask)
         cp = self._plan(x)
-        call = self._compiled_call(x, cp, sample_mask)
+        traced = self._traced_key(x, cp, sample_mask)
+        call = self._compiled_call(x, cp, traced)
         if call is not None:
             return self._hand_off(*call, sample_mask)
-        upass = self._pass(x, cp, sample_mask)
+        upass = self._pass(x, cp, traced, sample_mask)
         return self._hand_off(upass, upass.forward(x), sample_mask)
 
     def _plan(self, x: Tensor) -> CallPlan:
@@ -354,31 +356,35 @@ class RecordedBackward:
             stacklevel=5,
         )
 
-    def _pass(self, x: Tensor, cp: CallPlan, sample_mask: Tensor | None = None) -> UserPass:
-        """The recorded pass of the call on ``x`` under ``cp``; for a compiled model
-        whose step is to be traced, marked to be traced after its backward pass."""
+    def _pass(self, x: Tensor, cp: CallPlan, traced, sample_mask=None) -> UserPass:
+        """The recorded pass of the call on ``x`` under ``cp``; where ``traced`` (the
+        call's :meth:`_traced_key`) is not None, marked to be traced after its backward
+        pass."""
         upass = UserPass(cp, self._model, self._visitor(cp, len(x), sample_mask))
-        traced = self._traced_key(x, cp, sample_mask)
         if traced is not None and traced[0] not in self._prepared.traced.refused:
             self._to_trace[upass] = traced
         return upass
 
     def _traced_key(self, x: Tensor, cp: CallPlan, sample_mask) -> tuple | None:
         """``(key, walk, extra)`` of the call's traced step, or None where it runs
-        eagerly: an uncompiled model, the first call of a probe, or no traced step of
-        what this block computes."""
+        eagerly: an uncompiled model, the first call of a probe or of a step key
+        (:meth:`memconv.engine.prepared.Prepared.seen_step`; called once per call), or
+        no traced step of what this block computes."""
         prepared = self._prepared
-        if prepared.backend is None or not prepared.reused or not self.compiles:
+        if prepared.backend is None or not self.compiles:
             return None
         walk, options = self._step_walk(padded=sample_mask is not None)
         extra = () if sample_mask is None else (sample_mask,)
         options = (*options, self.memory_budget, self.loss_reduction)
-        return prepared.step_key(cp.request, options, (x, *extra)), walk, extra
+        key = prepared.step_key(cp.request, options, (x, *extra))
+        if not prepared.seen_step(key) or not prepared.reused:
+            return None
+        return key, walk, extra
 
-    def _compiled_call(self, x: Tensor, cp: CallPlan, sample_mask):
+    def _compiled_call(self, x: Tensor, cp: CallPlan, traced):
         """``(call, output)`` of the forward half of the call's traced step
-        (:class:`CompiledCall`), or None where there is none yet (or none at all)."""
-        traced = self._traced_key(x, cp, sample_mask)
+        (:class:`CompiledCall`; ``traced``: the call's :meth:`_traced_key`), or None
+        where there is none yet (or none at all)."""
         if traced is None:
             return None
         key, _, extra = traced
