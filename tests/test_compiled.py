@@ -755,8 +755,9 @@ def test_twenty_poisson_steps_of_a_compiled_private_model_compile_once():
 def test_batches_of_changing_size_run_eagerly_with_one_warning(how):
     """A compiled model given batches whose size changes from call to call: each new
     size is a new plan, which runs eagerly (no trace made for a key met once), with one
-    warning naming the remedy; a size that then repeats is traced and compiled again.
-    Exact throughout."""
+    warning naming the remedy; a size met again finds its step (kept by the plan's
+    choices), traced at its second call and compiled from its third. Exact
+    throughout."""
     torch.manual_seed(0)
     model, shape = _tiny_cnn()
     model = model.double()
@@ -784,7 +785,9 @@ def test_batches_of_changing_size_run_eagerly_with_one_warning(how):
         assert_close(norms, ref, TOL)
     assert len(warned) == 1 and "sample_mask=" in warned[0]
     traced = _block_traced(compiled) if how == "block" else step._prepared.traced
-    assert traced.traces == 2  # the first size's, and the last run of 8s'
+    assert traced.traces == 2  # the 8s' at their second call, the 5s' at theirs
+    steps = traced.splits if how == "block" else traced.graphs
+    assert sorted(s.calls for s in steps.values()) == [1, 6]  # 8s from the 3rd call
 
 
 def test_a_step_is_cut_into_halves_that_run_its_operations_in_order():

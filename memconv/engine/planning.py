@@ -507,6 +507,21 @@ class Plan:
     lean_target: int | None = None
     reference_batch: int | None = None
 
+    def walk_key(self) -> tuple:
+        """The plan's choices a walk reads: the batch, the micro-batch, the per-layer
+        budget, the clipping route, the reference batch and the generic layers. Two
+        plans with the same key walk a batch alike (what else a plan holds, its
+        prediction and the budget it was made for, is read by no walk), so a traced
+        step is kept by this key (:meth:`memconv.engine.prepared.Prepared.step_key`)."""
+        return (
+            self.batch,
+            self.micro_batch,
+            self.layer_budget,
+            self.clip_route,
+            self.reference_batch,
+            self.generic_layers,
+        )
+
     @property
     def micro_batches(self) -> int:
         """Number of forward/backward passes."""

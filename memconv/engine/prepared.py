@@ -268,7 +268,6 @@ class Prepared:
         self.traced = TracedSteps()
         self._seen: dict = {}  # the step keys of recent calls, oldest first
         self._warned_plans = False
-        self._serial: dict = {}  # task -> the number of the plan kept for it
         self._budgeted = None  # (plan, budget, the plan with that budget)
         self._call: CallPlan | None = None  # the last call's
 
@@ -330,11 +329,15 @@ class Prepared:
 
     def step_key(self, request: Request, options, tensors) -> tuple:
         """What a traced step of ``request`` depends on besides its tensors' values:
-        the task and its plan, ``options`` (hashable), the tensors' shapes, strides,
-        dtypes and devices (:func:`memconv.engine.traced.tensor_key`)."""
+        the task and its plan's choices (:meth:`memconv.engine.planning.Plan.walk_key`:
+        a batch size that comes back finds its step again), ``options`` (hashable), the
+        tensors' shapes, strides, dtypes and devices
+        (:func:`memconv.engine.traced.tensor_key`). The steps of an earlier probe are
+        dropped with it."""
+        plan = self._plans.get(request.task, (None, None))[1]
         return (
             request.task,
-            self._serial.get(request.task),
+            None if plan is None else plan.walk_key(),
             request.key(),
             options,
             *(tensor_key(t) for t in tensors),
@@ -431,18 +434,17 @@ class Prepared:
                 warnings.warn(
                     f"{request.caller}: the torch.compile'd model's call needs a new plan "
                     f"(a batch of {request.n} samples, or another budget or setting than "
-                    "its traced step's): each new plan runs eagerly and is traced and "
-                    "compiled again at its next calls, so batches whose size changes from "
-                    "call to call (Poisson sampling) never run compiled. Pad them to one "
-                    "size and pass sample_mask= (memconv.integrations.opacus."
-                    "FixedSizePoissonLoader).",
+                    "its traced step's): a step of a new plan runs eagerly at its first "
+                    "call and is traced and compiled at its next ones, so batches whose "
+                    "size changes from call to call (Poisson sampling) never run "
+                    "compiled. Pad them to one size and pass sample_mask= "
+                    "(memconv.integrations.opacus.FixedSizePoissonLoader).",
                     RuntimeWarning,
                     stacklevel=5,
                 )
             self._plan = make_plan(self._profile, request, budget=budget)
             self._plans[request.task] = (plan_key, self._plan)
             self.plans += 1
-            self._serial[request.task] = self.plans
         plan = self._plan
         if budget is not None and plan.memory_budget != budget:
             budgeted = self._budgeted  # (plan, budget, the plan with that budget)
