@@ -601,10 +601,11 @@ def test_a_compiler_error_in_the_blocks_halves_warns_and_runs_eagerly():
     assert not _block_traced(compiled).splits
 
 
-def test_make_private_keeps_a_compiled_model_compiled_over_padded_poisson_batches():
-    """Opacus' call on a compiled model, batches of varying Poisson size padded to one
-    physical size: one trace, two graphs compiled once, no recompilation; each step's
-    parameters equal the eager private step's on the unpadded batch."""
+def _private_pair(noise_seed=None, **options):
+    """memconv's ``make_private`` (no noise, ``options`` added; each engine's noise
+    generator seeded with ``noise_seed`` where given) of a tiny CNN compiled and of an
+    eager copy: ``(model, copy, input shape, (private module, optimizer) of the compiled
+    one, the same of the copy)``."""
     pytest.importorskip("opacus")
     import copy
 
@@ -617,9 +618,11 @@ def test_make_private_keeps_a_compiled_model_compiled_over_padded_poisson_batche
     model, shape = _tiny_cnn()
     model = model.double()
     ref = copy.deepcopy(model)
+    data = TensorDataset(torch.randn(16, *shape, dtype=torch.float64), torch.zeros(16).long())
 
     def private(m, module):
-        data = TensorDataset(torch.randn(16, *shape, dtype=torch.float64), torch.zeros(16).long())
+        if noise_seed is not None:
+            options["noise_generator"] = torch.Generator().manual_seed(noise_seed)
         return mo.make_private(
             PrivacyEngine(),
             module=module,
@@ -628,12 +631,21 @@ def test_make_private_keeps_a_compiled_model_compiled_over_padded_poisson_batche
             noise_multiplier=0.0,
             max_grad_norm=0.3,
             poisson_sampling=False,
+            **options,
         )[:2]
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus' secure-RNG notice
-        pm, opt = private(model, torch.compile(model, backend="aot_eager"))
-        rm, ropt = private(ref, ref)
+        compiled = private(model, torch.compile(model, backend="aot_eager"))
+        eager = private(ref, ref)
+    return model, ref, shape, compiled, eager
+
+
+def test_make_private_keeps_a_compiled_model_compiled_over_padded_poisson_batches():
+    """Opacus' call on a compiled model, batches of varying Poisson size padded to one
+    physical size: one trace, two graphs compiled once, no recompilation; each step's
+    parameters equal the eager private step's on the unpadded batch."""
+    model, ref, shape, (pm, opt), (rm, ropt) = _private_pair()
     g = torch.Generator().manual_seed(1)
     loss_fn = nn.CrossEntropyLoss()
     for i, real in enumerate([5, 2, 7, 4, 6]):
@@ -655,19 +667,6 @@ def test_make_private_keeps_a_compiled_model_compiled_over_padded_poisson_batche
 
 
 def test_adaptive_clipping_on_a_compiled_model_says_it_runs_eagerly():
-    pytest.importorskip("opacus")
-    import copy
-
-    from opacus import PrivacyEngine
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from memconv.integrations import opacus as mo
-
-    torch.manual_seed(0)
-    model, shape = _tiny_cnn()
-    model = model.double()
-    ref = copy.deepcopy(model)
-    data = TensorDataset(torch.randn(16, *shape, dtype=torch.float64), torch.zeros(16).long())
     adaptive = dict(
         target_unclipped_quantile=0.5,
         clipbound_learning_rate=0.2,
@@ -675,25 +674,9 @@ def test_adaptive_clipping_on_a_compiled_model_says_it_runs_eagerly():
         min_clipbound=0.01,
         unclipped_num_std=2.0,
     )
-
-    def private(m, module):
-        return mo.make_private(
-            PrivacyEngine(),
-            module=module,
-            optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-            data_loader=DataLoader(data, batch_size=4),
-            noise_multiplier=0.0,
-            max_grad_norm=0.3,
-            poisson_sampling=False,
-            clipping="adaptive",
-            noise_generator=torch.Generator().manual_seed(0),
-            **adaptive,
-        )[:2]
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Opacus' secure-RNG notice
-        pm, opt = private(model, torch.compile(model, backend="aot_eager"))
-        rm, ropt = private(ref, ref)
+    model, ref, shape, (pm, opt), (rm, ropt) = _private_pair(
+        noise_seed=0, clipping="adaptive", **adaptive
+    )
     loss_fn = nn.CrossEntropyLoss()
     for i in range(3):
         x, y = _batch(shape, n=8, seed=i)
