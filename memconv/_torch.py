@@ -38,6 +38,7 @@ __all__ = [
     "module_hook_items",
     "random_op",
     "make_fx_real",
+    "min_cut_halves",
     "max_abs_each",
     "module_hooks",
     "new_sequence_nr",
@@ -363,6 +364,61 @@ def make_fx_real(fn, args: tuple):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     return make_fx(fn, tracing_mode="real")(*args)
+
+
+def min_cut_halves(graph, example_inputs: list, tangent: int) -> tuple:
+    """A traced step ``graph(*inputs) -> [*leaves, output]`` (ATen operations, as
+    :func:`make_fx_real` makes), one of whose inputs (``tangent``: its position) is the
+    output gradient, parted into a forward half ``(*other inputs) -> [output, *saved]``
+    and a backward half ``(*saved, gradient) -> leaves`` by AOT Autograd's min-cut
+    partitioner, the one every ``torch.compile``'d training graph goes through
+    (``torch._functorch.partitioners.min_cut_rematerialization_partition``): it chooses
+    the forward values the backward half reads so that their bytes are fewest, the
+    backward half computing again what is cheap to (pointwise operations, views) rather
+    than keeping it.
+
+    The graph is first made functional (``torch.func.functionalize``, traced on fake
+    tensors of ``example_inputs``' shapes: no computation): in-place operations become
+    out-of-place ones, so that the two halves may run the operations in any order
+    their data allow.
+
+    Returns:
+        ``(forward, backward, saved)``: two ``torch.fx.GraphModule`` and the number of
+        tensors the first hands the second.
+
+    Raises:
+        NotTraceable: the graph keeps a mutation once functional (of a parameter or
+            buffer, which the halves would not reproduce), or the halves' hand-over
+            is not in the order above.
+    """
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def reordered(*args):
+        *leaves, output = graph(*args)
+        return [output, *leaves]
+
+    with torch.no_grad():
+        joint = make_fx(
+            torch.func.functionalize(reordered), tracing_mode="fake", _allow_non_fake_inputs=True
+        )(*example_inputs)
+    for node in joint.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op == "call_function" and schema is not None and schema.is_mutable:
+            raise NotTraceable(f"the functional step still mutates a tensor ({node.target})")
+    placeholders = list(joint.graph.find_nodes(op="placeholder"))
+    for i, node in enumerate(placeholders):  # the partitioner's naming of its inputs
+        node.target = node.name = "tangents_1" if i == tangent else f"primals_{i + 1}"
+    joint.graph._codegen = torch.fx.graph.CodeGen()  # plain arguments, not make_fx's pytree
+    joint.recompile()
+    forward, backward = min_cut_rematerialization_partition(
+        joint, example_inputs, num_fwd_outputs=1
+    )
+    saved = forward.graph.output_node().args[0][1:]
+    names = [n.name for n in backward.graph.find_nodes(op="placeholder")]
+    if names != [*(n.name for n in saved), "tangents_1"]:
+        raise NotTraceable("the partitioner's halves hand over their tensors in another order")
+    return forward, backward, len(saved)
 
 
 def compile_graph(graph, example_inputs: list, backend):

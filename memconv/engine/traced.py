@@ -58,6 +58,7 @@ from .._torch import (
     first_line,
     graph_owned_outputs,
     make_fx_real,
+    min_cut_halves,
     pytree_builder,
     step_backend,
     tree_flatten,
@@ -134,20 +135,30 @@ def _result(outputs: list, constants: dict, spec, build: Callable):
     return build(iter(outputs))
 
 
-def split_at_targets(graph: nn.Module) -> tuple[nn.Module, nn.Module, int]:
-    """A traced step ``graph(inputs, targets, *extra) -> [*leaves, output]`` cut before
-    its first operation that reads the targets, into two graphs run one after the
-    other:
+def split_at_targets(
+    graph: nn.Module, example_inputs: list | None = None
+) -> tuple[nn.Module, nn.Module, int]:
+    """A traced step ``graph(inputs, targets, *extra) -> [*leaves, output]`` parted
+    where it first reads the targets, into two graphs run one after the other:
 
-    - the forward half, ``(inputs, *extra) -> [output, *saved]``: every operation
-      before the cut, in their order (the model's forward pass, which must end before
-      the cut: ``output`` is the model's output);
-    - the backward half, ``(*saved, targets) -> leaves``: the operations from the cut
-      on, in their order, reading what they need of the forward half from ``saved``
-      and the model's parameters and buffers as the whole graph does.
+    - the forward half, ``(inputs, *extra) -> [output, *saved]``: the model's forward
+      pass, which must end before the targets are read (``output`` is the model's
+      output);
+    - the backward half, ``(*saved, targets) -> leaves``: the rest, reading what it
+      needs of the forward half from ``saved`` and the model's parameters and buffers
+      as the whole graph does.
 
-    Both halves together run the whole graph's operations in its order, so the
-    results are the same (in-place operations included).
+    With ``example_inputs`` (the graph's inputs, or tensors of their shapes), the
+    halves are AOT Autograd's min-cut partition of the functional graph
+    (:func:`memconv._torch.min_cut_halves`), as a compiled model's own training graph
+    is parted: the backward half computes cheap values again (the activation's output
+    beside its scaled copy, views) rather than keeping them, so ``saved`` holds fewer
+    bytes. Where that partition is not possible (a mutation it cannot make
+    functional), and without ``example_inputs``: every operation before the cut in the
+    forward half, every one from it on in the backward half, each in the graph's
+    order, so that in-place operations keep their meaning.
+
+    Both ways the halves compute the whole graph's results.
 
     Returns:
         ``(forward, backward, saved)``: the two ``torch.fx.GraphModule`` and the number
@@ -168,6 +179,11 @@ def split_at_targets(graph: nn.Module) -> tuple[nn.Module, nn.Module, int]:
     before = set(nodes[:cut]) - {targets}
     if output not in before:
         raise NotTraceable("the model's output is computed after the output gradient is read")
+    if example_inputs is not None:
+        try:
+            return min_cut_halves(graph, example_inputs, tangent=1)
+        except Exception as error:  # noqa: BLE001 — the plain cut below, as exact
+            logger.info("memconv: the step is cut as traced, not partitioned: %s", error)
     after = [n for n in nodes[cut:] if n.op not in ("placeholder", "output")]
     saved: list = []
     for n in [*after, out_node]:
@@ -359,7 +375,8 @@ class TracedSteps:
         """
         try:
             graph, held, seconds = self._make_graph(walk, batch, extra, model, output=True)
-            forward, backward, _ = split_at_targets(graph)
+            example = [batch.inputs, batch.targets, *extra]
+            forward, backward, _ = split_at_targets(graph, example)
         except NotTraceable as error:
             self.refuse(key, model, str(error))
             return
