@@ -394,6 +394,10 @@ def min_cut_halves(graph, example_inputs: list, tangent: int) -> tuple:
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    written = _written_inputs(graph)
+    if written:  # (and the re-trace below would write to the real parameter or buffer)
+        raise NotTraceable(f"the step writes in place to its input or buffer {written[0]}")
+
     def reordered(*args):
         *leaves, output = graph(*args)
         return [output, *leaves]
@@ -419,6 +423,36 @@ def min_cut_halves(graph, example_inputs: list, tangent: int) -> tuple:
     if names != [*(n.name for n in saved), "tangents_1"]:
         raise NotTraceable("the partitioner's halves hand over their tensors in another order")
     return forward, backward, len(saved)
+
+
+def _written_inputs(graph) -> list[str]:
+    """Names of the inputs, parameters and buffers of a graph of ATen operations that
+    one of its operations writes to in place (through views and earlier in-place
+    results, which alias their first argument)."""
+
+    def root(node):
+        while node.op == "call_function":
+            schema = getattr(node.target, "_schema", None)
+            returns = schema.returns if schema is not None else ()
+            if not (returns and returns[0].alias_info is not None and node.args):
+                break
+            if not isinstance(node.args[0], torch.fx.Node):
+                break
+            node = node.args[0]
+        return node
+
+    written = []
+    for node in graph.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node) and root(value).op in ("placeholder", "get_attr"):
+                written.append(str(root(value).target))
+    return written
 
 
 def compile_graph(graph, example_inputs: list, backend):

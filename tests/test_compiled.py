@@ -840,6 +840,32 @@ def test_the_partitioned_halves_keep_fewer_bytes_than_the_cut():
     assert kept_bytes["min-cut"] <= kept_bytes["cut"] - 64 * 256 * 3
 
 
+def test_a_step_writing_to_a_buffer_is_cut_as_traced():
+    """A step that writes to a buffer in place (a counter in ``forward``) is not made
+    functional (the partition would drop the write, and its re-trace would write to the
+    real buffer): the halves are the cut as traced, which write to it once a run."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memconv.engine.traced import split_at_targets
+
+    count = torch.zeros(())
+
+    def step(x, t, w):
+        count.add_(1)
+        out = (x @ w).relu()
+        return [(out * t).sum(), out]
+
+    args = [torch.randn(3, 4), torch.randn(3, 5), torch.randn(4, 5)]
+    graph = make_fx(step)(*args)
+    assert count.item() == 1  # the trace's own call
+    forward, backward, saved = split_at_targets(graph, args)
+    assert count.item() == 1  # nothing ran on the real buffer
+    output, *kept = forward(args[0], args[2])
+    (total,) = backward(*kept, args[1])
+    assert count.item() == 2
+    torch.testing.assert_close(total, (output * args[1]).sum())
+
+
 def test_padded_poisson_batches_keep_one_compiled_graph():
     """Masked DP-SGD: Poisson batches of varying size padded to one physical size keep
     one traced graph (the mask is one of its inputs), and each step's clipped sum is

@@ -21,7 +21,9 @@ step: its first call; memconv compiled and memconv block compiled: their first t
 the eager plan, the trace and the compilation) as "first seconds", then the median of three calls (wall time
 and the process's CPU time), the allocator-level peak of one call, the host launches
 of one call (the profiler's top-level ATen operations plus the compiled kernels,
-inductor's kernel profiling on), and the process's peak RSS. Each process compiles
+inductor's kernel profiling on), and the process's peak RSS; for ``memconv block
+compiled``, also the traced step's nodes and the bytes its forward half hands its
+backward half (``handed_mib``). Each process compiles
 with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` of its own unless set), so
 the first step's time includes a first compilation. Prints one JSON line per
 process and a Markdown table of ratios against the compiled non-private step.
@@ -211,6 +213,11 @@ def worker(tree: str, case: str, engine: str, args) -> dict:
                 split.backward_graph.graph.nodes
             )
             record["trace_s"] = split.trace_seconds
+            inputs = split.forward_graph.graph.find_nodes(op="placeholder")
+            if len(inputs) == 1:  # the samples alone (no mask): the bytes the forward
+                _, handed = split.forward((x,))  # half hands the backward half
+                held = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in handed}
+                record["handed_mib"] = sum(h.nbytes() for h in held.values()) / 2**20
     elif step is not None and engine.endswith("compiled"):
         traced = step._prepared.traced
         record["traces"] = traced.traces
