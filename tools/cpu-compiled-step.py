@@ -135,14 +135,17 @@ def worker(tree: str, case: str, engine: str, args) -> dict:
         kwargs["options"] = compile_options
     run = torch.compile(model, **kwargs) if compiled else model
     block = engine.startswith("memconv block")
-    step = memconv.PrivateStep(run, loss) if engine.startswith("memconv") else None
+    route = {"clip_route": args.clip_route} if args.clip_route else {}
+    step = memconv.PrivateStep(run, loss, **route) if engine.startswith("memconv") else None
     reduction = "sum" if args.mask else "mean"
-    wrapper = memconv.clipping(run, max_norm=1.0, loss_reduction=reduction) if block else None
+    wrapper = (
+        memconv.clipping(run, max_norm=1.0, loss_reduction=reduction, **route) if block else None
+    )
 
     def call():
         model.zero_grad(set_to_none=True)
         if block and mask is None:
-            with memconv.clipping(run, max_norm=1.0):
+            with memconv.clipping(run, max_norm=1.0, **route):
                 loss(run(x), y).backward()
         elif block:  # the wrapper form, a padded batch (Opacus' private module)
             loss(wrapper.forward(x, sample_mask=mask), y).backward()
@@ -194,6 +197,7 @@ def worker(tree: str, case: str, engine: str, args) -> dict:
         "mode": args.mode,
         "backend": args.backend,
         "mask": args.mask,
+        "clip_route": args.clip_route,
         "first_s": first,
         "wall_s": statistics.median(wall),
         "cpu_s": statistics.median(cpu),
@@ -290,6 +294,9 @@ def main() -> int:
     parser.add_argument("--backend", help="torch.compile's backend (default: inductor)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--mask", action="store_true", help="mask the batch's last quarter")
+    parser.add_argument(
+        "--clip-route", choices=("book-keeping", "two-pass"), help="memconv's (default: its plan's)"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("CASE", "ENGINE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     tree = os.path.abspath(args.tree)
@@ -304,6 +311,7 @@ def main() -> int:
     options += ["--mode", args.mode] if args.mode else []
     options += ["--backend", args.backend] if args.backend else []
     options += ["--mask"] if args.mask else []
+    options += ["--clip-route", args.clip_route] if args.clip_route else []
     records, failed = run_each(__file__, args.cases, args.engines, tree, options, args.json)
     print(run_table(records) if args.run else table(records))
     return 1 if failed else 0

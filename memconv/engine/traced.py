@@ -16,10 +16,10 @@ Later calls with the same plan, shapes, strides and options run the compiled gra
 and none of memconv's Python.
 
 The recorded blocks (:mod:`memconv.tasks.recorded`), whose forward and backward passes
-are the user's two calls, trace their clipping step once the same way and cut the graph
-where the output gradient is first read (:func:`split_at_targets`): the compiled
-forward half runs at the model's call, the compiled backward half at the user's
-``loss.backward()`` (:class:`SplitStep`).
+are the user's two calls, trace their clipping step once the same way and part the
+graph where the output gradient is first read, as AOT Autograd parts a compiled model's
+training graph (:func:`split_at_targets`): the compiled forward half runs at the model's
+call, the compiled backward half at the user's ``loss.backward()`` (:class:`SplitStep`).
 
 Exactness: the graph records the very operations the eager walk runs; float64 results
 equal the eager ones to rounding (the compiler may reorder sums). What a trace cannot
