@@ -773,6 +773,26 @@ def test_batches_of_changing_size_run_eagerly_with_one_warning(how):
     assert sorted(s.calls for s in steps.values()) == [1, 6]  # 8s from the 3rd call
 
 
+def test_two_tasks_on_one_compiled_step_do_not_warn_of_a_new_plan():
+    """``per_sample_grads`` and then ``clip_and_accumulate`` on one ``PrivateStep`` of a
+    compiled model: the second task's first plan, after the first task's trace, is not
+    a change of plan (no warning), and each task keeps its own compiled step."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    compiled = torch.compile(model.double(), backend="aot_eager")
+    step = memconv.PrivateStep(compiled, nn.CrossEntropyLoss())
+    x, y = _batch(shape, n=8, seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):  # the first task traced and compiled before the second's
+            step.per_sample_grads(x, y)
+        for _ in range(3):
+            step.clip_and_accumulate(x, y, max_norm=1.0)
+        step.per_sample_grads(x, y)
+    assert not [w for w in caught if "needs a new plan" in str(w.message)]
+    assert sorted(g.calls for g in step._prepared.traced.graphs.values()) == [1, 2]
+
+
 def test_a_step_is_cut_into_halves_that_run_its_operations_in_order():
     """``split_at_targets``: the forward half returns the output and what the backward
     half reads (an in-place change of a forward value read later included); together

@@ -429,7 +429,9 @@ class Prepared:
         kept_key, self._plan = self._plans.get(request.task, (None, None))
         budget = self._budget(request, device, kept=plan_key == kept_key)
         if plan_key != kept_key or not self._still_fits(budget, request):
-            if self.backend is not None and self.traced.traces and not self._warned_plans:
+            # a new plan of a task already planned (another task's first one is not)
+            changed = kept_key is not None and self.backend is not None
+            if changed and self.traced.traces and not self._warned_plans:
                 self._warned_plans = True
                 warnings.warn(
                     f"{request.caller}: the torch.compile'd model's call needs a new plan "
