@@ -387,9 +387,10 @@ def min_cut_halves(graph, example_inputs: list, tangent: int) -> tuple:
         tensors the first hands the second.
 
     Raises:
-        NotTraceable: the graph keeps a mutation once functional (of a parameter or
-            buffer, which the halves would not reproduce), or the halves' hand-over
-            is not in the order above.
+        NotTraceable: the graph writes in place to one of its inputs, parameters or
+            buffers (the functional halves would drop the write, and the re-trace would
+            make it on the real tensor), keeps a mutation once functional, or the
+            halves' hand-over is not in the order above.
     """
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.fx.experimental.proxy_tensor import make_fx

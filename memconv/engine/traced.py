@@ -153,8 +153,8 @@ def split_at_targets(
     (:func:`memconv._torch.min_cut_halves`), as a compiled model's own training graph
     is parted: the backward half computes cheap values again (the activation's output
     beside its scaled copy, views) rather than keeping them, so ``saved`` holds fewer
-    bytes. Where that partition is not possible (a mutation it cannot make
-    functional), and without ``example_inputs``: every operation before the cut in the
+    bytes. Where that partition is not made (a step writing in place to an input,
+    parameter or buffer), and without ``example_inputs``: every operation before the cut in the
     forward half, every one from it on in the backward half, each in the graph's
     order, so that in-place operations keep their meaning.
 
