@@ -10,6 +10,7 @@ one case is checked against such a loop here too.
 """
 
 import json
+import logging
 import warnings
 
 import pytest
@@ -397,7 +398,8 @@ def test_a_compiled_step_function_breaks_its_graph_once_at_memconv():
 
 
 @pytest.mark.parametrize("name", ["tv-resnet", "vit"])
-def test_the_recording_block_runs_a_compiled_model_in_two_compiled_halves(name):
+def test_the_recording_block_runs_a_compiled_model_in_two_compiled_halves(name, caplog):
+    caplog.set_level(logging.INFO, logger="memconv.engine.traced")
     torch.manual_seed(0)
     model, shape = MODELS[name]()
     model = model.double()
@@ -418,6 +420,7 @@ def test_the_recording_block_runs_a_compiled_model_in_two_compiled_halves(name):
     traced = _block_traced(compiled)
     assert traced.traces == 1 and [s.calls for s in traced.splits.values()] == [2]
     assert counters["aot_autograd"]["total"] == 2 and not counters["recompiles"]
+    assert not [r for r in caplog.records if "cut as traced" in r.getMessage()]  # min-cut
 
 
 def _clipping_block_steps(name, n_steps=4, backend="aot_eager", **options):
@@ -450,10 +453,12 @@ def _block_traced(compiled):
 
 
 @pytest.mark.parametrize("name", ["tiny-cnn", "tv-resnet", "convnext", "vit", "nf-resnet", "lora"])
-def test_the_clipping_block_runs_a_compiled_model_in_two_compiled_halves(name):
+def test_the_clipping_block_runs_a_compiled_model_in_two_compiled_halves(name, caplog):
     """The user's forward pass runs the traced step's forward half, compiled, and their
-    ``loss.backward()`` its backward half: one trace (the second step's), two graphs
-    compiled once, the clipped sum and norms equal to the eager ones in float64."""
+    ``loss.backward()`` its backward half: one trace (the second step's), parted by
+    the min-cut partitioner, two graphs compiled once, the clipped sum and norms equal
+    to the eager ones in float64."""
+    caplog.set_level(logging.INFO, logger="memconv.engine.traced")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no step falls back to eager
         pairs, compiled = _clipping_block_steps(name)
@@ -466,6 +471,7 @@ def test_the_clipping_block_runs_a_compiled_model_in_two_compiled_halves(name):
     assert split.calls == 2  # steps 3 and 4: the first probes and plans, the second traces
     assert counters["aot_autograd"]["total"] == 2  # the two halves, each compiled once
     assert not counters["graph_break"] and not counters["recompiles"]
+    assert not [r for r in caplog.records if "cut as traced" in r.getMessage()]
 
 
 @pytest.mark.parametrize("options", [{"groups": "layer"}, {"clip_route": "two-pass"}])

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+import torch
 from torch import Tensor, nn
 
 from .._checks import AVAILABLE
@@ -159,7 +160,8 @@ class RowWriter:
         """The result of ``name``, made (uninitialised) if there is none yet."""
         if name not in self.out:
             params, n = self.like
-            self.out[name] = params[name].new_empty(n, *params[name].shape)
+            p = params[name]  # (torch.empty: a trace's graph then reads no parameter here)
+            self.out[name] = torch.empty((n, *p.shape), dtype=p.dtype, device=p.device)
         return self.out[name]
 
     def add(self, name, v, taken: set | None = None):
