@@ -44,6 +44,7 @@ __all__ = [
     "new_sequence_nr",
     "no_torch_function",
     "not_traced",
+    "own_hook",
     "saved_self",
     "sequence_nr",
     "storage_key",
@@ -167,13 +168,27 @@ def own_parameters(module: nn.Module) -> list:
     return out
 
 
-def module_hooks(module: nn.Module, backward: bool = False) -> tuple:
+def module_hooks(module: nn.Module, backward: bool = False, own: bool = True) -> tuple:
     """The ids of ``module``'s forward hooks and forward pre-hooks (and, with
-    ``backward``, its backward hooks), in registration order."""
-    ids = (*module._forward_hooks, *module._forward_pre_hooks)
+    ``backward``, its backward hooks), in registration order; without ``own``, leaving
+    out memconv's own (:func:`own_hook`)."""
+    dicts = [module._forward_hooks, module._forward_pre_hooks]
     if backward:
-        ids += (*module._backward_hooks, *module._backward_pre_hooks)
-    return ids
+        dicts += [module._backward_hooks, module._backward_pre_hooks]
+    if own:
+        return tuple(k for d in dicts for k in d)
+    return tuple(k for d in dicts for k, fn in d.items() if not getattr(fn, _OWN_HOOK, False))
+
+
+_OWN_HOOK = "_memconv_own_hook"
+
+
+def own_hook(fn):
+    """Mark a module hook function as memconv's own (a recorded block's, which records
+    the model's calls and changes none): :func:`module_hooks` with ``own=False`` leaves
+    it out."""
+    setattr(fn, _OWN_HOOK, True)
+    return fn
 
 
 def global_module_hooks(backward: bool = False) -> tuple:

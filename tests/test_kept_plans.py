@@ -86,6 +86,26 @@ def test_second_call_reuses_probe_and_plan():
     assert prepared.plans == 3  # one plan per task
 
 
+def test_a_block_opened_at_every_step_probes_once():
+    """The clipping block, opened anew at each step as a training loop does, keeps its
+    probe and plan from the first step on (its own hooks, registered anew by every
+    block, are not a change of the model): one forward pass of the model a step after
+    the first, none of the probe's; a user's hook added later is a change."""
+    model, loss_fn = cnn(), nn.CrossEntropyLoss()
+    x, y = data()
+    calls = []
+    model[0].register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[0]))
+    for _ in range(3):
+        with memconv.clipping(model, max_norm=1.0):
+            loss_fn(model(x), y).backward()
+    assert calls == [1, 2, len(x), len(x), len(x)]  # the probe's 1 and 2, once
+    model[3].register_forward_hook(lambda mod, args, out: out)
+    calls.clear()
+    with memconv.clipping(model, max_norm=1.0):
+        loss_fn(model(x), y).backward()
+    assert calls == [1, 2, len(x)]
+
+
 def _freeze(model):
     model[0].bias.requires_grad_(False)
 

@@ -8,8 +8,9 @@ per-layer budgets (:func:`memconv.engine.planning.make_plan`). A :class:`Prepare
 these and hands them to the next call while everything they depend on is the same:
 
 - the model: its modules (the same objects, under the same names), each one's
-  training mode and hooks, its parameters (the same objects, their ``requires_grad``,
-  shape, dtype and device), and the global module hooks;
+  training mode and hooks (but a recorded block's own, which a block opened at every
+  step registers anew and which change no call), its parameters (the same objects,
+  their ``requires_grad``, shape, dtype and device), and the global module hooks;
 - the inputs' shape, dtype and device, and the autocast state;
 - the task, the strategy's settings (the open :class:`memconv.save_memory` block's
   included), ``clip_route``, ``norm_route``, and the budget (a ``"available"``
@@ -130,7 +131,7 @@ class _ModelState:
         # (each once, where first met): a parameter's attributes name its module's place
         modules, params, attributes, seen = [], [], [], set()
         for i, (name, m) in enumerate(model.named_modules()):
-            modules.append((name, m, m.training, module_hooks(m)))
+            modules.append((name, m, m.training, module_hooks(m, own=False)))
             for k, p in own_parameters(m):
                 if id(p) not in seen:
                     seen.add(id(p))

@@ -54,7 +54,7 @@ from .._checks import (
     check_route,
     check_sample_mask,
 )
-from .._torch import not_traced
+from .._torch import not_traced, own_hook
 from ..conv.settings import use_block_settings
 from ..engine.losses import OutputKeepingLoss
 from ..engine.passes import UserPass
@@ -249,6 +249,7 @@ class RecordedBackward:
             )
         return False
 
+    @own_hook
     @not_traced
     def _pre_hook(self, module, args, kwargs):
         if self._probing or self._open or not (module.training and torch.is_grad_enabled()):
@@ -267,6 +268,7 @@ class RecordedBackward:
         self._open.append((upass, root_call))
         return None
 
+    @own_hook
     @not_traced
     def _post_hook(self, module, args, kwargs, output):
         if self._probing or not self._open:
