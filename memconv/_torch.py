@@ -10,6 +10,7 @@ what it stands for in torch's public terms.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "NotTraceable",
     "add_each",
     "assert_on_device",
+    "buffers_restored",
     "check_constants",
     "check_hooks",
     "check_random",
@@ -118,6 +120,23 @@ def version(t: Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
+
+
+@contextlib.contextmanager
+def buffers_restored(module: nn.Module):
+    """Run the block, then put back the value of each of ``module``'s buffers that the
+    block changed in place (its version counter moved): for memconv's own passes of a
+    model (the probe's, a trace's), so that a buffer a model updates in ``forward`` (a
+    counter, a power iteration's vector) changes only in the user's own passes. The
+    buffers are copied before the block (a model's buffers are usually small)."""
+    kept = [(b, version(b), b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v, value in kept:
+                if v is not None and version(b) != v:
+                    b.copy_(value)
 
 
 def storage_ptr(t: Tensor) -> int:

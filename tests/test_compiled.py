@@ -892,6 +892,42 @@ def test_a_step_writing_to_a_buffer_is_cut_as_traced():
     torch.testing.assert_close(total, (output * args[1]).sum())
 
 
+class _Counting(nn.Module):
+    """A model that counts its calls in a buffer, as a model updating state in
+    ``forward`` does (a counter, spectral norm's power iteration)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4 * 6 * 6, 3)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return self.fc(self.conv(x).relu().flatten(1))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("how", ["block", "PrivateStep"])
+def test_a_buffer_updated_in_forward_changes_once_a_step(how, compiled):
+    """memconv's own passes of the model (the probe's, the trace's) leave its buffers
+    as they found them: a buffer the model updates in ``forward`` changes once per
+    step, eagerly and compiled, as in the user's own training loop."""
+    torch.manual_seed(0)
+    model = _Counting().double()
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(run, loss_fn)
+    x, y = torch.randn(5, 3, 8, 8, dtype=torch.double), torch.randint(0, 3, (5,))
+    for i in range(1, 5):
+        if how == "block":
+            with memconv.clipping(run, max_norm=1.0):
+                loss_fn(run(x), y).backward()
+        else:
+            step.clip_and_accumulate(x, y, max_norm=1.0)
+        assert model.count.item() == i
+
+
 def test_padded_poisson_batches_keep_one_compiled_graph():
     """Masked DP-SGD: Poisson batches of varying size padded to one physical size keep
     one traced graph (the mask is one of its inputs), and each step's clipped sum is

@@ -63,6 +63,7 @@ from torch import Tensor, nn
 
 from .._checks import AVAILABLE, check_grad_mode
 from .._torch import (
+    buffers_restored,
     compile_backend,
     compiled_inner,
     global_module_hooks,
@@ -502,7 +503,8 @@ class Prepared:
     def _probe(self, model: nn.Module, inputs: Tensor) -> None:
         """Probe ``model`` on ``inputs`` (:func:`memconv.engine.planning.profile`), and
         forget the plans made on the last probe."""
-        self._profile = profile(model, inputs)
+        with buffers_restored(model):  # (the probe's passes are not the user's)
+            self._profile = profile(model, inputs)
         self._axes = self._profile.axes()
         self._names = parameter_names(model)
         self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}

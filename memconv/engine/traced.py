@@ -39,6 +39,7 @@ ones of the same plan run eagerly (the numbers are the eager path's).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -50,6 +51,7 @@ from torch import Tensor, nn
 
 from .._torch import (
     NotTraceable,
+    buffers_restored,
     check_constants,
     check_hooks,
     check_random,
@@ -410,8 +412,10 @@ class TracedSteps:
 
     def _make_graph(self, walk, batch: Batch, extra: tuple, model: nn.Module, output=False):
         """``(graph, held, seconds)``: ``walk`` traced and checked; ``held``: its
-        result, the result's leaves and pytree spec. With ``output``, the graph's last
-        output is the model's output (read from the batch's loss)."""
+        result, the result's leaves and pytree spec. With ``output`` (a recorded block's
+        trace, made after its eager pass and its result discarded), the graph's last
+        output is the model's output (read from the batch's loss), and the model's
+        buffers are put back as they were before the trace."""
         held: dict = {}
 
         def step(inputs, targets, *more):
@@ -432,7 +436,9 @@ class TracedSteps:
                 raise NotTraceable(f"the {name} are a {type(value).__name__}, not a tensor")
         start = time.perf_counter()
         try:
-            graph = make_fx_real(step, (batch.inputs, batch.targets, *extra))
+            # a trace whose result is discarded is not the user's pass: buffers back
+            with buffers_restored(model) if output else contextlib.nullcontext():
+                graph = make_fx_real(step, (batch.inputs, batch.targets, *extra))
         except ProbeMismatch:  # the model's calls changed: probed again by the caller
             raise
         except Exception as error:
