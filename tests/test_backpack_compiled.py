@@ -55,15 +55,21 @@ def _tv_resnet():  # in-place ReLU, ``out += identity``, BatchNorm in eval mode
 
 
 def _wide_cnn():
-    """A 32-channel 3×3 layer, whose input factor the CPU's prices take in row blocks."""
+    """32- and 128-channel 3×3 layers, whose input factors the CPU's prices take in row
+    blocks: joined in a traced step where Ω is small (288²), accumulated in place where
+    it is large (1152²)."""
     return nn.Sequential(
         nn.Conv2d(3, 32, 3, padding=1),
         nn.ReLU(),
         nn.Conv2d(32, 32, 3, padding=1),
         nn.ReLU(),
+        nn.Conv2d(32, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(128, 8, 3, padding=1),
+        nn.ReLU(),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
-        nn.Linear(32, 5),
+        nn.Linear(8, 5),
     )
 
 
@@ -328,14 +334,15 @@ def test_float64_average_pooling_under_kflr():
 
 
 @pytest.mark.parametrize("pricing", ["cpu", "cuda"])
-def test_the_input_factor_in_row_blocks_is_one_operation_of_the_traced_graph(pricing):
-    """A convolution's KFAC input factor taken in row blocks enters the graph as one
-    custom operator, its in-place products and mirroring inside, not functionalised
-    into copies; one taken in one product per slab enters as its products (a compiler
-    fuses the slabs' copies). The CPU's prices take row blocks on the wider layer, the
-    CUDA calibration's one product on both; the compiled step equals the eager one
-    either way."""
-    from memconv.conv.kronecker import expand_plan
+def test_the_input_factor_enters_the_traced_graph_in_the_priced_form(pricing, monkeypatch):
+    """A convolution's KFAC input factor enters the traced graph in the form its plan
+    priced: one product per slab, or row blocks joined by one gather (launches a
+    compiler fuses; what the CUDA calibration, whose launches cost and whose join is
+    free, takes), or row blocks accumulated in place by one custom operator (what the
+    CPU's prices take on a wide layer, whose join would cost more than its
+    operations). No write into blocks of one buffer is left for a compiler to
+    functionalise. The compiled step equals the eager one either way."""
+    from memconv.conv import kronecker
     from memconv.integrations.backpack.compiled import _steps
     from memconv.strategies import costs
 
@@ -347,7 +354,9 @@ def test_the_input_factor_in_row_blocks_is_one_operation_of_the_traced_graph(pri
     for h in hooks:
         h.remove()
     with costs.using("cpu", costs.calibration(pricing)):
-        chunks = [expand_plan(c, a).chunks for c, a in zip(convs, inputs)]
+        with monkeypatch.context() as traced:  # the plans a traced step prices
+            traced.setattr(kronecker, "tracing", lambda: True)
+            plans = [kronecker.expand_plan(c, a) for c, a in zip(convs, inputs)]
         with mb.installed(extensions.KFAC()) as ext:
             compiled = torch.compile(model, backend="aot_eager")
             eager = [_eager(model, lossfunc, x, y, ext)]
@@ -356,12 +365,21 @@ def test_the_input_factor_in_row_blocks_is_one_operation_of_the_traced_graph(pri
         _assert_equal(g, eager[0])
     (entry,) = _steps[model].graphs.values()
     targets = [node.target for node in entry.graph.graph.nodes if node.op == "call_function"]
-    factor = torch.ops.memconv.expand_input_factor.default
-    assert targets.count(factor) == sum(c > 1 for c in chunks)
-    assert (max(chunks) > 1) == (pricing == "cpu")
     aten = torch.ops.aten
-    products = targets.count(aten.bmm.default) + targets.count(aten.baddbmm.default)
-    assert products >= sum(c == 1 for c in chunks)
+    in_place = [p for p in plans if p.chunks > 1 and not p.joined]
+    joined = [p for p in plans if p.joined]
+    if pricing == "cpu":
+        assert in_place == [plans[3]] and plans[1] in joined
+    else:
+        assert not in_place and joined
+    assert targets.count(torch.ops.memconv.expand_input_factor.default) == len(in_place)
+    for written in (aten.copy_.default, aten.slice_scatter.default, aten.copy.default):
+        assert written not in targets
+    products = sum(targets.count(op.default) for op in (aten.bmm, aten.baddbmm, aten.baddbmm_))
+    assert products >= sum(p.products for p in plans if p not in in_place)
+    # each layer's zero-padded input is one padding, and a gather joins the row blocks
+    assert targets.count(aten.constant_pad_nd.default) == len(convs)
+    assert targets.count(aten.index.Tensor) == len(joined)
 
 
 def test_a_step_after_a_stopped_backward_pass_starts_without_its_quantities():

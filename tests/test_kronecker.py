@@ -286,6 +286,37 @@ COUNTED = (
 )
 
 
+def _writes(graph) -> int:
+    """The in-place copies of a traced graph."""
+    return sum(node.target is torch.ops.aten.copy_.default for node in graph.graph.nodes)
+
+
+@pytest.mark.parametrize("case", GEOMETRIES, ids=IDS)
+def test_a_traced_factor_in_row_blocks_gives_the_same_factor(case):
+    """In a traced step the row blocks are tensors of their own, joined element-wise
+    (no block of one buffer written): the traced graph, run again, gives the unfold
+    reference for c = 2 and the most, on slabs of one row, one sample, several samples
+    and the whole batch, on every geometry (grouped, transposed: flipped after the
+    join)."""
+    from memconv._torch import make_fx_real
+
+    _, cls, kwargs, shape = case
+    layer = _layer(cls, kwargs)
+    x = torch.randn(shape, dtype=torch.float64)
+    ref = omega_reference(layer, x)
+    k = most_chunks(x.shape[1] // layer.groups, math.prod(layer.kernel_size))
+    written = _writes(make_fx_real(lambda x: patches(layer, x).source, (x,)))
+    for chunks in sorted({2, k} - {1}):
+        for budget, plan in _budgets(layer, x):
+
+            def factor(x):
+                return input_factor(layer, x, memory_budget=budget, chunks=chunks)  # noqa: B023
+
+            graph = make_fx_real(factor, (x,))
+            assert _writes(graph) == written, (chunks, budget, plan)  # the padded input's
+            assert rel_err(graph(x), ref) < TOL, (chunks, budget, plan)
+
+
 @pytest.mark.parametrize("case", [g for g in GEOMETRIES if g[0] in COUNTED], ids=COUNTED)
 def test_plan_counts_the_operations_and_products_it_issues(case):
     """The plan's predicted top-level operations are those the factor issues after the
@@ -721,11 +752,11 @@ def test_kfac_floor_counts_each_term():
     assert got["total"] == 16485 and got["plain"] == 7776
 
 
-def test_a_traced_plan_counts_one_product_per_slab_as_its_launches():
-    """While a compiled step is traced, an input factor of one product per slab enters
-    the graph as its copies (fused) and products: its plan counts two launches a slab,
-    where the eager plan counts every view and copy; c > 1 (the custom operator, run
-    as it is) counts the same either way."""
+def test_a_traced_plan_counts_its_launches():
+    """While a compiled step is traced, an input factor enters the graph as its copies
+    (fused), its products and, for c > 1, the join of its row blocks (fused): its plan
+    counts a copy and c products a slab and one join, where the eager plan counts every
+    view, copy, row block and mirroring copy."""
     from memconv._torch import make_fx_real
 
     conv = nn.Conv2d(8, 8, 3, padding=1)
@@ -742,4 +773,44 @@ def test_a_traced_plan_counts_one_product_per_slab_as_its_launches():
     make_fx_real(trace, (x,))
     assert eager[1].slabs == traced[1].slabs == 2
     assert traced[1].operations == 2 * traced[1].slabs < eager[1].operations
-    assert traced[3] == eager[3]
+    assert traced[3].operations == 4 * traced[3].slabs + 1 < eager[3].operations
+    assert traced[3].multiply_adds == eager[3].multiply_adds
+
+
+def test_a_traced_plan_joins_its_row_blocks_where_the_join_costs_less(monkeypatch):
+    """In a traced step, c > 1 row blocks are joined by a gather (its few launches) or
+    accumulated in place by one custom operator (its operations run as they are),
+    whichever the calibration prices faster: on the CPU a small Ω is joined and a
+    large one, whose join reads past the cache, accumulated in place; where the join
+    is free (the CUDA calibration's, not measured) every c > 1 is joined; where it is
+    dear, none is. Eagerly no plan is joined."""
+    from memconv.conv import kronecker
+    from memconv.strategies import costs
+
+    small = nn.Conv2d(8, 8, 3, padding=1)
+    large = nn.Conv2d(256, 8, 3, padding=1)
+    xs, xl = torch.randn(4, 8, 16, 16), torch.randn(4, 256, 8, 8)
+    assert not expand_plan(small, xs, chunks=4).joined
+    monkeypatch.setattr(kronecker, "tracing", lambda: True)
+    cpu = costs.calibration("cpu")
+    with costs.using("cpu", cpu):
+        assert expand_plan(small, xs, chunks=4).joined
+        assert not expand_plan(large, xl, chunks=4).joined
+    with costs.using("cpu", costs.calibration("cuda")):
+        assert expand_plan(small, xs, chunks=4).joined and expand_plan(large, xl, chunks=4).joined
+    dear = json_copy(cpu)
+    dear["time"]["kfac-join"]["per_element"] = 1.0
+    with costs.using("cpu", dear):
+        assert not expand_plan(small, xs, chunks=4).joined
+    # the price: per entry of Ω, more where the blocks and Ω outgrow the cache
+    rates = cpu["time"]["kfac-join"]
+    side = 256 * 9
+    with costs.using("cpu", cpu):
+        seconds = kronecker.join_time(side, 1, 4, 4, "cpu")
+    assert seconds == pytest.approx(side**2 * (rates["per_element"] + rates["per_element_spilled"]))
+
+
+def json_copy(data: dict) -> dict:
+    import json
+
+    return json.loads(json.dumps(data))

@@ -47,12 +47,14 @@ from pathlib import Path
 
 import torch
 
-from ..conv import ghost
+from .._torch import compile_graph, make_fx_real
+from ..conv import ghost, kronecker
 from ..conv import norm_routes as norms
 from ..strategies import NO_OPTIONS, Options, Problem, costs, get_strategy
 from ..strategies.geometry import ConvGeometry, Operands
 from .measure import MiB, median_time, peak_allocated
 from .options import (
+    benchmark_backend,
     check_device,
     command_line,
     last_level_cache,
@@ -282,7 +284,45 @@ def jobs(layer: Layer, device, models=None, *, run: bool = True) -> list[Job]:
             reads=("shift",),
         )
     )
+    # KFAC's input factor in a compiled step: its row blocks joined into Ω by a gather
+    offsets = math.prod(geom.kernel_size)
+    side = geom.in_channels // geom.groups * offsets
+    chunks = kronecker.most_chunks(geom.in_channels // geom.groups, offsets)
+    if chunks > 1:
+        out.append(
+            Job(
+                "kfac-join",
+                layer,
+                runner(_Join(side, geom.groups, chunks, device)),
+                lambda: kronecker.join_time(side, geom.groups, chunks, 4, device.type),
+                None,
+                geom.groups * side * side * 4,
+            )
+        )
     return [j for j in out if models is None or j.model in models]
+
+
+class _Join:
+    """The join of random row blocks into Ω ``[G, side, side]``, traced and compiled
+    (:func:`memconv.bench.options.benchmark_backend`) at its first call, as a compiled
+    KFAC step runs it (:func:`memconv.conv.kronecker.join_time` prices it)."""
+
+    def __init__(self, side: int, groups: int, chunks: int, device: torch.device):
+        self.side, self.groups, self.chunks, self.device = side, groups, chunks, device
+        self.blocks, self.compiled = None, None
+
+    def __call__(self):
+        if self.compiled is None:
+            bounds = kronecker._bounds(self.side, self.chunks)
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            self.blocks = [
+                torch.randn((self.groups, b - a, self.side - a), generator=gen).to(self.device)
+                for a, b in zip(bounds, bounds[1:])
+            ]
+            graph = make_fx_real(lambda blocks: kronecker._joined(blocks, bounds), (self.blocks,))
+            backend = benchmark_backend(str(self.device))
+            self.compiled = compile_graph(graph, list(self.blocks), backend)
+        return self.compiled(*self.blocks)
 
 
 def measure(job: Job, device: torch.device, repeats: int, seconds: float | None = None) -> dict:

@@ -144,8 +144,25 @@ def floor(layers: list[dict], samples: int = 1) -> dict:
 def layer_table(model: str = "allcnnc", classes: int = 100, batch: int = 8) -> str:
     """Markdown: each convolution's floor (M multiply-adds per term) and the plan of
     its input factor (:func:`memconv.conv.kronecker.expand_plan`, default budget):
-    slabs and products per slab priced by the CPU's and by the CUDA calibration."""
+    slabs and products per slab priced by the CPU's and by the CUDA calibration, in an
+    eager step and in a compiled step's trace (its launches and its join priced; for
+    c > 1 whether its row blocks are joined by a gather or accumulated in place by one
+    custom operator)."""
+    from .._torch import make_fx_real
     from ..conv.kronecker import expand_plan
+
+    def traced_chunks(module, inp) -> str:  # c, and for c > 1 the form it takes
+        chosen = []
+
+        def trace(x):
+            chosen.append(expand_plan(module, x))
+            return x.sum()
+
+        make_fx_real(trace, (inp,))
+        (plan,) = chosen
+        if plan.chunks == 1:
+            return "1"
+        return f"{plan.chunks}, {'joined' if plan.joined else 'in place'}"
 
     net, x, _ = _inputs(model, classes, batch)
     inputs = []
@@ -160,8 +177,8 @@ def layer_table(model: str = "allcnnc", classes: int = 100, batch: int = 8) -> s
         h.remove()
     lines = [
         "| layer | T | forward | backward | √GGN | input factor | output factor "
-        "| slabs | c (CPU) | c (CUDA) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| slabs | c (CPU) | c (CUDA) | c (CPU, compiled) | c (CUDA, compiled) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (module, inp), layer in zip(inputs, conv_layers(net, x)):
         macs = layer_floor(layer)
@@ -169,16 +186,17 @@ def layer_table(model: str = "allcnnc", classes: int = 100, batch: int = 8) -> s
         for pricing in ("cpu", "cuda"):
             with costs.using("cpu", costs.calibration(pricing)):
                 plan = expand_plan(module, inp)
+                chunks[pricing + " compiled"] = traced_chunks(module, inp)
             chunks[pricing] = plan.chunks
         shape = "×".join(str(v) for v in module.weight.shape)
         cells = " | ".join(f"{macs[t] / 1e6:,.1f}" for t in macs)
         lines.append(
             f"| {shape} | {layer['t']} | {cells} | {plan.slabs} | {chunks['cpu']} "
-            f"| {chunks['cuda']} |"
+            f"| {chunks['cuda']} | {chunks['cpu compiled']} | {chunks['cuda compiled']} |"
         )
     total = floor(conv_layers(net, x))
     cells = " | ".join(f"{total[t] / 1e6:,.1f}" for t in list(total)[:5])
-    lines.append(f"| all | | {cells} | | | |")
+    lines.append(f"| all | | {cells} | | | | | |")
     return "\n".join(lines)
 
 
@@ -520,7 +538,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if args.layers:
-        print(layer_table(batch=args.batch))
+        print(layer_table(args.model, CLASSES[args.model], args.batch))
         return 0
     print(summary(run(args)))
     return 0

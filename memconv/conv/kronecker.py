@@ -77,7 +77,7 @@ from .._checks import (
     check_conv_module,
 )
 from .._torch import opaque, tracing
-from ..strategies.costs import operations_time, time_coefficients
+from ..strategies.costs import operations_time, spilled_time, time_coefficients
 from ..strategies.geometry import ConvSpec, conv_spec, span, spec_of, torch_pad_argument
 
 
@@ -198,7 +198,8 @@ def input_factor(
     slab: the row block ``[a, b)`` times the rows ``a`` to the last, ``(c+1)/c`` times
     the multiply-adds of Ω's symmetric half (:class:`FactorPlan`, :func:`expand_plan`).
     Besides the slab it holds Ω once (the result, accumulated in place; a transposed
-    convolution's is flipped into a second).
+    convolution's is flipped into a second); in a traced step with c > 1, the row
+    blocks and Ω joined from them: ``1 + (c+1)/(2c)`` times Ω's bytes at the join.
 
     Args:
         module: a ``torch.nn.Conv1d/2d/3d`` or ``ConvTranspose1d/2d/3d`` (or a
@@ -222,9 +223,9 @@ def input_factor(
             input's device type (:mod:`memconv.strategies.costs`, the
             ``"ghost-offsets"`` products' ``per_flop``): on a CPU, where arithmetic
             dominates, the most; on a launch-bound GPU a few. While a compiled step
-            is traced, c = 1's operations are its launches in the compiled graph (a
-            product and a fused copy per slab), c > 1's those of the custom operator
-            that runs them as they are.
+            is traced, the operations are its launches in the compiled graph: per
+            slab a fused copy and c products, and for c > 1 one fused join of the
+            row blocks.
         spec: the layer's :func:`memconv.strategies.geometry.conv_spec`, read by the
             caller in the same call (BackPACK's module extension reads it once per
             layer call); None: read here.
@@ -252,11 +253,10 @@ def input_factor(
     check_chunks(chunks, most_chunks(p.source.shape[1] // p.groups, math.prod(p.kernel_size)))
     if kfac_approx == "reduce":
         factor = _reduce_factor(p)
-    elif (plan := _plan(p, memory_budget, chunks, warn=True)).chunks == 1:
-        # one product per slab, no block written in place: a traced graph takes these
-        # few operations as they are, and a compiler fuses the slabs' copies
+    elif (plan := _plan(p, memory_budget, chunks, warn=True)).chunks == 1 or plan.joined:
+        # the few operations a traced graph takes as they are, and a compiler fuses
         factor = _expand_factor(p, plan)
-    else:
+    elif tracing():  # one operation: its products accumulate in place, as eagerly
         factor = _expand_op(
             p.source,
             p.kernel_size,
@@ -267,6 +267,8 @@ def input_factor(
             p.flipped,
             [plan.samples, plan.rows, plan.chunks, plan.slabs],
         )
+    else:
+        factor = _expand_factor(p, plan)
     return factor[0] if p.groups == 1 else factor
 
 
@@ -297,7 +299,12 @@ class FactorPlan:
         slabs: the number of slabs.
         slab_bytes: the bytes of the largest slab.
         multiply_adds: of the products, in all.
-        operations: top-level tensor operations predicted for the factor.
+        operations: top-level tensor operations predicted for the factor (in a
+            traced step, its launches in the compiled graph).
+        joined: in a traced step with c > 1, whether the row blocks are tensors of
+            their own joined into Ω by one gather (a compiler's one or two kernels),
+            rather than one custom operator that accumulates them in place and mirrors
+            them (:func:`input_factor`); False otherwise.
     """
 
     samples: int
@@ -307,6 +314,7 @@ class FactorPlan:
     slab_bytes: int
     multiply_adds: int
     operations: int
+    joined: bool = False
 
     @property
     def products(self) -> int:
@@ -382,10 +390,11 @@ def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool)
         return entries * g * positions
 
     traced = tracing()
+    device = p.source.device.type
 
-    def operations(cc: int) -> int:  # as _expand_factor and _each_slab issue them
-        if cc == 1 and traced:  # a compiled graph's launches: a product and a copy a slab
-            return 2 * slabs + 3 * p.flipped
+    def operations(cc: int, joined: bool) -> int:  # as _expand_factor and _each_slab issue them
+        if traced and (cc == 1 or joined):  # a compiled graph's launches: a copy and c
+            return slabs * (cc + 1) + joined + 3 * p.flipped  # products a slab, the join
         # the window views and one copy of each slab
         views = math.ceil(n / samples) * (samples < n) + slabs * (3 + (rows < t1))
         if cc == 1:  # the first slab's product makes the accumulator
@@ -394,14 +403,19 @@ def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool)
         # products; the column blocks and the mirroring copies
         return 5 + cc + views + slabs * (2 * cc + 1) + 4 * (cc - 1) + 3 * p.flipped
 
-    if chunks is None:
-        per_mac = time_coefficients("ghost-offsets", p.source.device.type)[0]
-        chunks = min(
-            range(1, most + 1),
-            key=lambda cc: (
-                per_mac * macs(cc) + operations_time(operations(cc), p.source.device.type)
-            ),
-        )
+    def seconds(cc: int, joined: bool) -> float:
+        spent = per_mac * macs(cc) + operations_time(operations(cc, joined), device)
+        if joined:
+            spent += join_time(width, g, cc, size, device)
+        return spent
+
+    per_mac = time_coefficients("ghost-offsets", device)[0]
+    forms = [
+        (cc, joined)
+        for cc in (range(1, most + 1) if chunks is None else (chunks,))
+        for joined in ((False, True) if traced and cc > 1 else (False,))
+    ]
+    chunks, joined = min(forms, key=lambda form: seconds(*form))
     return FactorPlan(
         samples=samples,
         rows=rows,
@@ -409,8 +423,37 @@ def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool)
         slabs=slabs,
         slab_bytes=samples * rows * per_row,
         multiply_adds=macs(chunks),
-        operations=operations(chunks),
+        operations=operations(chunks, joined),
+        joined=joined,
     )
+
+
+def join_time(side: int, groups: int, chunks: int, element_size: int, device_type: str) -> float:
+    """Seconds a traced step's join of the input factor's row blocks into Ω takes
+    (a ``joined`` :class:`FactorPlan`; the ``"kfac-join"`` time model of
+    :mod:`memconv.strategies.costs`, fitted by ``memconv calibrate``): ``per_element``
+    per entry of Ω, and ``per_element_spilled`` more per entry where the row blocks
+    and Ω together outgrow the last-level cache of the calibration's machine
+    (:func:`~memconv.strategies.costs.spilled_time`). On a CPU the join's gather reads
+    the blocks across their rows for Ω's lower triangle, which costs it more per entry
+    than ATen's blocked copies of the in-place form.
+
+    Args:
+        side: Ω's side, ``C_in/G·K``.
+        groups: G, one Ω per group.
+        chunks: c, the row blocks (2 or more).
+        element_size: bytes per entry.
+        device_type: the device type whose calibration prices it.
+
+    Returns:
+        Seconds.
+    """
+    entries = groups * side * side
+    bounds = _bounds(side, chunks)
+    blocks = sum((b - a) * (side - a) for a, b in zip(bounds, bounds[1:]))
+    held = groups * element_size * (side * side + blocks)
+    per_element = time_coefficients("kfac-join", device_type)[0]
+    return per_element * entries + spilled_time("kfac-join", held, entries, device_type)
 
 
 def most_chunks(channels: int, offsets: int) -> int:
@@ -453,9 +496,10 @@ def _expand_fake(source, kernel_size, stride, dilation, output_size, groups, fli
 )
 def _expand_op(source, kernel_size, stride, dilation, output_size, groups, flipped, plan):
     """:func:`_expand_factor` of the patches of ``source`` under the plan ``[samples,
-    rows, chunks, slabs]``, as one operation of a traced graph (:func:`memconv._torch.
-    opaque`): its products accumulate in place into blocks of one buffer and mirror it,
-    which a compiler would functionalise into copies of the whole factor."""
+    rows, chunks, slabs]``, accumulated in place, as one operation of a traced graph
+    (:func:`memconv._torch.opaque`): its products accumulate into blocks of one buffer
+    and mirror it, which a compiler would functionalise into copies of the whole
+    factor."""
     p = Patches(
         source=source,
         kernel_size=tuple(kernel_size),
@@ -476,19 +520,26 @@ def _expand_factor(p: Patches, plan: FactorPlan) -> Tensor:
     Each slab (:class:`FactorPlan`) is one strided copy ``z [G, Cg·K, M]`` of the
     window view, rows in the weight's ``(channel, offset)`` order. With one product per
     slab (c = 1) Σ z zᵀ is Ω. Otherwise the row block ``[a, b)`` times the rows ``a``
-    to the last is one ``baddbmm_`` into the accumulator, whose block upper triangle
-    so holds Σ z zᵀ (the diagonal blocks whole); one transposing copy per row block
-    mirrors the rest.
+    to the last is one product per slab, whose results make Ω's block upper triangle
+    (the diagonal blocks whole), the rest its mirror: eagerly the products accumulate
+    in place into the blocks of Ω itself (``baddbmm_``) and one transposing copy per
+    row block mirrors them; in a traced step (:func:`memconv._torch.tracing`) each
+    row block is a tensor of its own, summed over the slabs as c = 1's product is, and
+    Ω is joined from them element-wise (:func:`_joined`): operations a compiler fuses,
+    where it would functionalise writes into blocks of one buffer into copies of the
+    whole factor.
     """
     n, c = p.source.shape[:2]
     g = p.groups
     cg = c // g
     dims = len(p.kernel_size)
     size = math.prod(p.kernel_size) * cg
+    bounds = _bounds(size, plan.chunks)
     if plan.chunks == 1:
-        out = _summed_products(p, plan)
+        (out,) = _summed_blocks(p, plan, bounds)
+    elif plan.joined:
+        out = _joined(_summed_blocks(p, plan, bounds), bounds)
     else:
-        bounds = _bounds(size, plan.chunks)
         out = p.source.new_empty(g, size, size)  # written by the first slab and the mirror
         targets = [
             block.narrow(2, a, size - a) for a, block in zip(bounds, out.split(_sizes(bounds), 1))
@@ -507,21 +558,47 @@ def _expand_factor(p: Patches, plan: FactorPlan) -> Tensor:
     return out.div_(n)
 
 
-def _summed_products(p: Patches, plan: FactorPlan) -> Tensor:
-    """Σ z zᵀ over the slabs of the plan, one product each: the first slab's ``bmm``
-    makes the accumulator, the others add into it whole (``baddbmm_``, no block of it
-    written), which a compiler keeps as products (no zero fill, no uninitialised
-    memory read)."""
-    out: list[Tensor] = []
+def _summed_blocks(p: Patches, plan: FactorPlan, bounds: list[int]) -> list[Tensor]:
+    """The row blocks ``Σ z[:, a:b] z[:, a:]ᵀ`` over the slabs of the plan, one product
+    each per slab: the first slab's ``bmm`` makes a block, the others add into it whole
+    (``baddbmm_``, no part of it written), which a compiler keeps as products (no zero
+    fill, no uninitialised memory read). With one block (c = 1), Σ z zᵀ."""
+    blocks: list[Tensor] = []
+    size = bounds[-1]
 
     def add(z: Tensor, _beta: float) -> None:
-        if out:
-            out[0].baddbmm_(z, z.mT)
-        else:
-            out.append(torch.bmm(z, z.mT))
+        zt = z.mT
+        parts = z.split(_sizes(bounds), 1) if len(bounds) > 2 else (z,)
+        for i, (a, rows) in enumerate(zip(bounds, parts)):
+            suffix = zt if a == 0 else zt.narrow(2, a, size - a)
+            if i < len(blocks):
+                blocks[i].baddbmm_(rows, suffix)
+            else:
+                blocks.append(torch.bmm(rows, suffix))
 
     _each_slab(p, plan, add)
-    return out[0]
+    return blocks
+
+
+def _joined(blocks: list[Tensor], bounds: list[int]) -> Tensor:
+    """Ω ``[G, size, size]`` from its row blocks' upper parts (:func:`_summed_blocks`:
+    block k holds the rows ``[a_k, b_k)``, columns ``a_k`` to the last): the blocks
+    laid end to end, and every entry of Ω read from them by its computed position, an
+    entry left of its row's block as its mirror. One concatenation and one gather,
+    which a compiler makes one or two kernels (a ``torch.cat`` of each row's pieces
+    it copies piece by piece)."""
+    size = bounds[-1]
+    flat = torch.cat([block.flatten(1) for block in blocks], 1)
+    rows, starts, offset = [], [], 0
+    for a, b in zip(bounds, bounds[1:]):  # row i's entry j sits at rows[i] + j, j ≥ a
+        rows.extend(range(offset - a, offset - a + (b - a) * (size - a), size - a))
+        starts.extend([a] * (b - a))
+        offset += (b - a) * (size - a)
+    row = torch.tensor(rows, device=flat.device)
+    start = torch.tensor(starts, device=flat.device)
+    column = torch.arange(size, device=flat.device)
+    upper = column[None, :] >= start[:, None]
+    return flat[:, torch.where(upper, row[:, None] + column, row[None, :] + column[:, None])]
 
 
 def _slab(p: Patches, part: Tensor) -> Tensor:

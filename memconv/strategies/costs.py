@@ -68,6 +68,7 @@ TIME_MODELS: dict[str, tuple[str, ...]] = {
     "ghost-offsets": ("per_flop", "per_element", "per_product"),
     "instantiate": ("per_square",),
     "streaming": ("per_tile", "per_copy"),
+    "kfac-join": ("per_element", "per_element_spilled"),
 }
 #: The memory models that carry a fitted scale (the elementary strategies' and the
 #: ghost norms' methods; the composite ones add up theirs).
