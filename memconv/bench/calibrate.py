@@ -2,7 +2,8 @@
 
 Every time model memconv chooses with (:data:`memconv.strategies.costs.TIME_MODELS`:
 the strategies', the ghost norms' two methods, the instantiating norm route's squares,
-``"streaming"``'s tiles) is linear in its coefficients, ``time = offset + Σ_j c_j f_j``
+``"streaming"``'s tiles, ``"kfac-join"``'s gather of a KFAC input factor's row blocks
+into Ω, traced and compiled as a compiled step runs it) is linear in its coefficients, ``time = offset + Σ_j c_j f_j``
 (seconds per multiply-add, per element moved, per kernel call, ...), and every one of
 them has the shared per-operation term (``"operation"``: seconds per tensor
 operation, times the operations the computation issues). The command

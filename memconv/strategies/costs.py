@@ -1,7 +1,8 @@
 """The cost models' fitted coefficients, read per device type from packaged data files.
 
 Every time model of memconv (the strategies', the ghost norms' methods, the
-instantiating norm route's, ``"streaming"``'s tiles) is linear in a few coefficients
+instantiating norm route's, ``"streaming"``'s tiles, ``"kfac-join"``: a compiled KFAC
+step's join of an input factor's row blocks) is linear in a few coefficients
 (seconds per multiply-add, per element moved, per kernel call, ...) plus one term all
 of them share: seconds per tensor operation (``"operation"``: ``per_op``), times the
 number of ATen operations the computation issues. That term is what a launch-bound
