@@ -198,8 +198,8 @@ def input_factor(
     slab: the row block ``[a, b)`` times the rows ``a`` to the last, ``(c+1)/c`` times
     the multiply-adds of Ω's symmetric half (:class:`FactorPlan`, :func:`expand_plan`).
     Besides the slab it holds Ω once (the result, accumulated in place; a transposed
-    convolution's is flipped into a second); in a traced step with c > 1, the row
-    blocks and Ω joined from them: ``1 + (c+1)/(2c)`` times Ω's bytes at the join.
+    convolution's is flipped into a second); in a traced step whose row blocks are
+    joined, the blocks and Ω: ``1 + (c+1)/(2c)`` times Ω's bytes at the join.
 
     Args:
         module: a ``torch.nn.Conv1d/2d/3d`` or ``ConvTranspose1d/2d/3d`` (or a
@@ -223,9 +223,11 @@ def input_factor(
             input's device type (:mod:`memconv.strategies.costs`, the
             ``"ghost-offsets"`` products' ``per_flop``): on a CPU, where arithmetic
             dominates, the most; on a launch-bound GPU a few. While a compiled step
-            is traced, the operations are its launches in the compiled graph: per
-            slab a fused copy and c products, and for c > 1 one fused join of the
-            row blocks.
+            is traced, c and the form of c > 1 are priced together as the compiled
+            graph runs them (:attr:`FactorPlan.joined`): the row blocks joined by
+            one gather (per slab a fused copy and c products, one join priced by
+            :func:`join_time`) or accumulated in place by one custom operator (its
+            operations, each a launch).
         spec: the layer's :func:`memconv.strategies.geometry.conv_spec`, read by the
             caller in the same call (BackPACK's module extension reads it once per
             layer call); None: read here.
@@ -523,11 +525,11 @@ def _expand_factor(p: Patches, plan: FactorPlan) -> Tensor:
     to the last is one product per slab, whose results make Ω's block upper triangle
     (the diagonal blocks whole), the rest its mirror: eagerly the products accumulate
     in place into the blocks of Ω itself (``baddbmm_``) and one transposing copy per
-    row block mirrors them; in a traced step (:func:`memconv._torch.tracing`) each
-    row block is a tensor of its own, summed over the slabs as c = 1's product is, and
-    Ω is joined from them element-wise (:func:`_joined`): operations a compiler fuses,
-    where it would functionalise writes into blocks of one buffer into copies of the
-    whole factor.
+    row block mirrors them; in a joined plan (a traced step's,
+    :attr:`FactorPlan.joined`) each row block is a tensor of its own, summed over the
+    slabs as c = 1's product is, and Ω is gathered from them (:func:`_joined`):
+    operations a compiler fuses, where it would functionalise writes into blocks of
+    one buffer into copies of the whole factor.
     """
     n, c = p.source.shape[:2]
     g = p.groups
@@ -585,8 +587,9 @@ def _joined(blocks: list[Tensor], bounds: list[int]) -> Tensor:
     block k holds the rows ``[a_k, b_k)``, columns ``a_k`` to the last): the blocks
     laid end to end, and every entry of Ω read from them by its computed position, an
     entry left of its row's block as its mirror. One concatenation and one gather,
-    which a compiler makes one or two kernels (a ``torch.cat`` of each row's pieces
-    it copies piece by piece)."""
+    which a compiler makes one or two kernels, where a ``torch.cat`` of each row's
+    pieces would be a copy per piece; the positions' index tensors, made from Python
+    lists, are constants of a traced graph."""
     size = bounds[-1]
     flat = torch.cat([block.flatten(1) for block in blocks], 1)
     rows, starts, offset = [], [], 0
