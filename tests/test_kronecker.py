@@ -307,7 +307,7 @@ def test_a_traced_factor_in_row_blocks_gives_the_same_factor(case):
     ref = omega_reference(layer, x)
     k = most_chunks(x.shape[1] // layer.groups, math.prod(layer.kernel_size))
     written = _writes(make_fx_real(lambda x: patches(layer, x).source, (x,)))
-    free = json_copy(costs.calibration("cpu"))  # a free join: every c > 1 is joined
+    free = copy.deepcopy(costs.calibration("cpu"))  # a free join: every c > 1 is joined
     free["time"]["kfac-join"] = {"per_element": 0.0, "per_element_spilled": 0.0}
     for chunks in sorted({2, k} - {1}):
         for budget, plan in _budgets(layer, x):
@@ -804,7 +804,7 @@ def test_a_traced_plan_joins_its_row_blocks_where_the_join_costs_less(monkeypatc
         assert not expand_plan(large, xl, chunks=4).joined
     with costs.using("cpu", costs.calibration("cuda")):
         assert expand_plan(small, xs, chunks=4).joined and expand_plan(large, xl, chunks=4).joined
-    dear = json_copy(cpu)
+    dear = copy.deepcopy(cpu)
     dear["time"]["kfac-join"]["per_element"] = 1.0
     with costs.using("cpu", dear):
         assert not expand_plan(small, xs, chunks=4).joined
@@ -814,9 +814,3 @@ def test_a_traced_plan_joins_its_row_blocks_where_the_join_costs_less(monkeypatc
     with costs.using("cpu", cpu):
         seconds = kronecker.join_time(side, 1, 4, 4, "cpu")
     assert seconds == pytest.approx(side**2 * (rates["per_element"] + rates["per_element_spilled"]))
-
-
-def json_copy(data: dict) -> dict:
-    import json
-
-    return json.loads(json.dumps(data))

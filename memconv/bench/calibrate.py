@@ -3,8 +3,9 @@
 Every time model memconv chooses with (:data:`memconv.strategies.costs.TIME_MODELS`:
 the strategies', the ghost norms' two methods, the instantiating norm route's squares,
 ``"streaming"``'s tiles, ``"kfac-join"``'s gather of a KFAC input factor's row blocks
-into Ω, traced and compiled as a compiled step runs it) is linear in its coefficients, ``time = offset + Σ_j c_j f_j``
-(seconds per multiply-add, per element moved, per kernel call, ...), and every one of
+into Ω, traced and compiled as a compiled step runs it) is linear in its
+coefficients, ``time = offset + Σ_j c_j f_j`` (seconds per multiply-add, per element
+moved, per kernel call, ...), and every one of
 them has the shared per-operation term (``"operation"``: seconds per tensor
 operation, times the operations the computation issues). The command
 
@@ -314,13 +315,13 @@ class _Join:
 
     def __call__(self):
         if self.compiled is None:
-            bounds = kronecker._bounds(self.side, self.chunks)
+            bounds = kronecker.row_bounds(self.side, self.chunks)
             gen = torch.Generator(device="cpu").manual_seed(0)
             self.blocks = [
                 torch.randn((self.groups, b - a, self.side - a), generator=gen).to(self.device)
                 for a, b in zip(bounds, bounds[1:])
             ]
-            graph = make_fx_real(lambda blocks: kronecker._joined(blocks, bounds), (self.blocks,))
+            graph = make_fx_real(kronecker.join_row_blocks, (self.blocks,))
             backend = benchmark_backend(str(self.device))
             self.compiled = compile_graph(graph, list(self.blocks), backend)
         return self.compiled(*self.blocks)

@@ -387,7 +387,7 @@ def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool)
     width = c // g * k
 
     def macs(cc: int) -> int:  # Σ_a (b - a)(Cg·K - a) entries, times G and M
-        bounds = _bounds(width, cc)
+        bounds = row_bounds(width, cc)
         entries = sum((b - a) * (width - a) for a, b in zip(bounds, bounds[1:]))
         return entries * g * positions
 
@@ -451,7 +451,7 @@ def join_time(side: int, groups: int, chunks: int, element_size: int, device_typ
         Seconds.
     """
     entries = groups * side * side
-    bounds = _bounds(side, chunks)
+    bounds = row_bounds(side, chunks)
     blocks = sum((b - a) * (side - a) for a, b in zip(bounds, bounds[1:]))
     held = groups * element_size * (side * side + blocks)
     per_element = time_coefficients("kfac-join", device_type)[0]
@@ -466,8 +466,9 @@ def most_chunks(channels: int, offsets: int) -> int:
     return min(channels * offsets, max(offsets, 4))
 
 
-def _bounds(rows: int, chunks: int) -> list[int]:
-    """The boundaries of ``chunks`` row blocks of about ``rows/c`` rows each."""
+def row_bounds(rows: int, chunks: int) -> list[int]:
+    """The boundaries ``[a_0 = 0, a_1, ..., a_c = rows]`` of ``chunks`` (c) row blocks of
+    about ``rows/c`` rows each: ``a_k = ⌊k·rows/c⌋``."""
     return [i * rows // chunks for i in range(chunks + 1)]
 
 
@@ -527,7 +528,7 @@ def _expand_factor(p: Patches, plan: FactorPlan) -> Tensor:
     in place into the blocks of Ω itself (``baddbmm_``) and one transposing copy per
     row block mirrors them; in a joined plan (a traced step's,
     :attr:`FactorPlan.joined`) each row block is a tensor of its own, summed over the
-    slabs as c = 1's product is, and Ω is gathered from them (:func:`_joined`):
+    slabs as c = 1's product is, and Ω is gathered from them (:func:`join_row_blocks`):
     operations a compiler fuses, where it would functionalise writes into blocks of
     one buffer into copies of the whole factor.
     """
@@ -536,11 +537,11 @@ def _expand_factor(p: Patches, plan: FactorPlan) -> Tensor:
     cg = c // g
     dims = len(p.kernel_size)
     size = math.prod(p.kernel_size) * cg
-    bounds = _bounds(size, plan.chunks)
+    bounds = row_bounds(size, plan.chunks)
     if plan.chunks == 1:
         (out,) = _summed_blocks(p, plan, bounds)
     elif plan.joined:
-        out = _joined(_summed_blocks(p, plan, bounds), bounds)
+        out = join_row_blocks(_summed_blocks(p, plan, bounds))
     else:
         out = p.source.new_empty(g, size, size)  # written by the first slab and the mirror
         targets = [
@@ -582,15 +583,24 @@ def _summed_blocks(p: Patches, plan: FactorPlan, bounds: list[int]) -> list[Tens
     return blocks
 
 
-def _joined(blocks: list[Tensor], bounds: list[int]) -> Tensor:
-    """Ω ``[G, size, size]`` from its row blocks' upper parts (:func:`_summed_blocks`:
-    block k holds the rows ``[a_k, b_k)``, columns ``a_k`` to the last): the blocks
-    laid end to end, and every entry of Ω read from them by its computed position, an
-    entry left of its row's block as its mirror. One concatenation and one gather,
-    which a compiler makes one or two kernels, where a ``torch.cat`` of each row's
-    pieces would be a copy per piece; the positions' index tensors, made from Python
-    lists, are constants of a traced graph."""
-    size = bounds[-1]
+def join_row_blocks(blocks: list[Tensor]) -> Tensor:
+    """A symmetric Ω from the upper parts of its row blocks, as a joined plan's traced
+    step computes it: the blocks laid end to end, and every entry of Ω read from them
+    by its computed position, an entry left of its row's block as its mirror. One
+    concatenation and one gather, which a compiler makes one or two kernels, where a
+    ``torch.cat`` of each row's pieces would be a copy per piece; the positions' index
+    tensors, made from Python lists, are constants of a traced graph.
+
+    Args:
+        blocks: block k ``[G, b_k - a_k, size - a_k]`` holds Ω's rows ``[a_k, b_k)``
+            from column ``a_k`` on (:func:`row_bounds`: ``a_0 = 0``, ``b_k =
+            a_{k+1}``, the last ``b = size``).
+
+    Returns:
+        Ω ``[G, size, size]``.
+    """
+    size = blocks[0].shape[2]
+    bounds = [size - block.shape[2] for block in blocks] + [size]
     flat = torch.cat([block.flatten(1) for block in blocks], 1)
     rows, starts, offset = [], [], 0
     for a, b in zip(bounds, bounds[1:]):  # row i's entry j sits at rows[i] + j, j ≥ a
