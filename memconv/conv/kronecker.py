@@ -255,10 +255,9 @@ def input_factor(
     check_chunks(chunks, most_chunks(p.source.shape[1] // p.groups, math.prod(p.kernel_size)))
     if kfac_approx == "reduce":
         factor = _reduce_factor(p)
-    elif (plan := _plan(p, memory_budget, chunks, warn=True)).chunks == 1 or plan.joined:
-        # the few operations a traced graph takes as they are, and a compiler fuses
-        factor = _expand_factor(p, plan)
-    elif tracing():  # one operation: its products accumulate in place, as eagerly
+    elif (plan := _plan(p, memory_budget, chunks, warn=True)).chunks > 1 and (
+        tracing() and not plan.joined
+    ):  # one operation of the traced graph: its products accumulate in place, as eagerly
         factor = _expand_op(
             p.source,
             p.kernel_size,
@@ -269,7 +268,7 @@ def input_factor(
             p.flipped,
             [plan.samples, plan.rows, plan.chunks, plan.slabs],
         )
-    else:
+    else:  # eagerly, or the few operations a traced graph takes as they are
         factor = _expand_factor(p, plan)
     return factor[0] if p.groups == 1 else factor
 
