@@ -462,3 +462,66 @@ def test_kept_coverage_of_shared_parameters_gives_the_fresh_numbers():
     for _ in range(3):
         check_all(model, loss_fn, x, y)
     assert kept(model)._walks.assigned is not None
+
+
+class _Scaled(nn.Module):
+    """A convolution whose output a parameter of the module itself scales (a layer
+    scale, as timm's ConvNeXt block's ``gamma``): an operation call inside the module
+    computes that parameter; with ``extra``, an operation without a rule
+    (``torch.addcmul``) uses it too, which the module's generic call then covers. It
+    keeps a weak reference to each input it is called with."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.extra = False
+        self.inputs = []
+
+    def forward(self, x):
+        self.inputs.append(weakref.ref(x))
+        y = self.conv(x * 2).mul(self.gamma.view(1, -1, 1, 1))  # (nothing saves x)
+        if self.extra:
+            y = torch.addcmul(y, y, self.gamma.view(1, -1, 1, 1))
+        return y
+
+
+class _Watch(nn.Module):
+    """Whether the last input of ``scaled`` is still alive when this module runs."""
+
+    def __init__(self, scaled):
+        super().__init__()
+        self.scaled = [scaled]  # (not a submodule)
+        self.alive = []
+
+    def forward(self, x):
+        self.alive.append(self.scaled[0].inputs[-1]() is not None)
+        return x
+
+
+def test_a_call_whose_parameters_calls_inside_it_compute_keeps_no_arguments():
+    """From the second walk on a kept probe, the call of a module whose parameters the
+    calls inside it compute keeps no arguments, so its input is freed during the forward
+    pass, as without memconv (the first walk held it until the backward pass); a pass
+    that gives that call a parameter to compute after all runs again on a new probe,
+    with the fresh numbers."""
+    torch.manual_seed(5)
+    scaled = _Scaled()
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3), scaled, _Watch(scaled), nn.Flatten(), nn.Linear(144, 3)
+    ).double()
+    watch, loss_fn = model[2], nn.CrossEntropyLoss()
+    x, y = data()
+    check_all(model, loss_fn, x, y)
+    assert scaled in kept(model)._walks.released[1].values()
+    first = list(watch.alive)
+    watch.alive.clear()
+    check_all(model, loss_fn, x, y)
+    assert first[-3] and not any(watch.alive[-3:]) and kept(model).probes == 1
+    scaled.extra = True
+    check_all(model, loss_fn, x, y)  # against the loop on the model as it now runs
+    assert kept(model).probes == 2
+    scaled.extra = False
+    for _ in range(2):
+        check_all(model, loss_fn, x, y)
+    assert not watch.alive[-1] and kept(model).probes == 2

@@ -88,6 +88,10 @@ class LayerCall:
         shared: local names of parameters that other calls' routes also compute
             (their per-sample gradients must be summed before taking norms).
         state: the walk's (:class:`WalkState`).
+        dropped: whether the call's arguments were not kept, the last walk on the
+            probe having given it nothing to compute (a module whose parameters the
+            calls inside it compute: its arguments would otherwise live until the
+            backward pass begins).
     """
 
     record: CallRecord
@@ -97,6 +101,7 @@ class LayerCall:
     shared: set = field(default_factory=set)
     state: WalkState = field(default_factory=WalkState)
     named: dict | None = None
+    dropped: bool = False
 
     module = property(lambda self: self.record.module)
     name = property(lambda self: self.record.name)

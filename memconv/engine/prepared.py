@@ -38,7 +38,11 @@ standard layers), the next walks record the layers' calls without the operation
 recorder (:class:`memconv.engine.recorder.OpRecorder`), which would find nothing for
 the routes; an operation call outside such a layer in a later pass (data-dependent
 control flow) then goes to the generic or the model route, exact as well, and a
-reversible block such a walk meets probes the model again.
+reversible block such a walk meets probes the model again. And a call to which the last
+walk gave nothing to compute (a module whose own parameter an operation inside it
+computes, as a layer scale or an NF-ResNet block's gain) keeps no arguments in the next
+walks, which would hold them until the backward pass; should a later pass give it a
+parameter after all, the call probes the model again and runs again from the start.
 
 The plain functions (:func:`memconv.per_sample_grads`, :func:`memconv.per_sample_norms`,
 :func:`memconv.clip_and_accumulate`) keep one :class:`Prepared` per model
@@ -186,11 +190,18 @@ class KeptWalk:
             parameter)`` of the last walk's coverage
             (:func:`memconv.engine.coverage.assignment_key`, :func:`memconv.engine.coverage.assign`),
             reused by a walk whose key is equal; None before.
+        released: ``(whether the walk recorded operations, {index in the forward
+            order: module})`` of the layer calls to which the last walk that ran its
+            own forward pass gave nothing to compute (a module whose parameters the
+            calls inside it compute): the next such walk, recording alike, keeps no
+            arguments for those calls, which would otherwise hold them until the
+            backward pass; None before.
     """
 
     layers_only: bool = False
     layer_axes: list = field(default_factory=list)
     assigned: tuple | None = None
+    released: tuple | None = None
 
     @classmethod
     def of(cls, axes: list[CallAxes]) -> KeptWalk:

@@ -208,9 +208,12 @@ class BackwardWalk:
         self.counts: dict = {}
         self.shared_counts: dict = {}
         self.open_blocks: list = []
+        self.own_forward = False  # the walk runs the model's forward pass itself (run)
+        self.indices: dict = {}  # {layer call: its index in the forward order}
 
     def run(self, per_sample, inputs, targets, *, keep_graph: bool, prepare) -> Walk:
         """Both halves on memconv's own forward pass of ``inputs``."""
+        self.own_forward = True
         try:
             losses = per_sample(self.forward(inputs), targets)
         except BaseException:
@@ -246,6 +249,9 @@ class BackwardWalk:
             self.check(uses)
             if self.kept is not None and self.recording_ops and self.layers_only:
                 self.kept.layers_only = True
+            if self.kept is not None and self.own_forward:
+                idle = {i: c.module for c, i in self.indices.items() if not c.params}
+                self.kept.released = (self.recording_ops, idle)
             return walk
         finally:
             self.close()
@@ -360,6 +366,19 @@ class BackwardWalk:
         call.state.edges.append((0, get_gradient_edge(out)))
         return out
 
+    def _released(self, index: int, module: nn.Module) -> bool:
+        """Whether the layer call at ``index`` (of ``module``) keeps no arguments: the
+        walk runs its own forward pass, and the last such walk on the probe, recording
+        as this one does, gave the call at that index, of the same module, nothing to
+        compute (:attr:`memconv.engine.prepared.KeptWalk.released`). If this walk's
+        coverage gives it parameters after all, :meth:`attribute` raises
+        :class:`memconv.engine.probes.ProbeMismatch` (the step runs again on a new
+        probe)."""
+        released = self.kept.released if self.own_forward and self.kept is not None else None
+        if released is None or released[0] != self.recording_ops:
+            return False
+        return released[1].get(index) is module
+
     def forward_hook(self, module, args, kwargs, output):
         with paused():
             return self.record_call(module, args, kwargs, output)
@@ -402,7 +421,11 @@ class BackwardWalk:
             output_elements=sum(t.numel() for t in out_leaves if isinstance(t, Tensor)),
         )
         state = WalkState(grads=[None] * len(out_leaves))
-        call = LayerCall(record=record, args=args, kwargs=kwargs, state=state)
+        dropped = self._released(index, module)
+        if dropped:  # the last walk gave it nothing to compute: keep nothing for it
+            args, kwargs = (), {}
+        call = LayerCall(record=record, args=args, kwargs=kwargs, state=state, dropped=dropped)
+        self.indices[call] = index
         self.calls.append(call)
         new_leaves = list(out_leaves)
         for j, t in enumerate(out_leaves):
@@ -454,6 +477,12 @@ class BackwardWalk:
             call.shared |= {
                 k for k, full in call.params.items() if self.shared_counts.get(full, 0) > 1
             }
+            if call.dropped and call.params and call.state.expected:
+                raise ProbeMismatch(
+                    f"{self.caller}: {call.what} has parameters to compute in this pass, "
+                    "where the last pass on the probe gave it none (its arguments were "
+                    "not kept)"
+                )
             if not call.params or not call.state.expected:
                 call.release()
                 call.state.done = True

@@ -211,7 +211,8 @@ def weight_grads(grads: Tensor, form: Form) -> tuple[Tensor, Tensor]:
     n, c = grads.shape[0], form.w_hat.shape[0]
     g = grads.reshape(n, c, -1).to(form.w_hat.dtype)
     k = g.shape[-1]
-    ones = g.sum(-1, keepdim=True)
     hat = contract("nck,ck->nc", g, form.w_hat)
-    out = g - ones / k - (hat / k)[..., None] * form.w_hat
+    # one new [n, C, K] tensor, the rest in place (book-keeping keeps these results)
+    out = g - g.sum(-1, keepdim=True) / k
+    out.addcmul_((hat / k)[..., None], form.w_hat, value=-1)
     return out.mul_(form.scale[:, None]).reshape(grads.shape), hat
