@@ -1073,6 +1073,26 @@ def test_a_traced_step_keeps_to_batched_strategies():
     assert calls[0] < 4 * 2  # fewer than one call per sample and layer at N=4
 
 
+def test_a_traced_clipped_sum_holds_no_computed_weight_for_its_shape():
+    """The summed weight VJPs of a traced step (the clipped sum) read a weight's shape
+    only: they get a stand-in without storage, so that the graph does not keep the
+    weights it computed (NF-ResNet's standardised ones) alive until the clip factors
+    are known; the numbers are the eager ones."""
+    pairs, compiled = _steps("nf-resnet", "clip")
+    for got, ref in pairs:
+        assert_close(got[1], ref[1], TOL)
+    target = torch.ops.aten.convolution_backward.default
+    (entry,) = compiled._prepared.traced.graphs.values()
+    weights = [
+        node.args[2].meta["val"]
+        for node in entry.graph.graph.nodes
+        if node.target is target and not node.args[-1][0]  # no input gradient
+    ]
+    for w in weights:  # one element, whatever the shape
+        assert all(st == 0 for st, size in zip(w.stride(), w.shape) if size > 1), w.stride()
+    assert weights
+
+
 def test_a_traced_step_compiles_with_the_models_inductor_options_first():
     """Inductor's step options lie beneath the model's: a mode's options and the
     model's own settings are kept, ``reorder_for_locality`` is off unless the model

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import CONV_TRANSPOSE_TYPES, check_conv_module
+from .._torch import tracing
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,8 @@ def convolution_backward(
     Args:
         x: the layer's (normal-form) input ``[N, C, *S]`` (only its shape is read
             when only the input gradient is asked for).
-        weight: the layer's weight (cast to ``x``'s dtype).
+        weight: the layer's weight (cast to ``x``'s dtype; only its shape is read
+            when the input gradient is not asked for).
         g: the layer's output gradient.
         geom: geometry of the convolution (for a transposed convolution, the
             equivalent convolution's: same stride, padding, dilation and groups).
@@ -339,7 +341,12 @@ def convolution_backward(
         ``(input gradient or None, weight gradient or None, bias gradient or None)``.
     """
     transposed = output_padding is not None
-    if weight.dtype != x.dtype:
+    if not input_grad and tracing():
+        # only the weight's shape is read: a stand-in of one element, so that the
+        # traced step does not keep a weight it computed (a standardised one) alive
+        # until the clipped sum (eagerly the layer's call holds it anyway)
+        weight = x.new_empty((1,) * weight.dim()).expand(weight.shape)
+    elif weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
     return torch.ops.aten.convolution_backward(
         g,
