@@ -503,8 +503,8 @@ def test_a_call_whose_parameters_calls_inside_it_compute_keeps_no_arguments():
     """From the second walk on a kept probe, the call of a module whose parameters the
     calls inside it compute keeps no arguments, so its input is freed during the forward
     pass, as without memconv (the first walk held it until the backward pass); a pass
-    that gives that call a parameter to compute after all runs again on a new probe,
-    with the fresh numbers."""
+    that gives that call a parameter to compute after all runs again, with the fresh
+    numbers, and the walks on the probe keep every call's arguments from then on."""
     torch.manual_seed(5)
     scaled = _Scaled()
     model = nn.Sequential(
@@ -520,8 +520,39 @@ def test_a_call_whose_parameters_calls_inside_it_compute_keeps_no_arguments():
     assert first[-3] and not any(watch.alive[-3:]) and kept(model).probes == 1
     scaled.extra = True
     check_all(model, loss_fn, x, y)  # against the loop on the model as it now runs
-    assert kept(model).probes == 2
+    assert kept(model)._walks.keep_arguments and kept(model).probes == 1
     scaled.extra = False
+    watch.alive.clear()
     for _ in range(2):
         check_all(model, loss_fn, x, y)
-    assert not watch.alive[-1] and kept(model).probes == 2
+    assert all(watch.alive[-3:]) and kept(model).probes == 1  # (memconv's three calls)
+
+
+def test_a_micro_batch_that_gives_a_released_call_a_parameter_runs_the_call_again():
+    """The first call on a new probe, one sample per micro-batch: the second walk keeps
+    no arguments for the call the first gave nothing to compute, and its coverage then
+    gives that call a parameter (a use that depends on the sample): the call runs again,
+    every call's arguments kept, with the fresh numbers."""
+
+    class Gate(nn.Module):  # the use of gamma by addcmul: samples with a positive pixel
+        def __init__(self, scaled):
+            super().__init__()
+            self.scaled = [scaled]
+
+        def forward(self, x):
+            self.scaled[0].extra = bool(x[0, 0, 0, 0] > 0)
+            return x
+
+    torch.manual_seed(5)
+    scaled = _Scaled()
+    model = nn.Sequential(
+        Gate(scaled), nn.Conv2d(1, 4, 3), scaled, nn.Flatten(), nn.Linear(144, 3)
+    ).double()
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = data(n=3)
+    x[:, 0, 0, 0] = torch.tensor([-1.0, 1.0, -1.0], dtype=x.dtype)
+    budget = memconv.plan(model, x).smallest_budget
+    assert memconv.plan(model, x, memory_budget=budget).micro_batch == 1
+    got = memconv.per_sample_grads(model, loss_fn, x, y, memory_budget=budget)
+    assert_grads_close(got, loop_reference(model, loss_fn, x, y), TOL)
+    assert kept(model)._walks.keep_arguments and kept(model).probes == 1

@@ -42,7 +42,8 @@ reversible block such a walk meets probes the model again. And a call to which t
 walk gave nothing to compute (a module whose own parameter an operation inside it
 computes, as a layer scale or an NF-ResNet block's gain) keeps no arguments in the next
 walks, which would hold them until the backward pass; should a later pass give it a
-parameter after all, the call probes the model again and runs again from the start.
+parameter after all, the call runs again from the start, and the walks on the probe
+keep every call's arguments from then on.
 
 The plain functions (:func:`memconv.per_sample_grads`, :func:`memconv.per_sample_norms`,
 :func:`memconv.clip_and_accumulate`) keep one :class:`Prepared` per model
@@ -79,7 +80,7 @@ from ..layers import RuleSettings, check_layer, find_rule
 from ..streaming import StreamingCNN
 from .losses import PerSampleLoss
 from .planning import Plan, Profile, make_plan, profile
-from .probes import CallAxes, ProbeMismatch, owner_names
+from .probes import ArgumentsDropped, CallAxes, ProbeMismatch, owner_names
 from .request import Batch, Request
 from .resources import guards, resolve_budget
 from .traced import TracedSteps, tensor_key
@@ -196,12 +197,16 @@ class KeptWalk:
             calls inside it compute): the next such walk, recording alike, keeps no
             arguments for those calls, which would otherwise hold them until the
             backward pass; None before.
+        keep_arguments: a walk's coverage gave such a call parameters after all
+            (data-dependent uses of a parameter): every walk on the probe keeps every
+            call's arguments.
     """
 
     layers_only: bool = False
     layer_axes: list = field(default_factory=list)
     assigned: tuple | None = None
     released: tuple | None = None
+    keep_arguments: bool = False
 
     @classmethod
     def of(cls, axes: list[CallAxes]) -> KeptWalk:
@@ -296,6 +301,8 @@ class Prepared:
         """``call()``, run again from the start with a new probe if a reused probe no
         longer describes the model's layer calls (:class:`memconv.engine.probes.ProbeMismatch`)."""
         try:
+            return call()
+        except ArgumentsDropped:  # the walks now keep every call's arguments
             return call()
         except ProbeMismatch:
             if not self.reused:

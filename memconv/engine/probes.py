@@ -138,6 +138,12 @@ class ProbeMismatch(RuntimeError):
     changed since a probe was made)."""
 
 
+class ArgumentsDropped(ProbeMismatch):
+    """A walk's coverage gave parameters to a layer call whose arguments it did not keep
+    (:attr:`memconv.engine.prepared.KeptWalk.released`): the walks on the probe keep
+    every call's arguments from then on, and the call runs again."""
+
+
 @contextlib.contextmanager
 def recording_calls(model: nn.Module):
     """Record a :class:`ProbedCall` of every call of a module owning trainable

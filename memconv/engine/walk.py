@@ -47,6 +47,7 @@ from . import coverage
 from .calls import BlockCall, CallRecord, LayerCall, OpCall, WalkState, op_call
 from .losses import PerSampleLoss
 from .probes import (
+    ArgumentsDropped,
     CallAxes,
     ProbeMismatch,
     check_call_axes,
@@ -249,7 +250,7 @@ class BackwardWalk:
             self.check(uses)
             if self.kept is not None and self.recording_ops and self.layers_only:
                 self.kept.layers_only = True
-            if self.kept is not None and self.own_forward:
+            if self.kept is not None and self.own_forward and not self.kept.keep_arguments:
                 idle = {i: c.module for c, i in self.indices.items() if not c.params}
                 self.kept.released = (self.recording_ops, idle)
             return walk
@@ -372,9 +373,10 @@ class BackwardWalk:
         as this one does, gave the call at that index, of the same module, nothing to
         compute (:attr:`memconv.engine.prepared.KeptWalk.released`). If this walk's
         coverage gives it parameters after all, :meth:`attribute` raises
-        :class:`memconv.engine.probes.ProbeMismatch` (the step runs again on a new
-        probe)."""
-        released = self.kept.released if self.own_forward and self.kept is not None else None
+        :class:`memconv.engine.probes.ArgumentsDropped` (the walks on the probe keep
+        every call's arguments from then on, and the call runs again)."""
+        kept = self.kept if self.own_forward else None
+        released = kept.released if kept is not None and not kept.keep_arguments else None
         if released is None or released[0] != self.recording_ops:
             return False
         return released[1].get(index) is module
@@ -478,7 +480,8 @@ class BackwardWalk:
                 k for k, full in call.params.items() if self.shared_counts.get(full, 0) > 1
             }
             if call.dropped and call.params and call.state.expected:
-                raise ProbeMismatch(
+                self.kept.keep_arguments = True
+                raise ArgumentsDropped(
                     f"{self.caller}: {call.what} has parameters to compute in this pass, "
                     "where the last pass on the probe gave it none (its arguments were "
                     "not kept)"
