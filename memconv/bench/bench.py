@@ -135,7 +135,7 @@ LARGEST_CASES = {
 QUICK_CASES = {"grads": ("seed-28",), "clip": ("resnet18-gn",), "clip-layer": ("resnet18-gn",)}
 QUICK_ENGINES = {
     "grads": ("autograd", "torch.func", "memconv:auto", BUDGET_ENGINE),
-    "clip": ("non-private", "memconv:auto", "memconv:two-pass"),
+    "clip": ("non-private", "torch.func", "memconv:auto", "memconv:two-pass"),
     "clip-layer": ("non-private", "torch.func", "memconv:per-layer", "memconv:flat"),
 }
 SWEEPS = ("batch", "side")
