@@ -975,17 +975,22 @@ def format_commands(records: list[dict]) -> str:
 
 
 def format_machine(records: list[dict]) -> str:
-    """The machines the records were measured on (one line per distinct machine)."""
-    seen = []
+    """The machines the records were measured on (one line per distinct machine as the
+    line describes it: records that differ only in fields it leaves out, such as the
+    cache size later runs record, share a line)."""
+    lines = []
     for r in records:
-        if r.get("record") == "run" and r["machine"] not in seen:
-            seen.append(r["machine"])
-    return "\n".join(
-        ("- " + (f"{m['gpu']} (GPU); " if m.get("gpu") else ""))
-        + f"{m['cpu']}, {m['threads']} threads; torch {m['torch']}, memconv {m['memconv']}, "
-        f"Python {m['python']}"
-        for m in seen
-    )
+        if r.get("record") != "run":
+            continue
+        m = r["machine"]
+        line = (
+            ("- " + (f"{m['gpu']} (GPU); " if m.get("gpu") else ""))
+            + f"{m['cpu']}, {m['threads']} threads; torch {m['torch']}, memconv {m['memconv']}, "
+            f"Python {m['python']}"
+        )
+        if line not in lines:
+            lines.append(line)
+    return "\n".join(lines)
 
 
 def render(records: list[dict], page_dir: str | None = None) -> dict[str, str]:
