@@ -302,8 +302,8 @@ class Prepared:
         longer describes the model's layer calls (:class:`memconv.engine.probes.ProbeMismatch`)."""
         try:
             return call()
-        except ArgumentsDropped:  # the walks now keep every call's arguments
-            return call()
+        except ArgumentsDropped:  # the walks now keep every call's arguments: once more
+            return self.run(call)
         except ProbeMismatch:
             if not self.reused:
                 raise
