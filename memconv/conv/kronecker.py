@@ -402,7 +402,7 @@ def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool)
             return 2 + views + 2 * slabs + 3 * p.flipped
         # the accumulator's row blocks; each slab's transpose, row blocks and
         # products; the column blocks and the mirroring copies
-        return 5 + cc + views + slabs * (2 * cc + 1) + 4 * (cc - 1) + 3 * p.flipped
+        return 4 + cc + views + slabs * (2 * cc + 1) + 4 * (cc - 1) + 3 * p.flipped
 
     def seconds(cc: int, joined: bool) -> float:
         spent = per_mac * macs(cc) + operations_time(operations(cc, joined), device)
@@ -537,16 +537,18 @@ def _expand_factor(p: Patches, plan: FactorPlan) -> Tensor:
     dims = len(p.kernel_size)
     size = math.prod(p.kernel_size) * cg
     bounds = row_bounds(size, plan.chunks)
+    scale = 1.0 / n  # the products' alpha: Ω's mean over the samples, no pass of its own
     if plan.chunks == 1:
-        (out,) = _summed_blocks(p, plan, bounds)
+        (out,) = _summed_blocks(p, plan, bounds, scale)
     elif plan.joined:
-        out = join_row_blocks(_summed_blocks(p, plan, bounds))
+        out = join_row_blocks(_summed_blocks(p, plan, bounds, scale))
     else:
         out = p.source.new_empty(g, size, size)  # written by the first slab and the mirror
         targets = [
             block.narrow(2, a, size - a) for a, block in zip(bounds, out.split(_sizes(bounds), 1))
         ]
-        _each_slab(p, plan, functools.partial(_products, bounds=bounds, targets=targets))
+        fn = functools.partial(_products, bounds=bounds, targets=targets, scale=scale)
+        _each_slab(p, plan, fn)
         # the block upper triangle holds Σ z zᵀ: mirror each row block right of its
         # diagonal block into the column block below it
         for a, b, target, column in zip(bounds, bounds[1:], targets, out.split(_sizes(bounds), 2)):
@@ -557,14 +559,15 @@ def _expand_factor(p: Patches, plan: FactorPlan) -> Tensor:
         shape = (g, cg, *p.kernel_size, cg, *p.kernel_size)
         kernel = tuple(range(2, 2 + dims))
         out = out.view(shape).flip((*kernel, *(i + dims + 1 for i in kernel))).view_as(out)
-    return out.div_(n)
+    return out
 
 
-def _summed_blocks(p: Patches, plan: FactorPlan, bounds: list[int]) -> list[Tensor]:
-    """The row blocks ``Σ z[:, a:b] z[:, a:]ᵀ`` over the slabs of the plan, one product
-    each per slab: the first slab's ``bmm`` makes a block, the others add into it whole
-    (``baddbmm_``, no part of it written), which a compiler keeps as products (no zero
-    fill, no uninitialised memory read). With one block (c = 1), Σ z zᵀ."""
+def _summed_blocks(p: Patches, plan: FactorPlan, bounds: list[int], scale: float) -> list[Tensor]:
+    """The row blocks ``scale · Σ z[:, a:b] z[:, a:]ᵀ`` over the slabs of the plan, one
+    product each per slab: the first slab's ``baddbmm`` with ``beta=0`` makes a block
+    (its uninitialised input never read), the others add into it whole (``baddbmm_``,
+    no part of it written), which a compiler keeps as products (no zero fill, no pass
+    for the scale). With one block (c = 1), ``scale · Σ z zᵀ``."""
     blocks: list[Tensor] = []
     size = bounds[-1]
 
@@ -574,9 +577,10 @@ def _summed_blocks(p: Patches, plan: FactorPlan, bounds: list[int]) -> list[Tens
         for i, (a, rows) in enumerate(zip(bounds, parts)):
             suffix = zt if a == 0 else zt.narrow(2, a, size - a)
             if i < len(blocks):
-                blocks[i].baddbmm_(rows, suffix)
+                blocks[i].baddbmm_(rows, suffix, alpha=scale)
             else:
-                blocks.append(torch.bmm(rows, suffix))
+                made = z.new_empty(z.shape[0], rows.shape[1], suffix.shape[2])
+                blocks.append(torch.baddbmm(made, rows, suffix, beta=0.0, alpha=scale))
 
     _each_slab(p, plan, add)
     return blocks
@@ -642,13 +646,16 @@ def _each_slab(p: Patches, plan: FactorPlan, fn) -> None:
             fn(_slab(p, part), 0.0 if n0 == r0 == 0 else 1.0)
 
 
-def _products(z: Tensor, beta: float, bounds: list[int], targets: list[Tensor]) -> None:
+def _products(
+    z: Tensor, beta: float, bounds: list[int], targets: list[Tensor], scale: float
+) -> None:
     """Add one slab's ``z [G, Cg·K, M]`` row blocks times their suffixes of rows,
-    ``z[:, a:b] z[:, a:]ᵀ``, into ``targets`` (the accumulator's blocks, times
+    ``scale · z[:, a:b] z[:, a:]ᵀ``, into ``targets`` (the accumulator's blocks, times
     ``beta``): one product each."""
     zt = z.mT
     for a, target, rows in zip(bounds, targets, z.split(_sizes(bounds), 1)):
-        target.baddbmm_(rows, zt if a == 0 else zt.narrow(2, a, zt.shape[2] - a), beta=beta)
+        suffix = zt if a == 0 else zt.narrow(2, a, zt.shape[2] - a)
+        target.baddbmm_(rows, suffix, beta=beta, alpha=scale)
 
 
 def _sizes(bounds: list[int]) -> list[int]:
