@@ -537,7 +537,12 @@ def _expand_factor(p: Patches, plan: FactorPlan) -> Tensor:
     dims = len(p.kernel_size)
     size = math.prod(p.kernel_size) * cg
     bounds = row_bounds(size, plan.chunks)
-    scale = 1.0 / n  # the products' alpha: Ω's mean over the samples, no pass of its own
+    # eagerly the products' alpha takes Ω's mean over the samples (no pass of its own);
+    # a traced graph divides once, where the compiler fuses the division with other
+    # kernels (an uninitialised input of a first product, the alpha's form, kept the
+    # producers of some slab copies from fusing with them: more kernels)
+    traced = tracing()
+    scale = 1.0 if traced else 1.0 / n
     if plan.chunks == 1:
         (out,) = _summed_blocks(p, plan, bounds, scale)
     elif plan.joined:
@@ -559,15 +564,15 @@ def _expand_factor(p: Patches, plan: FactorPlan) -> Tensor:
         shape = (g, cg, *p.kernel_size, cg, *p.kernel_size)
         kernel = tuple(range(2, 2 + dims))
         out = out.view(shape).flip((*kernel, *(i + dims + 1 for i in kernel))).view_as(out)
-    return out
+    return out.div_(n) if traced else out
 
 
 def _summed_blocks(p: Patches, plan: FactorPlan, bounds: list[int], scale: float) -> list[Tensor]:
     """The row blocks ``scale · Σ z[:, a:b] z[:, a:]ᵀ`` over the slabs of the plan, one
-    product each per slab: the first slab's ``baddbmm`` with ``beta=0`` makes a block
-    (its uninitialised input never read), the others add into it whole (``baddbmm_``,
-    no part of it written), which a compiler keeps as products (no zero fill, no pass
-    for the scale). With one block (c = 1), ``scale · Σ z zᵀ``."""
+    product each per slab: the first slab's makes a block (``bmm``; for a scale other
+    than 1 a ``baddbmm`` with ``beta=0``, its uninitialised input never read), the
+    others add into it whole (``baddbmm_``, no part of it written), which a compiler
+    keeps as products (no zero fill). With one block (c = 1), ``scale · Σ z zᵀ``."""
     blocks: list[Tensor] = []
     size = bounds[-1]
 
@@ -578,6 +583,8 @@ def _summed_blocks(p: Patches, plan: FactorPlan, bounds: list[int], scale: float
             suffix = zt if a == 0 else zt.narrow(2, a, size - a)
             if i < len(blocks):
                 blocks[i].baddbmm_(rows, suffix, alpha=scale)
+            elif scale == 1.0:
+                blocks.append(torch.bmm(rows, suffix))
             else:
                 made = z.new_empty(z.shape[0], rows.shape[1], suffix.shape[2])
                 blocks.append(torch.baddbmm(made, rows, suffix, beta=0.0, alpha=scale))
@@ -673,7 +680,8 @@ def _reduce_factor(p: Patches) -> Tensor:
     if p.flipped:
         sums = sums.flip(tuple(range(2, 2 + dims)))
     sums = sums.reshape(n, g, -1).transpose(0, 1)  # [G, N, Cg·K]
-    return torch.bmm(sums.mT, sums).div_(n * t * t)
+    # the mean on the small left operand [G, Cg·K, N]: no pass over Ω of its own
+    return torch.bmm(sums.mT * (1.0 / (n * t * t)), sums)
 
 
 def output_factor(sqrt_ggn: Tensor, groups: int = 1) -> Tensor:
