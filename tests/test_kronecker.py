@@ -327,7 +327,7 @@ def test_a_traced_factor_in_row_blocks_gives_the_same_factor(case):
 def test_plan_counts_the_operations_and_products_it_issues(case):
     """The plan's predicted top-level operations are those the factor issues after the
     padded input (and the select of a one-group factor), and its products the
-    ``bmm``/``baddbmm_`` calls: c per slab, for every c and slab size."""
+    ``bmm``/``baddbmm``/``baddbmm_`` calls: c per slab, for every c and slab size."""
     from memconv.bench.ops import count
 
     _, cls, kwargs, shape = case
@@ -391,21 +391,48 @@ def test_plan_products_and_multiply_adds():
 
 
 def test_chunks_chosen_by_the_device_prices():
-    """The c of least predicted time: up to K where arithmetic is dear against an
-    operation (the CPU's prices), a few where operations are (the CUDA calibration's,
-    on a small batch), one where only operations cost."""
+    """The c of least predicted time (a near tie to the fewer operations): many where
+    arithmetic is dear against an operation (the CPU's prices), a few where operations
+    are (the CUDA calibration's, on a small batch), one where only operations cost."""
     from memconv.strategies import costs
 
     layer = nn.Conv2d(96, 96, 3, padding=1)
     x = torch.randn(8, 96, 32, 32)
     with costs.using("cpu", costs.calibration("cpu")):
-        assert expand_plan(layer, x).chunks == 9
+        many = expand_plan(layer, x).chunks
     with costs.using("cpu", costs.calibration("cuda")):
-        assert 2 <= expand_plan(layer, x).chunks <= 5
+        assert 2 <= expand_plan(layer, x).chunks <= 5 < many
     only_ops = copy.deepcopy(costs.calibration("cpu"))
     only_ops["time"]["ghost-offsets"]["per_flop"] = 0.0
     with costs.using("cpu", only_ops):
         assert expand_plan(layer, x).chunks == 1
+
+
+def test_a_near_tie_goes_to_the_form_of_fewer_operations(monkeypatch):
+    """Among the forms within ``NEAR_TIE`` of the least predicted time (the eager
+    form's price: multiply-adds and operations, recomputed here from the calibration),
+    the plan takes the fewest operations; with no margin, the least time (c = K on
+    the CPU's prices, where arithmetic is dear)."""
+    from memconv.conv import kronecker
+    from memconv.strategies import costs
+
+    layer = nn.Conv2d(96, 96, 3, padding=1)
+    x = torch.randn(8, 96, 32, 32)
+    with costs.using("cpu", costs.calibration("cpu")):
+        per_mac = costs.time_coefficients("ghost-offsets", "cpu")[0]
+        plans = {c: expand_plan(layer, x, chunks=c) for c in range(1, 10)}
+        price = {
+            c: per_mac * p.multiply_adds + costs.operations_time(p.operations, "cpu")
+            for c, p in plans.items()
+        }
+        least = min(price.values())
+        near = [c for c in price if price[c] <= least * (1 + kronecker.NEAR_TIE)]
+        chosen = expand_plan(layer, x)
+        assert chosen.chunks in near and len(near) > 1, (price, chosen)
+        assert chosen.operations == min(plans[c].operations for c in near)
+        assert chosen.operations < plans[min(price, key=price.get)].operations
+        monkeypatch.setattr(kronecker, "NEAR_TIE", 0.0)
+        assert expand_plan(layer, x).chunks == min(price, key=price.get) == 9
 
 
 def test_input_factor_equals_torch_unfold():

@@ -273,6 +273,10 @@ def input_factor(
     return factor[0] if p.groups == 1 else factor
 
 
+#: How much more predicted time than the least a form of fewer operations (fewer
+#: launches) may take and still be chosen (:func:`expand_plan`): 5 %.
+NEAR_TIE = 0.05
+
 #: The default ``memory_budget`` of :func:`input_factor`, in multiples of the bytes of
 #: the padded input: at stride 1, about the patches of this many kernel offsets.
 DEFAULT_BUDGET_INPUTS = 4
@@ -416,7 +420,12 @@ def _plan(p: Patches, memory_budget: int | None, chunks: int | None, warn: bool)
         for cc in (range(1, most + 1) if chunks is None else (chunks,))
         for joined in ((False, True) if traced and cc > 1 else (False,))
     ]
-    chunks, joined = min(forms, key=lambda form: seconds(*form))
+    # the fewest operations among the forms within NEAR_TIE of the least predicted time:
+    # a calibration's error is larger than that, and fewer operations is fewer launches
+    priced = {form: seconds(*form) for form in forms}
+    least = min(priced.values())
+    near = [form for form in forms if priced[form] <= least * (1 + NEAR_TIE)]
+    chunks, joined = min(near, key=lambda form: (operations(*form), priced[form]))
     return FactorPlan(
         samples=samples,
         rows=rows,
