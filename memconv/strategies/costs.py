@@ -175,6 +175,12 @@ def spilled_time(model: str, working_bytes: float, traffic: float, device_type: 
     return calibration(device_type)["time"][model]["per_element_spilled"] * traffic
 
 
+def fitted_device(device_type: str = FALLBACK) -> str:
+    """The device type the calibration pricing ``device_type`` was fitted on (its
+    ``"device"`` entry; ``device_type`` itself where it records none)."""
+    return calibration(device_type).get("device", device_type)
+
+
 def operations_time(operations: int, device_type: str = FALLBACK) -> float:
     """Seconds ``operations`` tensor operations cost on ``device_type`` besides their
     arithmetic (the shared ``"operation"`` model's ``per_op``)."""
