@@ -79,7 +79,7 @@ DESCRIPTION = (
 )
 
 #: Strategies timed and measured as themselves (the elementary ones).
-STRATEGIES = ("standard", "rochette", "unfold", "shift", "loop")
+STRATEGIES = ("standard", "rochette", "unfold", "shift", "loop", "vmap")
 #: Temporaries below this many bytes are too small for a ratio to mean anything.
 MIN_MEASURED = 64 * 1024
 #: The budget the grid's ghost norms run within (bytes): some layers' Gram matrices
@@ -707,6 +707,7 @@ def main(args) -> int:
             data = costs.check(json.loads(Path(args.calibration).read_text()), args.calibration)
         return _check(grid, device, data, args.tolerance, out)
     base = _with_cache(costs.calibration(device.type), last_level_cache(device))
+    base = _with_optional(base)
     fitted = _fitted_models(args)
     records, job_list = [], []
     wanted = args.layers.split(",") if getattr(args, "layers", None) else None
@@ -779,6 +780,7 @@ def _refit(args) -> int:
     machine_of_run = run.get("machine", {})
     cache = machine_of_run.get("cache_bytes") if device_type == "cpu" else None
     base = _with_cache(costs.calibration(device_type), cache)
+    base = _with_optional(base)
     data = fit(known, job_list, device_type, base, fitted)
     if fitted is not None:
         grid = f"{len(job_list)} measurements of {len({j.layer.name for j in job_list})} layers"
@@ -803,6 +805,20 @@ def _refit(args) -> int:
     _log_residuals(data)
     logger.info("wrote %s", args.out)
     return 0
+
+
+def _with_optional(base: dict) -> dict:
+    """``base`` with each model it leaves out (:data:`memconv.strategies.costs.OPTIONAL_MODELS`)
+    at zero coefficients and a memory scale of 1, for a fit to fill in."""
+    missing = [m for m in costs.OPTIONAL_MODELS if m not in base["time"]]
+    if not missing:
+        return base
+    out = _copy(base)
+    for m in missing:
+        out["time"][m] = dict.fromkeys(costs.TIME_MODELS[m], 0.0)
+        if m in costs.MEMORY_MODELS:
+            out["memory"].setdefault(m, {"scale": 1.0})
+    return out
 
 
 def _with_cache(base: dict, cache: int | None) -> dict:

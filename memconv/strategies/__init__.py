@@ -21,6 +21,7 @@ from . import rochette  # noqa: F401
 from . import unfold  # noqa: F401
 from . import shift  # noqa: F401
 from . import loop  # noqa: F401
+from . import vmap  # noqa: F401
 from . import tiling  # noqa: F401
 from . import auto  # noqa: F401
 

@@ -70,6 +70,16 @@ TIME_MODELS: dict[str, tuple[str, ...]] = {
     "instantiate": ("per_square",),
     "streaming": ("per_tile", "per_copy"),
     "kfac-join": ("per_element", "per_element_spilled"),
+    "vmap": (
+        "per_flop",
+        "per_flop_strided",
+        "per_flop_im2col",
+        "per_element",
+        "per_result",
+        "per_result_spilled",
+        "per_group",
+        "per_flop_depthwise_large",
+    ),
 }
 #: The memory models that carry a fitted scale (the elementary strategies' and the
 #: ghost norms' methods; the composite ones add up theirs).
@@ -81,7 +91,12 @@ MEMORY_MODELS: tuple[str, ...] = (
     "loop",
     "ghost-positions",
     "ghost-offsets",
+    "vmap",
 )
+#: Models a calibration file may leave out (fitted after the file was, on a device not
+#: at hand): a strategy priced by a missing time model is not priced on that device type
+#: (:func:`priced`), and ``"auto"`` does not take it there; a missing memory scale is 1.
+OPTIONAL_MODELS: frozenset[str] = frozenset({"vmap"})
 #: The device type whose file prices every device type without one.
 FALLBACK = "cpu"
 
@@ -104,10 +119,14 @@ def check(data: dict, source: str) -> dict:
     """
     for model, names in TIME_MODELS.items():
         got = data.get("time", {}).get(model)
+        if got is None and model in OPTIONAL_MODELS:
+            continue
         if not isinstance(got, dict) or set(got) != set(names):
             raise ValueError(f"{source}: time model {model!r} needs coefficients {names}")
     for model in MEMORY_MODELS:
         got = data.get("memory", {}).get(model)
+        if got is None and model in OPTIONAL_MODELS:
+            continue
         if not isinstance(got, dict) or set(got) != {"scale"}:
             raise ValueError(f"{source}: memory model {model!r} needs a 'scale'")
     cache = data.get("cache_bytes")
@@ -187,6 +206,12 @@ def operations_time(operations: int, device_type: str = FALLBACK) -> float:
     return calibration(device_type)["time"]["operation"]["per_op"] * operations
 
 
+def priced(model: str, device_type: str = FALLBACK) -> bool:
+    """Whether the calibration pricing ``device_type`` has the time model ``model`` (one of
+    :data:`OPTIONAL_MODELS` may be missing)."""
+    return model in calibration(device_type)["time"]
+
+
 def time_rates(model: str, device_type: str = FALLBACK) -> dict[str, float]:
     """A time model's coefficients ``{name: seconds per unit}`` (:data:`TIME_MODELS`)."""
     return dict(zip(TIME_MODELS[model], time_coefficients(model, device_type)))
@@ -194,7 +219,7 @@ def time_rates(model: str, device_type: str = FALLBACK) -> dict[str, float]:
 
 def scale_memory(model: str, device_type: str, nbytes: int) -> int:
     """``nbytes`` predicted by a memory model, times its fitted scale (an int)."""
-    scale = calibration(device_type)["memory"][model]["scale"]
+    scale = calibration(device_type)["memory"].get(model, {"scale": 1})["scale"]
     return nbytes if scale == 1 else int(round(nbytes * scale))
 
 
