@@ -112,3 +112,31 @@ def test_norm_route_cost_model_within_25_percent(layer, route):
         predicted / MiB,
         measured / MiB,
     )
+
+
+# the kernel paths of "vmap"'s memory model (oneDNN's blocked kernel or its im2col one
+# with one or two column buffers): layers off the grid above
+VMAP_LAYERS = {
+    "first-layer-5x5": (nn.Conv2d(1, 16, 5, padding=2), (8, 1, 28, 28)),
+    "first-layer-8x8-s2": (nn.Conv2d(1, 16, 8, stride=2, padding=3), (8, 1, 28, 28)),
+    "depthwise-7x7": (nn.Conv2d(40, 40, 7, padding=3, groups=40), (8, 40, 16, 16)),
+    "conv3d-shallow": (nn.Conv3d(32, 32, 3, padding=1, groups=2), (4, 32, 2, 4, 4)),
+    "conv1d-few-channels": (nn.Conv1d(2, 16, 3, padding=1), (8, 2, 64)),
+    "transposed-depthwise": (nn.ConvTranspose2d(32, 32, 4, 2, 1, groups=32), (8, 32, 8, 8)),
+}
+
+
+@pytest.mark.parametrize("per_sample", [True, False], ids=["per-sample", "summed"])
+@pytest.mark.parametrize("name", list(VMAP_LAYERS))
+def test_vmap_memory_model_on_each_kernel_path(name, per_sample):
+    torch.manual_seed(0)
+    module, shape = VMAP_LAYERS[name]
+    x = torch.randn(shape)
+    with torch.no_grad():
+        g = torch.randn_like(module(x))
+    predicted = memconv.predict_memory(module, shape, "vmap", per_sample=per_sample)
+    measured = measured_extra(module, x, g, strategy="vmap", per_sample=per_sample)
+    assert abs(measured - predicted) <= max(0.25 * predicted, 16 * 1024), (
+        predicted / MiB,
+        measured / MiB,
+    )

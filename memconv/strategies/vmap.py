@@ -72,17 +72,17 @@ def grouped_weight_grad(x: Tensor, g: Tensor, geom: ConvGeometry) -> Tensor:
 
 def blocked_path(geom: ConvGeometry, size: tuple[int, ...]) -> bool:
     """Whether oneDNN computes the grouped weight gradient with its blocked kernel
-    (which reorders both operands) rather than its im2col one: a depthwise layer, or at
-    least 8 input channels per group, no dilation in 2-d and 3-d, and a 3-d input at
-    least as deep as the kernel (measured on oneDNN 3.x, the allocator's events of one
-    call; the memory and time models follow it).
+    (which reorders both operands) rather than its im2col one: a depthwise layer of at
+    most 3×3 offsets, or at least 8 input channels per group, no dilation in 2-d and
+    3-d, and a 3-d input at least as deep as the kernel (measured on oneDNN 3.x, the
+    allocator's events of one call; the memory and time models follow it).
 
     Args:
         geom: the normal-form geometry.
         size: the normal-form input's spatial size S.
     """
     if geom.in_per_group == 1 and geom.out_per_group == 1:
-        return True
+        return geom.kernel_numel <= 9
     if geom.in_per_group < 8:
         return False
     if geom.dims >= 2 and any(d > 1 for d in geom.dilation):
@@ -90,12 +90,16 @@ def blocked_path(geom: ConvGeometry, size: tuple[int, ...]) -> bool:
     return not (geom.dims == 3 and size[0] < geom.kernel_size[0])
 
 
-def partial_sums(geom: ConvGeometry, n: int) -> int:
-    """Copies of the per-sample result oneDNN's im2col kernel keeps besides it (its
-    threads' partial sums, measured: none for a single group, else two per group, at
-    most 4 in 2-d and 8 in 1-d and 3-d)."""
+def im2col_buffers(geom: ConvGeometry, n: int) -> tuple[int, int]:
+    """``(column buffers, partial sums)`` of oneDNN's im2col kernel: the copies of one
+    group's columns and of the per-sample result it keeps besides the result
+    (measured: one buffer and up to 4 partial sums for an unstrided 2-d layer that is
+    not depthwise, two and up to 8 otherwise; two partial sums per group, none for a
+    single group)."""
+    depthwise = geom.in_per_group == 1 and geom.out_per_group == 1
+    split = 1 if geom.dims == 2 and all(s == 1 for s in geom.stride) and not depthwise else 2
     groups = n * geom.groups
-    return 0 if groups == 1 else min(2 * groups, 4 if geom.dims == 2 else 8)
+    return split, 0 if groups == 1 else min(2 * groups, 4 * split)
 
 
 class Vmap:
@@ -118,13 +122,15 @@ class Vmap:
             # result), whichever is more
             extra = max(operands + r, 2 * r)
         else:
-            # its im2col kernel: one group's columns (in 3-d, of two output planes), its
-            # threads' partial sums and the gradients in its own layout
+            # its im2col kernel: its buffers of one group's columns (in 3-d, of one
+            # output plane), its threads' partial sums and the gradients in its own
+            # layout
             positions = problem.positions
             if geom.dims == 3:
-                positions = 2 * positions // problem.output_size[0]
-            columns = geom.in_per_group * geom.kernel_numel * positions
-            extra = columns + (partial_sums(geom, problem.n) + 1) * r
+                positions //= problem.output_size[0]
+            buffers, partial = im2col_buffers(geom, problem.n)
+            columns = buffers * geom.in_per_group * geom.kernel_numel * positions
+            extra = columns + (partial + 1) * r
         if not problem.per_sample:
             extra += r  # the per-sample gradients the summed result adds up
         nbytes = extra * problem.itemsize + problem.held()
