@@ -180,6 +180,8 @@ def own_parameters(module: nn.Module) -> list:
     first name), read from the module's parameter table: the engine asks for it on every
     layer call, where ``named_parameters``' generators cost more than the reading."""
     table = module._parameters
+    if not table:
+        return []
     out = [(k, p) for k, p in table.items() if p is not None]
     if len(out) > 1 and len({id(p) for _, p in out}) < len(out):
         seen: set = set()
@@ -187,10 +189,31 @@ def own_parameters(module: nn.Module) -> list:
     return out
 
 
+def module_tree(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``list(model.named_modules())`` (each module once, under its first name, in
+    ``named_modules``' order), read from the modules' child tables: a compiled model's
+    call checks its model at every call, where ``named_modules``' generators cost more
+    than the reading."""
+    out: list = []
+    seen: set = set()
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        seen.add(module)
+        out.append((prefix, module))
+        for name, child in module._modules.items():
+            if child is not None and child not in seen:
+                visit(f"{prefix}.{name}" if prefix else name, child)
+
+    visit("", model)
+    return out
+
+
 def module_hooks(module: nn.Module, backward: bool = False, own: bool = True) -> tuple:
     """The ids of ``module``'s forward hooks and forward pre-hooks (and, with
     ``backward``, its backward hooks), in registration order; without ``own``, leaving
     out memconv's own (:func:`own_hook`)."""
+    if not (module._forward_hooks or module._forward_pre_hooks or backward):
+        return ()
     dicts = [module._forward_hooks, module._forward_pre_hooks]
     if backward:
         dicts += [module._backward_hooks, module._backward_pre_hooks]

@@ -556,3 +556,19 @@ def test_a_micro_batch_that_gives_a_released_call_a_parameter_runs_the_call_agai
     got = memconv.per_sample_grads(model, loss_fn, x, y, memory_budget=budget)
     assert_grads_close(got, loop_reference(model, loss_fn, x, y), TOL)
     assert kept(model)._walks.keep_arguments and kept(model).probes == 1
+
+
+def test_the_model_check_reads_the_modules_as_named_modules_lists_them():
+    """``memconv._torch.module_tree``, which the check of a kept model reads at every
+    call, lists the modules as ``named_modules`` does: each once under its first name
+    (a module shared by two parents), children set to None left out, nested names."""
+    from memconv._torch import module_tree
+
+    shared = nn.Linear(4, 4)
+    inner = nn.Sequential(shared, nn.ReLU(), nn.Sequential(nn.Linear(4, 4), shared))
+    model = nn.Sequential(inner, nn.Identity(), shared)
+    model.register_module("gone", None)
+    model[1].add_module("deep", nn.Sequential(nn.Tanh()))
+    assert module_tree(model) == list(model.named_modules())
+    net = cnn()
+    assert module_tree(net) == list(net.named_modules())

@@ -73,6 +73,7 @@ from .._torch import (
     compiled_inner,
     global_module_hooks,
     module_hooks,
+    module_tree,
     own_parameters,
 )
 from ..conv.settings import Autocast
@@ -136,7 +137,7 @@ class _ModelState:
         # one pass over the modules, their parameters in ``named_parameters`` order
         # (each once, where first met): a parameter's attributes name its module's place
         modules, params, attributes, seen = [], [], [], set()
-        for i, (name, m) in enumerate(model.named_modules()):
+        for i, (name, m) in enumerate(module_tree(model)):
             modules.append((name, m, m.training, module_hooks(m, own=False)))
             for k, p in own_parameters(m):
                 if id(p) not in seen:
