@@ -67,8 +67,8 @@ SHAPES = {
 # below the best batched strategy by more than UNBATCHED_MARGIN — on the CPU, large
 # maps and few channels. "vmap" (torch's own kernel once, the samples as its groups;
 # `memconv calibrate --models vmap --reference unfold,shift`, measurements in
-# docs/bench/calibration-cpu-vmap.jsonl) is taken where it is priced fastest: there it
-# measured 0.25-0.65x the faster of "unfold" and "shift" (the 32 -> 64 layer at 28x28
+# docs/bench/calibration-cpu-vmap.jsonl) is taken where it is priced fastest; on these
+# layers it measured 0.25-0.65x the faster of "unfold" and "shift" (the 32 -> 64 layer at 28x28
 # 0.44-0.48x, the 64-channel layers of CIFAR ResNets 0.42-0.53x, the depthwise 3x3
 # 0.30-0.37x, conv1d 0.51-0.62x, conv3d 0.25-0.32x), and it ties with "loop" on the
 # 64-channel 32x32 layers at N = 64 (15-25 ms against 16 ms), where its operations do
