@@ -606,8 +606,8 @@ def test_a_layer_keeps_its_fastest_round():
 
 def test_a_calibration_without_the_vmap_model_does_not_price_it():
     """``"vmap"`` is an optional model (fitted after the CUDA file was): a calibration
-    without it passes the check, and ``"auto"`` never takes the strategy there; it
-    still runs when named."""
+    without it passes the check, and ``"auto"`` never takes the strategy there, nor in
+    float64; it still runs when named."""
     data = json.loads(json.dumps(costs.calibration("cpu")))
     del data["time"]["vmap"], data["memory"]["vmap"]
     vmap = get_strategy("vmap")
@@ -620,6 +620,11 @@ def test_a_calibration_without_the_vmap_model_does_not_price_it():
                 assert auto.choose(problem, Options(memory_budget=b))[0].name != "vmap", name
             assert vmap.memory(problem, NO_OPTIONS) == vmap.memory(_problem(name), NO_OPTIONS)
     assert costs.priced("vmap", "cpu") and not costs.priced("vmap", "cuda")
+    # float64 runs ATen's native kernel group by group: not priced either
+    for name in SHAPES:
+        problem = replace(_problem(name), itemsize=8)
+        assert vmap.time(problem, NO_OPTIONS) == float("inf")
+        assert auto.choose(problem, Options())[0].name != "vmap", name
     # a partial fit starts it at zero coefficients and a memory scale of 1
     from memconv.bench.calibrate import _with_optional
 

@@ -1013,10 +1013,11 @@ def test_a_hook_with_side_effects_is_refused_not_run_once():
     assert len(seen) > before  # the hook still runs at every (eager) step
 
 
-@pytest.mark.parametrize("strategy", ["loop", "rochette"])
+@pytest.mark.parametrize("strategy", ["loop", "rochette", "vmap"])
 def test_per_sample_routes_traced_as_the_eager_ones(strategy):
-    """The per-sample loop route (one kernel call per sample, stacked when traced) and a
-    batched one, forced, traced and compiled: the eager numbers."""
+    """The per-sample loop route (one kernel call per sample, stacked when traced) and
+    batched ones (a grouped convolution; torch's own kernel with the samples as its
+    groups), forced, traced and compiled: the eager numbers."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pairs, step = _steps("tiny-cnn", "grads", strategy=strategy)

@@ -23,8 +23,9 @@ dominates), on oneDNN's im2col kernel (fewer than 8 input channels per group, di
 Its time model prices the multiply-adds (per kernel), the operands, the results
 written (past half the last-level cache at a second rate) and the groups; ``"auto"``
 takes it where that price is the lowest. A device whose calibration has no ``"vmap"``
-model does not price it, and ``"auto"`` does not take it there (it still runs when
-named).
+model does not price it, nor does float64 (which ATen runs with its native kernel,
+group by group: 1.1-8x the fastest strategy's time on the CPU), and ``"auto"`` does not
+take it there (it still runs when named).
 """
 
 from __future__ import annotations
@@ -137,8 +138,11 @@ class Vmap:
         return scale_memory("vmap", problem.device, nbytes)
 
     def time(self, problem: Problem, options: Options) -> float:
-        if not priced("vmap", problem.device):
-            return math.inf  # not fitted on this device type: "auto" does not take it
+        if not priced("vmap", problem.device) or problem.itemsize > 4:
+            # not fitted on this device type; or float64, which ATen runs with its
+            # native kernel group by group, not oneDNN's (measured 1.1-8x the fastest
+            # strategy's time where float32 is 0.25-0.65x): "auto" does not take it
+            return math.inf
         rate = time_rates("vmap", problem.device)
         geom = problem.geom
         # seconds per multiply-add on oneDNN's blocked kernel (strided or not) or its
