@@ -71,6 +71,11 @@ def grouped_weight_grad(x: Tensor, g: Tensor, geom: ConvGeometry) -> Tensor:
     return grad.view(n, *geom.weight_shape)
 
 
+def _depthwise(geom: ConvGeometry) -> bool:
+    """One input and one output channel per group."""
+    return geom.in_per_group == 1 and geom.out_per_group == 1
+
+
 def blocked_path(geom: ConvGeometry, size: tuple[int, ...]) -> bool:
     """Whether oneDNN computes the grouped weight gradient with its blocked kernel
     (which reorders both operands) rather than its im2col one: a depthwise layer of at
@@ -82,7 +87,7 @@ def blocked_path(geom: ConvGeometry, size: tuple[int, ...]) -> bool:
         geom: the normal-form geometry.
         size: the normal-form input's spatial size S.
     """
-    if geom.in_per_group == 1 and geom.out_per_group == 1:
+    if _depthwise(geom):
         return geom.kernel_numel <= 9
     if geom.in_per_group < 8:
         return False
@@ -97,8 +102,8 @@ def im2col_buffers(geom: ConvGeometry, n: int) -> tuple[int, int]:
     (measured: one buffer and up to 4 partial sums for an unstrided 2-d layer that is
     not depthwise, two and up to 8 otherwise; two partial sums per group, none for a
     single group)."""
-    depthwise = geom.in_per_group == 1 and geom.out_per_group == 1
-    split = 1 if geom.dims == 2 and all(s == 1 for s in geom.stride) and not depthwise else 2
+    unstrided = all(s == 1 for s in geom.stride)
+    split = 1 if geom.dims == 2 and unstrided and not _depthwise(geom) else 2
     groups = n * geom.groups
     return split, 0 if groups == 1 else min(2 * groups, 4 * split)
 
@@ -148,8 +153,7 @@ class Vmap:
         # seconds per multiply-add on oneDNN's blocked kernel (strided or not) or its
         # im2col one, per element of the operands (and of a summed result's
         # per-sample gradients, read again), per gradient written and per group
-        depthwise = geom.in_per_group == 1 and geom.out_per_group == 1
-        if depthwise and geom.kernel_numel > 9:
+        if _depthwise(geom) and geom.kernel_numel > 9:
             per_flop = rate["per_flop_depthwise_large"]
         elif not blocked_path(geom, problem.size):
             per_flop = rate["per_flop_im2col"]
