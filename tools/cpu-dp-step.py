@@ -9,12 +9,21 @@ per-layer clipping, ``clip_and_accumulate(..., groups="parameter")``; ``grads``:
 plain ``per_sample_grads``): two warm-up calls,
 the median of three timed calls (wall time, and the process's CPU time, which other
 jobs on a shared machine disturb far less), then the allocator-level peak of one call
-(the profiler's memory events). The engines and trees alternate within each round.
+(the profiler's memory events), and the process's peak RSS (``ru_maxrss``, the
+import of torch included). The engines and trees alternate within each round.
+
+``--env "NAME=VALUE ..."``, given more than once, runs every engine under each of those
+environments in turn (``--env ""``: the environment as it is), alternating within each
+round, each record naming its own: the C library's allocator settings, for one, move a
+step's time (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, torch's
+``THP_MEM_ALLOC_ENABLE``). ``--json FILE`` appends the records to FILE.
 """
 
 import argparse
 import json
 import os
+import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -71,7 +80,23 @@ def worker(tree, case, engine):
         cpu.append(time.process_time() - start_cpu)
     peak, _ = peak_allocated(call, torch.device("cpu"))
     record = {"time_s": statistics.median(times), "cpu_s": statistics.median(cpu)}
-    print(json.dumps({**record, "peak_MiB": peak}))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(json.dumps({**record, "peak_MiB": peak, "peak_rss_MiB": rss}))
+
+
+def environment(spec: str) -> dict[str, str]:
+    """``{name: value}`` of an ``--env`` argument: ``NAME=VALUE`` words.
+
+    Raises:
+        argparse.ArgumentTypeError: a word without ``=``.
+    """
+    pairs = {}
+    for word in shlex.split(spec):
+        name, sep, value = word.partition("=")
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"--env takes NAME=VALUE words, got {word!r}")
+        pairs[name] = value
+    return pairs
 
 
 def main():
@@ -80,6 +105,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument(
+        "--env",
+        action="append",
+        type=environment,
+        help='"NAME=VALUE ..." set for the engines\' processes; more than one alternates',
+    )
+    parser.add_argument("--json", help="append the records to this JSON Lines file")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -88,23 +120,29 @@ def main():
     if unknown:
         parser.error(f"unknown engines {sorted(unknown)}; accepted: {ENGINES + OPTIONAL_ENGINES}")
     trees = args.tree or [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    envs = args.env or [{}]
     for r in range(args.rounds):
         for case in args.cases.split(","):
             for engine in args.engines.split(","):
-                for tree in trees:
-                    out = (
-                        subprocess.run(
-                            [sys.executable, __file__, "--worker", tree, case, engine],
-                            capture_output=True,
-                            text=True,
-                            check=True,
+                for env in envs:
+                    for tree in trees:
+                        out = (
+                            subprocess.run(
+                                [sys.executable, __file__, "--worker", tree, case, engine],
+                                capture_output=True,
+                                text=True,
+                                check=True,
+                                env={**os.environ, **env},
+                            )
+                            .stdout.strip()
+                            .splitlines()[-1]
                         )
-                        .stdout.strip()
-                        .splitlines()[-1]
-                    )
-                    record = {"round": r, "case": case, "engine": engine, "tree": tree}
-                    record.update(json.loads(out))
-                    print(json.dumps(record), flush=True)
+                        record = {"round": r, "case": case, "engine": engine, "tree": tree}
+                        record.update(env=env, **json.loads(out))
+                        print(json.dumps(record), flush=True)
+                        if args.json:
+                            with open(args.json, "a") as f:
+                                f.write(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":
