@@ -16,7 +16,10 @@ import of torch included). The engines and trees alternate within each round.
 environments in turn (``--env ""``: the environment as it is), alternating within each
 round, each record naming its own: the C library's allocator settings, for one, move a
 step's time (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, torch's
-``THP_MEM_ALLOC_ENABLE``). ``--json FILE`` appends the records to FILE.
+``THP_MEM_ALLOC_ENABLE``). ``--json FILE`` appends the records to FILE; at the end a Markdown table gives each
+engine's median time over the rounds against the same environment's non-private step
+and against its own time in the first environment, and its median peak RSS
+(``--table FILE`` prints that table of FILE's records and runs nothing).
 """
 
 import argparse
@@ -99,6 +102,48 @@ def environment(spec: str) -> dict[str, str]:
     return pairs
 
 
+def table(records) -> str:
+    """A Markdown table of the records, one row per model and engine: under each
+    environment (in the order first met), the median time over the rounds, its ratio to
+    the same environment's non-private step and (after the first) to the first
+    environment's time, and the median peak RSS; the environments listed below it."""
+
+    def label(env):
+        return " ".join(f"{k}={v}" for k, v in env.items()) or "the environment as it is"
+
+    envs: list[str] = []
+    groups: dict = {}
+    for r in records:
+        env = label(r["env"])
+        if env not in envs:
+            envs.append(env)
+        groups.setdefault((r["case"], r["engine"]), {}).setdefault(env, []).append(r)
+    head = ["model", "engine"]
+    for i in range(len(envs)):
+        head += [f"E{i + 1}: step (s)", "× non-private"]
+        head += ["× E1"] if i else []
+        head += ["peak RSS (MiB)"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+
+    def median(case, engine, env, key="time_s"):
+        rows = groups.get((case, engine), {}).get(env)
+        return statistics.median(r[key] for r in rows) if rows else None
+
+    for case, engine in groups:
+        cells = [case, engine]
+        for i, env in enumerate(envs):
+            t, base = median(case, engine, env), median(case, "non-private", env)
+            first = median(case, engine, envs[0])
+            rss = median(case, engine, env, "peak_rss_MiB")
+            cells += [f"{t:.3f}" if t else "–", f"{t / base:.2f}" if t and base else "–"]
+            cells += [f"{t / first:.2f}" if t and first else "–"] if i else []
+            cells += [f"{rss:,.0f}" if rss else "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"E{i + 1}: {env}." for i, env in enumerate(envs)]
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", action="append", help="memconv checkouts (default: this)")
@@ -112,15 +157,23 @@ def main():
         help='"NAME=VALUE ..." set for the engines\' processes; more than one alternates',
     )
     parser.add_argument("--json", help="append the records to this JSON Lines file")
+    parser.add_argument(
+        "--table", metavar="FILE", help="print the Markdown table of FILE's records, run nothing"
+    )
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(*args.worker)
+    if args.table:
+        with open(args.table) as f:
+            print(table([json.loads(line) for line in f if line.strip()]))
+        return None
     unknown = set(args.engines.split(",")) - set(ENGINES + OPTIONAL_ENGINES)
     if unknown:
         parser.error(f"unknown engines {sorted(unknown)}; accepted: {ENGINES + OPTIONAL_ENGINES}")
     trees = args.tree or [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     envs = args.env or [{}]
+    records = []
     for r in range(args.rounds):
         for case in args.cases.split(","):
             for engine in args.engines.split(","):
@@ -140,9 +193,12 @@ def main():
                         record = {"round": r, "case": case, "engine": engine, "tree": tree}
                         record.update(env=env, **json.loads(out))
                         print(json.dumps(record), flush=True)
+                        records.append(record)
                         if args.json:
                             with open(args.json, "a") as f:
                                 f.write(json.dumps(record) + "\n")
+
+    print(table(records))
 
 
 if __name__ == "__main__":
