@@ -2,8 +2,9 @@
 environment (the tool's processes themselves are run by hand, not here)."""
 
 import argparse
-import importlib.util
+import runpy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,10 +13,7 @@ TOOL = Path(__file__).resolve().parent.parent / "tools" / "cpu-dp-step.py"
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("cpu_dp_step", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return SimpleNamespace(**runpy.run_path(str(TOOL)))  # its functions, main() not run
 
 
 def test_an_env_argument_is_name_value_words(tool):
