@@ -44,3 +44,19 @@ def test_the_table_gives_each_environment_its_ratios(tool):
     assert rows["grads"][2:] == ["4.000", "4.00", "400", "1.000", "2.00", "0.25", "320"]
     assert rows["non-private"][2:] == ["1.000", "1.00", "100", "0.500", "1.00", "0.50", "110"]
     assert lines[-2:] == ["E1: the environment as it is.", "E2: MALLOC_TRIM_THRESHOLD_=1."]
+
+
+def test_the_table_keeps_trees_apart_and_reads_records_without_an_environment(tool):
+    old = dict(tree="/before", time_s=2.0, peak_rss_MiB=10.0)  # records of before --env
+    records = [
+        dict(case="m", engine="non-private", **{**old, "time_s": 1.0}),
+        dict(case="m", engine="grads", **old),
+        dict(case="m", engine="non-private", tree="/after", env={}, time_s=1.0),
+        dict(case="m", engine="grads", tree="/after", env={}, time_s=3.0),
+    ]
+    lines = tool.table(records).splitlines()
+    assert lines[0].startswith("| model | engine | tree | E1: step (s) |")
+    rows = {tuple(line.split(" | ")[1:3]): line.strip("| ").split(" | ") for line in lines[2:6]}
+    assert rows[("grads", "/before")][3:] == ["2.000", "2.00", "10"]
+    assert rows[("grads", "/after")][3:] == ["3.000", "3.00", "–"]  # no RSS recorded
+    assert lines[-1] == "E1: the environment as it is."

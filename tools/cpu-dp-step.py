@@ -103,38 +103,44 @@ def environment(spec: str) -> dict[str, str]:
 
 
 def table(records) -> str:
-    """A Markdown table of the records, one row per model and engine: under each
-    environment (in the order first met), the median time over the rounds, its ratio to
-    the same environment's non-private step and (after the first) to the first
-    environment's time, and the median peak RSS; the environments listed below it."""
+    """A Markdown table of the records, one row per model and engine (and tree, where
+    the records are of more than one): under each environment (in the order first met),
+    the median time over the rounds, its ratio to the same environment's (and tree's)
+    non-private step and (after the first) to the first environment's time, and the
+    median peak RSS; the environments listed below it. Records without an environment
+    ran in the one as it was."""
 
     def label(env):
         return " ".join(f"{k}={v}" for k, v in env.items()) or "the environment as it is"
 
+    trees = len({r.get("tree") for r in records}) > 1
     envs: list[str] = []
     groups: dict = {}
     for r in records:
-        env = label(r["env"])
+        env = label(r.get("env", {}))
         if env not in envs:
             envs.append(env)
-        groups.setdefault((r["case"], r["engine"]), {}).setdefault(env, []).append(r)
-    head = ["model", "engine"]
+        key = (r["case"], r["engine"], r.get("tree") if trees else None)
+        groups.setdefault(key, {}).setdefault(env, []).append(r)
+    head = ["model", "engine"] + (["tree"] if trees else [])
     for i in range(len(envs)):
         head += [f"E{i + 1}: step (s)", "× non-private"]
         head += ["× E1"] if i else []
         head += ["peak RSS (MiB)"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    named = 3 if trees else 2
+    lines = ["| " + " | ".join(head) + " |", "|---" * named + "|" + "---:|" * (len(head) - named)]
 
-    def median(case, engine, env, key="time_s"):
-        rows = groups.get((case, engine), {}).get(env)
+    def median(case, engine, tree, env, key="time_s"):
+        rows = [r for r in groups.get((case, engine, tree), {}).get(env, []) if key in r]
         return statistics.median(r[key] for r in rows) if rows else None
 
-    for case, engine in groups:
-        cells = [case, engine]
+    for case, engine, tree in groups:
+        cells = [case, engine] + ([tree] if trees else [])
         for i, env in enumerate(envs):
-            t, base = median(case, engine, env), median(case, "non-private", env)
-            first = median(case, engine, envs[0])
-            rss = median(case, engine, env, "peak_rss_MiB")
+            t = median(case, engine, tree, env)
+            base = median(case, "non-private", tree, env)
+            first = median(case, engine, tree, envs[0])
+            rss = median(case, engine, tree, env, "peak_rss_MiB")
             cells += [f"{t:.3f}" if t else "–", f"{t / base:.2f}" if t and base else "–"]
             cells += [f"{t / first:.2f}" if t and first else "–"] if i else []
             cells += [f"{rss:,.0f}" if rss else "–"]
