@@ -189,25 +189,6 @@ def own_parameters(module: nn.Module) -> list:
     return out
 
 
-def module_tree(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``list(model.named_modules())`` (each module once, under its first name, in
-    ``named_modules``' order), read from the modules' child tables: a compiled model's
-    call checks its model at every call, where ``named_modules``' generators cost more
-    than the reading."""
-    out: list = []
-    seen: set = set()
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        seen.add(module)
-        out.append((prefix, module))
-        for name, child in module._modules.items():
-            if child is not None and child not in seen:
-                visit(f"{prefix}.{name}" if prefix else name, child)
-
-    visit("", model)
-    return out
-
-
 def module_hooks(module: nn.Module, backward: bool = False, own: bool = True) -> tuple:
     """The ids of ``module``'s forward hooks and forward pre-hooks (and, with
     ``backward``, its backward hooks), in registration order; without ``own``, leaving
@@ -247,10 +228,10 @@ def global_module_hooks(backward: bool = False) -> tuple:
 
 def compiled_inner(model) -> nn.Module | None:
     """The eager module a ``torch.compile``'d model (``OptimizedModule``) wraps, or None."""
+    if type(model).__name__ != "OptimizedModule":  # (no failing attribute lookup)
+        return None
     inner = getattr(model, "_orig_mod", None)
-    if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
-        return inner
-    return None
+    return inner if isinstance(inner, nn.Module) else None
 
 
 def compile_backend(model):
@@ -622,6 +603,22 @@ def not_traced(fn):
     graphs (one graph break), instead of Dynamo tracing into memconv's Python, which it
     would break at many places. ``torch.compiler.disable``."""
     return torch.compiler.disable(fn, recursive=True)
+
+
+class without_grad:  # noqa: N801 — used as a context manager, as torch.no_grad
+    """``torch.no_grad()`` around a compiled step's call: the grad mode switched by
+    ``torch._C._set_grad_enabled`` (what ``no_grad`` runs) and put back, without
+    ``no_grad``'s decorator machinery, which on a step of tens of microseconds costs
+    one of them."""
+
+    __slots__ = ("_prev",)
+
+    def __enter__(self):
+        self._prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc):
+        torch._C._set_grad_enabled(self._prev)
 
 
 def no_torch_function():

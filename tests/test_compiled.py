@@ -928,7 +928,7 @@ def test_a_buffer_updated_in_forward_changes_once_a_step(how, compiled):
         assert model.count.item() == i
 
 
-def test_padded_poisson_batches_keep_one_compiled_graph():
+def test_padded_poisson_batches_keep_one_compiled_graph(frozen_clock):
     """Masked DP-SGD: Poisson batches of varying size padded to one physical size keep
     one traced graph (the mask is one of its inputs), and each step's clipped sum is
     the unpadded batch's."""
@@ -952,6 +952,7 @@ def test_padded_poisson_batches_keep_one_compiled_graph():
         assert_close(got_norms[mask], ref_norms, TOL)
         assert torch.equal(got_norms[~mask], torch.zeros(8 - real, dtype=got_norms.dtype))
     assert step._prepared.traced.traces == 1
+    assert step._prepared.replays == 3  # calls 4 to 6: the compiled step at once
     assert counters["aot_autograd"]["total"] == 1 and not counters["recompiles"]
 
 
@@ -1225,3 +1226,337 @@ def test_the_traced_result_is_rebuilt_as_tree_unflatten_builds_it():
     assert repr(got) == repr(tree) and list(got[0]) == ["z", "a"]
     assert type(got[1][0]) is Pair and type(got[1][1]) is OrderedDict
     assert graph.calls == 1 and graph.compile_seconds is not None
+
+
+# ------------------------------------------- the steady state: the compiled step again
+@pytest.fixture
+def frozen_clock(monkeypatch):
+    """The clock of the ``"available"`` budget's readings stopped: the first reading
+    serves every call (a call of the tests below may take longer than the readings'
+    lifetime, and a new reading plans again)."""
+    from memconv.engine import prepared as prepared_module
+
+    monkeypatch.setattr(prepared_module, "_clock", lambda: 0.0)
+
+
+def _warm(step, x, y, task):
+    """Three calls: probed and planned, traced, compiled; the next same call replays."""
+    for _ in range(3):
+        _call(step, x, y, task)
+    assert step._prepared.replays == 0
+
+
+def _call(step, x, y, task):
+    if task == "clip":
+        step.model._orig_mod.zero_grad(set_to_none=True)
+        norms = step.clip_and_accumulate(x, y, max_norm=0.5)
+        return norms, _grads(step.model._orig_mod)
+    if task == "norms":
+        return step.per_sample_norms(x, y, groups="layer")
+    return step.per_sample_grads(x, y)
+
+
+def _eager(model, loss_fn, x, y, task):
+    step = memconv.PrivateStep(model, loss_fn)
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    try:
+        return _call(_Unwrapped(step), x, y, task)
+    finally:
+        for k, p in model.named_parameters():
+            p.grad = grads[k]
+
+
+class _Unwrapped:
+    """An eager PrivateStep seen as ``_call`` sees a compiled one."""
+
+    def __init__(self, step):
+        self._step = step
+        self.model = type("M", (), {"_orig_mod": step.model})()
+
+    def __getattr__(self, name):
+        return getattr(self._step, name)
+
+
+def _same(got, ref):
+    if isinstance(ref, tuple):
+        for a, b in zip(got, ref):
+            _same(a, b)
+    else:
+        assert_close(got, ref, TOL)
+
+
+@pytest.mark.parametrize("task", ["grads", "norms", "clip"])
+def test_the_same_call_again_runs_the_compiled_step_at_once(task, frozen_clock):
+    """From the fourth call on, a call asking for the step the last one ran (the same
+    request, model, loss, options, layouts) runs its compiled graph without planning:
+    no new probe, plan or trace, and the numbers of the eager path on each new batch."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    _warm(step, *_batch(shape, seed=0), task)
+    prepared = step._prepared
+    probes, plans, traces = prepared.probes, prepared.plans, prepared.traced.traces
+    for seed in range(1, 4):
+        x, y = _batch(shape, seed=seed)
+        _same(_call(step, x, y, task), _eager(model, loss_fn, x, y, task))
+    assert prepared.replays == 3
+    assert (prepared.probes, prepared.plans, prepared.traced.traces) == (probes, plans, traces)
+
+
+def _no_bias_grad(model, loss_fn):
+    model[-1].bias.requires_grad_(False)
+
+
+def _eval(model, loss_fn):
+    model.eval()
+
+
+def _new_parameter(model, loss_fn):
+    model[-1].weight = nn.Parameter(model[-1].weight.detach() * 2)
+
+
+def _new_module(model, loss_fn):
+    model[4] = nn.Tanh()
+
+
+def _renamed(model, loss_fn):  # the same modules under other names
+    model._modules = dict(zip([f"m{i}" for i in range(len(model))], model._modules.values()))
+
+
+CHANGES = {
+    "requires_grad": _no_bias_grad,
+    "eval": _eval,
+    "new parameter": _new_parameter,
+    "new module": _new_module,
+    "renamed": _renamed,
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("task", ["grads", "clip"])
+def test_a_changed_model_is_planned_again_not_replayed(change, task, frozen_clock):
+    """Whatever the probe and the plan depend on (see :mod:`memconv.engine.prepared`)
+    changed between two calls: the call after the change plans (no replay) and gives
+    the eager numbers of the changed model."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    _warm(step, *_batch(shape, seed=0), task)
+    x, y = _batch(shape, seed=1)
+    _call(step, x, y, task)
+    assert step._prepared.replays == 1
+    CHANGES[change](model, loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _call(step, x, y, task)
+    assert step._prepared.replays == 1
+    _same(got, _eager(model, loss_fn, x, y, task))
+
+
+def test_a_module_forward_hook_added_is_planned_again_not_replayed(frozen_clock):
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    x, y = _batch(shape, seed=1)
+    _warm(step, x, y, "grads")
+    handle = model[2].register_forward_hook(lambda m, i, o: o * 2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = step.per_sample_grads(x, y)
+        assert step._prepared.replays == 0
+        _same(got, memconv.per_sample_grads(model, loss_fn, x, y))
+    finally:
+        handle.remove()
+
+
+def test_a_global_module_hook_added_is_planned_again_not_replayed(frozen_clock):
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    x, y = _batch(shape, seed=1)
+    _warm(step, x, y, "grads")
+
+    def double_relu(module, inputs, output):
+        return output * 2 if isinstance(module, nn.ReLU) else None
+
+    handle = nn.modules.module.register_module_forward_hook(double_relu)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = step.per_sample_grads(x, y)
+            ref = memconv.per_sample_grads(model, loss_fn, x, y)
+        assert step._prepared.replays == 0
+        _same(got, ref)
+    finally:
+        handle.remove()
+
+
+def _other_loss(step):
+    step.loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
+
+
+def _other_strategy(step):
+    step.strategy = "unfold"
+
+
+def _other_budget(step):
+    step.memory_budget = None
+
+
+OTHER_CALLS = {"loss": _other_loss, "strategy": _other_strategy, "budget": _other_budget}
+
+
+@pytest.mark.parametrize("change", list(OTHER_CALLS))
+def test_another_loss_strategy_or_budget_is_planned_again_not_replayed(change, frozen_clock):
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), nn.CrossEntropyLoss())
+    x, y = _batch(shape, seed=1)
+    _warm(step, x, y, "grads")
+    OTHER_CALLS[change](step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = step.per_sample_grads(x, y)
+    assert step._prepared.replays == 0
+    ref = memconv.per_sample_grads(
+        model, step.loss_fn, x, y, strategy=step.strategy, memory_budget=step.memory_budget
+    )
+    _same(got, ref)
+
+
+def test_a_save_memory_block_around_the_call_is_planned_again_not_replayed(frozen_clock):
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    x, y = _batch(shape, seed=1)
+    _warm(step, x, y, "norms")
+    with memconv.save_memory("shift"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = step.per_sample_norms(x, y, groups="layer")
+        ref = memconv.per_sample_norms(model, loss_fn, x, y, groups="layer")
+    assert step._prepared.replays == 0
+    _same(got, ref)
+
+
+def test_autocast_around_the_call_is_planned_again_not_replayed(frozen_clock):
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    x, y = _batch(shape, seed=1)
+    x = x.float()
+    _warm(step, x, y, "norms")
+    with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = step.per_sample_norms(x, y)
+        ref = memconv.per_sample_norms(model, loss_fn, x, y)
+    assert step._prepared.replays == 0
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_an_available_budget_read_again_and_changed_is_planned_again(monkeypatch):
+    """An ``"available"`` budget is read again as a call that plans reads it: a reading
+    that changed plans the call (the same plan and step), one that did not replays."""
+    from memconv.engine import prepared as prepared_module
+
+    now, reading = [0.0], [2**34]
+    monkeypatch.setattr(prepared_module, "_clock", lambda: now[0])
+    monkeypatch.setattr(prepared_module, "resolve_budget", lambda *args: reading[0])
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    x, y = _batch(shape, seed=1)
+    _warm(step, x, y, "grads")
+    step.per_sample_grads(x, y)
+    assert step._prepared.replays == 1
+    now[0] += 1.0  # read again, the same: replayed
+    step.per_sample_grads(x, y)
+    assert step._prepared.replays == 2
+    now[0] += 1.0
+    reading[0] += 4096  # read again, changed: planned
+    got = step.per_sample_grads(x, y)
+    assert step._prepared.replays == 2
+    _same(got, memconv.per_sample_grads(model, loss_fn, x, y))
+    step.per_sample_grads(x, y)  # the new reading's step
+    assert step._prepared.replays == 3
+    assert step._prepared.traced.traces == 1
+
+
+def test_tasks_in_turn_each_replay_their_own_step(frozen_clock):
+    """Three tasks called in turn keep one record each: each call after the warm-up
+    replays its own task's step (the clipping route read by the clipping call is its
+    own plan's) and gives the eager numbers."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    x, y = _batch(shape, seed=0)
+    for task in ("grads", "norms", "clip") * 3:
+        _call(step, x, y, task)
+    assert step._prepared.replays == 0
+    for seed in (1, 2):
+        x, y = _batch(shape, seed=seed)
+        for task in ("grads", "norms", "clip"):
+            _same(_call(step, x, y, task), _eager(model, loss_fn, x, y, task))
+            assert step._prepared.plan.task == task
+    assert step._prepared.replays == 6
+
+
+def test_parameters_put_in_another_layout_are_planned_again(frozen_clock):
+    """``model.to(memory_format=torch.channels_last)`` between two calls keeps the
+    parameter objects and changes their strides, to which inductor's code is
+    specialised (it asserts them): the call after it traces again, not replays."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="inductor"), loss_fn)
+    x, y = _batch((2, 6, 6), seed=1, classes=3)
+    _warm(step, x, y, "norms")
+    model.to(memory_format=torch.channels_last)
+    assert not model[0].weight.is_contiguous()
+    for _ in range(3):
+        got = step.per_sample_norms(x, y)
+    assert step._prepared.replays == 0 and step._prepared.traced.traces == 2
+    assert_close(got, memconv.per_sample_norms(model, loss_fn, x, y), 1e-9)
+
+
+@pytest.mark.parametrize("task", ["norms", "clip"])
+def test_another_loss_function_on_the_same_compiled_model_traces_its_own_step(task):
+    """The plain functions keep one prepared step per model: a call with another loss
+    function (its operations are in the traced graph) gets a step of its own, and the
+    first loss' step is found again when that loss comes back."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    compiled = torch.compile(model, backend="aot_eager")
+    x, y = _batch(shape, seed=1)
+    plain = nn.CrossEntropyLoss()
+    smoothed = nn.CrossEntropyLoss(label_smoothing=0.2)
+
+    def call(m, loss_fn):
+        if task == "norms":
+            return memconv.per_sample_norms(m, loss_fn, x, y)
+        model.zero_grad(set_to_none=True)
+        return memconv.clip_and_accumulate(m, loss_fn, x, y, max_norm=0.1), _grads(model)
+
+    for loss_fn in (plain, smoothed, plain, smoothed):
+        for _ in range(3):
+            got = call(compiled, loss_fn)
+        _same(got, call(model, loss_fn))
+    assert compiled.__dict__["_memconv_prepared"].prepared.traced.traces == 2

@@ -558,17 +558,52 @@ def test_a_micro_batch_that_gives_a_released_call_a_parameter_runs_the_call_agai
     assert kept(model)._walks.keep_arguments and kept(model).probes == 1
 
 
-def test_the_model_check_reads_the_modules_as_named_modules_lists_them():
-    """``memconv._torch.module_tree``, which the check of a kept model reads at every
-    call, lists the modules as ``named_modules`` does: each once under its first name
-    (a module shared by two parents), children set to None left out, nested names."""
-    from memconv._torch import module_tree
+def _states_differ(change) -> bool:
+    """Whether the kept model's state record sees ``change(model)``."""
+    from memconv.engine.prepared import _ModelState
 
     shared = nn.Linear(4, 4)
     inner = nn.Sequential(shared, nn.ReLU(), nn.Sequential(nn.Linear(4, 4), shared))
     model = nn.Sequential(inner, nn.Identity(), shared)
     model.register_module("gone", None)
-    model[1].add_module("deep", nn.Sequential(nn.Tanh()))
-    assert module_tree(model) == list(model.named_modules())
+    before = _ModelState(model)
+    assert before == _ModelState(model)
+    change(model)
+    return before != _ModelState(model)
+
+
+STATE_CHANGES = {
+    "renamed child": lambda m: setattr(m, "_modules", {"x" + k: v for k, v in m._modules.items()}),
+    "replaced child": lambda m: m.__setitem__(1, nn.Identity()),
+    "None child set": lambda m: m.register_module("gone", nn.Tanh()),
+    "requires_grad": lambda m: m[2].bias.requires_grad_(False),
+    "parameter object": lambda m: setattr(m[2], "bias", nn.Parameter(m[2].bias.detach())),
+    "parameter strides": lambda m: setattr(m[2].weight, "data", m[2].weight.data.t()),
+    "parameter dtype": lambda m: m.double(),
+    "training mode": lambda m: m[0].eval(),
+    "forward hook": lambda m: m[0][1].register_forward_hook(lambda *a: None),
+    "pre-hook": lambda m: m[0][2].register_forward_pre_hook(lambda *a: None),
+}
+
+
+@pytest.mark.parametrize("change", list(STATE_CHANGES))
+def test_the_kept_models_state_record_sees_each_change(change):
+    """The record a kept model's call compares at every call (one flat list of ids and
+    attributes, :class:`memconv.engine.prepared._ModelState`) differs after any change
+    the probe and the plan depend on."""
+    assert _states_differ(STATE_CHANGES[change])
+
+
+def test_the_state_record_sees_a_global_hook_and_lists_the_trainable_parameters():
+    from memconv.engine.prepared import _ModelState
+
     net = cnn()
-    assert module_tree(net) == list(net.named_modules())
+    net[0].bias.requires_grad_(False)
+    state = _ModelState(net)
+    assert state.trainable() == {n: p for n, p in net.named_parameters() if p.requires_grad}
+    handle = nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert state != _ModelState(net)
+    finally:
+        handle.remove()
+    assert state == _ModelState(net)

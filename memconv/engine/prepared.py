@@ -10,7 +10,8 @@ these and hands them to the next call while everything they depend on is the sam
 - the model: its modules (the same objects, under the same names), each one's
   training mode and hooks (but a recorded block's own, which a block opened at every
   step registers anew and which change no call), its parameters (the same objects,
-  their ``requires_grad``, shape, dtype and device), and the global module hooks;
+  their ``requires_grad``, shape, strides, dtype and device), and the global module
+  hooks;
 - the inputs' shape, dtype and device, and the autocast state;
 - the task, the strategy's settings (the open :class:`memconv.save_memory` block's
   included), ``clip_route``, ``norm_route``, and the budget (a ``"available"``
@@ -73,8 +74,6 @@ from .._torch import (
     compiled_inner,
     global_module_hooks,
     module_hooks,
-    module_tree,
-    own_parameters,
 )
 from ..conv.settings import Autocast
 from ..layers import RuleSettings, check_layer, find_rule
@@ -129,44 +128,68 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
 
 
 class _ModelState:
-    """What of a model the probe and the plan depend on (see the module docstring);
-    two states are equal when their modules and parameters are the same objects with
-    the same attributes."""
+    """What of a model the probe and the plan depend on (see the module docstring),
+    read at every call: two states are equal when their modules and parameters are the
+    same objects with the same attributes.
+
+    The record is one flat list (:attr:`key`), read from the modules' own tables in
+    one pass and compared element by element: for each module (once, in
+    ``named_modules``' order) its id, its training mode, its hooks
+    (:func:`memconv._torch.module_hooks`, memconv's own left out), its parameters'
+    count, then each one's name, id, ``requires_grad``, shape, strides, dtype and device
+    (a compiled step is specialised to the strides of the parameters it reads), and its
+    children's names and ids; then the global module hooks. Objects are compared by id,
+    never by ``==`` (a tensor's is elementwise); :attr:`objects` holds them, so that no
+    id in a kept record can be another object's while the record lives. A compiled
+    model's step is checked so at every call, where the step itself may take tens of
+    microseconds.
+    """
+
+    __slots__ = ("model", "key", "objects")
 
     def __init__(self, model: nn.Module):
-        # one pass over the modules, their parameters in ``named_parameters`` order
-        # (each once, where first met): a parameter's attributes name its module's place
-        modules, params, attributes, seen = [], [], [], set()
-        for i, (name, m) in enumerate(module_tree(model)):
-            modules.append((name, m, m.training, module_hooks(m, own=False)))
-            for k, p in own_parameters(m):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-                    attributes.append((i, k, p.requires_grad, p.shape, p.dtype, p.device))
-        self.modules, self.params = tuple(modules), tuple(params)
-        self.attributes = tuple(attributes)
-        self.hooks = global_module_hooks()
+        self.model = model
+        key: list = []
+        objects: list = []
+        add = key.append
+        seen: set = set()
+        stack = [model]
+        while stack:
+            m = stack.pop()
+            if m is None or id(m) in seen:
+                continue
+            seen.add(id(m))
+            objects.append(m)
+            add(id(m))
+            add(m.training)
+            add(module_hooks(m, own=False))
+            table = m._parameters
+            add(len(table))
+            for k, p in table.items():
+                add(k)
+                add(id(p))
+                if p is not None:
+                    objects.append(p)
+                    add(p.requires_grad)
+                    add(p.shape)
+                    add(p.stride())
+                    add(p.dtype)
+                    add(p.device)
+            children = m._modules
+            add(tuple(children))
+            if children:
+                add(tuple(map(id, children.values())))
+                stack.extend(reversed(children.values()))
+        add(global_module_hooks())
+        self.key, self.objects = key, objects
 
     def trainable(self) -> dict:
         """``{name: parameter}`` of the trainable parameters, in ``named_parameters``
-        order."""
-        out = {}
-        for (i, k, grad, *_), p in zip(self.attributes, self.params):
-            if grad:
-                name = self.modules[i][0]
-                out[f"{name}.{k}" if name else k] = p
-        return out
+        order (a parameter shared by two layers once, under its first name)."""
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
     def __eq__(self, other) -> bool:
-        return (
-            isinstance(other, _ModelState)
-            and self.modules == other.modules
-            and self.attributes == other.attributes
-            and self.hooks == other.hooks
-            and len(self.params) == len(other.params)
-            and all(a is b for a, b in zip(self.params, other.params))
-        )
+        return isinstance(other, _ModelState) and self.key == other.key
 
 
 #: Seconds a reading of an ``"available"`` budget serves the calls that follow (see
@@ -253,6 +276,56 @@ class CallPlan:
         )
 
 
+class Identity:
+    """A part of a key equal only to a part holding the same object (``is``), hashed
+    by its id; it holds the object, so that the id is no other object's while the key
+    lives (a loss function of any kind, hashable or not)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+@dataclass(eq=False)
+class Replay:
+    """A task's last compiled step, run again by the next call of that task that asks
+    for the same step (:meth:`Prepared.run_walk`): what the call's plan and step key
+    were worked out from, and what they were.
+
+    Attributes:
+        request: the call's request (compared by ``==``).
+        state: the model's kept state record (compared by identity: a change to the
+            model makes a new record, :meth:`Prepared.check_model`).
+        loss_fn: the call's loss function (by identity).
+        options: the walk's options (by ``==``).
+        tensors: :func:`memconv.engine.traced.tensor_key` of the step's tensors.
+        autocast: the autocast state of the inputs' device.
+        budget: the budget the plan was kept for (an ``"available"`` one is read again,
+            as a call that plans does, and compared).
+        call: the call's plan (:class:`CallPlan`).
+        key: the step's key (:meth:`Prepared.step_key`).
+        entry: the compiled step (:class:`memconv.engine.traced.TracedGraph`).
+    """
+
+    request: Request
+    state: object
+    loss_fn: object
+    options: object
+    tensors: tuple
+    autocast: object
+    budget: object
+    call: CallPlan
+    key: tuple
+    entry: object
+
+
 class Prepared:
     """The checks, probe and plan of the last call, reused while their inputs are the
     same (see the module docstring).
@@ -261,12 +334,15 @@ class Prepared:
         probes: probes run so far (each two forward passes).
         plans: plans made so far.
         reused: whether the last call reused a probe.
+        replays: calls that ran a task's last compiled step again without planning
+            (:meth:`run_walk`, :class:`Replay`).
     """
 
     def __init__(self):
         self.probes = 0
         self.plans = 0
         self.reused = False
+        self.replays = 0
         self._checked = None  # (model state, settings)
         self._model_key = None
         self._derived: dict = {}  # name -> (key, value), for the model last checked
@@ -289,6 +365,8 @@ class Prepared:
         self._warned_plans = False
         self._budgeted = None  # (plan, budget, the plan with that budget)
         self._call: CallPlan | None = None  # the last call's
+        self._budget_read = None  # the budget of the last call's plan
+        self._replays: dict = {}  # task -> Replay of its last compiled step
 
     def forget(self) -> None:
         """Drop the probe and plan: the next call makes new ones."""
@@ -296,6 +374,7 @@ class Prepared:
         self._plans = {}
         self._derived = {}
         self._walks = None
+        self._replays = {}
         self.traced.forget()
 
     def run(self, call):
@@ -328,16 +407,31 @@ class Prepared:
             walk: ``walk(cp, batch, *extra)``.
             options: the walk's further settings (part of the graph's key).
             extra: further tensors the walk reads (inputs of the graph).
+
+        Once a task's step has run compiled, the next call of the task that asks for
+        the same step runs it again without working out its plan and step key anew
+        (:class:`Replay`): where the request, the model's state record, the loss, the
+        options, the tensors' layouts, the autocast state and the budget (an
+        ``"available"`` one read again as :meth:`call_plan` reads it) are the last
+        call's, so are the plan and the key, and the compiled graph is called at once.
+        Any other call of the task plans as above and drops the record.
         """
+        tensors = (batch.inputs, batch.targets, *extra)
+        if self.backend is not None:
+            replay = self._replays.pop(request.task, None)
+            if replay is not None and self._replayable(replay, batch, request, options, tensors):
+                self._replays[request.task] = replay
+                self.replays += 1
+                return replay.entry(tensors)
 
         def call():
             cp = self.call_plan(batch, request)
             if self.backend is None:
                 return walk(cp, batch, *extra)
-            key = self.step_key(request, options, (batch.inputs, batch.targets, *extra))
+            key = self.step_key(request, options, tensors, batch.loss_fn)
             if not self.seen_step(key) or not self.reused:
                 return walk(cp, batch, *extra)
-            return self.traced.run(
+            result = self.traced.run(
                 key,
                 lambda b, *more: walk(cp, b, *more),
                 batch,
@@ -345,22 +439,64 @@ class Prepared:
                 self.backend,
                 batch.model,
             )
+            entry = self.traced.graphs.get(key)
+            if entry is not None and entry.calls and key not in self.traced.refused:
+                self._replays[request.task] = Replay(
+                    request=request,
+                    state=self._model_key,
+                    loss_fn=batch.loss_fn,
+                    options=options,
+                    tensors=tuple(map(tensor_key, tensors)),
+                    autocast=self._probe_key[-1],
+                    budget=self._budget_read,
+                    call=cp,
+                    key=key,
+                    entry=entry,
+                )
+            return result
 
         return self.run(call)
 
-    def step_key(self, request: Request, options, tensors) -> tuple:
+    def _replayable(self, r: Replay, batch: Batch, request: Request, options, tensors) -> bool:
+        """Whether the call is ``r``'s again (see :meth:`run_walk`); if so, the state
+        :meth:`call_plan` and :meth:`seen_step` would leave is set as they would set it."""
+        inputs = batch.inputs
+        if not (
+            r.state is self._model_key
+            and r.loss_fn is batch.loss_fn
+            and r.request == request
+            and r.options == options
+            and r.tensors == tuple(map(tensor_key, tensors))
+            and r.autocast == Autocast.current(inputs.device.type)
+        ):
+            return False
+        kept = self._plans.get(request.task)
+        if kept is None or kept[1] is None:
+            return False
+        self._plan = kept[1]  # (what an "available" budget's reading compares)
+        if self._budget(request, inputs.device, kept=True) != r.budget:
+            return False
+        self._call, self._budget_read, self.reused = r.call, r.budget, True
+        if next(reversed(self._seen), None) is not r.key:
+            self.seen_step(r.key)  # the key the most recent again
+        return True
+
+    def step_key(self, request: Request, options, tensors, loss_fn=None) -> tuple:
         """What a traced step of ``request`` depends on besides its tensors' values:
         the task and its plan's choices (:meth:`memconv.engine.planning.Plan.walk_key`:
         a batch size that comes back finds its step again), ``options`` (hashable), the
         tensors' shapes, strides, dtypes and devices
-        (:func:`memconv.engine.traced.tensor_key`). The steps of an earlier probe are
-        dropped with it."""
+        (:func:`memconv.engine.traced.tensor_key`), and the loss function the step
+        calls (``loss_fn``, by identity: its operations are in the graph; None for a
+        step the loss is not part of). The steps of an earlier probe are dropped with
+        it."""
         plan = self._plans.get(request.task, (None, None))[1]
         return (
             request.task,
             None if plan is None else plan.walk_key(),
             request.key(),
             options,
+            None if loss_fn is None else Identity(loss_fn),
             *(tensor_key(t) for t in tensors),
         )
 
@@ -469,6 +605,7 @@ class Prepared:
             self._plans[request.task] = (plan_key, self._plan)
             self.plans += 1
         plan = self._plan
+        self._budget_read = budget
         if budget is not None and plan.memory_budget != budget:
             budgeted = self._budgeted  # (plan, budget, the plan with that budget)
             if budgeted is None or budgeted[0] is not plan or budgeted[1] != budget:
@@ -531,6 +668,7 @@ class Prepared:
         self.probes += 1
         self._plans = {}
         self._walks = KeptWalk.of(self._axes)
+        self._replays = {}
         self.traced.forget()
 
     def _still_fits(self, budget, request: Request) -> bool:

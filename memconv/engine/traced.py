@@ -64,6 +64,7 @@ from .._torch import (
     pytree_builder,
     step_backend,
     tree_flatten,
+    without_grad,
 )
 from .probes import ProbeMismatch
 from .request import Batch
@@ -116,7 +117,7 @@ class TracedGraph:
     def __call__(self, tensors: tuple[Tensor, ...]):
         if self.compile_seconds is None:
             start = time.perf_counter()
-        with torch.no_grad():  # the graph holds its backward pass as operations
+        with without_grad():  # the graph holds its backward pass as operations
             outputs = self.compiled(*tensors)
         if self.copy_outputs:
             outputs = [t.clone() for t in outputs]

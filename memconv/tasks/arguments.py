@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .._checks import (
     check_batch,
@@ -53,8 +54,6 @@ def unwrap_ddp(model):
     Raises:
         ValueError: for Opacus' ``DPDDP``, whose ranks memconv would not sum.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
     if type(model).__name__ in ("DPDDP", "DifferentiallyPrivateDistributedDataParallel"):
         raise ValueError(
             "model is Opacus' DPDDP: memconv sums the ranks' clipped sums itself; wrap the "
@@ -103,7 +102,9 @@ def check_call(
     check_route(norm_route)
     routes = dict(norm_route=norm_route, clip_route=clip_route, caller=caller)
     request = Request(task=task, n=n, settings=settings, memory_budget=memory_budget, **routes)
-    batch = given if model is given.model else replace(given, model=model)
+    batch = (
+        given if model is given.model else Batch(model, given.loss_fn, given.inputs, given.targets)
+    )
     if sample_mask is not None:
         batch = replace(
             batch,
