@@ -232,6 +232,20 @@ def test_a_new_shape_or_extension_traces_again():
         _assert_equal(_results(model, diag.savefield), want)
 
 
+def test_another_loss_function_traces_its_own_step():
+    """The loss function's operations are in the traced graph: a step with another
+    loss (here the sum instead of the mean) gets its own graph, and the first loss'
+    graph serves it again when it comes back."""
+    model, mean, x, y = _setup_model(_pooled_cnn)
+    total = extend(nn.CrossEntropyLoss(reduction="sum"))
+    compiled = torch.compile(model, backend="aot_eager")
+    with mb.installed(extensions.DiagGGNExact()) as diag:
+        for lossfunc in (mean, total, mean):
+            got = _compiled_steps(compiled, model, lossfunc, x, y, diag)[-1]
+            _assert_equal(got, _eager(model, lossfunc, x, y, diag))
+        assert traces(compiled) == 2
+
+
 def test_an_uncompiled_model_runs_backpacks_own_step():
     model, lossfunc, x, y = _setup_model(_pooled_cnn)
     with mb.installed(extensions.KFLR()) as ext:

@@ -83,7 +83,7 @@ from .planning import Plan, Profile, make_plan, profile
 from .probes import ArgumentsDropped, CallAxes, ProbeMismatch, owner_names
 from .request import Batch, Request
 from .resources import guards, resolve_budget
-from .traced import TracedSteps, tensor_key
+from .traced import Identity, TracedSteps, tensor_key
 
 
 def unwrap_compiled(model):
@@ -274,23 +274,6 @@ class CallPlan:
         return RuleSettings(
             r.settings, r.norm_route, plan.layer_budget, reference=plan.reference_batch
         )
-
-
-class Identity:
-    """A part of a key equal only to a part holding the same object (``is``), hashed
-    by its id; it holds the object, so that the id is no other object's while the key
-    lives (a loss function of any kind, hashable or not)."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Identity) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
 
 
 @dataclass(eq=False)

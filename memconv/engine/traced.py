@@ -80,6 +80,23 @@ def tensor_key(t) -> tuple:
     return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
 
+class Identity:
+    """A part of a key equal only to a part holding the same object (``is``), hashed
+    by its id; it holds the object, so that the id is no other object's while the key
+    lives (a loss function of any kind, hashable or not)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 @dataclass
 class TracedGraph:
     """One traced step and its compiled form.
@@ -492,6 +509,7 @@ class TracedSteps:
 
 
 __all__ = [
+    "Identity",
     "NotTraceable",
     "SplitStep",
     "TracedGraph",

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from ..._torch import compile_backend, compiled_inner, tracing
 from ...conv import settings as context
 from ...engine.request import Batch
-from ...engine.traced import TracedSteps, tensor_key
+from ...engine.traced import Identity, TracedSteps, tensor_key
 
 #: Each compiled model's traced steps, by its eager module.
 _steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -71,7 +71,7 @@ def run(model: nn.Module, lossfunc, inputs, targets, extensions: tuple, *, state
             steps = _steps[inner] = _traced_steps()
         batch = Batch(model=inner, loss_fn=lossfunc, inputs=inputs, targets=targets)
         result = steps.run(
-            (state, *_key(inner, inputs, targets)),
+            (state, *_key(inner, lossfunc, inputs, targets)),
             _walk(extensions, params, fields),
             batch,
             (),
@@ -131,13 +131,19 @@ def _traced_steps() -> TracedSteps:
     return TracedSteps(what="BackPACK step", hooks=hooks, random=True)
 
 
-def _key(inner: nn.Module, inputs: Tensor, targets: Tensor) -> tuple:
-    """What the traced graph depends on of the model, the settings and the tensors
-    besides their values."""
+def _key(inner: nn.Module, lossfunc, inputs: Tensor, targets: Tensor) -> tuple:
+    """What the traced graph depends on of the model, the loss function (by identity:
+    its operations are in the graph), the settings and the tensors besides their
+    values: each parameter (the object, held by the key so that its id stays its own)
+    with its ``requires_grad`` and layout."""
     return (
         context.block_settings(),
+        Identity(lossfunc),
         tuple(m.training for m in inner.modules()),
-        tuple((id(p), p.requires_grad) for p in inner.parameters()),
+        tuple(
+            (Identity(p), p.requires_grad, p.shape, p.stride(), p.dtype, p.device)
+            for p in inner.parameters()
+        ),
         tensor_key(inputs),
         tensor_key(targets),
     )
