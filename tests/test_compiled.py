@@ -1560,3 +1560,80 @@ def test_another_loss_function_on_the_same_compiled_model_traces_its_own_step(ta
             got = call(compiled, loss_fn)
         _same(got, call(model, loss_fn))
     assert compiled.__dict__["_memconv_prepared"].prepared.traced.traces == 2
+
+
+def test_a_loss_made_anew_at_every_call_keeps_its_compiled_step(frozen_clock):
+    """``nn.CrossEntropyLoss()`` written in the loop is a new object at every call that
+    computes the same: the compiled step is found again (one trace), the calls replay
+    it, and the numbers are the eager path's."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    compiled = torch.compile(model, backend="aot_eager")
+    x, y = _batch(shape, seed=1)
+    for _ in range(5):
+        got = memconv.per_sample_norms(compiled, nn.CrossEntropyLoss(), x, y)
+    prepared = compiled.__dict__["_memconv_prepared"].prepared
+    assert prepared.traced.traces == 1 and prepared.replays == 2
+    assert_close(got, memconv.per_sample_norms(model, nn.CrossEntropyLoss(), x, y), TOL)
+
+
+def _ce(output, target, smoothing=0.0):
+    return nn.functional.cross_entropy(output, target, label_smoothing=smoothing)
+
+
+class _Scaled(nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+        self.inner = nn.CrossEntropyLoss()
+        self.me = self  # a cycle the key must not follow forever
+
+    def forward(self, output, target):
+        return self.scale * self.inner(output, target)
+
+
+class _Callable:
+    def __call__(self, output, target):
+        return nn.functional.cross_entropy(output, target)
+
+
+def _closure(value):
+    return lambda output, target: value * nn.functional.cross_entropy(output, target)
+
+
+def test_the_loss_key_says_what_a_loss_computes():
+    """:func:`memconv.engine.traced.loss_key`: equal for losses that compute the same
+    (made anew), different for losses that do not; hashable."""
+    import functools
+
+    from memconv.engine.traced import loss_key
+
+    w = torch.ones(3)
+    same = [
+        (nn.CrossEntropyLoss(), nn.CrossEntropyLoss()),
+        (nn.CrossEntropyLoss(weight=w), nn.CrossEntropyLoss(weight=w)),
+        (_Scaled(2.0), _Scaled(2.0)),
+        (_closure(2.0), _closure(2.0)),
+        (functools.partial(_ce, smoothing=0.1), functools.partial(_ce, smoothing=0.1)),
+        (_ce, _ce),
+    ]
+    other = [
+        (nn.CrossEntropyLoss(), nn.CrossEntropyLoss(label_smoothing=0.1)),
+        (nn.CrossEntropyLoss(), nn.CrossEntropyLoss(reduction="sum")),
+        (nn.CrossEntropyLoss(), nn.NLLLoss()),
+        (nn.CrossEntropyLoss(weight=w), nn.CrossEntropyLoss(weight=torch.ones(3))),
+        (_Scaled(2.0), _Scaled(3.0)),
+        (_Scaled(1.0), _Scaled(True)),
+        (_closure(2.0), _closure(3.0)),
+        (functools.partial(_ce, smoothing=0.1), functools.partial(_ce, smoothing=0.2)),
+        (_Callable(), _Callable()),  # an object of its own: by identity
+    ]
+    for a, b in same:
+        assert loss_key(a) == loss_key(b) and hash(loss_key(a)) == hash(loss_key(b))
+    for a, b in other:
+        assert loss_key(a) != loss_key(b)
+    lossy = nn.CrossEntropyLoss()
+    key = loss_key(lossy)
+    lossy.label_smoothing = 0.3  # the same object changed: another key
+    assert loss_key(lossy) != key

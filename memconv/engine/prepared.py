@@ -83,7 +83,7 @@ from .planning import Plan, Profile, make_plan, profile
 from .probes import ArgumentsDropped, CallAxes, ProbeMismatch, owner_names
 from .request import Batch, Request
 from .resources import guards, resolve_budget
-from .traced import Identity, TracedSteps, tensor_key
+from .traced import TracedSteps, loss_key, tensor_key
 
 
 def unwrap_compiled(model):
@@ -286,7 +286,9 @@ class Replay:
         request: the call's request (compared by ``==``).
         state: the model's kept state record (compared by identity: a change to the
             model makes a new record, :meth:`Prepared.check_model`).
-        loss_fn: the call's loss function (by identity).
+        loss_fn: the call's loss function; a call's is the same object, or one of
+            the same :attr:`loss`.
+        loss: :func:`memconv.engine.traced.loss_key` of ``loss_fn``.
         options: the walk's options (by ``==``).
         tensors: :func:`memconv.engine.traced.tensor_key` of the step's tensors.
         autocast: the autocast state of the inputs' device.
@@ -300,6 +302,7 @@ class Replay:
     request: Request
     state: object
     loss_fn: object
+    loss: object
     options: object
     tensors: tuple
     autocast: object
@@ -411,7 +414,8 @@ class Prepared:
             cp = self.call_plan(batch, request)
             if self.backend is None:
                 return walk(cp, batch, *extra)
-            key = self.step_key(request, options, tensors, batch.loss_fn)
+            loss = loss_key(batch.loss_fn)
+            key = self.step_key(request, options, tensors, loss)
             if not self.seen_step(key) or not self.reused:
                 return walk(cp, batch, *extra)
             result = self.traced.run(
@@ -428,6 +432,7 @@ class Prepared:
                     request=request,
                     state=self._model_key,
                     loss_fn=batch.loss_fn,
+                    loss=loss,
                     options=options,
                     tensors=tuple(map(tensor_key, tensors)),
                     autocast=self._probe_key[-1],
@@ -446,7 +451,7 @@ class Prepared:
         inputs = batch.inputs
         if not (
             r.state is self._model_key
-            and r.loss_fn is batch.loss_fn
+            and (r.loss_fn is batch.loss_fn or r.loss == loss_key(batch.loss_fn))
             and r.request == request
             and r.options == options
             and r.tensors == tuple(map(tensor_key, tensors))
@@ -464,14 +469,14 @@ class Prepared:
             self.seen_step(r.key)  # the key the most recent again
         return True
 
-    def step_key(self, request: Request, options, tensors, loss_fn=None) -> tuple:
+    def step_key(self, request: Request, options, tensors, loss=None) -> tuple:
         """What a traced step of ``request`` depends on besides its tensors' values:
         the task and its plan's choices (:meth:`memconv.engine.planning.Plan.walk_key`:
         a batch size that comes back finds its step again), ``options`` (hashable), the
         tensors' shapes, strides, dtypes and devices
-        (:func:`memconv.engine.traced.tensor_key`), and the loss function the step
-        calls (``loss_fn``, by identity: its operations are in the graph; None for a
-        step the loss is not part of). The steps of an earlier probe are dropped with
+        (:func:`memconv.engine.traced.tensor_key`), and ``loss``, what the loss
+        function the step calls computes (:func:`memconv.engine.traced.loss_key`: its
+        operations are in the graph; None for a step the loss is not part of). The steps of an earlier probe are dropped with
         it."""
         plan = self._plans.get(request.task, (None, None))[1]
         return (
@@ -479,7 +484,7 @@ class Prepared:
             None if plan is None else plan.walk_key(),
             request.key(),
             options,
-            None if loss_fn is None else Identity(loss_fn),
+            loss,
             *(tensor_key(t) for t in tensors),
         )
 

@@ -40,8 +40,10 @@ ones of the same plan run eagerly (the numbers are the eager path's).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -95,6 +97,72 @@ class Identity:
 
     def __hash__(self) -> int:
         return id(self.obj)
+
+
+#: Values a key takes as they are (by type and ``==``).
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def loss_key(loss_fn, _path: tuple = ()):
+    """What a traced step depends on of its loss function besides the tensors it is
+    given: what the loss computes, so that a loss made anew at every call
+    (``nn.CrossEntropyLoss()`` written in the loop, a ``lambda``) finds its compiled
+    step again, and another loss (another class, ``label_smoothing``, ``reduction``, a
+    closure over another value) gets its own.
+
+    - a module: its class, its public attributes (plain values as they are, others
+      by this key or by identity), its parameters and buffers by identity, and its
+      children's keys;
+    - a Python function: its code, its defaults and the contents of its closure;
+    - ``functools.partial`` and bound methods: the function's key and the bound values;
+    - anything else: the object itself (:class:`Identity`).
+
+    What a loss reads from elsewhere (a module-level global) is not part of it, as a
+    module's attributes are not part of a model's step. A reference back to an object
+    the key is already inside (a module holding itself) is keyed by its place on that
+    path.
+    """
+    if id(loss_fn) in _path:
+        return ("back", _path.index(id(loss_fn)))
+    seen = (*_path, id(loss_fn))
+    if isinstance(loss_fn, nn.Module):
+        items = []
+        for k, v in vars(loss_fn).items():
+            if k in ("_parameters", "_buffers"):
+                items.append((k, tuple((n, Identity(t)) for n, t in v.items())))
+            elif k == "_modules":
+                items.append((k, tuple((n, _value_key(c, seen)) for n, c in v.items())))
+            elif not k.startswith("_"):
+                items.append((k, _value_key(v, seen)))
+        return ("module", type(loss_fn), tuple(items))
+    if isinstance(loss_fn, types.FunctionType):
+        cells = []
+        for cell in loss_fn.__closure__ or ():
+            try:
+                cells.append(_value_key(cell.cell_contents, seen))
+            except ValueError:  # an empty cell
+                cells.append(("empty",))
+        defaults = _value_key(loss_fn.__defaults__, seen)
+        kwdefaults = _value_key(loss_fn.__kwdefaults__, seen)
+        return ("function", loss_fn.__code__, defaults, kwdefaults, tuple(cells))
+    if isinstance(loss_fn, functools.partial):
+        bound = (_value_key(loss_fn.args, seen), _value_key(loss_fn.keywords, seen))
+        return ("partial", loss_key(loss_fn.func, seen), *bound)
+    if isinstance(loss_fn, types.MethodType):
+        return ("method", loss_key(loss_fn.__func__, seen), Identity(loss_fn.__self__))
+    return Identity(loss_fn)
+
+
+def _value_key(v, seen: tuple):
+    if isinstance(v, _PLAIN):
+        return (type(v), v)  # (the type keeps True and 1 apart)
+    if type(v) in (tuple, list):
+        return (type(v), *(_value_key(x, seen) for x in v))
+    if type(v) is dict:
+        return (dict, *((_value_key(k, seen), _value_key(x, seen)) for k, x in v.items()))
+    if isinstance(v, (nn.Module, types.FunctionType, functools.partial, types.MethodType)):
+        return loss_key(v, seen)
+    return Identity(v)
 
 
 @dataclass
@@ -518,6 +586,7 @@ __all__ = [
     "check_hooks",
     "check_random",
     "first_line",
+    "loss_key",
     "split_at_targets",
     "tensor_key",
 ]
