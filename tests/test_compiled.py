@@ -1246,6 +1246,26 @@ def _warm(step, x, y, task):
     assert step._prepared.replays == 0
 
 
+def _tiny_step():
+    """``(model, loss_fn, step, shape)``: the tiny CNN in float64 and a
+    :class:`memconv.PrivateStep` of it compiled with ``aot_eager``."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    return model, loss_fn, step, shape
+
+
+def _warm_tiny(task):
+    """``(model, loss_fn, step, x, y)``: :func:`_tiny_step`'s step warmed up on
+    ``(x, y)`` for ``task`` (:func:`_warm`)."""
+    model, loss_fn, step, shape = _tiny_step()
+    x, y = _batch(shape, seed=1)
+    _warm(step, x, y, task)
+    return model, loss_fn, step, x, y
+
+
 def _call(step, x, y, task):
     if task == "clip":
         step.model._orig_mod.zero_grad(set_to_none=True)
@@ -1290,11 +1310,7 @@ def test_the_same_call_again_runs_the_compiled_step_at_once(task, frozen_clock):
     """From the fourth call on, a call asking for the step the last one ran (the same
     request, model, loss, options, layouts) runs its compiled graph without planning:
     no new probe, plan or trace, and the numbers of the eager path on each new batch."""
-    torch.manual_seed(0)
-    model, shape = _tiny_cnn()
-    model = model.double()
-    loss_fn = nn.CrossEntropyLoss()
-    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    model, loss_fn, step, shape = _tiny_step()
     _warm(step, *_batch(shape, seed=0), task)
     prepared = step._prepared
     probes, plans, traces = prepared.probes, prepared.plans, prepared.traced.traces
@@ -1340,11 +1356,7 @@ def test_a_changed_model_is_planned_again_not_replayed(change, task, frozen_cloc
     """Whatever the probe and the plan depend on (see :mod:`memconv.engine.prepared`)
     changed between two calls: the call after the change plans (no replay) and gives
     the eager numbers of the changed model."""
-    torch.manual_seed(0)
-    model, shape = _tiny_cnn()
-    model = model.double()
-    loss_fn = nn.CrossEntropyLoss()
-    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    model, loss_fn, step, shape = _tiny_step()
     _warm(step, *_batch(shape, seed=0), task)
     x, y = _batch(shape, seed=1)
     _call(step, x, y, task)
@@ -1358,13 +1370,7 @@ def test_a_changed_model_is_planned_again_not_replayed(change, task, frozen_cloc
 
 
 def test_a_module_forward_hook_added_is_planned_again_not_replayed(frozen_clock):
-    torch.manual_seed(0)
-    model, shape = _tiny_cnn()
-    model = model.double()
-    loss_fn = nn.CrossEntropyLoss()
-    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
-    x, y = _batch(shape, seed=1)
-    _warm(step, x, y, "grads")
+    model, loss_fn, step, x, y = _warm_tiny("grads")
     handle = model[2].register_forward_hook(lambda m, i, o: o * 2)
     try:
         with warnings.catch_warnings():
@@ -1377,13 +1383,7 @@ def test_a_module_forward_hook_added_is_planned_again_not_replayed(frozen_clock)
 
 
 def test_a_global_module_hook_added_is_planned_again_not_replayed(frozen_clock):
-    torch.manual_seed(0)
-    model, shape = _tiny_cnn()
-    model = model.double()
-    loss_fn = nn.CrossEntropyLoss()
-    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
-    x, y = _batch(shape, seed=1)
-    _warm(step, x, y, "grads")
+    model, loss_fn, step, x, y = _warm_tiny("grads")
 
     def double_relu(module, inputs, output):
         return output * 2 if isinstance(module, nn.ReLU) else None
@@ -1435,13 +1435,7 @@ def test_another_loss_strategy_or_budget_is_planned_again_not_replayed(change, f
 
 
 def test_a_save_memory_block_around_the_call_is_planned_again_not_replayed(frozen_clock):
-    torch.manual_seed(0)
-    model, shape = _tiny_cnn()
-    model = model.double()
-    loss_fn = nn.CrossEntropyLoss()
-    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
-    x, y = _batch(shape, seed=1)
-    _warm(step, x, y, "norms")
+    model, loss_fn, step, x, y = _warm_tiny("norms")
     with memconv.save_memory("shift"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = step.per_sample_norms(x, y, groups="layer")
@@ -1474,13 +1468,7 @@ def test_an_available_budget_read_again_and_changed_is_planned_again(monkeypatch
     now, reading = [0.0], [2**34]
     monkeypatch.setattr(prepared_module, "_clock", lambda: now[0])
     monkeypatch.setattr(prepared_module, "resolve_budget", lambda *args: reading[0])
-    torch.manual_seed(0)
-    model, shape = _tiny_cnn()
-    model = model.double()
-    loss_fn = nn.CrossEntropyLoss()
-    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
-    x, y = _batch(shape, seed=1)
-    _warm(step, x, y, "grads")
+    model, loss_fn, step, x, y = _warm_tiny("grads")
     step.per_sample_grads(x, y)
     assert step._prepared.replays == 1
     now[0] += 1.0  # read again, the same: replayed
@@ -1500,11 +1488,7 @@ def test_tasks_in_turn_each_replay_their_own_step(frozen_clock):
     """Three tasks called in turn keep one record each: each call after the warm-up
     replays its own task's step (the clipping route read by the clipping call is its
     own plan's) and gives the eager numbers."""
-    torch.manual_seed(0)
-    model, shape = _tiny_cnn()
-    model = model.double()
-    loss_fn = nn.CrossEntropyLoss()
-    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    model, loss_fn, step, shape = _tiny_step()
     x, y = _batch(shape, seed=0)
     for task in ("grads", "norms", "clip") * 3:
         _call(step, x, y, task)
