@@ -196,8 +196,10 @@ def test_a_new_shape_or_option_traces_again_and_the_old_graph_is_kept():
     step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), nn.CrossEntropyLoss())
     for seed in range(3):
         step.clip_and_accumulate(*_batch(shape, seed=seed), max_norm=1.0)
-    for seed in range(3):  # another threshold: another graph (a constant of it)
-        step.clip_and_accumulate(*_batch(shape, seed=seed), max_norm=2.0)
+    step.clip_and_accumulate(*_batch(shape, seed=3), max_norm=2.0)  # an input: the graph
+    assert step._prepared.traced.traces == 1
+    for seed in range(3):  # another grouping: another graph
+        step.clip_and_accumulate(*_batch(shape, seed=seed), max_norm=2.0, groups="layer")
     assert step._prepared.traced.traces == 2
     x, y = _batch(shape, seed=0)
     model.zero_grad(set_to_none=True)
@@ -672,7 +674,12 @@ def test_make_private_keeps_a_compiled_model_compiled_over_padded_poisson_batche
     assert counters["aot_autograd"]["total"] == 2 and not counters["recompiles"]
 
 
-def test_adaptive_clipping_on_a_compiled_model_says_it_runs_eagerly():
+def test_adaptive_clipping_on_a_compiled_model_keeps_one_compiled_step():
+    """Opacus' adaptive clipping through ``make_private`` on a compiled model: the
+    threshold moves at every step (the noised count of unclipped samples), and the
+    traced step takes it as an input, not a constant: one trace, its two halves
+    compiled once and run from the third step on, no warning, and the same parameters
+    and thresholds as the eager model's at every step."""
     adaptive = dict(
         target_unclipped_quantile=0.5,
         clipbound_learning_rate=0.2,
@@ -684,19 +691,24 @@ def test_adaptive_clipping_on_a_compiled_model_says_it_runs_eagerly():
         noise_seed=0, clipping="adaptive", **adaptive
     )
     loss_fn = nn.CrossEntropyLoss()
-    for i in range(3):
-        x, y = _batch(shape, n=8, seed=i)
-        for m, o in ((pm, opt), (rm, ropt)):
-            o.zero_grad()
-            if m is pm and i == 0:
-                with pytest.warns(RuntimeWarning, match="adaptive clipping moves"):
-                    loss_fn(m(x), y).backward()
-            else:
+    counters.clear()
+    thresholds = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for i in range(6):
+            x, y = _batch(shape, n=8, seed=i)
+            for m, o in ((pm, opt), (rm, ropt)):
+                o.zero_grad()
                 loss_fn(m(x), y).backward()
-            o.step()
-        assert_close(dict(model.named_parameters()), dict(ref.named_parameters()), TOL)
-    assert opt.clipping.max_norm == pytest.approx(ropt.clipping.max_norm, rel=1e-12)
-    assert not pm._clipping._prepared.traced.traces
+                o.step()
+            assert_close(dict(model.named_parameters()), dict(ref.named_parameters()), TOL)
+            assert_close(pm.last_norms, rm.last_norms, TOL)
+            assert opt.clipping.max_norm == pytest.approx(ropt.clipping.max_norm, rel=1e-12)
+            thresholds.append(opt.clipping.max_norm)
+    assert len(set(thresholds)) == 6  # a new threshold at every step
+    traced = pm._clipping._prepared.traced
+    assert traced.traces == 1 and [s.calls for s in traced.splits.values()] == [4]
+    assert counters["aot_autograd"]["total"] == 2 and not counters["recompiles"]
 
 
 def test_twenty_poisson_steps_of_a_compiled_private_model_compile_once():
@@ -1621,3 +1633,62 @@ def test_the_loss_key_says_what_a_loss_computes():
     key = loss_key(lossy)
     lossy.label_smoothing = 0.3  # the same object changed: another key
     assert loss_key(lossy) != key
+
+
+@pytest.mark.parametrize("groups", ["all", "layer"])
+@pytest.mark.parametrize("how", ["PrivateStep", "block"])
+def test_a_threshold_changed_at_every_step_keeps_the_compiled_step(how, groups, frozen_clock):
+    """Adaptive clipping written by hand: ``max_norm`` moves at every step (one number,
+    or one per layer). The thresholds are an input of the traced step, not constants
+    of its graph: one trace, compiled from the third step (replayed from the fourth,
+    for ``PrivateStep``), and at every step the eager path's clipped sum and norms."""
+    model, loss_fn, step, shape = _tiny_step()
+    compiled = step.model
+    names = [name for name, _ in model.named_children() if any(True for _ in _.parameters())]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for i in range(6):
+            x, y = _batch(shape, n=8, seed=i)
+            c = 0.05 * (i + 1)
+            max_norm = c if groups == "all" else {n: c * (k + 1) for k, n in enumerate(names)}
+            model.zero_grad(set_to_none=True)
+            if how == "block":
+                with memconv.clipping(compiled, max_norm=max_norm, groups=groups) as clip:
+                    loss_fn(compiled(x), y).backward()
+                norms = clip.norms
+            else:
+                norms = step.clip_and_accumulate(x, y, max_norm=max_norm, groups=groups)
+            got = _grads(model)
+            model.zero_grad(set_to_none=True)
+            ref = memconv.clip_and_accumulate(
+                model, loss_fn, x, y, max_norm=max_norm, groups=groups
+            )
+            assert_close(got, _grads(model), TOL)
+            assert_close(norms, ref, TOL)
+    if how == "block":
+        traced = _block_traced(compiled)
+        assert traced.traces == 1 and [s.calls for s in traced.splits.values()] == [4]
+    else:
+        traced = step._prepared.traced
+        assert traced.traces == 1 and [g.calls for g in traced.graphs.values()] == [4]
+        assert step._prepared.replays == 3
+
+
+def test_calls_that_each_need_a_new_step_warn_once_naming_what_changed():
+    """A loss whose closure takes a new value at every call (an annealed weight): each
+    call's step is new, so none is ever compiled; the third such call warns once,
+    naming the loss, and the numbers are the eager path's throughout."""
+    model, _, step, shape = _tiny_step()
+    x, y = _batch(shape, seed=1)
+    messages = []
+    for i in range(6):
+        loss_fn = _closure(1.0 + i)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = memconv.per_sample_norms(step.model, loss_fn, x, y)
+        messages += [str(w.message) for w in caught if "ran eagerly" in str(w.message)]
+        assert_close(got, memconv.per_sample_norms(model, loss_fn, x, y), TOL)
+    assert len(messages) == 1
+    assert "last 3 calls" in messages[0] and "what the loss function computes" in messages[0]
+    prepared = step.model.__dict__["_memconv_prepared"].prepared
+    assert prepared.traced.traces == 0

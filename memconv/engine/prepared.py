@@ -348,7 +348,8 @@ class Prepared:
         self.backend = None  # the compiler backend of a torch.compile'd model
         self.traced = TracedSteps()
         self._seen: dict = {}  # the step keys of recent calls, oldest first
-        self._warned_plans = False
+        self._warned: set = set()  # what the warnings of an eager compiled call named
+        self._eager: dict = {}  # task -> EagerStreak of its calls run eagerly in a row
         self._budgeted = None  # (plan, budget, the plan with that budget)
         self._call: CallPlan | None = None  # the last call's
         self._budget_read = None  # the budget of the last call's plan
@@ -400,7 +401,9 @@ class Prepared:
         options, the tensors' layouts, the autocast state and the budget (an
         ``"available"`` one read again as :meth:`call_plan` reads it) are the last
         call's, so are the plan and the key, and the compiled graph is called at once.
-        Any other call of the task plans as above and drops the record.
+        Any other call of the task plans as above and drops the record. Calls of a task
+        that each ask for a step not met before run eagerly, each of them; the
+        :data:`EAGER_CALLS`-th in a row warns once per cause, naming what changed.
         """
         tensors = (batch.inputs, batch.targets, *extra)
         if self.backend is not None:
@@ -417,7 +420,9 @@ class Prepared:
             loss = loss_key(batch.loss_fn)
             key = self.step_key(request, options, tensors, loss)
             if not self.seen_step(key) or not self.reused:
+                self._eager_call(request, key)
                 return walk(cp, batch, *extra)
+            self._eager.pop(request.task, None)
             result = self.traced.run(
                 key,
                 lambda b, *more: walk(cp, b, *more),
@@ -468,6 +473,30 @@ class Prepared:
         if next(reversed(self._seen), None) is not r.key:
             self.seen_step(r.key)  # the key the most recent again
         return True
+
+    def _eager_call(self, request: Request, key: tuple) -> None:
+        """Count a call of a compiled model that runs eagerly for a step key met for
+        the first time (or a new probe); at the :data:`EAGER_CALLS`-th such call of a
+        task in a row, warn once per cause, naming what changed from the last call
+        (where each call's step is new, none is ever compiled)."""
+        last = self._eager.get(request.task)
+        calls = 1 if last is None else last.calls + 1
+        self._eager[request.task] = streak = EagerStreak(calls, key, self._probe_key)
+        if last is None or calls < EAGER_CALLS:
+            return
+        causes = [c for c in _changed(last, streak) if c not in self._warned]
+        if not causes:
+            return
+        self._warned.update(causes)
+        what = "; ".join(f"{CHANGES[c][0]} ({CHANGES[c][1]})" for c in causes)
+        warnings.warn(
+            f"{request.caller}: the torch.compile'd model's last {calls} calls ran "
+            "eagerly: each asked for a step not met before, and a step is traced at its "
+            "second call and compiled from its third. What changed from call to call: "
+            f"{what}.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
     def step_key(self, request: Request, options, tensors, loss=None) -> tuple:
         """What a traced step of ``request`` depends on besides its tensors' values:
@@ -576,8 +605,8 @@ class Prepared:
         if plan_key != kept_key or not self._still_fits(budget, request):
             # a new plan of a task already planned (another task's first one is not)
             changed = kept_key is not None and self.backend is not None
-            if changed and self.traced.traces and not self._warned_plans:
-                self._warned_plans = True
+            if changed and self.traced.traces and "plan" not in self._warned:
+                self._warned.add("plan")
                 warnings.warn(
                     f"{request.caller}: the torch.compile'd model's call needs a new plan "
                     f"(a batch of {request.n} samples, or another budget or setting than "
@@ -675,6 +704,72 @@ class Prepared:
                 p.task != "clip" or request.clip_route is not None or p.clip_route == "book-keeping"
             )
         )
+
+
+@dataclass(frozen=True)
+class EagerStreak:
+    """A task's calls in a row that a compiled model ran eagerly, each for a step key
+    met for the first time (:meth:`Prepared.run_walk`).
+
+    Attributes:
+        calls: how many.
+        key: the last one's step key (:meth:`Prepared.step_key`).
+        probe: the last one's probe key (the model's state record, the samples' shape,
+            the inputs' dtype and device, the autocast state).
+    """
+
+    calls: int
+    key: tuple
+    probe: tuple
+
+
+#: Calls of a task in a row that a compiled model runs eagerly, each for a new step,
+#: before :meth:`Prepared.run_walk` warns (a step met at every call from the first is
+#: compiled at the third).
+EAGER_CALLS = 3
+
+#: ``{cause: (what changed, the remedy)}`` of the warning of :data:`EAGER_CALLS`.
+CHANGES = {
+    "model": (
+        "the model: its modules, their training mode or hooks, or its parameters (the "
+        "objects, requires_grad, shapes, strides, dtypes or devices)",
+        "change the parameters' values in place, as an optimizer does",
+    ),
+    "inputs": (
+        "the inputs' shape, dtype or device, or the autocast state",
+        "give every step inputs of one shape",
+    ),
+    "plan": (
+        "the batch size, the budget or a setting",
+        "pad batches to one size and pass sample_mask= "
+        "(memconv.integrations.opacus.FixedSizePoissonLoader)",
+    ),
+    "options": ("the groups", "keep the groups= argument the same"),
+    "loss": (
+        "what the loss function computes: its class, attributes, parameters, or its "
+        "closure's or defaults' values",
+        "pass one loss function (a closure over a value changed at every step makes a "
+        "new step at every step)",
+    ),
+    "tensors": (
+        "the tensors' shapes, strides, dtypes or devices",
+        "give every step tensors of one shape and layout",
+    ),
+}
+
+
+def _changed(last: EagerStreak, now: EagerStreak) -> list[str]:
+    """The causes (:data:`CHANGES`) that differ between two calls' step and probe keys."""
+    a, b = last.probe, now.probe
+    causes = ["model"] if a is None or a[0] is not b[0] else []
+    if a is not None and a[1:] != b[1:]:
+        causes.append("inputs")
+    k, j = last.key, now.key  # (task, plan's choices, request, options, loss, *tensors)
+    parts = {"plan": slice(0, 3), "options": slice(3, 4), "loss": slice(4, 5)}
+    causes += [c for c, s in parts.items() if k[s] != j[s]]
+    if k[5:] != j[5:]:
+        causes.append("tensors")
+    return causes
 
 
 #: How many recent step keys :meth:`Prepared.seen_step` remembers.

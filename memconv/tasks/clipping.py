@@ -39,6 +39,7 @@ from .groups import (
     ensure_finite,
     finite_flag,
     kept_grouping,
+    kept_thresholds,
     masked,
 )
 from .norms import add_into, gather_norms, group_norms, joined, squared
@@ -166,9 +167,12 @@ def clip_with(prepared: Prepared, given: Batch, *, max_norm, groups="all", **opt
             total, parts = _clip_sample_by_sample(batch, params, grouping, mask)
         flag = results_flag(parts, _checked_sums(total, None, padded))
     else:
-        walk = clipping_walk(grouping, params, padded)
-        options = (grouping.kind, tuple(grouping.of.items()), tuple(grouping.max_norm.items()))
+        compiled = prepared.backend is not None
+        walk = clipping_walk(grouping, params, padded, thresholds=compiled)
+        options = (grouping.kind, tuple(grouping.of.items()), tuple(grouping.max_norm))
         extra = () if mask is None else (mask,)
+        if compiled:  # the thresholds an input of the step (adaptive clipping keeps it)
+            extra = (kept_thresholds(prepared, grouping, given.inputs.device), *extra)
         total, parts, flag = prepared.run_walk(batch, request, walk, options=options, extra=extra)
     check_step(
         flag,
@@ -183,15 +187,21 @@ def clip_with(prepared: Prepared, given: Batch, *, max_norm, groups="all", **opt
     return joined(grouping, parts)
 
 
-def clipping_walk(grouping: Grouping, params: dict, padded: bool):
-    """The walk of a clipping step, ``walk(cp, batch, *mask) -> (total, parts, flag)``:
+def clipping_walk(grouping: Grouping, params: dict, padded: bool, thresholds: bool = False):
+    """The walk of a clipping step, ``walk(cp, batch, *extra) -> (total, parts, flag)``:
     the clipped sums ``{name: tensor}``, the norms ``[{group: [m]}]`` per micro-batch
     (:func:`_clipped_sums`) and the finiteness flag of what :func:`check_step` checks,
     computed in the step (a compiled step's graph). ``padded``: the batch has a
-    ``sample_mask`` (passed as the walk's one extra tensor)."""
+    ``sample_mask`` (passed as the walk's last extra tensor). ``thresholds``: the groups'
+    thresholds come as the first extra tensor (:meth:`Grouping.thresholds`), not as
+    numbers: a compiled step's input, so that a threshold changed between steps
+    (adaptive clipping) keeps its graph."""
 
     def walk(cp, b, *more):
-        total, parts = _clipped_sums(cp, b, grouping, params, *more)
+        g = grouping
+        if thresholds:
+            g, more = grouping.with_thresholds(more[0]), more[1:]
+        total, parts = _clipped_sums(cp, b, g, params, *more)
         sums = _checked_sums(total, cp.plan.clip_route, padded)
         return total, parts, results_flag(parts, sums)
 

@@ -23,7 +23,7 @@ after the backward pass and no second pass runs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -38,12 +38,14 @@ from ..conv.norm_routes import at_least_float32, sq_norms
 ALL = "all"
 
 
-def clip_factors(norms: Tensor, max_norm: float) -> Tensor:
+def clip_factors(norms: Tensor, max_norm: float | Tensor) -> Tensor:
     """``min(1, max_norm / ‖gₙ‖)`` per sample (1 for a zero gradient: ``C/0`` is inf,
     clamped to 1; a non-finite norm gives a non-finite factor, which the call's one
-    check, :func:`ensure_finite`, refuses before anything reaches ``.grad``). Two tensor
-    operations."""
-    return (max_norm / norms).clamp_(max=1.0)
+    check, :func:`ensure_finite`, refuses before anything reaches ``.grad``). Three
+    tensor operations, ``1/‖gₙ‖`` times ``max_norm`` (what ``max_norm / norms`` computes
+    for a number), so that a threshold given as a 0-d tensor (a compiled step's input,
+    :meth:`Grouping.with_thresholds`) gives the same factors as the number."""
+    return (norms.reciprocal() * max_norm).clamp_(max=1.0)
 
 
 def masked(values: Tensor, sample_mask: Tensor | None) -> Tensor:
@@ -140,6 +142,19 @@ class Grouping:
     members: dict
     max_norm: dict | None = None
 
+    def thresholds(self, device) -> Tensor:
+        """The thresholds ``[G]`` (float64, on ``device``), in :attr:`max_norm`'s order:
+        what a compiled step takes as an input (:meth:`with_thresholds`), so that
+        thresholds changed between steps (adaptive clipping) keep its graph."""
+        values = torch.tensor(list(self.max_norm.values()), dtype=torch.float64)
+        return values.to(device, non_blocking=True)  # (the host does not wait)
+
+    def with_thresholds(self, thresholds: Tensor) -> Grouping:
+        """This grouping with the thresholds of :meth:`thresholds`' tensor ``[G]``, each
+        a 0-d tensor (the clip factors' operations read them as numbers)."""
+        names = tuple(self.max_norm)
+        return replace(self, max_norm={g: thresholds[i] for i, g in enumerate(names)})
+
     def sensitivity(self) -> float:
         """``√(Σ_g C_g²)``: how far one sample moves the clipped sum, in L2."""
         return math.sqrt(sum(c * c for c in self.max_norm.values()))
@@ -197,6 +212,14 @@ def resolve_groups(model: nn.Module, groups, max_norm=None) -> Grouping:
     if max_norm is None:
         return Grouping(kind, of, members)
     return Grouping(kind, of, members, check_thresholds(max_norm, members))
+
+
+def kept_thresholds(prepared, grouping: Grouping, device) -> Tensor:
+    """:meth:`Grouping.thresholds` of ``grouping`` on ``device``, kept by ``prepared``
+    (a :class:`memconv.engine.prepared.Prepared`) while they are the same: a compiled
+    step's input, made anew only when a threshold changed."""
+    key = (tuple(grouping.max_norm.items()), device)
+    return prepared.derived("thresholds", key, lambda: grouping.thresholds(device))
 
 
 def kept_grouping(prepared, model: nn.Module, groups, max_norm=None) -> Grouping:

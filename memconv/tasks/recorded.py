@@ -72,7 +72,7 @@ from .clipping import (
     one_pass,
 )
 from .grads import RowWriter, walked_grads
-from .groups import resolve_groups
+from .groups import kept_thresholds, resolve_groups
 from .norms import gatherer, joined, squared, total_sq
 
 #: How a criterion reduces the per-sample losses (Opacus' ``loss_reduction``).
@@ -376,7 +376,7 @@ class RecordedBackward:
         if prepared.backend is None or not self.compiles:
             return None
         walk, options = self._step_walk(padded=sample_mask is not None)
-        extra = () if sample_mask is None else (sample_mask,)
+        extra = (*self._step_inputs(x.device), *(() if sample_mask is None else (sample_mask,)))
         options = (*options, self.memory_budget, self.loss_reduction)
         key = prepared.step_key(cp.request, options, (x, *extra))
         if not prepared.seen_step(key) or not prepared.reused:
@@ -476,6 +476,11 @@ class RecordedBackward:
         where :attr:`compiles`."""
         raise NotImplementedError
 
+    def _step_inputs(self, device) -> tuple:
+        """The tensors the traced step takes before the ``sample_mask`` (what would
+        otherwise be constants of its graph), on ``device``."""
+        return ()
+
     def _finish_traced(self, cp: CallPlan, result, sample_mask) -> None:
         raise NotImplementedError
 
@@ -526,8 +531,11 @@ class Clipping(RecordedBackward):
     def _step_walk(self, padded: bool):
         grouping = self._grouping()
         params = self._prepared.trainable()
-        options = (grouping.kind, tuple(grouping.of.items()), tuple(grouping.max_norm.items()))
-        return clipping_walk(grouping, params, padded), options
+        options = (grouping.kind, tuple(grouping.of.items()), tuple(grouping.max_norm))
+        return clipping_walk(grouping, params, padded, thresholds=True), options
+
+    def _step_inputs(self, device) -> tuple:
+        return (kept_thresholds(self._prepared, self._grouping(), device),)
 
     def _finish_traced(self, cp: CallPlan, result, sample_mask) -> None:
         total, parts, flag = result

@@ -59,16 +59,6 @@ class _PrivateClipping(Clipping):
         super().__init__(model, **options)
         self.adaptive = adaptive
 
-    eager_reason = (
-        "adaptive clipping moves the threshold at every step, which a traced step would "
-        "hold as a constant"
-    )
-
-    @property
-    def compiles(self) -> bool:
-        # a compiled model runs eagerly with adaptive clipping (with a warning)
-        return self.adaptive is None
-
     def _deliver(self, total, norms, sample_mask):
         params = list(self._prepared.trainable().values())
         _refuse_held_gradients(params)
