@@ -246,6 +246,21 @@ def test_another_loss_function_traces_its_own_step():
         assert traces(compiled) == 2
 
 
+def test_a_module_attribute_changed_between_steps_traces_again():
+    """BatchNorm's ``eps`` (a plain attribute, a constant of the traced graph) changed
+    between steps: the next step traces its own graph and gives the eager numbers; the
+    first graph serves the first value again."""
+    model, lossfunc, x, y = _setup_model(_pooled_cnn)
+    compiled = torch.compile(model, backend="aot_eager")
+    norm = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    with mb.installed(extensions.DiagGGNExact()) as diag:
+        for eps in (1e-5, 0.5, 1e-5):
+            norm.eps = eps
+            got = _compiled_steps(compiled, model, lossfunc, x, y, diag)[-1]
+            _assert_equal(got, _eager(model, lossfunc, x, y, diag))
+        assert traces(compiled) == 2
+
+
 def test_an_uncompiled_model_runs_backpacks_own_step():
     model, lossfunc, x, y = _setup_model(_pooled_cnn)
     with mb.installed(extensions.KFLR()) as ext:

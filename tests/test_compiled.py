@@ -1692,3 +1692,86 @@ def test_calls_that_each_need_a_new_step_warn_once_naming_what_changed():
     assert "last 3 calls" in messages[0] and "what the loss function computes" in messages[0]
     prepared = step.model.__dict__["_memconv_prepared"].prepared
     assert prepared.traced.traces == 0
+
+
+@pytest.mark.parametrize("how", ["PrivateStep", "block"])
+def test_a_module_attribute_changed_between_calls_traces_again(how, frozen_clock):
+    """A compiled step holds a module's plain attributes as constants (here GroupNorm's
+    ``eps``): changed between calls, the step is traced again for the new value (never
+    the old graph's numbers), and the first graph serves the old value again."""
+    model, loss_fn, step, shape = _tiny_step()
+    compiled = step.model
+    for i, eps in enumerate([1e-5] * 3 + [0.5] * 3 + [1e-5]):
+        model[1].eps = eps
+        x, y = _batch(shape, n=8, seed=i)
+        model.zero_grad(set_to_none=True)
+        if how == "block":
+            with memconv.clipping(compiled, max_norm=0.1) as clip:
+                loss_fn(compiled(x), y).backward()
+            norms = clip.norms
+        else:
+            norms = step.clip_and_accumulate(x, y, max_norm=0.1)
+        got = _grads(model)
+        model.zero_grad(set_to_none=True)
+        ref = memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=0.1)
+        assert_close(got, _grads(model), TOL)
+        assert_close(norms, ref, TOL)
+    traced = _block_traced(compiled) if how == "block" else step._prepared.traced
+    assert traced.traces == 2
+
+
+class _CallCounter(nn.Module):
+    """Counts its calls in a plain attribute (as a module logging its calls does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+
+def test_a_counter_in_forward_runs_eagerly_with_one_warning():
+    """A module whose forward changes its own plain attribute at every call: each
+    call's step is new (a trace holds what the forward reads of it as a constant, as
+    Dynamo's guards do), so the calls run eagerly, with one warning naming the
+    attribute; the numbers are the eager path's throughout."""
+    torch.manual_seed(0)
+    model, shape = _tiny_cnn()
+    model.insert(3, _CallCounter())
+    model = model.double()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), nn.CrossEntropyLoss())
+    x, y = _batch(shape, seed=1)
+    messages = []
+    for _ in range(5):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = step.per_sample_norms(x, y)
+        messages += [str(w.message) for w in caught if "ran eagerly" in str(w.message)]
+        assert_close(got, memconv.per_sample_norms(model, step.loss_fn, x, y), TOL)
+    assert len(messages) == 1 and "plain attribute of a module" in messages[0]
+    assert step._prepared.traced.traces == 0
+
+
+def test_module_attributes_read_the_plain_values_again():
+    from memconv.engine.traced import ModuleAttributes
+
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.GroupNorm(1, 2), nn.LeakyReLU(0.1))
+    model[2].tag = "a"
+    record = ModuleAttributes(model)
+    names = {k for _, k in record.pairs}
+    assert {"stride", "padding", "eps", "negative_slope", "tag", "training"} <= names
+    assert not any(k.startswith("_") for k in names)
+    before = record.values()
+    assert hash(before) == hash(record.values()) and before == record.values()
+    for change in (
+        lambda: setattr(model[2], "negative_slope", 0.2),
+        lambda: setattr(model[0], "stride", (2, 2)),
+        lambda: setattr(model[2], "tag", torch.ones(3)),  # no longer plain: by identity
+        lambda: delattr(model[2], "tag"),
+    ):
+        change()
+        now = record.values()
+        assert now != before and hash(now) is not None
+        before = now

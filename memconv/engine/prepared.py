@@ -83,7 +83,7 @@ from .planning import Plan, Profile, make_plan, profile
 from .probes import ArgumentsDropped, CallAxes, ProbeMismatch, owner_names
 from .request import Batch, Request
 from .resources import guards, resolve_budget
-from .traced import TracedSteps, loss_key, tensor_key
+from .traced import ModuleAttributes, TracedSteps, loss_key, tensor_key
 
 
 def unwrap_compiled(model):
@@ -290,6 +290,8 @@ class Replay:
             the same :attr:`loss`.
         loss: :func:`memconv.engine.traced.loss_key` of ``loss_fn``.
         options: the walk's options (by ``==``).
+        attributes: the values of the model's modules' plain attributes
+            (:class:`memconv.engine.traced.ModuleAttributes`).
         tensors: :func:`memconv.engine.traced.tensor_key` of the step's tensors.
         autocast: the autocast state of the inputs' device.
         budget: the budget the plan was kept for (an ``"available"`` one is read again,
@@ -304,6 +306,7 @@ class Replay:
     loss_fn: object
     loss: object
     options: object
+    attributes: tuple
     tensors: tuple
     autocast: object
     budget: object
@@ -439,6 +442,7 @@ class Prepared:
                     loss_fn=batch.loss_fn,
                     loss=loss,
                     options=options,
+                    attributes=key[5],
                     tensors=tuple(map(tensor_key, tensors)),
                     autocast=self._probe_key[-1],
                     budget=self._budget_read,
@@ -460,6 +464,7 @@ class Prepared:
             and r.request == request
             and r.options == options
             and r.tensors == tuple(map(tensor_key, tensors))
+            and r.attributes == self._attributes()
             and r.autocast == Autocast.current(inputs.device.type)
         ):
             return False
@@ -503,10 +508,12 @@ class Prepared:
         the task and its plan's choices (:meth:`memconv.engine.planning.Plan.walk_key`:
         a batch size that comes back finds its step again), ``options`` (hashable), the
         tensors' shapes, strides, dtypes and devices
-        (:func:`memconv.engine.traced.tensor_key`), and ``loss``, what the loss
+        (:func:`memconv.engine.traced.tensor_key`), ``loss``, what the loss
         function the step calls computes (:func:`memconv.engine.traced.loss_key`: its
-        operations are in the graph; None for a step the loss is not part of). The steps of an earlier probe are dropped with
-        it."""
+        operations are in the graph; None for a step the loss is not part of), and the
+        values of the modules' plain attributes
+        (:class:`memconv.engine.traced.ModuleAttributes`: the graph holds them as
+        constants). The steps of an earlier probe are dropped with it."""
         plan = self._plans.get(request.task, (None, None))[1]
         return (
             request.task,
@@ -514,8 +521,16 @@ class Prepared:
             request.key(),
             options,
             loss,
+            self._attributes(),
             *(tensor_key(t) for t in tensors),
         )
+
+    def _attributes(self) -> tuple:
+        """The values of the plain attributes of the modules of the model last checked
+        (:class:`memconv.engine.traced.ModuleAttributes`, its record kept while the model's
+        state is)."""
+        model = self._checked[0].model
+        return self.derived("attributes", None, lambda: ModuleAttributes(model)).values()
 
     def seen_step(self, key) -> bool:
         """Whether a call with the step key ``key`` came before (among the last
@@ -751,6 +766,11 @@ CHANGES = {
         "pass one loss function (a closure over a value changed at every step makes a "
         "new step at every step)",
     ),
+    "attributes": (
+        "a plain attribute of a module of the model (a number, string or tuple: a "
+        "layer's scale, a counter), which a compiled step holds as a constant",
+        "keep it the same from step to step, or make a value that changes a buffer",
+    ),
     "tensors": (
         "the tensors' shapes, strides, dtypes or devices",
         "give every step tensors of one shape and layout",
@@ -764,11 +784,10 @@ def _changed(last: EagerStreak, now: EagerStreak) -> list[str]:
     causes = ["model"] if a is None or a[0] is not b[0] else []
     if a is not None and a[1:] != b[1:]:
         causes.append("inputs")
-    k, j = last.key, now.key  # (task, plan's choices, request, options, loss, *tensors)
+    k, j = last.key, now.key  # (task, plan, request, options, loss, attributes, *tensors)
     parts = {"plan": slice(0, 3), "options": slice(3, 4), "loss": slice(4, 5)}
+    parts.update(attributes=slice(5, 6), tensors=slice(6, None))
     causes += [c for c, s in parts.items() if k[s] != j[s]]
-    if k[5:] != j[5:]:
-        causes.append("tensors")
     return causes
 
 

@@ -47,6 +47,7 @@ import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from itertools import chain
 
 import torch
 from torch import Tensor, nn
@@ -151,6 +152,52 @@ def loss_key(loss_fn, _path: tuple = ()):
     if isinstance(loss_fn, types.MethodType):
         return ("method", loss_key(loss_fn.__func__, seen), Identity(loss_fn.__self__))
     return Identity(loss_fn)
+
+
+class ModuleAttributes:
+    """The plain public attributes of a model's modules (numbers, strings, ``None``,
+    dtypes, devices, tuples of them: a convolution's ``stride``, a custom layer's
+    ``scale``, a counter), which a traced step holds as the constants they were at the
+    trace: read again at every call of a compiled step and part of its key
+    (:meth:`memconv.engine.prepared.Prepared.step_key`), so that a changed value traces
+    again, as Dynamo's guards on the attributes a compiled forward reads recompile it.
+
+    Which attributes is fixed when the record is made (the model's modules as they are
+    then: a record per kept model state); attributes whose names start with ``_`` and
+    other objects are not read.
+    """
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, model: nn.Module):
+        self.pairs = [
+            (m, k)
+            for m in model.modules()
+            for k, v in vars(m).items()
+            if k[0] != "_" and (type(v) in _FLAT or (type(v) is tuple and _flat(v)))
+        ]
+
+    def values(self) -> tuple:
+        """The attributes' values now, in the record's order (hashable; an attribute
+        deleted or no longer plain: a part equal to no other)."""
+        values = [getattr(m, k, _GONE) for m, k in self.pairs]
+        if _KEPT.issuperset(map(type, values)) and _FLAT.issuperset(
+            map(type, chain.from_iterable(v for v in values if type(v) is tuple))
+        ):
+            return tuple(values)
+        return tuple(  # (an Identity is never equal to a plain value)
+            v if type(v) in _FLAT or (type(v) is tuple and _flat(v)) else Identity(v)
+            for v in values
+        )
+
+
+def _flat(values: tuple) -> bool:
+    return all(type(v) in _FLAT for v in values)
+
+
+_FLAT = frozenset(_PLAIN)
+_KEPT = _FLAT | {tuple}
+_GONE = object()
 
 
 def _value_key(v, seen: tuple):

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from ..._torch import compile_backend, compiled_inner, tracing
 from ...conv import settings as context
 from ...engine.request import Batch
-from ...engine.traced import Identity, TracedSteps, loss_key, tensor_key
+from ...engine.traced import Identity, ModuleAttributes, TracedSteps, loss_key, tensor_key
 
 #: Each compiled model's traced steps, by its eager module.
 _steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -136,11 +136,13 @@ def _key(inner: nn.Module, lossfunc, inputs: Tensor, targets: Tensor) -> tuple:
     computes, :func:`memconv.engine.traced.loss_key`: its operations are in the
     graph), the settings and the tensors besides their values: each parameter (the
     object, held by the key so that its id stays its own) with its ``requires_grad``
-    and layout."""
+    and layout, and the modules' plain attributes
+    (:class:`memconv.engine.traced.ModuleAttributes`: constants of the graph)."""
     return (
         context.block_settings(),
         loss_key(lossfunc),
         tuple(m.training for m in inner.modules()),
+        ModuleAttributes(inner).values(),
         tuple(
             (Identity(p), p.requires_grad, p.shape, p.stride(), p.dtype, p.device)
             for p in inner.parameters()
