@@ -145,10 +145,11 @@ class _ModelState:
     microseconds.
     """
 
-    __slots__ = ("model", "key", "objects")
+    __slots__ = ("model", "key", "objects", "_attributes")
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self._attributes = None
         key: list = []
         objects: list = []
         add = key.append
@@ -182,6 +183,14 @@ class _ModelState:
                 stack.extend(reversed(children.values()))
         add(global_module_hooks())
         self.key, self.objects = key, objects
+
+    @property
+    def attributes(self) -> ModuleAttributes:
+        """The record of the modules' plain attributes
+        (:class:`memconv.engine.traced.ModuleAttributes`), made at its first use."""
+        if self._attributes is None:
+            self._attributes = ModuleAttributes(self.model)
+        return self._attributes
 
     def trainable(self) -> dict:
         """``{name: parameter}`` of the trainable parameters, in ``named_parameters``
@@ -290,8 +299,8 @@ class Replay:
             the same :attr:`loss`.
         loss: :func:`memconv.engine.traced.loss_key` of ``loss_fn``.
         options: the walk's options (by ``==``).
-        attributes: the values of the model's modules' plain attributes
-            (:class:`memconv.engine.traced.ModuleAttributes`).
+        attributes: the values of the model's modules' plain attributes, as a list
+            (:meth:`memconv.engine.traced.ModuleAttributes.same`).
         tensors: :func:`memconv.engine.traced.tensor_key` of the step's tensors.
         autocast: the autocast state of the inputs' device.
         budget: the budget the plan was kept for (an ``"available"`` one is read again,
@@ -306,7 +315,7 @@ class Replay:
     loss_fn: object
     loss: object
     options: object
-    attributes: tuple
+    attributes: list
     tensors: tuple
     autocast: object
     budget: object
@@ -442,7 +451,7 @@ class Prepared:
                     loss_fn=batch.loss_fn,
                     loss=loss,
                     options=options,
-                    attributes=key[5],
+                    attributes=list(key[5]),
                     tensors=tuple(map(tensor_key, tensors)),
                     autocast=self._probe_key[-1],
                     budget=self._budget_read,
@@ -464,7 +473,7 @@ class Prepared:
             and r.request == request
             and r.options == options
             and r.tensors == tuple(map(tensor_key, tensors))
-            and r.attributes == self._attributes()
+            and self._checked[0].attributes.same(r.attributes)
             and r.autocast == Autocast.current(inputs.device.type)
         ):
             return False
@@ -529,8 +538,7 @@ class Prepared:
         """The values of the plain attributes of the modules of the model last checked
         (:class:`memconv.engine.traced.ModuleAttributes`, its record kept while the model's
         state is)."""
-        model = self._checked[0].model
-        return self.derived("attributes", None, lambda: ModuleAttributes(model)).values()
+        return self._checked[0].attributes.values()
 
     def seen_step(self, key) -> bool:
         """Whether a call with the step key ``key`` came before (among the last

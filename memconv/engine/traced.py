@@ -190,6 +190,15 @@ class ModuleAttributes:
             for v in values
         )
 
+    def same(self, values: list) -> bool:
+        """Whether the attributes' values now are ``values`` (:meth:`values` of an
+        earlier call, as a list), without making a key: a compiled step's check at
+        every call."""
+        try:
+            return [getattr(m, k, _GONE) for m, k in self.pairs] == values
+        except Exception:  # (a value that no longer compares as a plain one: changed)
+            return False
+
 
 def _flat(values: tuple) -> bool:
     return all(type(v) in _FLAT for v in values)
