@@ -1759,19 +1759,82 @@ def test_module_attributes_read_the_plain_values_again():
 
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.GroupNorm(1, 2), nn.LeakyReLU(0.1))
     model[2].tag = "a"
+    model[2]._flag = False
+    model[2].table = {"a": 1.0}
     record = ModuleAttributes(model)
-    names = {k for _, k in record.pairs}
-    assert {"stride", "padding", "eps", "negative_slope", "tag", "training"} <= names
-    assert not any(k.startswith("_") for k in names)
+    names = {k for _, k in record.pairs + record.held}
+    assert {"stride", "padding", "eps", "negative_slope", "tag", "_flag", "table"} <= names
+    assert not names & {"_parameters", "_buffers", "_modules", "_forward_hooks"}
     before = record.values()
     assert hash(before) == hash(record.values()) and before == record.values()
-    for change in (
-        lambda: setattr(model[2], "negative_slope", 0.2),
-        lambda: setattr(model[0], "stride", (2, 2)),
-        lambda: setattr(model[2], "tag", torch.ones(3)),  # no longer plain: by identity
-        lambda: delattr(model[2], "tag"),
+    for change, plain in (
+        (lambda: setattr(model[2], "_flag", True), True),
+        (lambda: model[2].table.update(a=2.0), True),  # in place
+        (lambda: setattr(model[2], "negative_slope", 0.2), True),
+        (lambda: setattr(model[0], "stride", (2, 2)), True),
+        (lambda: setattr(model[2], "tag", torch.ones(3)), False),  # the key: by identity
+        (lambda: delattr(model[2], "tag"), False),
     ):
         change()
         now = record.values()
         assert now != before and hash(now) is not None
+        assert not record.same(list(before))
+        assert record.same(list(now)) == plain  # (never the same otherwise: no replay)
         before = now
+
+
+class _PeftLora(nn.Module):
+    """A LoRA layer holding what peft's ``lora.Linear`` holds: the scaling per adapter in
+    a dict, and whether the adapters are disabled in a private flag whose default is
+    the class's (set on the layer when they are)."""
+
+    _disable_adapters = False
+
+    def __init__(self, base: nn.Linear, r: int = 2):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, r, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, base.out_features, bias=False)})
+        self.scaling = {"default": 2.0}
+
+    def forward(self, x):
+        out = self.base_layer(x)
+        if self._disable_adapters:
+            return out
+        a, b = self.lora_A["default"], self.lora_B["default"]
+        return out + b(a(x)) * self.scaling["default"]
+
+
+@pytest.mark.parametrize("change", ["scaling", "disabled"])
+def test_lora_scaling_or_disabled_adapters_changed_between_calls_trace_again(change):
+    """peft-style LoRA on a compiled model: the scaling changed in its dict (in place),
+    or the adapters disabled by the private flag, between calls: the next call traces
+    its own step and gives the eager numbers."""
+    torch.manual_seed(0)
+    head = _PeftLora(nn.Linear(16, 10))
+    nn.init.normal_(head.lora_B["default"].weight)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 16), head)
+    model = model.double()
+    loss_fn = nn.CrossEntropyLoss()
+    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), loss_fn)
+    for i in range(9):
+        if i == 3:
+            if change == "scaling":
+                head.scaling["default"] = 0.5
+            else:
+                head._disable_adapters = True
+        if i == 6:  # (back: the first step again, or the flag now the layer's own)
+            if change == "scaling":
+                head.scaling["default"] = 2.0
+            else:
+                head._disable_adapters = False
+        x, y = _batch((3, 6, 6), n=8, seed=i)
+        model.zero_grad(set_to_none=True)
+        norms = step.clip_and_accumulate(x, y, max_norm=0.1)
+        got = _grads(model)
+        model.zero_grad(set_to_none=True)
+        ref = memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=0.1)
+        assert_close(got, _grads(model), TOL)
+        assert_close(norms, ref, TOL)
+    # the flag set on the layer is a new model state: its probe drops the first graph
+    assert step._prepared.traced.traces == (2 if change == "scaling" else 3)

@@ -134,7 +134,9 @@ class _ModelState:
 
     The record is one flat list (:attr:`key`), read from the modules' own tables in
     one pass and compared element by element: for each module (once, in
-    ``named_modules``' order) its id, its training mode, its hooks
+    ``named_modules``' order) its id, its training mode, how many attributes it
+    holds (one set on the module, where its class held a default, makes a new record
+    and so a new :class:`memconv.engine.traced.ModuleAttributes`), its hooks
     (:func:`memconv._torch.module_hooks`, memconv's own left out), its parameters'
     count, then each one's name, id, ``requires_grad``, shape, strides, dtype and device
     (a compiled step is specialised to the strides of the parameters it reads), and its
@@ -163,6 +165,7 @@ class _ModelState:
             objects.append(m)
             add(id(m))
             add(m.training)
+            add(len(m.__dict__))  # (an attribute set on it: its record reads it too)
             add(module_hooks(m, own=False))
             table = m._parameters
             add(len(table))
@@ -473,7 +476,7 @@ class Prepared:
             and r.request == request
             and r.options == options
             and r.tensors == tuple(map(tensor_key, tensors))
-            and self._checked[0].attributes.same(r.attributes)
+            and self._model_key.attributes.same(r.attributes)
             and r.autocast == Autocast.current(inputs.device.type)
         ):
             return False
@@ -538,7 +541,7 @@ class Prepared:
         """The values of the plain attributes of the modules of the model last checked
         (:class:`memconv.engine.traced.ModuleAttributes`, its record kept while the model's
         state is)."""
-        return self._checked[0].attributes.values()
+        return self._model_key.attributes.values()
 
     def seen_step(self, key) -> bool:
         """Whether a call with the step key ``key`` came before (among the last

@@ -155,32 +155,44 @@ def loss_key(loss_fn, _path: tuple = ()):
 
 
 class ModuleAttributes:
-    """The plain public attributes of a model's modules (numbers, strings, ``None``,
-    dtypes, devices, tuples of them: a convolution's ``stride``, a custom layer's
-    ``scale``, a counter), which a traced step holds as the constants they were at the
-    trace: read again at every call of a compiled step and part of its key
-    (:meth:`memconv.engine.prepared.Prepared.step_key`), so that a changed value traces
-    again, as Dynamo's guards on the attributes a compiled forward reads recompile it.
+    """The plain attributes of a model's modules, which a traced step holds as the
+    constants they were at the trace: numbers, strings, ``None``, dtypes, devices, and
+    tuples, lists and dicts of them (a convolution's ``stride``, a normalisation's
+    ``eps``, a custom layer's ``scale``, LoRA's ``scaling`` per adapter and its
+    ``_disable_adapters`` flag, a counter). Read again at every call of a compiled step
+    and part of its key (:meth:`memconv.engine.prepared.Prepared.step_key`), so that a
+    changed value traces again, as Dynamo's guards on the attributes a compiled forward
+    reads recompile it.
 
     Which attributes is fixed when the record is made (the model's modules as they are
-    then: a record per kept model state); attributes whose names start with ``_`` and
-    other objects are not read.
+    then: a record per kept model state); ``nn.Module``'s own tables and other objects
+    are not read. A list or dict is read as a tuple of its items (a change in place is
+    a change).
     """
 
-    __slots__ = ("pairs",)
+    __slots__ = ("pairs", "held")
 
     def __init__(self, model: nn.Module):
-        self.pairs = [
-            (m, k)
-            for m in model.modules()
-            for k, v in vars(m).items()
-            if k[0] != "_" and (type(v) in _FLAT or (type(v) is tuple and _flat(v)))
-        ]
+        pairs, held = [], []
+        for m in model.modules():
+            for k, v in vars(m).items():
+                if type(v) in _FLAT or (type(v) is tuple and _flat(v)):
+                    pairs.append((m, k))
+                elif type(v) in (list, dict) and k not in _MODULE_TABLES and _flat(_items(v)):
+                    held.append((m, k))
+        self.pairs, self.held = pairs, held
+
+    def _read(self) -> list:
+        values = [getattr(m, k, _GONE) for m, k in self.pairs]
+        for m, k in self.held:
+            v = getattr(m, k, _GONE)
+            values.append(tuple(_items(v)) if type(v) in (list, dict) else v)
+        return values
 
     def values(self) -> tuple:
         """The attributes' values now, in the record's order (hashable; an attribute
         deleted or no longer plain: a part equal to no other)."""
-        values = [getattr(m, k, _GONE) for m, k in self.pairs]
+        values = self._read()
         if _KEPT.issuperset(map(type, values)) and _FLAT.issuperset(
             map(type, chain.from_iterable(v for v in values if type(v) is tuple))
         ):
@@ -195,18 +207,26 @@ class ModuleAttributes:
         earlier call, as a list), without making a key: a compiled step's check at
         every call."""
         try:
-            return [getattr(m, k, _GONE) for m, k in self.pairs] == values
+            return self._read() == values
         except Exception:  # (a value that no longer compares as a plain one: changed)
             return False
 
 
-def _flat(values: tuple) -> bool:
+def _flat(values) -> bool:
     return all(type(v) in _FLAT for v in values)
+
+
+def _items(v):
+    """A list's items, or a dict's keys and values in turn."""
+    return v if type(v) is list else chain.from_iterable(v.items())
 
 
 _FLAT = frozenset(_PLAIN)
 _KEPT = _FLAT | {tuple}
 _GONE = object()
+#: ``nn.Module``'s own dicts (its parameters, buffers, children, hooks: the model's
+#: state record reads them).
+_MODULE_TABLES = frozenset(vars(nn.Module()))
 
 
 def _value_key(v, seen: tuple):
