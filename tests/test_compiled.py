@@ -1761,14 +1761,16 @@ def test_module_attributes_read_the_plain_values_again():
     model[2].tag = "a"
     model[2]._flag = False
     model[2].table = {"a": 1.0}
+    model[2].act = torch.relu
     record = ModuleAttributes(model)
     names = {k for _, k in record.pairs + record.held}
-    assert {"stride", "padding", "eps", "negative_slope", "tag", "_flag", "table"} <= names
+    assert {"stride", "padding", "eps", "negative_slope", "tag", "_flag", "table", "act"} <= names
     assert not names & {"_parameters", "_buffers", "_modules", "_forward_hooks"}
     before = record.values()
     assert hash(before) == hash(record.values()) and before == record.values()
     for change, plain in (
         (lambda: setattr(model[2], "_flag", True), True),
+        (lambda: setattr(model[2], "act", torch.tanh), True),  # a function: by identity
         (lambda: model[2].table.update(a=2.0), True),  # in place
         (lambda: setattr(model[2], "negative_slope", 0.2), True),
         (lambda: setattr(model[0], "stride", (2, 2)), True),

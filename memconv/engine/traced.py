@@ -156,7 +156,8 @@ def loss_key(loss_fn, _path: tuple = ()):
 
 class ModuleAttributes:
     """The plain attributes of a model's modules, which a traced step holds as the
-    constants they were at the trace: numbers, strings, ``None``, dtypes, devices, and
+    constants they were at the trace: numbers, strings, ``None``, dtypes, devices,
+    functions (compared by identity: an activation held as ``self.act = F.gelu``), and
     tuples, lists and dicts of them (a convolution's ``stride``, a normalisation's
     ``eps``, a custom layer's ``scale``, LoRA's ``scaling`` per adapter and its
     ``_disable_adapters`` flag, a counter). Read again at every call of a compiled step
@@ -221,7 +222,7 @@ def _items(v):
     return v if type(v) is list else chain.from_iterable(v.items())
 
 
-_FLAT = frozenset(_PLAIN)
+_FLAT = frozenset(_PLAIN) | {types.FunctionType, types.BuiltinFunctionType}  # (functions: by `is`)
 _KEPT = _FLAT | {tuple}
 _GONE = object()
 #: ``nn.Module``'s own dicts (its parameters, buffers, children, hooks: the model's
