@@ -1732,7 +1732,8 @@ class _CallCounter(nn.Module):
         return x
 
 
-def test_a_counter_in_forward_runs_eagerly_with_one_warning():
+@pytest.mark.parametrize("how", ["PrivateStep", "block"])
+def test_a_counter_in_forward_runs_eagerly_with_one_warning(how):
     """A module whose forward changes its own plain attribute at every call: each
     call's step is new (a trace holds what the forward reads of it as a constant, as
     Dynamo's guards do), so the calls run eagerly, with one warning naming the
@@ -1741,17 +1742,29 @@ def test_a_counter_in_forward_runs_eagerly_with_one_warning():
     model, shape = _tiny_cnn()
     model.insert(3, _CallCounter())
     model = model.double()
-    step = memconv.PrivateStep(torch.compile(model, backend="aot_eager"), nn.CrossEntropyLoss())
+    loss_fn = nn.CrossEntropyLoss()
+    compiled = torch.compile(model, backend="aot_eager")
+    step = memconv.PrivateStep(compiled, loss_fn)
     x, y = _batch(shape, seed=1)
     messages = []
     for _ in range(5):
+        model.zero_grad(set_to_none=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = step.per_sample_norms(x, y)
+            if how == "block":
+                with memconv.clipping(compiled, max_norm=0.1) as clip:
+                    loss_fn(compiled(x), y).backward()
+                got = clip.norms
+            else:
+                got = step.clip_and_accumulate(x, y, max_norm=0.1)
         messages += [str(w.message) for w in caught if "ran eagerly" in str(w.message)]
-        assert_close(got, memconv.per_sample_norms(model, step.loss_fn, x, y), TOL)
+        grads = _grads(model)
+        model.zero_grad(set_to_none=True)
+        assert_close(got, memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=0.1), TOL)
+        assert_close(grads, _grads(model), TOL)
     assert len(messages) == 1 and "plain attribute of a module" in messages[0]
-    assert step._prepared.traced.traces == 0
+    traced = _block_traced(compiled) if how == "block" else step._prepared.traced
+    assert traced.traces == 0
 
 
 def test_module_attributes_read_the_plain_values_again():

@@ -135,8 +135,9 @@ class _ModelState:
     The record is one flat list (:attr:`key`), read from the modules' own tables in
     one pass and compared element by element: for each module (once, in
     ``named_modules``' order) its id, its training mode, how many attributes it
-    holds (one set on the module, where its class held a default, makes a new record
-    and so a new :class:`memconv.engine.traced.ModuleAttributes`), its hooks
+    holds but memconv's own (one set on the module, where its class held a default,
+    makes a new record and so a new :class:`memconv.engine.traced.ModuleAttributes`),
+    its hooks
     (:func:`memconv._torch.module_hooks`, memconv's own left out), its parameters'
     count, then each one's name, id, ``requires_grad``, shape, strides, dtype and device
     (a compiled step is specialised to the strides of the parameters it reads), and its
@@ -165,7 +166,8 @@ class _ModelState:
             objects.append(m)
             add(id(m))
             add(m.training)
-            add(len(m.__dict__))  # (an attribute set on it: its record reads it too)
+            d = m.__dict__  # how many attributes (one set on it: its record reads it too)
+            add(len(d) - (KEPT_ATTRIBUTE in d) - (BLOCK_ATTRIBUTE in d))  # (not memconv's)
             add(module_hooks(m, own=False))
             table = m._parameters
             add(len(table))
@@ -435,9 +437,9 @@ class Prepared:
             loss = loss_key(batch.loss_fn)
             key = self.step_key(request, options, tensors, loss)
             if not self.seen_step(key) or not self.reused:
-                self._eager_call(request, key)
+                self.eager_call(request, key)
                 return walk(cp, batch, *extra)
-            self._eager.pop(request.task, None)
+            self.traced_call(request)
             result = self.traced.run(
                 key,
                 lambda b, *more: walk(cp, b, *more),
@@ -491,7 +493,12 @@ class Prepared:
             self.seen_step(r.key)  # the key the most recent again
         return True
 
-    def _eager_call(self, request: Request, key: tuple) -> None:
+    def traced_call(self, request: Request) -> None:
+        """Record that a call of a compiled model runs its task's traced step (the
+        count of :meth:`eager_call` starts again)."""
+        self._eager.pop(request.task, None)
+
+    def eager_call(self, request: Request, key: tuple) -> None:
         """Count a call of a compiled model that runs eagerly for a step key met for
         the first time (or a new probe); at the :data:`EAGER_CALLS`-th such call of a
         task in a row, warn once per cause, naming what changed from the last call

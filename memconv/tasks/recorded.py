@@ -380,7 +380,9 @@ class RecordedBackward:
         options = (*options, self.memory_budget, self.loss_reduction)
         key = prepared.step_key(cp.request, options, (x, *extra))
         if not prepared.seen_step(key) or not prepared.reused:
+            prepared.eager_call(cp.request, key)
             return None
+        prepared.traced_call(cp.request)
         return key, walk, extra
 
     def _compiled_call(self, x: Tensor, cp: CallPlan, traced):
