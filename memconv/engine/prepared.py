@@ -77,6 +77,7 @@ from .._torch import (
 )
 from ..conv.settings import Autocast
 from ..layers import RuleSettings, check_layer, find_rule
+from ..reversible.couplings import PASSES_ATTRIBUTE
 from ..streaming import StreamingCNN
 from .losses import PerSampleLoss
 from .planning import Plan, Profile, make_plan, profile
@@ -135,7 +136,8 @@ class _ModelState:
     The record is one flat list (:attr:`key`), read from the modules' own tables in
     one pass and compared element by element: for each module (once, in
     ``named_modules``' order) its id, its training mode, how many attributes it
-    holds but memconv's own (one set on the module, where its class held a default,
+    holds but memconv's own (its kept records, a coupling's wrapper of its passes; one
+    set on the module, where its class held a default,
     makes a new record and so a new :class:`memconv.engine.traced.ModuleAttributes`),
     its hooks
     (:func:`memconv._torch.module_hooks`, memconv's own left out), its parameters'
@@ -167,7 +169,7 @@ class _ModelState:
             add(id(m))
             add(m.training)
             d = m.__dict__  # how many attributes (one set on it: its record reads it too)
-            add(len(d) - (KEPT_ATTRIBUTE in d) - (BLOCK_ATTRIBUTE in d))  # (not memconv's)
+            add(len(d) - (KEPT_ATTRIBUTE in d) - (BLOCK_ATTRIBUTE in d) - (PASSES_ATTRIBUTE in d))
             add(module_hooks(m, own=False))
             table = m._parameters
             add(len(table))

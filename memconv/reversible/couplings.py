@@ -41,6 +41,10 @@ from .recompute import differentiate as _autograd
 from .recompute import mark_part
 from .wrapper import InvertibleModuleWrapper
 
+#: The attribute under which a coupling keeps the wrapper of its passes (made at its
+#: first call; not a submodule, so not in its ``state_dict``).
+PASSES_ATTRIBUTE = "_memcnn_passes"
+
 
 def _halves(x: Tensor, split_dim: int, where: str) -> tuple[Tensor, Tensor]:
     check_split(x, split_dim, where)
@@ -94,7 +98,7 @@ class _Coupling(nn.Module):
         implementation = self.implementation_fwd if forward else self.implementation_bwd
         if implementation == -1:
             return None
-        wrapper = self.__dict__.get("_memcnn_passes")
+        wrapper = self.__dict__.get(PASSES_ATTRIBUTE)
         if wrapper is None:
             wrapper = InvertibleModuleWrapper(
                 _Passes(self),
@@ -103,7 +107,7 @@ class _Coupling(nn.Module):
                 num_bwd_passes=sys.maxsize,
             )
             wrapper._where = f"{type(self).__name__}(implementations)"
-            self.__dict__["_memcnn_passes"] = wrapper
+            self.__dict__[PASSES_ATTRIBUTE] = wrapper
         return wrapper
 
     def combine(self, a: Tensor, c) -> Tensor:  # pragma: no cover - abstract
