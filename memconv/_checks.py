@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
+import warnings
 from collections.abc import Mapping
 from typing import Literal, get_args
 
@@ -659,3 +662,16 @@ def check_test_input_shape(shape) -> tuple:
             f"test_input_shape must be a tuple of ints or a tuple of tuples of ints, got {shape!r}"
         )
     return tuple(tuple(e) for e in shape)
+
+
+_OWN_FILES = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+
+
+def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """``warnings.warn(message, category)`` attributed to the user's line: the first
+    caller outside memconv and torch (a call of memconv's function, a compiled model's
+    call, ``loss.backward()``), however deep the call that warns."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_FILES):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)

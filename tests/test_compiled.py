@@ -1687,6 +1687,8 @@ def test_calls_that_each_need_a_new_step_warn_once_naming_what_changed():
             warnings.simplefilter("always")
             got = memconv.per_sample_norms(step.model, loss_fn, x, y)
         messages += [str(w.message) for w in caught if "ran eagerly" in str(w.message)]
+        # attributed to the user's call, not to memconv's insides
+        assert all(w.filename == __file__ for w in caught if "ran eagerly" in str(w.message))
         assert_close(got, memconv.per_sample_norms(model, loss_fn, x, y), TOL)
     assert len(messages) == 1
     assert "last 3 calls" in messages[0] and "what the loss function computes" in messages[0]

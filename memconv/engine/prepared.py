@@ -61,13 +61,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from torch import Tensor, nn
 
-from .._checks import AVAILABLE, check_grad_mode
+from .._checks import AVAILABLE, check_grad_mode, warn_user
 from .._torch import (
     buffers_restored,
     compile_backend,
@@ -515,13 +514,11 @@ class Prepared:
             return
         self._warned.update(causes)
         what = "; ".join(f"{CHANGES[c][0]} ({CHANGES[c][1]})" for c in causes)
-        warnings.warn(
+        warn_user(
             f"{request.caller}: the torch.compile'd model's last {calls} calls ran "
             "eagerly: each asked for a step not met before, and a step is traced at its "
             "second call and compiled from its third. What changed from call to call: "
-            f"{what}.",
-            RuntimeWarning,
-            stacklevel=5,
+            f"{what}."
         )
 
     def step_key(self, request: Request, options, tensors, loss=None) -> tuple:
@@ -587,12 +584,10 @@ class Prepared:
             self._trainable = state.trainable()
             self._streams = model_streams(model)
             if self.backend is not None and self._streams:
-                warnings.warn(
+                warn_user(
                     "memconv: the torch.compile'd model holds a StreamingCNN, whose per-sample "
                     "quantities memconv computes one sample at a time, eagerly: the step is "
-                    "not compiled. Pass the uncompiled model to silence this warning.",
-                    RuntimeWarning,
-                    stacklevel=4,
+                    "not compiled. Pass the uncompiled model to silence this warning."
                 )
         self._model_key = state
         return model
@@ -642,16 +637,14 @@ class Prepared:
             changed = kept_key is not None and self.backend is not None
             if changed and self.traced.traces and "plan" not in self._warned:
                 self._warned.add("plan")
-                warnings.warn(
+                warn_user(
                     f"{request.caller}: the torch.compile'd model's call needs a new plan "
                     f"(a batch of {request.n} samples, or another budget or setting than "
                     "its traced step's): a step of a new plan runs eagerly at its first "
                     "call and is traced and compiled at its next ones, so batches whose "
                     "size changes from call to call (Poisson sampling) never run "
                     "compiled. Pad them to one size and pass sample_mask= "
-                    "(memconv.integrations.opacus.FixedSizePoissonLoader).",
-                    RuntimeWarning,
-                    stacklevel=5,
+                    "(memconv.integrations.opacus.FixedSizePoissonLoader)."
                 )
             self._plan = make_plan(self._profile, request, budget=budget)
             self._plans[request.task] = (plan_key, self._plan)

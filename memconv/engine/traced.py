@@ -44,7 +44,6 @@ import functools
 import logging
 import time
 import types
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import chain
@@ -52,6 +51,7 @@ from itertools import chain
 import torch
 from torch import Tensor, nn
 
+from .._checks import warn_user
 from .._torch import (
     NotTraceable,
     buffers_restored,
@@ -642,14 +642,12 @@ class TracedSteps:
         if reason in self._warned:
             return
         self._warned.add(reason)
-        warnings.warn(
+        warn_user(
             f"memconv: the {self.what} of the torch.compile'd {type(model).__name__} "
             f"runs eagerly, not compiled: {reason}. The numbers are the eager path's. "
             "Remove what the message names from the step (a host read such as .item() "
             "or data-dependent control flow in forward, a tensor held outside the model "
-            "and its inputs), or pass the uncompiled model to silence this warning.",
-            RuntimeWarning,
-            stacklevel=4,
+            "and its inputs), or pass the uncompiled model to silence this warning."
         )
 
 

@@ -53,6 +53,7 @@ from .._checks import (
     check_module,
     check_route,
     check_sample_mask,
+    warn_user,
 )
 from .._torch import not_traced, own_hook
 from ..conv.settings import use_block_settings
@@ -350,12 +351,10 @@ class RecordedBackward:
         if self.compiles:
             return
         self._warned_compiled = True
-        warnings.warn(
+        warn_user(
             f"{self.caller}: the model is torch.compile'd, but {self.eager_reason}: each "
             "step runs eagerly (the module the compiled model wraps, same parameters, "
-            "the same numbers).",
-            RuntimeWarning,
-            stacklevel=5,
+            "the same numbers)."
         )
 
     def _pass(self, x: Tensor, cp: CallPlan, traced, sample_mask=None) -> UserPass:
