@@ -261,6 +261,46 @@ def test_a_module_attribute_changed_between_steps_traces_again():
         assert traces(compiled) == 2
 
 
+class _Counting(nn.Module):
+    """Counts its calls in a plain attribute: a new step key at every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+
+def test_a_new_step_at_every_call_stops_tracing_at_the_limit(monkeypatch):
+    """A model whose step key changes at every call (a counter attribute) traces a
+    graph per call up to ``MAX_GRAPHS`` (here 3), then runs eagerly with one warning
+    instead of tracing and keeping a graph at every call; the numbers are the eager
+    path's throughout."""
+    from memconv.engine import traced
+
+    monkeypatch.setattr(traced, "MAX_GRAPHS", 3)
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3), _Counting(), nn.ReLU(), nn.Flatten(), nn.Linear(36 * 4, 5)
+    )
+    model = mb.extend(net.double(), use_converter=False)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(3, 3, 8, 8, dtype=torch.float64), torch.tensor([0, 1, 4])
+    compiled = torch.compile(model, backend="aot_eager")
+    with mb.installed(extensions.BatchGrad()) as ext:
+        want = _eager(model, lossfunc, x, y, ext)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = _compiled_steps(compiled, model, lossfunc, x, y, ext, steps=6)
+    full = [w for w in caught if "holds 3 graphs already" in str(w.message)]
+    assert len(full) == 1 and full[0].filename == __file__  # (the user's line)
+    assert traces(compiled) == 3
+    for g in got:
+        _assert_equal(g, want)
+
+
 def test_an_uncompiled_model_runs_backpacks_own_step():
     model, lossfunc, x, y = _setup_model(_pooled_cnn)
     with mb.installed(extensions.KFLR()) as ext:

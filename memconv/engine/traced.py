@@ -462,10 +462,28 @@ class SplitStep:
         return _result(outputs, self.constants, self.spec, self.build)
 
 
+#: The remedy a refused step's warning names.
+REFUSED = (
+    "Remove what the message names from the step (a host read such as .item() or "
+    "data-dependent control flow in forward, a tensor held outside the model and its "
+    "inputs)"
+)
+#: The remedy the warning of a model that holds :data:`MAX_GRAPHS` graphs names.
+FULL = (
+    "Keep what a step depends on the same from call to call (batches padded to one "
+    "size, one loss function, the modules' attributes)"
+)
+
+#: The most graphs one model's :class:`TracedSteps` keeps (as Dynamo's recompile limit):
+#: a step of a new key beyond them runs eagerly, with a warning, instead of tracing,
+#: compiling and keeping a graph at every call whose key is new.
+MAX_GRAPHS = 32
+
+
 @dataclass
 class TracedSteps:
     """The traced steps of one model (a :class:`memconv.engine.prepared.Prepared`'s, or
-    :func:`memconv.integrations.backpack.step`'s), by key.
+    :func:`memconv.integrations.backpack.step`'s), by key: at most :data:`MAX_GRAPHS`.
 
     Attributes:
         graphs: ``{key: TracedGraph}``.
@@ -477,6 +495,7 @@ class TracedSteps:
         random: whether the step may draw random numbers (its forward pass runs once,
             so one draw serves the whole graph); refused otherwise
             (:func:`memconv._torch.check_random`).
+        full_reason: what the warning says when :data:`MAX_GRAPHS` are kept.
     """
 
     graphs: dict = field(default_factory=dict)
@@ -486,6 +505,11 @@ class TracedSteps:
     what: str = "per-sample step"
     hooks: tuple = ()
     random: bool = False
+    full_reason: str = (
+        "one for each step asked for: a new step at every call (what its key holds "
+        "changed from call to call: the inputs' shapes, the loss, a module's plain "
+        "attribute, ...) is traced no more"
+    )
     _warned: set = field(default_factory=set)
 
     def forget(self) -> None:
@@ -521,6 +545,9 @@ class TracedSteps:
                     raise
                 self.refuse(key, model, f"the compiler failed: {first_line(error)}")
                 return walk(batch, *extra)
+        if len(self.graphs) >= MAX_GRAPHS:  # (nothing recorded: no growth either)
+            self.warn(model, f"it holds {MAX_GRAPHS} graphs already, {self.full_reason}", FULL)
+            return walk(batch, *extra)
         try:
             entry, result = self._trace(walk, batch, extra, backend, model)
         except NotTraceable as error:
@@ -536,8 +563,13 @@ class TracedSteps:
         warn once. The traced step's result is discarded (the caller has its own).
 
         ``batch.loss_fn`` is a :class:`memconv.engine.losses.OutputKeepingLoss`: the
-        model's output is read from it.
+        model's output is read from it. Beyond :data:`MAX_GRAPHS` kept halves, nothing
+        is traced (warned once).
         """
+        if len(self.splits) >= MAX_GRAPHS:
+            self.warn(model, f"it holds {MAX_GRAPHS} graphs already, {self.full_reason}", FULL)
+            batch.loss_fn.output = None
+            return
         try:
             graph, held, seconds = self._make_graph(walk, batch, extra, model, output=True)
             example = [batch.inputs, batch.targets, *extra]
@@ -639,15 +671,17 @@ class TracedSteps:
     def refuse(self, key, model: nn.Module, reason: str) -> None:
         """Keep ``key``'s step eager from now on, for ``reason``; warn once per reason."""
         self.refused[key] = reason
+        self.warn(model, reason)
+
+    def warn(self, model: nn.Module, reason: str, remedy: str = REFUSED) -> None:
+        """Warn, once per reason, that a step runs eagerly for ``reason``."""
         if reason in self._warned:
             return
         self._warned.add(reason)
         warn_user(
             f"memconv: the {self.what} of the torch.compile'd {type(model).__name__} "
             f"runs eagerly, not compiled: {reason}. The numbers are the eager path's. "
-            "Remove what the message names from the step (a host read such as .item() "
-            "or data-dependent control flow in forward, a tensor held outside the model "
-            "and its inputs), or pass the uncompiled model to silence this warning."
+            f"{remedy}, or pass the uncompiled model to silence this warning."
         )
 
 
