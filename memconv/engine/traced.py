@@ -426,7 +426,7 @@ class SplitStep:
 
     def forward(self, tensors: tuple[Tensor, ...]) -> tuple[Tensor, list[Tensor]]:
         """``(output, saved)`` of the forward half on ``(inputs, *extra)``."""
-        with torch.no_grad():
+        with without_grad():
             outputs = self.forward_compiled(*tensors)
         if self.copy_outputs:
             outputs = [t.clone() for t in outputs]
@@ -443,7 +443,7 @@ class SplitStep:
         if self.backward_compiled is None:
             backend = step_backend(self.backend, self.backward_graph)
             self.backward_compiled = compile_graph_boxed(self.backward_graph, tensors, backend)
-        with torch.no_grad():
+        with without_grad():
             if self.failed is not None:
                 outputs = self.backward_graph(*tensors)
             else:
