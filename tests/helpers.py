@@ -166,3 +166,17 @@ def small_vit() -> nn.Module:
     from memconv.bench import models
 
     return models.VisionTransformer(8, 4, 3, 10, embed_dim=16, depth=2, num_heads=2)
+
+
+class CallCounter(nn.Module):
+    """Counts its calls in a plain attribute (as a module logging its calls does): a
+    compiled step's key, which holds the modules' plain attributes, changes at every
+    call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x

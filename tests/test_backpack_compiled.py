@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import CallCounter, rel_err
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -261,18 +261,6 @@ def test_a_module_attribute_changed_between_steps_traces_again():
         assert traces(compiled) == 2
 
 
-class _Counting(nn.Module):
-    """Counts its calls in a plain attribute: a new step key at every call."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        return x
-
-
 def test_a_new_step_at_every_call_stops_tracing_at_the_limit(monkeypatch):
     """A model whose step key changes at every call (a counter attribute) traces a
     graph per call up to ``MAX_GRAPHS`` (here 3), then runs eagerly with one warning
@@ -283,7 +271,7 @@ def test_a_new_step_at_every_call_stops_tracing_at_the_limit(monkeypatch):
     monkeypatch.setattr(traced, "MAX_GRAPHS", 3)
     torch.manual_seed(0)
     net = nn.Sequential(
-        nn.Conv2d(3, 4, 3), _Counting(), nn.ReLU(), nn.Flatten(), nn.Linear(36 * 4, 5)
+        nn.Conv2d(3, 4, 3), CallCounter(), nn.ReLU(), nn.Flatten(), nn.Linear(36 * 4, 5)
     )
     model = mb.extend(net.double(), use_converter=False)
     lossfunc = extend(nn.CrossEntropyLoss())

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import loop_reference
+from helpers import CallCounter, loop_reference
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -752,6 +752,25 @@ def test_twenty_poisson_steps_of_a_compiled_private_model_compile_once():
     assert counters["aot_autograd"]["total"] == 2 and not counters["recompiles"]
 
 
+def _clip_checked(how, step, model, loss_fn, x, y, **options):
+    """One clipping step of the compiled model of ``step`` (a :class:`memconv.PrivateStep`)
+    on ``(x, y)``, by ``PrivateStep.clip_and_accumulate`` or the user's own backward
+    pass in the clipping ``"block"``: its ``.grad`` and norms equal to the eager
+    model's ``clip_and_accumulate`` in float64 (``model``: the compiled one's module)."""
+    model.zero_grad(set_to_none=True)
+    if how == "block":
+        with memconv.clipping(step.model, **options) as clip:
+            loss_fn(step.model(x), y).backward()
+        norms = clip.norms
+    else:
+        norms = step.clip_and_accumulate(x, y, **options)
+    got = _grads(model)
+    model.zero_grad(set_to_none=True)
+    ref = memconv.clip_and_accumulate(model, loss_fn, x, y, **options)
+    assert_close(got, _grads(model), TOL)
+    assert_close(norms, ref, TOL)
+
+
 @pytest.mark.parametrize("how", ["PrivateStep", "block"])
 def test_batches_of_changing_size_run_eagerly_with_one_warning(how):
     """A compiled model given batches whose size changes from call to call: each new
@@ -769,21 +788,10 @@ def test_batches_of_changing_size_run_eagerly_with_one_warning(how):
     warned = []
     for i, n in enumerate(sizes):
         x, y = _batch(shape, n=n, seed=i)
-        model.zero_grad(set_to_none=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            if how == "block":
-                with memconv.clipping(compiled, max_norm=0.5) as clip:
-                    loss_fn(compiled(x), y).backward()
-                norms = clip.norms
-            else:
-                norms = step.clip_and_accumulate(x, y, max_norm=0.5)
+            _clip_checked(how, step, model, loss_fn, x, y, max_norm=0.5)
         warned += [str(w.message) for w in caught if "needs a new plan" in str(w.message)]
-        got = _grads(model)
-        model.zero_grad(set_to_none=True)
-        ref = memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=0.5)
-        assert_close(got, _grads(model), TOL)
-        assert_close(norms, ref, TOL)
     assert len(warned) == 1 and "sample_mask=" in warned[0]
     traced = _block_traced(compiled) if how == "block" else step._prepared.traced
     assert traced.traces == 2  # the 8s' at their second call, the 5s' at theirs
@@ -1651,20 +1659,7 @@ def test_a_threshold_changed_at_every_step_keeps_the_compiled_step(how, groups, 
             x, y = _batch(shape, n=8, seed=i)
             c = 0.05 * (i + 1)
             max_norm = c if groups == "all" else {n: c * (k + 1) for k, n in enumerate(names)}
-            model.zero_grad(set_to_none=True)
-            if how == "block":
-                with memconv.clipping(compiled, max_norm=max_norm, groups=groups) as clip:
-                    loss_fn(compiled(x), y).backward()
-                norms = clip.norms
-            else:
-                norms = step.clip_and_accumulate(x, y, max_norm=max_norm, groups=groups)
-            got = _grads(model)
-            model.zero_grad(set_to_none=True)
-            ref = memconv.clip_and_accumulate(
-                model, loss_fn, x, y, max_norm=max_norm, groups=groups
-            )
-            assert_close(got, _grads(model), TOL)
-            assert_close(norms, ref, TOL)
+            _clip_checked(how, step, model, loss_fn, x, y, max_norm=max_norm, groups=groups)
     if how == "block":
         traced = _block_traced(compiled)
         assert traced.traces == 1 and [s.calls for s in traced.splits.values()] == [4]
@@ -1706,32 +1701,9 @@ def test_a_module_attribute_changed_between_calls_traces_again(how, frozen_clock
     for i, eps in enumerate([1e-5] * 3 + [0.5] * 3 + [1e-5]):
         model[1].eps = eps
         x, y = _batch(shape, n=8, seed=i)
-        model.zero_grad(set_to_none=True)
-        if how == "block":
-            with memconv.clipping(compiled, max_norm=0.1) as clip:
-                loss_fn(compiled(x), y).backward()
-            norms = clip.norms
-        else:
-            norms = step.clip_and_accumulate(x, y, max_norm=0.1)
-        got = _grads(model)
-        model.zero_grad(set_to_none=True)
-        ref = memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=0.1)
-        assert_close(got, _grads(model), TOL)
-        assert_close(norms, ref, TOL)
+        _clip_checked(how, step, model, loss_fn, x, y, max_norm=0.1)
     traced = _block_traced(compiled) if how == "block" else step._prepared.traced
     assert traced.traces == 2
-
-
-class _CallCounter(nn.Module):
-    """Counts its calls in a plain attribute (as a module logging its calls does)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        return x
 
 
 @pytest.mark.parametrize("how", ["PrivateStep", "block"])
@@ -1742,7 +1714,7 @@ def test_a_counter_in_forward_runs_eagerly_with_one_warning(how):
     attribute; the numbers are the eager path's throughout."""
     torch.manual_seed(0)
     model, shape = _tiny_cnn()
-    model.insert(3, _CallCounter())
+    model.insert(3, CallCounter())
     model = model.double()
     loss_fn = nn.CrossEntropyLoss()
     compiled = torch.compile(model, backend="aot_eager")
@@ -1750,20 +1722,10 @@ def test_a_counter_in_forward_runs_eagerly_with_one_warning(how):
     x, y = _batch(shape, seed=1)
     messages = []
     for _ in range(5):
-        model.zero_grad(set_to_none=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            if how == "block":
-                with memconv.clipping(compiled, max_norm=0.1) as clip:
-                    loss_fn(compiled(x), y).backward()
-                got = clip.norms
-            else:
-                got = step.clip_and_accumulate(x, y, max_norm=0.1)
+            _clip_checked(how, step, model, loss_fn, x, y, max_norm=0.1)
         messages += [str(w.message) for w in caught if "ran eagerly" in str(w.message)]
-        grads = _grads(model)
-        model.zero_grad(set_to_none=True)
-        assert_close(got, memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=0.1), TOL)
-        assert_close(grads, _grads(model), TOL)
     assert len(messages) == 1 and "plain attribute of a module" in messages[0]
     traced = _block_traced(compiled) if how == "block" else step._prepared.traced
     assert traced.traces == 0
@@ -1846,12 +1808,6 @@ def test_lora_scaling_or_disabled_adapters_changed_between_calls_trace_again(cha
             else:
                 head._disable_adapters = False
         x, y = _batch((3, 6, 6), n=8, seed=i)
-        model.zero_grad(set_to_none=True)
-        norms = step.clip_and_accumulate(x, y, max_norm=0.1)
-        got = _grads(model)
-        model.zero_grad(set_to_none=True)
-        ref = memconv.clip_and_accumulate(model, loss_fn, x, y, max_norm=0.1)
-        assert_close(got, _grads(model), TOL)
-        assert_close(norms, ref, TOL)
+        _clip_checked("PrivateStep", step, model, loss_fn, x, y, max_norm=0.1)
     # the flag set on the layer is a new model state: its probe drops the first graph
     assert step._prepared.traced.traces == (2 if change == "scaling" else 3)

@@ -134,11 +134,10 @@ class _ModelState:
 
     The record is one flat list (:attr:`key`), read from the modules' own tables in
     one pass and compared element by element: for each module (once, in
-    ``named_modules``' order) its id, its training mode, how many attributes it
-    holds but memconv's own (its kept records, a coupling's wrapper of its passes; one
-    set on the module, where its class held a default,
-    makes a new record and so a new :class:`memconv.engine.traced.ModuleAttributes`),
-    its hooks
+    ``named_modules``' order) its id, its training mode, how many attributes it holds
+    but memconv's own (its kept records, a coupling's wrapper of its passes: one set on
+    the module where its class held a default makes a new record, and so a new
+    :class:`memconv.engine.traced.ModuleAttributes`), its hooks
     (:func:`memconv._torch.module_hooks`, memconv's own left out), its parameters'
     count, then each one's name, id, ``requires_grad``, shape, strides, dtype and device
     (a compiled step is specialised to the strides of the parameters it reads), and its
@@ -793,9 +792,9 @@ CHANGES = {
 
 def _changed(last: EagerStreak, now: EagerStreak) -> list[str]:
     """The causes (:data:`CHANGES`) that differ between two calls' step and probe keys."""
-    a, b = last.probe, now.probe
-    causes = ["model"] if a is None or a[0] is not b[0] else []
-    if a is not None and a[1:] != b[1:]:
+    a, b = last.probe, now.probe  # (the model's state record, shape, dtype, device, autocast)
+    causes = ["model"] if a[0] is not b[0] else []
+    if a[1:] != b[1:]:
         causes.append("inputs")
     k, j = last.key, now.key  # (task, plan, request, options, loss, attributes, *tensors)
     parts = {"plan": slice(0, 3), "options": slice(3, 4), "loss": slice(4, 5)}
